@@ -84,7 +84,11 @@ async def test_non_streaming_chat_usage_is_token_exact(
         model=MODEL,
         messages=MESSAGES,
         max_tokens=37,
-        extra_headers={"x-client-request-id": crid, "x-request-id": "req-1", "x-quota-tenant": "t1"},
+        extra_headers={
+            "x-client-request-id": crid,
+            "x-request-id": "req-1",
+            "x-quota-tenant": "t1",
+        },
     )
     assert resp.object == "chat.completion"
     text = resp.choices[0].message.content
