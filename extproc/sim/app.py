@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import struct
 import time
@@ -529,6 +530,8 @@ async def _handle_generation(request: web.Request, chat: bool) -> web.StreamResp
         rec.include_usage = req.include_usage
         rec.prompt_tokens = req.prompt_tokens
         controls = parse_controls(headers)
+        if not chat:  # reasoning and tool calls only exist in the chat format
+            controls = dataclasses.replace(controls, reasoning=0, tool_call=False)
         plan = plan_answer(req, controls, cfg)
         rec.max_tokens = plan.limit
         rec.tokens_planned = plan.tokens_per_choice * req.n

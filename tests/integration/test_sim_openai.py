@@ -171,7 +171,13 @@ async def test_seed_header_determinism(client: openai.AsyncOpenAI) -> None:
 
 async def test_completions_endpoint(client: openai.AsyncOpenAI, sim_port: int) -> None:
     """/v1/completions works streaming and non-streaming with exact usage."""
-    resp = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=25)
+    resp = await client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=25,
+        extra_headers={"x-sim-tool-call": "1", "x-sim-reasoning": "5"},
+    )
+    assert resp.choices[0].finish_reason == "length"
     assert resp.object == "text_completion"
     assert resp.usage is not None
     assert resp.usage.completion_tokens == count_tokens(resp.choices[0].text) == 25

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
+from extproc.sim.cli import config_from_args, configure_parser
 from extproc.sim.config import SimConfig
 from extproc.sim.records import RecordStore
 from extproc.sim.request import (
@@ -157,3 +159,17 @@ def test_record_store_ring_buffer() -> None:
     assert store.stats()["requests"] == 5
     assert store.stats()["tokens_sent"] == 10
     assert store.stats()["in_progress"] == 0
+
+
+def test_cli_flags_override_config_file(tmp_path: Path) -> None:
+    """Explicit CLI flags win over --config values; unset flags keep the file's values."""
+    cfg_file = tmp_path / "sim.yaml"
+    cfg_file.write_text("itl_ms: 3\nseed: 9\nmodels: [m1]\n")
+    parser = argparse.ArgumentParser()
+    configure_parser(parser)
+    args = parser.parse_args(
+        ["--config", str(cfg_file), "--seed", "4", "--model", "a", "--model", "b"]
+    )
+    cfg = config_from_args(args)
+    assert (cfg.itl_ms, cfg.seed, cfg.models) == (3, 4, ("a", "b"))
+    assert config_from_args(parser.parse_args([])) == SimConfig()
