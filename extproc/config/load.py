@@ -1,0 +1,241 @@
+"""Load a rules file: parse YAML, validate strictly, compile into :class:`RuntimeConfig`.
+
+Every error names the file and the path inside it (``models.sim-small.tokenizer.encoding``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from extproc.config import schema
+from extproc.config.runtime import (
+    WINDOW_SECONDS,
+    ApiKey,
+    Charging,
+    Limit,
+    Model,
+    Plan,
+    RuntimeConfig,
+    Tenant,
+)
+from extproc.core.tokens import TokenizerLoadError, TokenizerRegistry, TokenizerSpec
+
+UNKNOWN_MODEL_NAME = "(unknown)"
+
+
+class ConfigError(ValueError):
+    """The rules file is invalid. ``str()`` names the file and every offending path."""
+
+
+def load_config(path: str | Path) -> RuntimeConfig:
+    """Read, validate and compile the rules file at ``path``."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read config: {exc.strerror or exc}") from exc
+    return load_config_text(text, source=str(p), base_dir=p.parent)
+
+
+def load_config_text(text: str, *, source: str = "<string>", base_dir: Path | None = None) -> RuntimeConfig:
+    """Validate and compile a rules document given as text."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    try:
+        parsed = schema.ConfigFile.model_validate(raw)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key"
+            lines.append(f"{source}: {loc}: {msg}")
+        raise ConfigError("\n".join(lines)) from exc
+    return compile_config(parsed, source=source, base_dir=base_dir or Path("."))
+
+
+def _spec(t: schema.TokenizerModel, base_dir: Path) -> TokenizerSpec:
+    path = t.path
+    if path is not None and not Path(path).is_absolute():
+        path = str((base_dir / path).resolve())
+    return TokenizerSpec(
+        kind=t.kind,
+        encoding=t.encoding,
+        path=path,
+        chars_per_token=t.chars_per_token,
+        safety_factor=t.safety_factor,
+        tokens_per_message=t.tokens_per_message,
+        tokens_per_name=t.tokens_per_name,
+        reply_priming_tokens=t.reply_priming_tokens,
+        image_tokens=t.image_tokens,
+    )
+
+
+def _limits(entries: list[schema.LimitEntry], models: dict[str, str], where: str) -> list[Limit]:
+    out: list[Limit] = []
+    for i, e in enumerate(entries):
+        if e.model != "*" and e.model not in models:
+            raise ConfigError(f"{where}[{i}].model: unknown model {e.model!r}")
+        canonical = "*" if e.model == "*" else models[e.model]
+        w = WINDOW_SECONDS[e.per]
+        if e.rpm is not None:
+            out.append(Limit("rpm", e.rpm, w, canonical, e.scope))
+        if e.tpm is not None:
+            out.append(Limit("tpm", e.tpm, w, canonical, e.scope))
+    return out
+
+
+def _merge_charging(*levels: schema.ChargingModel) -> Charging:
+    base = Charging()
+    mode, streaming, every = base.mode, base.streaming, base.charge_every_tokens
+    for lv in levels:
+        mode = lv.mode or mode
+        streaming = lv.streaming or streaming
+        every = lv.charge_every_tokens or every
+    return Charging(mode=mode, streaming=streaming, charge_every_tokens=every)
+
+
+def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> RuntimeConfig:
+    """Resolve names, load tokenizers once, and precompute per-tenant limits."""
+    errors: list[str] = []
+    for kind, names in (("models", cfg.models), ("plans", cfg.plans), ("tenants", cfg.tenants)):
+        for name in names:
+            if not schema.IDENT.match(name):
+                errors.append(f"{source}: {kind}.{name}: names may use letters, digits, '.', '_' and '-'")
+    aliases: dict[str, str] = {}
+    canonical: dict[str, str] = {}
+    for name, m in cfg.models.items():
+        canonical[name] = name
+        for a in m.aliases:
+            if a in cfg.models or a in aliases:
+                errors.append(f"{source}: models.{name}.aliases: {a!r} is already a model or alias")
+            aliases[a] = name
+            canonical[a] = name
+    specs = {name: _spec(m.tokenizer, base_dir) for name, m in cfg.models.items()}
+    fallback_spec = _spec(cfg.unknown_models.tokenizer, base_dir)
+    try:
+        registry = TokenizerRegistry(specs, fallback=fallback_spec)
+        counters = {name: registry.get(name) for name in cfg.models}
+        fallback_counter = registry.get("\x00unknown-model")
+        registry.warm()
+    except TokenizerLoadError as exc:
+        raise ConfigError(f"{source}: models: {exc}") from exc
+    models: dict[str, Model] = {}
+    for name, m in cfg.models.items():
+        counter = counters[name]
+        assert counter is not None
+        models[name] = Model(
+            name=name,
+            aliases=tuple(m.aliases),
+            tokenizer=specs[name],
+            counter=counter,
+            max_output_tokens=m.max_output_tokens,
+            max_input_tokens=m.max_input_tokens,
+        )
+    assert fallback_counter is not None
+    unknown = Model(
+        name=UNKNOWN_MODEL_NAME,
+        aliases=(),
+        tokenizer=fallback_spec,
+        counter=fallback_counter,
+        max_output_tokens=cfg.unknown_models.max_output_tokens,
+        max_input_tokens=None,
+        known=False,
+    )
+
+    plans: dict[str, Plan] = {}
+    for pname, p in cfg.plans.items():
+        try:
+            plans[pname] = Plan(pname, tuple(_limits(p.limits, canonical, f"plans.{pname}.limits")))
+        except ConfigError as exc:
+            errors.append(f"{source}: {exc}")
+
+    tenants: dict[str, Tenant] = {}
+    keys: dict[str, ApiKey] = {}
+    plaintext = 0
+    for tid, t in cfg.tenants.items():
+        if t.plan not in cfg.plans:
+            errors.append(f"{source}: tenants.{tid}.plan: unknown plan {t.plan!r}")
+            continue
+        try:
+            own = _limits(t.limits, canonical, f"tenants.{tid}.limits")
+        except ConfigError as exc:
+            errors.append(f"{source}: {exc}")
+            continue
+        own_keys = {(lim.metric, lim.model, lim.scope, lim.window_s) for lim in own}
+        merged = [
+            lim
+            for lim in plans[t.plan].limits
+            if (lim.metric, lim.model, lim.scope, lim.window_s) not in own_keys
+        ] + own
+        tenants[tid] = Tenant(tid, t.plan, tuple(merged))
+        for i, k in enumerate(t.keys):
+            if k.plaintext is not None:
+                plaintext += 1
+                digest = hashlib.sha256(k.plaintext.encode()).hexdigest()
+            else:
+                assert k.sha256 is not None
+                digest = k.sha256
+            if digest in keys:
+                errors.append(f"{source}: tenants.{tid}.keys[{i}]: this key is already assigned")
+            keys[digest] = ApiKey(name=k.name, tenant=tid)
+    if errors:
+        raise ConfigError("\n".join(errors))
+
+    charging: dict[tuple[str, str], Charging] = {}
+    default_charging: dict[str, Charging] = {}
+    for pname, p in cfg.plans.items():
+        default_charging[pname] = _merge_charging(cfg.charging, p.charging)
+        for mname, m in cfg.models.items():
+            charging[(pname, mname)] = _merge_charging(cfg.charging, m.charging, p.charging)
+    default_charging.setdefault("", _merge_charging(cfg.charging))
+
+    return RuntimeConfig(
+        source=source,
+        models=models,
+        aliases=aliases,
+        unknown_model_action=cfg.unknown_models.action,
+        unknown_model_status=cfg.unknown_models.status,
+        unknown_model=unknown,
+        tenants=tenants,
+        keys_by_digest=keys,
+        charging=charging,
+        default_charging=default_charging,
+        metered_paths=frozenset(cfg.paths.metered),
+        other_paths=cfg.paths.other,
+        max_body_bytes=cfg.requests.max_body_bytes,
+        max_tokens_ceiling=cfg.requests.max_tokens_ceiling,
+        over_model_cap=cfg.requests.over_model_cap,
+        max_n=cfg.requests.max_n,
+        count_refused_requests=cfg.requests.count_refused_requests,
+        force_include_usage=cfg.requests.force_include_usage,
+        failure_mode=cfg.failure.mode,
+        redis_timeout_ms=cfg.failure.timeout_ms,
+        breaker_cooldown_ms=cfg.failure.breaker_cooldown_ms,
+        ledger_ttl_seconds=cfg.ledger_ttl_seconds,
+        plaintext_keys=plaintext,
+    )
+
+
+def key_digest(presented: str) -> str:
+    """The SHA-256 hex digest under which a presented API key is looked up."""
+    return hashlib.sha256(presented.encode()).hexdigest()
+
+
+def dump_example() -> dict[str, Any]:
+    """A minimal valid document (used by ``check-config --example``)."""
+    return {
+        "models": {"my-model": {"tokenizer": {"kind": "tiktoken", "encoding": "cl100k_base"}, "max_output_tokens": 4096}},
+        "plans": {"basic": {"limits": [{"model": "*", "rpm": 60, "tpm": 100000}]}},
+        "tenants": {"acme": {"plan": "basic", "keys": [{"name": "acme-1", "sha256": "0" * 64}]}},
+    }

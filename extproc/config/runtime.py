@@ -1,0 +1,123 @@
+"""The compiled, frozen configuration the gateway runs on.
+
+Built once by :func:`extproc.config.load.compile_config`; lookups on the request path
+are dictionary gets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from extproc.core.tokens import TokenCounter, TokenizerSpec
+
+ChargingMode = Literal["input_only", "reserve_max", "reserve_refund", "stream_incremental"]
+StreamingMode = Literal["lazy", "strict"]
+
+WINDOW_SECONDS: dict[str, int] = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
+
+
+@dataclass(frozen=True, slots=True)
+class Charging:
+    """Resolved charging settings for one (plan, model) pair."""
+
+    mode: ChargingMode = "stream_incremental"
+    streaming: StreamingMode = "lazy"
+    charge_every_tokens: int = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """One bucket rule: a metric over a fixed window, for a model (or ``*``) and a scope."""
+
+    metric: Literal["rpm", "tpm"]
+    limit: int
+    window_s: int
+    model: str  # canonical model name, or "*"
+    scope: Literal["tenant", "key"]
+
+    def applies_to(self, model: str) -> bool:
+        """Whether a request for ``model`` is counted in this bucket."""
+        return self.model in ("*", model)
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    """A metered model."""
+
+    name: str
+    aliases: tuple[str, ...]
+    tokenizer: TokenizerSpec
+    counter: TokenCounter
+    max_output_tokens: int
+    max_input_tokens: int | None
+    known: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A plan's limits and charging overrides."""
+
+    name: str
+    limits: tuple[Limit, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """A tenant with its resolved limits (plan's, overridden by its own)."""
+
+    id: str
+    plan: str
+    limits: tuple[Limit, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """A known key: its name (safe to log) and tenant. The secret itself is never kept."""
+
+    name: str
+    tenant: str
+
+    def __repr__(self) -> str:
+        return f"ApiKey(name={self.name!r}, tenant={self.tenant!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    """Everything the request path needs, precomputed."""
+
+    source: str
+    models: dict[str, Model]
+    aliases: dict[str, str]
+    unknown_model_action: Literal["reject", "estimate"]
+    unknown_model_status: int
+    unknown_model: Model
+    tenants: dict[str, Tenant]
+    keys_by_digest: dict[str, ApiKey] = field(repr=False)
+    charging: dict[tuple[str, str], Charging]
+    default_charging: dict[str, Charging]
+    metered_paths: frozenset[str]
+    other_paths: Literal["passthrough", "reject", "rpm_only"]
+    max_body_bytes: int
+    max_tokens_ceiling: int
+    over_model_cap: Literal["clamp", "reject"]
+    max_n: int
+    count_refused_requests: bool
+    force_include_usage: bool
+    failure_mode: Literal["closed", "open"]
+    redis_timeout_ms: int
+    breaker_cooldown_ms: int
+    ledger_ttl_seconds: int
+    plaintext_keys: int = 0
+
+    def resolve_model(self, name: str) -> Model | None:
+        """The configured model for ``name`` or one of its aliases."""
+        canonical = self.aliases.get(name, name)
+        return self.models.get(canonical)
+
+    def charging_for(self, plan: str, model: str) -> Charging:
+        """Charging settings: plan's over model's over the file's defaults."""
+        found = self.charging.get((plan, model))
+        if found is not None:
+            return found
+        return self.default_charging.get(plan, Charging())

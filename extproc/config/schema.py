@@ -1,0 +1,170 @@
+"""The YAML rules file, validated strictly: unknown keys and wrong types are rejected.
+
+The models here mirror the file one to one; :mod:`extproc.config.load` compiles them
+into :class:`extproc.config.runtime.RuntimeConfig`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+IDENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+ChargingMode = Literal["input_only", "reserve_max", "reserve_refund", "stream_incremental"]
+StreamingMode = Literal["lazy", "strict"]
+FailureMode = Literal["closed", "open"]
+WindowName = Literal["second", "minute", "hour", "day"]
+
+
+class Strict(BaseModel):
+    """Base: every model rejects unknown keys and is immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+class TokenizerModel(Strict):
+    """How a model's tokens are counted."""
+
+    kind: Literal["tiktoken", "huggingface", "estimate"] = "tiktoken"
+    encoding: str | None = None
+    path: str | None = None
+    chars_per_token: float = Field(default=3.0, gt=0)
+    safety_factor: float = Field(default=1.25, ge=1.0)
+    tokens_per_message: int = Field(default=3, ge=0)
+    tokens_per_name: int = Field(default=1, ge=0)
+    reply_priming_tokens: int = Field(default=3, ge=0)
+    image_tokens: int = Field(default=765, ge=0)
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> TokenizerModel:
+        if self.kind == "tiktoken" and not self.encoding:
+            raise ValueError("a tiktoken tokenizer needs 'encoding' (e.g. cl100k_base)")
+        if self.kind == "huggingface" and not self.path:
+            raise ValueError("a huggingface tokenizer needs 'path' to a tokenizer.json")
+        return self
+
+
+class ChargingModel(Strict):
+    """How a request is charged against TPM; every field optional so levels can override."""
+
+    mode: ChargingMode | None = None
+    streaming: StreamingMode | None = None
+    charge_every_tokens: int | None = Field(default=None, ge=1, le=100_000)
+
+
+class ModelEntry(Strict):
+    """One model the gateway meters."""
+
+    aliases: list[str] = Field(default_factory=list)
+    tokenizer: TokenizerModel
+    max_output_tokens: int = Field(ge=1, le=10_000_000)
+    max_input_tokens: int | None = Field(default=None, ge=1)
+    charging: ChargingModel = Field(default_factory=ChargingModel)
+
+
+class LimitEntry(Strict):
+    """One rule: RPM and/or TPM for a model (or ``*`` = all models together) over a window."""
+
+    model: str = "*"
+    scope: Literal["tenant", "key"] = "tenant"
+    per: WindowName = "minute"
+    rpm: int | None = Field(default=None, ge=0)
+    tpm: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _check_any(self) -> LimitEntry:
+        if self.rpm is None and self.tpm is None:
+            raise ValueError("a limit needs at least one of 'rpm' or 'tpm'")
+        return self
+
+
+class PlanEntry(Strict):
+    """A plan: the limits every tenant on it gets, and optional charging overrides."""
+
+    description: str = ""
+    limits: list[LimitEntry] = Field(default_factory=list)
+    charging: ChargingModel = Field(default_factory=ChargingModel)
+
+
+class KeyEntry(Strict):
+    """An API key, stored as its SHA-256 digest (hex). ``plaintext`` is for local demos only."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    sha256: str | None = None
+    plaintext: str | None = Field(default=None, description="DEMO ONLY: never put real keys here")
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[0-9a-f]{64}", v):
+            raise ValueError("sha256 must be 64 lower-case hex characters")
+        return v
+
+    @model_validator(mode="after")
+    def _one(self) -> KeyEntry:
+        if (self.sha256 is None) == (self.plaintext is None):
+            raise ValueError("a key needs exactly one of 'sha256' or 'plaintext'")
+        return self
+
+
+class TenantEntry(Strict):
+    """A tenant: its plan, its keys, and limits that override the plan's."""
+
+    plan: str
+    keys: list[KeyEntry] = Field(min_length=1)
+    limits: list[LimitEntry] = Field(default_factory=list)
+
+
+class PathsPolicy(Strict):
+    """What happens to paths other than the metered completions endpoints."""
+
+    other: Literal["passthrough", "reject", "rpm_only"] = "passthrough"
+    metered: list[str] = Field(default_factory=lambda: ["/v1/chat/completions", "/v1/completions"])
+
+
+class UnknownModelPolicy(Strict):
+    """Requests naming a model that is not configured."""
+
+    action: Literal["reject", "estimate"] = "reject"
+    status: Literal[400, 404] = 404
+    max_output_tokens: int = Field(default=4096, ge=1)
+    tokenizer: TokenizerModel = Field(
+        default_factory=lambda: TokenizerModel(kind="estimate", chars_per_token=3.0, safety_factor=1.25)
+    )
+
+
+class RequestsPolicy(Strict):
+    """Limits on the request itself."""
+
+    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    max_tokens_ceiling: int = Field(default=1_000_000, ge=1)
+    over_model_cap: Literal["clamp", "reject"] = "clamp"
+    max_n: int = Field(default=16, ge=1, le=128)
+    count_refused_requests: bool = False
+    force_include_usage: bool = True
+
+
+class FailurePolicy(Strict):
+    """What the gateway does when Redis cannot answer."""
+
+    mode: FailureMode = "closed"
+    timeout_ms: int = Field(default=250, ge=10, le=10_000)
+    breaker_cooldown_ms: int = Field(default=1000, ge=0)
+
+
+class ConfigFile(Strict):
+    """The whole rules file."""
+
+    version: Literal[1] = 1
+    charging: ChargingModel = Field(default_factory=ChargingModel)
+    models: dict[str, ModelEntry] = Field(min_length=1)
+    unknown_models: UnknownModelPolicy = Field(default_factory=UnknownModelPolicy)
+    plans: dict[str, PlanEntry] = Field(min_length=1)
+    tenants: dict[str, TenantEntry] = Field(min_length=1)
+    paths: PathsPolicy = Field(default_factory=PathsPolicy)
+    requests: RequestsPolicy = Field(default_factory=RequestsPolicy)
+    failure: FailurePolicy = Field(default_factory=FailurePolicy)
+    ledger_ttl_seconds: int = Field(default=3600, ge=60)

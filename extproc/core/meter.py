@@ -1,0 +1,222 @@
+"""The per-stream meter: SSE bytes in, bytes to forward and charges to make out.
+
+Sans-IO.  The servicer feeds each upstream body chunk to :meth:`StreamMeter.feed` and acts on
+the returned :class:`Step`: forward ``step.forward`` to the client, ask the limiter for
+``step.charge`` tokens when it is non-zero, and report the answer with
+:meth:`StreamMeter.on_charge`.  When the limiter says the quota is gone the servicer calls
+:meth:`StreamMeter.cut`, which returns the error event and ``[DONE]`` that end the stream.
+
+Two ways to charge output (``strict`` flag):
+
+* **lazy** — forward every complete event at once; each time N uncharged tokens have passed,
+  ask for a charge of them.  When a charge leaves a bucket over its limit, the next chunk is
+  not forwarded: the stream is cut.  Overshoot: at most N (+ one chunk) per concurrent stream.
+* **strict** — forward only what a lease covers.  The lease (initially what admission
+  reserved) is renewed early, when less than half of N is left, so the stream rarely waits;
+  an event that does not fit is held until the renewal answers.  A renewal granting nothing
+  cuts the stream.  Tokens delivered never exceed what was leased.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from extproc.core.chunks import MalformedChunk, Usage, parse_event_data
+from extproc.core.sse import SSEDecoder, SSEEvent, SSEEventTooLarge
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What the servicer must do after a feed or a charge answer."""
+
+    forward: bytes = b""
+    end_stream: bool = False
+    charge: int = 0
+    blocked: bool = False
+    cut_reason: str | None = None
+
+
+EMPTY = Step()
+
+
+class StreamMeter:
+    """Meters one SSE response body."""
+
+    def __init__(
+        self,
+        *,
+        count: Callable[[str], int],
+        every: int,
+        strict: bool,
+        enforce: bool = True,
+        initial_lease: int = 0,
+        strip_usage: bool = False,
+        max_event_bytes: int = 1 << 20,
+    ) -> None:
+        self._count = count
+        self.every = every
+        self.strict = strict
+        self.enforce = enforce
+        self._strip_usage = strip_usage
+        self._decoder = SSEDecoder(max_event_bytes=max_event_bytes)
+        self.lease = initial_lease
+        self.leased_total = initial_lease
+        self._held: deque[tuple[bytes, int]] = deque()
+        self._held_tokens = 0
+        self._charge_in_flight = 0
+        self.uncharged = 0
+        self.charged = 0
+        self.delivered = 0
+        self.counted = 0
+        self.events = 0
+        self.malformed_events = 0
+        self.exhausted = False
+        self.upstream_done = False
+        self.finished = False
+        self.usage: Usage | None = None
+        self.upstream_error: dict[str, object] | None = None
+        self.cut_reason: str | None = None
+
+    # -- feeding ---------------------------------------------------------------------------
+
+    def _inspect(self, ev: SSEEvent) -> tuple[int, bool]:
+        """Tokens in the event, and whether it is forwarded at all."""
+        self.events += 1
+        data = ev.data
+        if data is None:
+            return 0, True
+        try:
+            chunk = parse_event_data(data)
+        except MalformedChunk:
+            # Forward unchanged (we are not the client's parser) but never undercharge it.
+            self.malformed_events += 1
+            return self._count(data), True
+        if chunk.done:
+            return 0, True
+        if chunk.error is not None:
+            self.upstream_error = chunk.error
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        tokens = 0
+        for _, text in chunk.texts:
+            if text:
+                tokens += self._count(text)
+        if chunk.is_usage_only and self._strip_usage:
+            return tokens, False
+        return tokens, True
+
+    def feed(self, chunk: bytes, end: bool) -> Step:
+        """Take one upstream body chunk (``end`` on the last); return what to do."""
+        if self.finished:
+            return EMPTY
+        if self.enforce and not self.strict and self.exhausted:
+            return self._cut_step("quota exhausted")
+        try:
+            events = self._decoder.feed(chunk) if chunk else []
+            if end:
+                events += self._decoder.flush()
+        except SSEEventTooLarge:
+            return self._cut_step("upstream event too large")
+        out = bytearray()
+        for ev in events:
+            k, fwd = self._inspect(ev)
+            self.counted += k
+            if not fwd:
+                continue
+            if self.enforce and self.strict and (self._held or k > self.lease):
+                self._held.append((ev.raw, k))
+                self._held_tokens += k
+                continue
+            out += ev.raw
+            self.delivered += k
+            if self.enforce and self.strict:
+                self.lease -= k
+            else:
+                self.uncharged += k
+        if end:
+            self.upstream_done = True
+        return self._after(bytes(out))
+
+    def _after(self, out: bytes) -> Step:
+        charge = 0
+        blocked = False
+        if self.enforce and self.strict:
+            blocked = bool(self._held)
+            need = self._held_tokens - self.lease
+            if self._charge_in_flight == 0:
+                if blocked:
+                    charge = max(self.every, need)
+                elif not self.upstream_done and self.lease * 2 < self.every and not self.exhausted:
+                    charge = self.every
+        elif self.enforce and self._charge_in_flight == 0 and self.uncharged >= self.every and not self.upstream_done:
+            charge = self.uncharged
+        if charge:
+            self._charge_in_flight = charge
+        end = self.upstream_done and not blocked
+        if end:
+            self.finished = True
+        return Step(forward=out, end_stream=end, charge=charge, blocked=blocked)
+
+    # -- limiter answers -------------------------------------------------------------------
+
+    def on_charge(self, granted: int, exhausted: bool) -> Step:
+        """Report the limiter's answer to the last requested charge."""
+        asked = self._charge_in_flight
+        self._charge_in_flight = 0
+        if self.finished:
+            self.charged += granted
+            return EMPTY
+        if not self.strict:
+            self.charged += granted
+            self.uncharged -= asked
+            if exhausted:
+                self.exhausted = True
+            return EMPTY
+        self.charged += granted
+        self.lease += granted
+        self.leased_total += granted
+        if exhausted or granted < asked:
+            self.exhausted = True
+        out = bytearray()
+        while self._held and self._held[0][1] <= self.lease:
+            raw, k = self._held.popleft()
+            self._held_tokens -= k
+            self.lease -= k
+            self.delivered += k
+            out += raw
+        if self._held and granted == 0:
+            return self._cut_step("quota exhausted", prefix=bytes(out))
+        return self._after(bytes(out))
+
+    def on_charge_failed(self) -> None:
+        """The limiter could not answer; the caller decides (fail open/closed)."""
+        self._charge_in_flight = 0
+
+    @property
+    def charge_in_flight(self) -> bool:
+        """A charge was asked for and not yet answered."""
+        return self._charge_in_flight != 0
+
+    # -- ending ----------------------------------------------------------------------------
+
+    def _cut_step(self, reason: str, prefix: bytes = b"") -> Step:
+        self.cut_reason = reason
+        self._held.clear()
+        self._held_tokens = 0
+        return Step(forward=prefix, cut_reason=reason)
+
+    def cut(self, error_event: bytes) -> bytes:
+        """Finish the stream with ``error_event`` (already framed) and ``[DONE]``."""
+        self.finished = True
+        if self.cut_reason is None:
+            self.cut_reason = "quota exhausted"
+        self._held.clear()
+        self._held_tokens = 0
+        return error_event + b"data: [DONE]\n\n"
+
+    @property
+    def unused_lease(self) -> int:
+        """Leased tokens not delivered (refunded at settlement)."""
+        return max(0, self.leased_total - self.delivered)

@@ -1,0 +1,176 @@
+"""Render the Envoy bootstrap that puts the ext_proc filter in front of an OpenAI-style upstream.
+
+The processing mode follows what was measured on Envoy 1.40 (see docs/envoy.md): request
+headers SEND, request body BUFFERED (the listener buffer limit turns bigger bodies into 413),
+response headers SEND, response body NONE with ``allow_mode_override`` so SSE responses can
+switch to FULL_DUPLEX_STREAMED, ``failure_mode_allow: false``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+ACCESS_LOG_FORMAT: dict[str, str] = {
+    "time": "%START_TIME%",
+    "method": "%REQ(:METHOD)%",
+    "path": "%REQ(:PATH)%",
+    "status": "%RESPONSE_CODE%",
+    "details": "%RESPONSE_CODE_DETAILS%",
+    "flags": "%RESPONSE_FLAGS%",
+    "duration_ms": "%DURATION%",
+    "request_id": "%REQ(X-REQUEST-ID)%",
+    "tenant": "%DYNAMIC_METADATA(ai_quota:tenant)%",
+    "model": "%DYNAMIC_METADATA(ai_quota:model)%",
+    "input_tokens": "%DYNAMIC_METADATA(ai_quota:input_tokens)%",
+    "output_tokens": "%DYNAMIC_METADATA(ai_quota:output_tokens)%",
+    "ending": "%DYNAMIC_METADATA(ai_quota:ending)%",
+}
+
+
+@dataclass(frozen=True)
+class EnvoyPorts:
+    """Where Envoy listens and what it talks to."""
+
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 10000
+    admin_port: int = 9901
+    upstreams: tuple[tuple[str, int], ...] = (("127.0.0.1", 18080),)
+    extprocs: tuple[tuple[str, int], ...] = (("127.0.0.1", 50051),)
+    max_body_bytes: int = 1_048_576
+    message_timeout_ms: int = 1000
+    with_baseline_listener: int = 0  # a second listener without the filter (benchmarks)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _endpoints(addrs: tuple[tuple[str, int], ...]) -> list[dict[str, Any]]:
+    return [
+        {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}} for h, p in addrs
+    ]
+
+
+def _cluster_type(addrs: tuple[tuple[str, int], ...]) -> str:
+    return "STATIC" if all(h.replace(".", "").isdigit() for h, _ in addrs) else "STRICT_DNS"
+
+
+def _hcm(name: str, with_filter: bool, p: EnvoyPorts) -> dict[str, Any]:
+    filters: list[dict[str, Any]] = []
+    if with_filter:
+        filters.append(
+            {
+                "name": "envoy.filters.http.ext_proc",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                    "grpc_service": {"envoy_grpc": {"cluster_name": "extproc"}, "timeout": "5s"},
+                    "failure_mode_allow": False,
+                    "status_on_error": {"code": 503},
+                    "processing_mode": {
+                        "request_header_mode": "SEND",
+                        "response_header_mode": "SEND",
+                        "request_body_mode": "BUFFERED",
+                        "response_body_mode": "NONE",
+                        "request_trailer_mode": "SKIP",
+                        "response_trailer_mode": "SKIP",
+                    },
+                    "allow_mode_override": True,
+                    "message_timeout": f"{p.message_timeout_ms / 1000:g}s",
+                    "max_message_timeout": "10s",
+                    "metadata_options": {"receiving_namespaces": {"untyped": ["ai_quota"]}},
+                },
+            }
+        )
+    filters.append(
+        {
+            "name": "envoy.filters.http.router",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+        }
+    )
+    return {
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": name,
+            "codec_type": "AUTO",
+            "stream_idle_timeout": "60s",
+            "request_timeout": "0s",
+            "route_config": {
+                "name": "local",
+                "virtual_hosts": [
+                    {
+                        "name": "all",
+                        "domains": ["*"],
+                        "routes": [
+                            {
+                                "match": {"prefix": "/"},
+                                "route": {"cluster": "upstream", "timeout": "0s", "idle_timeout": "60s"},
+                            }
+                        ],
+                    }
+                ],
+            },
+            "http_filters": filters,
+            "access_log": [
+                {
+                    "name": "envoy.access_loggers.stdout",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
+                        "log_format": {"json_format": dict(ACCESS_LOG_FORMAT)},
+                    },
+                }
+            ],
+        },
+    }
+
+
+def _listener(name: str, port: int, with_filter: bool, p: EnvoyPorts) -> dict[str, Any]:
+    return {
+        "name": name,
+        "address": {"socket_address": {"address": p.listen_host, "port_value": port}},
+        "per_connection_buffer_limit_bytes": p.max_body_bytes,
+        "filter_chains": [{"filters": [_hcm(name, with_filter, p)]}],
+    }
+
+
+def render(p: EnvoyPorts) -> dict[str, Any]:
+    """The bootstrap as a dict."""
+    listeners = [_listener("gateway", p.listen_port, True, p)]
+    if p.with_baseline_listener:
+        listeners.append(_listener("baseline", p.with_baseline_listener, False, p))
+    high = {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}]}
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p.admin_port}}},
+        "static_resources": {
+            "listeners": listeners,
+            "clusters": [
+                {
+                    "name": "upstream",
+                    "type": _cluster_type(p.upstreams),
+                    "connect_timeout": "2s",
+                    "circuit_breakers": high,
+                    "per_connection_buffer_limit_bytes": 1048576,
+                    "load_assignment": {"cluster_name": "upstream", "endpoints": [{"lb_endpoints": _endpoints(p.upstreams)}]},
+                },
+                {
+                    "name": "extproc",
+                    "type": _cluster_type(p.extprocs),
+                    "connect_timeout": "1s",
+                    "circuit_breakers": high,
+                    "typed_extension_protocol_options": {
+                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                            "explicit_http_config": {"http2_protocol_options": {"max_concurrent_streams": 100000}},
+                        }
+                    },
+                    "load_assignment": {"cluster_name": "extproc", "endpoints": [{"lb_endpoints": _endpoints(p.extprocs)}]},
+                },
+            ],
+        },
+    }
+
+
+def render_yaml(p: EnvoyPorts, *, header: str = "") -> str:
+    """The bootstrap as YAML text."""
+    body = yaml.safe_dump(render(p), sort_keys=False, width=120)
+    return (header + body) if header else body

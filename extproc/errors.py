@@ -1,0 +1,190 @@
+"""The gateway's error hierarchy.
+
+Every error a request can meet is one of these classes; each carries the HTTP status
+and the OpenAI-style ``type``/``code`` it maps to.  They are turned into responses in
+exactly one place: :func:`extproc.core.responses.error_response`.
+
+::
+
+    GatewayError
+    ├── ClientError                       4xx: the caller can fix it
+    │   ├── AuthenticationError           401 missing / unknown API key
+    │   ├── BadRequest                    400 malformed JSON, wrong types, bad budgets
+    │   ├── UnknownModel                  404 (or 400) model not configured
+    │   ├── PathNotAllowed                404 path outside the metered API
+    │   ├── RequestTooLarge               413 body or prompt larger than allowed
+    │   └── QuotaExceeded                 429 a RPM/TPM bucket refused the request
+    └── ServerError                       5xx: the gateway cannot decide
+        ├── LimiterUnavailable            503 Redis unreachable or timed out (fail-closed)
+        └── InternalError                 500 a bug; logged with a traceback
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class GatewayError(Exception):
+    """Base of every error that becomes an HTTP response."""
+
+    status: int = 500
+    error_type: str = "server_error"
+    code: str = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ClientError(GatewayError):
+    """The request is wrong; retrying it unchanged will fail again."""
+
+    status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class AuthenticationError(ClientError):
+    """No API key, or a key the gateway does not know."""
+
+    status = 401
+    code = "invalid_api_key"
+
+
+class BadRequest(ClientError):
+    """Malformed JSON, wrong field types, negative or non-integer token budgets."""
+
+    status = 400
+
+
+class UnknownModel(ClientError):
+    """The model is not configured and the policy rejects unknown models."""
+
+    status = 404
+    code = "model_not_found"
+
+    def __init__(self, message: str, *, status: int = 404) -> None:
+        super().__init__(message, param="model")
+        self.status = status
+
+
+class PathNotAllowed(ClientError):
+    """A path the gateway does not meter, under the ``reject`` policy."""
+
+    status = 404
+    code = "unknown_url"
+
+
+class RequestTooLarge(ClientError):
+    """The body or prompt exceeds the configured maximum."""
+
+    status = 413
+    code = "request_too_large"
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitHeaders:
+    """OpenAI's ``x-ratelimit-*`` header values for the binding RPM and TPM buckets."""
+
+    limit_requests: int | None = None
+    remaining_requests: int | None = None
+    reset_requests_s: float | None = None
+    limit_tokens: int | None = None
+    remaining_tokens: int | None = None
+    reset_tokens_s: float | None = None
+
+    def as_pairs(self) -> list[tuple[str, str]]:
+        """The headers to send, in OpenAI's names; absent buckets are omitted."""
+        out: list[tuple[str, str]] = []
+        if self.limit_requests is not None:
+            out.append(("x-ratelimit-limit-requests", str(self.limit_requests)))
+            out.append(("x-ratelimit-remaining-requests", str(max(0, self.remaining_requests or 0))))
+            out.append(("x-ratelimit-reset-requests", format_duration(self.reset_requests_s or 0.0)))
+        if self.limit_tokens is not None:
+            out.append(("x-ratelimit-limit-tokens", str(self.limit_tokens)))
+            out.append(("x-ratelimit-remaining-tokens", str(max(0, self.remaining_tokens or 0))))
+            out.append(("x-ratelimit-reset-tokens", format_duration(self.reset_tokens_s or 0.0)))
+        return out
+
+
+def format_duration(seconds: float) -> str:
+    """Render a reset time the way OpenAI does: ``1s``, ``6m0s``, ``120ms``."""
+    if seconds <= 0:
+        return "0s"
+    if seconds < 1:
+        return f"{max(1, round(seconds * 1000))}ms"
+    whole = int(seconds + 0.999)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"
+
+
+class QuotaExceeded(ClientError):
+    """A bucket refused the request; carries the headers and the retry delay."""
+
+    status = 429
+    error_type = "requests"
+    code = "rate_limit_exceeded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        metric: str,
+        retry_after_s: float | None,
+        headers: RateLimitHeaders,
+    ) -> None:
+        super().__init__(message)
+        self.metric = metric
+        self.error_type = "tokens" if metric == "tpm" else "requests"
+        self.code = "tpm_limit_exceeded" if metric == "tpm" else "rpm_limit_exceeded"
+        self.retry_after_s = retry_after_s
+        self.headers = headers
+
+
+class ServerError(GatewayError):
+    """The gateway could not decide; not the caller's fault."""
+
+    status = 500
+
+
+class LimiterUnavailable(ServerError):
+    """The shared counters (Redis) are unreachable or too slow, and the policy fails closed."""
+
+    status = 503
+    error_type = "server_error"
+    code = "quota_backend_unavailable"
+
+
+class InternalError(ServerError):
+    """An unexpected failure inside the gateway."""
+
+    status = 500
+    code = "internal_error"
+
+
+@dataclass(slots=True)
+class ErrorBody:
+    """An OpenAI-style error object, ready to serialise."""
+
+    message: str
+    type: str
+    code: str
+    param: str | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        """``{"error": {...}}`` in OpenAI's shape."""
+        err: dict[str, object] = {
+            "message": self.message,
+            "type": self.type,
+            "param": self.param,
+            "code": self.code,
+        }
+        err.update(self.extra)
+        return {"error": err}

@@ -1,0 +1,93 @@
+"""The limiter protocol and its result types.
+
+The request path talks to counters only through :class:`Limiter`.  Every method is one
+round trip; every method is idempotent for a given ledger key (and sequence number).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class BucketCharge:
+    """A bucket touched by a call: its key, the amount to add, its limit and expiry."""
+
+    key: str
+    kind: Literal["rpm", "tpm"]
+    amount: int
+    limit: int
+    expire_at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Adjustment:
+    """A signed correction applied at settlement."""
+
+    key: str
+    amount: int
+    expire_at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitResult:
+    """Outcome of an admission: ``values`` are the counters (after charging when admitted)."""
+
+    admitted: bool
+    duplicate: bool
+    values: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ChargeResult:
+    """Outcome of a stream charge: tokens granted and whether a bucket is now exhausted."""
+
+    granted: int
+    exhausted: bool
+    values: tuple[int, ...]
+
+
+class Limiter(Protocol):
+    """Shared counters. Implementations raise :class:`extproc.errors.LimiterUnavailable`."""
+
+    async def admit(
+        self,
+        ledger: str,
+        buckets: list[BucketCharge],
+        *,
+        tpm_charged: int,
+        count_refused: bool,
+        ledger_ttl_ms: int,
+    ) -> AdmitResult:
+        """Check every bucket and charge all of them, or none."""
+        ...
+
+    async def charge(
+        self,
+        ledger: str,
+        seq: int,
+        buckets: list[BucketCharge],
+        amount: int,
+        *,
+        strict: bool,
+        ledger_ttl_ms: int,
+    ) -> ChargeResult:
+        """Charge (lazy) or lease (strict) ``amount`` output tokens."""
+        ...
+
+    async def settle(self, ledger: str, adjustments: list[Adjustment], *, ledger_ttl_ms: int) -> bool:
+        """Apply the final corrections once; False when already settled."""
+        ...
+
+    async def read(self, keys: list[str]) -> list[int]:
+        """Current counter values (0 for missing keys)."""
+        ...
+
+    async def ping(self) -> bool:
+        """Whether the backend answers."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections."""
+        ...

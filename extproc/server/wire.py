@@ -1,0 +1,171 @@
+"""ProcessingRequest/ProcessingResponse helpers (Envoy ext_proc v3, from ``xds-protos``).
+
+The only module that builds Envoy protobuf messages; everything else speaks plain Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+ProcessingRequest = pb.ProcessingRequest
+ProcessingResponse = pb.ProcessingResponse
+Mode = processing_mode_pb2.ProcessingMode
+
+METADATA_NAMESPACE = "ai_quota"
+
+
+def headers_of(hh: pb.HttpHeaders) -> dict[str, str]:
+    """Header map with lower-case names (values from ``raw_value``; Envoy leaves ``value`` empty)."""
+    out: dict[str, str] = {}
+    for h in hh.headers.headers:
+        v = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        out[h.key.lower()] = v
+    return out
+
+
+def _mutation(
+    set_headers: Iterable[tuple[str, str]] = (), remove: Iterable[str] = ()
+) -> pb.HeaderMutation:
+    m = pb.HeaderMutation()
+    for k, v in set_headers:
+        m.set_headers.append(
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=k, raw_value=v.encode()),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+        )
+    m.remove_headers.extend(remove)
+    return m
+
+
+def continue_request_headers(
+    set_headers: Iterable[tuple[str, str]] = (),
+    remove: Iterable[str] = (),
+    mode: Mode | None = None,
+) -> ProcessingResponse:
+    """CONTINUE at request headers, with our identity headers set and client ones removed."""
+    r = ProcessingResponse(
+        request_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=_mutation(set_headers, remove))
+        )
+    )
+    if mode is not None:
+        r.mode_override.CopyFrom(mode)
+    return r
+
+
+def continue_request_body(new_body: bytes | None) -> ProcessingResponse:
+    """CONTINUE at request body; with a replaced body and its content-length when mutated."""
+    common = pb.CommonResponse()
+    if new_body is not None:
+        common.body_mutation.body = new_body
+        common.header_mutation.CopyFrom(_mutation([("content-length", str(len(new_body)))]))
+    return ProcessingResponse(request_body=pb.BodyResponse(response=common))
+
+
+def continue_response_headers(
+    set_headers: Iterable[tuple[str, str]] = (),
+    *,
+    mode: Mode | None = None,
+    metadata: Mapping[str, object] | None = None,
+) -> ProcessingResponse:
+    """CONTINUE at response headers, adding ``x-ratelimit-*`` and maybe switching body mode."""
+    r = ProcessingResponse(
+        response_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=_mutation(set_headers))
+        )
+    )
+    if mode is not None:
+        r.mode_override.CopyFrom(mode)
+    if metadata:
+        r.dynamic_metadata.CopyFrom(dynamic_metadata(metadata))
+    return r
+
+
+def full_duplex_mode() -> Mode:
+    """Response body FULL_DUPLEX_STREAMED with trailers SEND (Envoy requires both together)."""
+    return Mode(
+        response_body_mode=Mode.FULL_DUPLEX_STREAMED,
+        response_trailer_mode=Mode.SEND,
+    )
+
+
+def streamed_mode() -> Mode:
+    """Response body STREAMED: chunks pass through us (to read a JSON response's usage)."""
+    return Mode(response_body_mode=Mode.STREAMED)
+
+
+def passthrough_mode() -> Mode:
+    """Stop sending this request's body and response to the processor."""
+    return Mode(
+        request_body_mode=Mode.NONE,
+        response_header_mode=Mode.SKIP,
+        response_body_mode=Mode.NONE,
+    )
+
+
+def continue_response_body(metadata: Mapping[str, object] | None = None) -> ProcessingResponse:
+    """CONTINUE for a STREAMED response body chunk."""
+    r = ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse()))
+    if metadata:
+        r.dynamic_metadata.CopyFrom(dynamic_metadata(metadata))
+    return r
+
+
+def streamed_body(
+    data: bytes, end_of_stream: bool, metadata: Mapping[str, object] | None = None
+) -> ProcessingResponse:
+    """A FULL_DUPLEX_STREAMED body response: bytes we forward to the client."""
+    common = pb.CommonResponse()
+    common.body_mutation.streamed_response.body = data
+    common.body_mutation.streamed_response.end_of_stream = end_of_stream
+    r = ProcessingResponse(response_body=pb.BodyResponse(response=common))
+    if metadata:
+        r.dynamic_metadata.CopyFrom(dynamic_metadata(metadata))
+    return r
+
+
+def continue_response_trailers() -> ProcessingResponse:
+    """Let response trailers through unchanged."""
+    return ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+
+def continue_request_trailers() -> ProcessingResponse:
+    """Let request trailers through unchanged."""
+    return ProcessingResponse(request_trailers=pb.TrailersResponse())
+
+
+def immediate(
+    status: int, headers: Iterable[tuple[str, str]], body: bytes, details: str
+) -> ProcessingResponse:
+    """Answer the client now (401, 400, 429, 503...) without reaching the upstream."""
+    return ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+            headers=_mutation(headers),
+            body=body,
+            details=details,
+        )
+    )
+
+
+def dynamic_metadata(values: Mapping[str, object]) -> struct_pb2.Struct:
+    """``{ai_quota: {...}}`` for ``%DYNAMIC_METADATA(ai_quota:field)%`` in access logs."""
+    s = struct_pb2.Struct()
+    inner = s.fields[METADATA_NAMESPACE].struct_value
+    for k, v in values.items():
+        if isinstance(v, bool):
+            inner.fields[k].bool_value = v
+        elif isinstance(v, int | float):
+            inner.fields[k].number_value = float(v)
+        elif v is None:
+            inner.fields[k].null_value = struct_pb2.NULL_VALUE
+        else:
+            inner.fields[k].string_value = str(v)
+    return s

