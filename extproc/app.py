@@ -45,7 +45,9 @@ def _add_usage_service(server: Any, gateway: Gateway) -> None:
     try:
         from extproc.usage.service import add_usage_service
     except ImportError:  # generated protobuf code missing (package not built)
-        log.warning("usage_service_unavailable", reason="generated code missing; reinstall the package")
+        log.warning(
+            "usage_service_unavailable", reason="generated code missing; reinstall the package"
+        )
         return
     add_usage_service(server, gateway)
 
@@ -67,7 +69,13 @@ async def start(
         cooldown_ms=cfg.breaker_cooldown_ms,
         clock=clk,
     )
-    gw = Gateway(config=cfg, limiter=lim, clock=clk, metrics=metrics or Metrics(), key_prefix=settings.key_prefix)
+    gw = Gateway(
+        config=cfg,
+        limiter=lim,
+        clock=clk,
+        metrics=metrics or Metrics(),
+        key_prefix=settings.key_prefix,
+    )
     options = [("grpc.so_reuseport", 1 if settings.workers > 1 else 0)]
     server = grpc.aio.server(options=options)
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessorServicer(gw), server)
@@ -87,7 +95,9 @@ async def start(
         failure_mode=cfg.failure_mode,
     )
     if cfg.plaintext_keys:
-        log.warning("plaintext_keys_in_config", count=cfg.plaintext_keys, note="for local demos only")
+        log.warning(
+            "plaintext_keys_in_config", count=cfg.plaintext_keys, note="for local demos only"
+        )
     return Running(server=server, gateway=gw, port=port)
 
 
@@ -104,7 +114,9 @@ async def serve_forever(settings: Settings) -> int:
     if settings.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(settings.metrics_port, addr="127.0.0.1", registry=running.gateway.metrics.registry)
+        start_http_server(
+            settings.metrics_port, addr="127.0.0.1", registry=running.gateway.metrics.registry
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -114,7 +126,7 @@ async def serve_forever(settings: Settings) -> int:
         try:
             running.gateway.config = load_config(settings.config)
             log.info("config_reloaded", config=settings.config)
-        except Exception as exc:  # noqa: BLE001 - keep serving the old rules
+        except Exception as exc:
             log.error("config_reload_failed", error=str(exc))
 
     loop.add_signal_handler(signal.SIGHUP, reload)

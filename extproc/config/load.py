@@ -42,7 +42,9 @@ def load_config(path: str | Path) -> RuntimeConfig:
     return load_config_text(text, source=str(p), base_dir=p.parent)
 
 
-def load_config_text(text: str, *, source: str = "<string>", base_dir: Path | None = None) -> RuntimeConfig:
+def load_config_text(
+    text: str, *, source: str = "<string>", base_dir: Path | None = None
+) -> RuntimeConfig:
     """Validate and compile a rules document given as text."""
     try:
         raw = yaml.safe_load(text)
@@ -111,7 +113,9 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
     for kind, names in (("models", cfg.models), ("plans", cfg.plans), ("tenants", cfg.tenants)):
         for name in names:
             if not schema.IDENT.match(name):
-                errors.append(f"{source}: {kind}.{name}: names may use letters, digits, '.', '_' and '-'")
+                errors.append(
+                    f"{source}: {kind}.{name}: names may use letters, digits, '.', '_' and '-'"
+                )
     aliases: dict[str, str] = {}
     canonical: dict[str, str] = {}
     for name, m in cfg.models.items():
@@ -235,7 +239,12 @@ def key_digest(presented: str) -> str:
 def dump_example() -> dict[str, Any]:
     """A minimal valid document (used by ``check-config --example``)."""
     return {
-        "models": {"my-model": {"tokenizer": {"kind": "tiktoken", "encoding": "cl100k_base"}, "max_output_tokens": 4096}},
+        "models": {
+            "my-model": {
+                "tokenizer": {"kind": "tiktoken", "encoding": "cl100k_base"},
+                "max_output_tokens": 4096,
+            }
+        },
         "plans": {"basic": {"limits": [{"model": "*", "rpm": 60, "tpm": 100000}]}},
         "tenants": {"acme": {"plan": "basic", "keys": [{"name": "acme-1", "sha256": "0" * 64}]}},
     }

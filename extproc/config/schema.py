@@ -132,7 +132,9 @@ class UnknownModelPolicy(Strict):
     status: Literal[400, 404] = 404
     max_output_tokens: int = Field(default=4096, ge=1)
     tokenizer: TokenizerModel = Field(
-        default_factory=lambda: TokenizerModel(kind="estimate", chars_per_token=3.0, safety_factor=1.25)
+        default_factory=lambda: TokenizerModel(
+            kind="estimate", chars_per_token=3.0, safety_factor=1.25
+        )
     )
 
 

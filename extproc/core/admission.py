@@ -58,7 +58,9 @@ def buckets_for(
     *, prefix: str, tenant: str, key_name: str, model: str, limits: tuple[Limit, ...], now_ms: int
 ) -> list[WindowedBucket]:
     """The buckets (current windows) that apply to a request for ``model``."""
-    return windowed(prefix, tenant, key_name, [lim for lim in limits if lim.applies_to(model)], now_ms)
+    return windowed(
+        prefix, tenant, key_name, [lim for lim in limits if lim.applies_to(model)], now_ms
+    )
 
 
 def admission_charges(buckets: list[WindowedBucket], cost: Cost) -> list[BucketCharge]:
@@ -97,7 +99,9 @@ def rate_limit_headers(
     h: dict[str, object] = {}
     if "rpm" in best:
         rem, b = best["rpm"]
-        h.update(limit_requests=b.limit.limit, remaining_requests=rem, reset_requests_s=b.reset_s(now_ms))
+        h.update(
+            limit_requests=b.limit.limit, remaining_requests=rem, reset_requests_s=b.reset_s(now_ms)
+        )
     if "tpm" in best:
         rem, b = best["tpm"]
         h.update(limit_tokens=b.limit.limit, remaining_tokens=rem, reset_tokens_s=b.reset_s(now_ms))

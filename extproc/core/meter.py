@@ -150,7 +150,12 @@ class StreamMeter:
                     charge = max(self.every, need)
                 elif not self.upstream_done and self.lease * 2 < self.every and not self.exhausted:
                     charge = self.every
-        elif self.enforce and self._charge_in_flight == 0 and self.uncharged >= self.every and not self.upstream_done:
+        elif (
+            self.enforce
+            and self._charge_in_flight == 0
+            and self.uncharged >= self.every
+            and not self.upstream_done
+        ):
             charge = self.uncharged
         if charge:
             self._charge_in_flight = charge

@@ -51,7 +51,9 @@ def _int_field(body: dict[str, Any], name: str, *, minimum: int, ceiling: int) -
         if isinstance(v, float) and v.is_integer():
             v = int(v)
         else:
-            raise BadRequest(f"'{name}' must be an integer, got {type(v).__name__} {v!r}"[:200], param=name)
+            raise BadRequest(
+                f"'{name}' must be an integer, got {type(v).__name__} {v!r}"[:200], param=name
+            )
     if v < minimum:
         raise BadRequest(f"'{name}' must be at least {minimum}, got {v}", param=name)
     if v > ceiling:
@@ -59,7 +61,9 @@ def _int_field(body: dict[str, Any], name: str, *, minimum: int, ceiling: int) -
     return v
 
 
-def parse_request(raw: bytes, endpoint: Endpoint, *, max_tokens_ceiling: int, max_n: int) -> ParsedRequest:
+def parse_request(
+    raw: bytes, endpoint: Endpoint, *, max_tokens_ceiling: int, max_n: int
+) -> ParsedRequest:
     """Validate the body and extract model, stream flags, ``n`` and the declared output budget."""
     if not raw:
         raise BadRequest("the request body is empty; expected a JSON object")
@@ -75,10 +79,11 @@ def parse_request(raw: bytes, endpoint: Endpoint, *, max_tokens_ceiling: int, ma
     if endpoint == "chat":
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
-            raise BadRequest("'messages' is required and must be a non-empty array", param="messages")
-    else:
-        if "prompt" not in body:
-            raise BadRequest("'prompt' is required", param="prompt")
+            raise BadRequest(
+                "'messages' is required and must be a non-empty array", param="messages"
+            )
+    elif "prompt" not in body:
+        raise BadRequest("'prompt' is required", param="prompt")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -91,7 +96,9 @@ def parse_request(raw: bytes, endpoint: Endpoint, *, max_tokens_ceiling: int, ma
             raise BadRequest("'stream_options' must be an object", param="stream_options")
         iu = so.get("include_usage", False)
         if not isinstance(iu, bool):
-            raise BadRequest("'stream_options.include_usage' must be a boolean", param="stream_options")
+            raise BadRequest(
+                "'stream_options.include_usage' must be a boolean", param="stream_options"
+            )
         include_usage = iu
     n = _int_field(body, "n", minimum=1, ceiling=max_n) or 1
     budgets = [

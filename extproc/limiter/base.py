@@ -76,7 +76,9 @@ class Limiter(Protocol):
         """Charge (lazy) or lease (strict) ``amount`` output tokens."""
         ...
 
-    async def settle(self, ledger: str, adjustments: list[Adjustment], *, ledger_ttl_ms: int) -> bool:
+    async def settle(
+        self, ledger: str, adjustments: list[Adjustment], *, ledger_ttl_ms: int
+    ) -> bool:
         """Apply the final corrections once; False when already settled."""
         ...
 

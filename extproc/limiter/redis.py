@@ -86,9 +86,7 @@ class RedisLimiter:
         if self.breaker_open:
             if asyncio.iscoroutine(aw):
                 aw.close()
-            raise LimiterUnavailable(
-                "the quota backend (Redis) is unavailable; retry shortly"
-            )
+            raise LimiterUnavailable("the quota backend (Redis) is unavailable; retry shortly")
         self.round_trips += 1
         try:
             async with asyncio.timeout(self._timeout):
@@ -143,7 +141,9 @@ class RedisLimiter:
             granted=int(res[0]), exhausted=bool(int(res[1])), values=tuple(int(v) for v in res[2])
         )
 
-    async def settle(self, ledger: str, adjustments: list[Adjustment], *, ledger_ttl_ms: int) -> bool:
+    async def settle(
+        self, ledger: str, adjustments: list[Adjustment], *, ledger_ttl_ms: int
+    ) -> bool:
         """Run ``settle.lua`` once per request."""
         args: list[Any] = [ledger_ttl_ms]
         for a in adjustments:

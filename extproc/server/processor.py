@@ -33,7 +33,12 @@ from extproc.core.request import (
     rewrite_body,
 )
 from extproc.core.responses import error_body, error_headers, sse_error_event
-from extproc.core.tokens import PromptShapeError, PromptTooLarge, count_chat_request, count_completion_prompt
+from extproc.core.tokens import (
+    PromptShapeError,
+    PromptTooLarge,
+    count_chat_request,
+    count_completion_prompt,
+)
 from extproc.errors import (
     AuthenticationError,
     BadRequest,
@@ -161,7 +166,9 @@ class RequestProcessor:
         if self.life.state in (State.AWAIT_BODY, State.AWAIT_HEADERS):
             self.life.state = State.DONE
         self.ending = "refused" if err.status == 429 else "rejected"
-        return wire.immediate(err.status, error_headers(err), error_body(err), f"ai_quota_{err.code}")
+        return wire.immediate(
+            err.status, error_headers(err), error_body(err), f"ai_quota_{err.code}"
+        )
 
     # -- request headers -------------------------------------------------------------------
 
@@ -205,17 +212,25 @@ class RequestProcessor:
     async def _admit_rpm_only(self) -> None:
         assert self.tenant is not None and self.key is not None
         now = self.gw.clock.now_ms()
-        limits = tuple(lim for lim in self.tenant.limits if lim.metric == "rpm" and lim.model == "*")
+        limits = tuple(
+            lim for lim in self.tenant.limits if lim.metric == "rpm" and lim.model == "*"
+        )
         buckets = admission.buckets_for(
-            prefix=self.gw.key_prefix, tenant=self.tenant.id, key_name=self.key.name,
-            model="*", limits=limits, now_ms=now,
+            prefix=self.gw.key_prefix,
+            tenant=self.tenant.id,
+            key_name=self.key.name,
+            model="*",
+            limits=limits,
+            now_ms=now,
         )
         if not buckets:
             return
         cost = Cost(0, 0, 0, False, False, False, False, 1)
         res = await self._limit_admit(buckets, cost)
         if res is not None and not res.admitted and not res.duplicate:
-            raise admission.refusal(buckets, res.values, cost, now, tenant=self.tenant.id, model="*")
+            raise admission.refusal(
+                buckets, res.values, cost, now, tenant=self.tenant.id, model="*"
+            )
 
     # -- request body: admission -----------------------------------------------------------
 
@@ -256,7 +271,10 @@ class RequestProcessor:
                 f"{model.max_input_tokens}."
             )
         clamp: int | None = None
-        if req.declared_max_output is not None and req.declared_max_output > model.max_output_tokens:
+        if (
+            req.declared_max_output is not None
+            and req.declared_max_output > model.max_output_tokens
+        ):
             if self.cfg.over_model_cap == "reject":
                 raise BadRequest(
                     f"max_tokens is {req.declared_max_output}; model {model.name} generates at most "
@@ -269,14 +287,21 @@ class RequestProcessor:
         charging = self.cfg.charging_for(self.tenant.plan, model.name)
         self.charging = charging
         cost = admission.compute_cost(
-            input_tokens=input_tokens, per_choice_max=per_choice, n=req.n, stream=req.stream,
+            input_tokens=input_tokens,
+            per_choice_max=per_choice,
+            n=req.n,
+            stream=req.stream,
             charging=charging,
         )
         self.cost = cost
         now = self.gw.clock.now_ms()
         self.buckets = admission.buckets_for(
-            prefix=self.gw.key_prefix, tenant=self.tenant.id, key_name=self.key.name,
-            model=model_key, limits=self.tenant.limits, now_ms=now,
+            prefix=self.gw.key_prefix,
+            tenant=self.tenant.id,
+            key_name=self.key.name,
+            model=model_key,
+            limits=self.tenant.limits,
+            now_ms=now,
         )
         self._ledger = ledger_key(self.gw.key_prefix, self.tenant.id, self.request_id)
         res = await self._limit_admit(self.buckets, cost)
@@ -309,7 +334,8 @@ class RequestProcessor:
             latency_ms=round((time.perf_counter() - self.started) * 1000, 3),
         )
         new_body = rewrite_body(
-            req, clamp_to=clamp,
+            req,
+            clamp_to=clamp,
             force_include_usage=self.cfg.force_include_usage and cost.meter_stream,
             canonical_model=model.name if model.known else None,
         )
@@ -339,7 +365,10 @@ class RequestProcessor:
         """Run admission; None means Redis failed and the policy is fail-open."""
         try:
             return await self.gw.limiter.admit(
-                self._ledger or ledger_key(self.gw.key_prefix, self.tenant.id if self.tenant else "_", self.request_id),
+                self._ledger
+                or ledger_key(
+                    self.gw.key_prefix, self.tenant.id if self.tenant else "_", self.request_id
+                ),
                 admission.admission_charges(buckets, cost),
                 tpm_charged=cost.tpm_amount,
                 count_refused=self.cfg.count_refused_requests,
@@ -467,8 +496,12 @@ class RequestProcessor:
         now = self.gw.clock.now_ms()
         model_key = self.model.name if self.model.known else (self.req.model if self.req else "*")
         self._charge_buckets = admission.buckets_for(
-            prefix=self.gw.key_prefix, tenant=self.tenant.id, key_name=self.key.name,
-            model=model_key, limits=self.tenant.limits, now_ms=now,
+            prefix=self.gw.key_prefix,
+            tenant=self.tenant.id,
+            key_name=self.key.name,
+            model=model_key,
+            limits=self.tenant.limits,
+            now_ms=now,
         )
         self._seq += 1
         charges = admission.tpm_charges(self._charge_buckets, amount)
@@ -476,7 +509,11 @@ class RequestProcessor:
         self.gw.metrics.stream_charges.labels("strict" if self.meter.strict else "lazy").inc()
         self._charge_task = asyncio.ensure_future(
             self.gw.limiter.charge(
-                self._ledger, self._seq, charges, amount, strict=self.meter.strict,
+                self._ledger,
+                self._seq,
+                charges,
+                amount,
+                strict=self.meter.strict,
                 ledger_ttl_ms=self.cfg.ledger_ttl_seconds * 1000,
             )
         )
@@ -518,19 +555,26 @@ class RequestProcessor:
         if reason == "quota backend unavailable":
             event = sse_error_event(
                 "The quota backend is unavailable; the stream was stopped.",
-                error_type="server_error", code="quota_backend_unavailable",
+                error_type="server_error",
+                code="quota_backend_unavailable",
             )
         elif reason == "upstream event too large":
             event = sse_error_event(
                 "The upstream sent an SSE event larger than the gateway accepts; the stream was stopped.",
-                error_type="server_error", code="upstream_event_too_large",
+                error_type="server_error",
+                code="upstream_event_too_large",
             )
         else:
-            event = sse_error_event(self._cut_message(), error_type="tokens", code="tpm_limit_exceeded")
+            event = sse_error_event(
+                self._cut_message(), error_type="tokens", code="tpm_limit_exceeded"
+            )
         data = meter.cut(event)
         self.ending = "cut"
         log.info(
-            "stream_cut", tenant=self.tenant.id, reason=reason, delivered_tokens=meter.delivered,
+            "stream_cut",
+            tenant=self.tenant.id,
+            reason=reason,
+            delivered_tokens=meter.delivered,
             charged=self.account.total,
         )
         return wire.streamed_body(data, True, self._metadata(ending="cut"))
@@ -602,7 +646,7 @@ class RequestProcessor:
         if self._charge_task is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._collect_charge(wait=True)), 1.0)
-            except (TimeoutError, Exception):  # noqa: BLE001 - settlement must still run
+            except (TimeoutError, Exception):
                 pass
         cost = self.cost
         ending = self.ending
@@ -621,8 +665,12 @@ class RequestProcessor:
         assert self.key is not None and self.model is not None
         model_key = self.model.name if self.model.known else (self.req.model if self.req else "*")
         current = admission.buckets_for(
-            prefix=self.gw.key_prefix, tenant=self.tenant.id, key_name=self.key.name,
-            model=model_key, limits=self.tenant.limits, now_ms=now,
+            prefix=self.gw.key_prefix,
+            tenant=self.tenant.id,
+            key_name=self.key.name,
+            model=model_key,
+            limits=self.tenant.limits,
+            now_ms=now,
         )
         adjustments = self.account.adjustments(final_total, current)
         delta = final_total - self.account.total

@@ -6,6 +6,7 @@ The only module that builds Envoy protobuf messages; everything else speaks plai
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any, TypeAlias
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -13,14 +14,17 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-ProcessingRequest = pb.ProcessingRequest
-ProcessingResponse = pb.ProcessingResponse
-Mode = processing_mode_pb2.ProcessingMode
+# The generated classes are untyped for mypy; these aliases keep signatures readable.
+ProcessingRequest: TypeAlias = Any
+ProcessingResponse: TypeAlias = Any
+Mode: TypeAlias = Any
+_PR = pb.ProcessingResponse
+_Mode = processing_mode_pb2.ProcessingMode
 
 METADATA_NAMESPACE = "ai_quota"
 
 
-def headers_of(hh: pb.HttpHeaders) -> dict[str, str]:
+def headers_of(hh: Any) -> dict[str, str]:
     """Header map with lower-case names (values from ``raw_value``; Envoy leaves ``value`` empty)."""
     out: dict[str, str] = {}
     for h in hh.headers.headers:
@@ -31,7 +35,7 @@ def headers_of(hh: pb.HttpHeaders) -> dict[str, str]:
 
 def _mutation(
     set_headers: Iterable[tuple[str, str]] = (), remove: Iterable[str] = ()
-) -> pb.HeaderMutation:
+) -> Any:
     m = pb.HeaderMutation()
     for k, v in set_headers:
         m.set_headers.append(
@@ -50,7 +54,7 @@ def continue_request_headers(
     mode: Mode | None = None,
 ) -> ProcessingResponse:
     """CONTINUE at request headers, with our identity headers set and client ones removed."""
-    r = ProcessingResponse(
+    r = _PR(
         request_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=_mutation(set_headers, remove))
         )
@@ -66,7 +70,7 @@ def continue_request_body(new_body: bytes | None) -> ProcessingResponse:
     if new_body is not None:
         common.body_mutation.body = new_body
         common.header_mutation.CopyFrom(_mutation([("content-length", str(len(new_body)))]))
-    return ProcessingResponse(request_body=pb.BodyResponse(response=common))
+    return _PR(request_body=pb.BodyResponse(response=common))
 
 
 def continue_response_headers(
@@ -76,7 +80,7 @@ def continue_response_headers(
     metadata: Mapping[str, object] | None = None,
 ) -> ProcessingResponse:
     """CONTINUE at response headers, adding ``x-ratelimit-*`` and maybe switching body mode."""
-    r = ProcessingResponse(
+    r = _PR(
         response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=_mutation(set_headers))
         )
@@ -90,29 +94,29 @@ def continue_response_headers(
 
 def full_duplex_mode() -> Mode:
     """Response body FULL_DUPLEX_STREAMED with trailers SEND (Envoy requires both together)."""
-    return Mode(
-        response_body_mode=Mode.FULL_DUPLEX_STREAMED,
-        response_trailer_mode=Mode.SEND,
+    return _Mode(
+        response_body_mode=_Mode.FULL_DUPLEX_STREAMED,
+        response_trailer_mode=_Mode.SEND,
     )
 
 
 def streamed_mode() -> Mode:
     """Response body STREAMED: chunks pass through us (to read a JSON response's usage)."""
-    return Mode(response_body_mode=Mode.STREAMED)
+    return _Mode(response_body_mode=_Mode.STREAMED)
 
 
 def passthrough_mode() -> Mode:
     """Stop sending this request's body and response to the processor."""
-    return Mode(
-        request_body_mode=Mode.NONE,
-        response_header_mode=Mode.SKIP,
-        response_body_mode=Mode.NONE,
+    return _Mode(
+        request_body_mode=_Mode.NONE,
+        response_header_mode=_Mode.SKIP,
+        response_body_mode=_Mode.NONE,
     )
 
 
 def continue_response_body(metadata: Mapping[str, object] | None = None) -> ProcessingResponse:
     """CONTINUE for a STREAMED response body chunk."""
-    r = ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse()))
+    r = _PR(response_body=pb.BodyResponse(response=pb.CommonResponse()))
     if metadata:
         r.dynamic_metadata.CopyFrom(dynamic_metadata(metadata))
     return r
@@ -125,7 +129,7 @@ def streamed_body(
     common = pb.CommonResponse()
     common.body_mutation.streamed_response.body = data
     common.body_mutation.streamed_response.end_of_stream = end_of_stream
-    r = ProcessingResponse(response_body=pb.BodyResponse(response=common))
+    r = _PR(response_body=pb.BodyResponse(response=common))
     if metadata:
         r.dynamic_metadata.CopyFrom(dynamic_metadata(metadata))
     return r
@@ -133,21 +137,21 @@ def streamed_body(
 
 def continue_response_trailers() -> ProcessingResponse:
     """Let response trailers through unchanged."""
-    return ProcessingResponse(response_trailers=pb.TrailersResponse())
+    return _PR(response_trailers=pb.TrailersResponse())
 
 
 def continue_request_trailers() -> ProcessingResponse:
     """Let request trailers through unchanged."""
-    return ProcessingResponse(request_trailers=pb.TrailersResponse())
+    return _PR(request_trailers=pb.TrailersResponse())
 
 
 def immediate(
     status: int, headers: Iterable[tuple[str, str]], body: bytes, details: str
 ) -> ProcessingResponse:
     """Answer the client now (401, 400, 429, 503...) without reaching the upstream."""
-    return ProcessingResponse(
+    return _PR(
         immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+            status=http_status_pb2.HttpStatus(code=status),
             headers=_mutation(headers),
             body=body,
             details=details,
@@ -155,7 +159,7 @@ def immediate(
     )
 
 
-def dynamic_metadata(values: Mapping[str, object]) -> struct_pb2.Struct:
+def dynamic_metadata(values: Mapping[str, object]) -> Any:
     """``{ai_quota: {...}}`` for ``%DYNAMIC_METADATA(ai_quota:field)%`` in access logs."""
     s = struct_pb2.Struct()
     inner = s.fields[METADATA_NAMESPACE].struct_value

@@ -17,7 +17,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     who.add_argument("--key", help="an API key (sent to the service, never logged)")
     who.add_argument("--tenant", help="a tenant id")
     parser.add_argument("--model", default="", help="only buckets that apply to this model")
-    parser.add_argument("--address", default="127.0.0.1:50051", help="ext_proc gRPC address (default %(default)s)")
+    parser.add_argument(
+        "--address", default="127.0.0.1:50051", help="ext_proc gRPC address (default %(default)s)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -27,7 +29,9 @@ def run(args: argparse.Namespace) -> int:
         stub = usage_pb2_grpc.UsageStub(ch)
         try:
             resp = stub.GetUsage(
-                usage_pb2.GetUsageRequest(api_key=args.key or "", tenant=args.tenant or "", model=args.model),
+                usage_pb2.GetUsageRequest(
+                    api_key=args.key or "", tenant=args.tenant or "", model=args.model
+                ),
                 timeout=5,
             )
         except grpc.RpcError as exc:
@@ -35,19 +39,36 @@ def run(args: argparse.Namespace) -> int:
             return 1
     rows = [
         {
-            "metric": b.metric, "model": b.model, "scope": b.scope, "window_s": b.window_seconds,
-            "limit": b.limit, "used": b.used, "remaining": b.remaining,
+            "metric": b.metric,
+            "model": b.model,
+            "scope": b.scope,
+            "window_s": b.window_seconds,
+            "limit": b.limit,
+            "used": b.used,
+            "remaining": b.remaining,
             "reset_s": round(b.reset_seconds, 1),
         }
         for b in resp.buckets
     ]
     if args.json:
-        sys.stdout.write(orjson.dumps({"tenant": resp.tenant, "plan": resp.plan, "key": resp.key_name,
-                                       "buckets": rows}, option=orjson.OPT_INDENT_2).decode() + "\n")
+        sys.stdout.write(
+            orjson.dumps(
+                {"tenant": resp.tenant, "plan": resp.plan, "key": resp.key_name, "buckets": rows},
+                option=orjson.OPT_INDENT_2,
+            ).decode()
+            + "\n"
+        )
         return 0
-    print(f"tenant {resp.tenant}  plan {resp.plan}" + (f"  key {resp.key_name}" if resp.key_name else ""))
-    print(f"{'metric':6} {'model':14} {'scope':6} {'window':>7} {'used':>9} {'limit':>9} {'remaining':>9} {'resets in':>9}")
+    print(
+        f"tenant {resp.tenant}  plan {resp.plan}"
+        + (f"  key {resp.key_name}" if resp.key_name else "")
+    )
+    print(
+        f"{'metric':6} {'model':14} {'scope':6} {'window':>7} {'used':>9} {'limit':>9} {'remaining':>9} {'resets in':>9}"
+    )
     for r in rows:
-        print(f"{r['metric']:6} {r['model']:14} {r['scope']:6} {r['window_s']:>6}s {r['used']:>9} "
-              f"{r['limit']:>9} {r['remaining']:>9} {r['reset_s']:>8}s")
+        print(
+            f"{r['metric']:6} {r['model']:14} {r['scope']:6} {r['window_s']:>6}s {r['used']:>9} "
+            f"{r['limit']:>9} {r['remaining']:>9} {r['reset_s']:>8}s"
+        )
     return 0

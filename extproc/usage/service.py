@@ -13,7 +13,7 @@ from extproc.errors import LimiterUnavailable
 from extproc.server.processor import Gateway
 
 
-class UsageServicer(usage_pb2_grpc.UsageServicer):  # type: ignore[misc]
+class UsageServicer(usage_pb2_grpc.UsageServicer):
     """Reads the counters of a tenant's buckets in their current windows."""
 
     def __init__(self, gateway: Gateway) -> None:
@@ -28,6 +28,7 @@ class UsageServicer(usage_pb2_grpc.UsageServicer):  # type: ignore[misc]
             key = cfg.keys_by_digest.get(key_digest(request.api_key))
             if key is None:
                 await context.abort(grpc.StatusCode.NOT_FOUND, "unknown API key")
+            assert key is not None
             key_name, tenant_id = key.name, key.tenant
         tenant = cfg.tenants.get(tenant_id)
         if tenant is None:
@@ -52,9 +53,14 @@ class UsageServicer(usage_pb2_grpc.UsageServicer):  # type: ignore[misc]
         for b, v in zip(buckets, values, strict=True):
             resp.buckets.append(
                 usage_pb2.Bucket(
-                    metric=b.metric, model=b.limit.model, scope=b.limit.scope,
-                    window_seconds=b.limit.window_s, limit=b.limit.limit, used=v,
-                    remaining=max(0, b.limit.limit - v), reset_seconds=b.reset_s(now),
+                    metric=b.metric,
+                    model=b.limit.model,
+                    scope=b.limit.scope,
+                    window_seconds=b.limit.window_s,
+                    limit=b.limit.limit,
+                    used=v,
+                    remaining=max(0, b.limit.limit - v),
+                    reset_seconds=b.reset_s(now),
                 )
             )
         return resp
