@@ -646,8 +646,8 @@ class RequestProcessor:
         if self._charge_task is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._collect_charge(wait=True)), 1.0)
-            except (TimeoutError, Exception):
-                pass
+            except Exception as exc:  # noqa: BLE001 - settlement must still run
+                log.warning("pending_charge_lost", request_id=self.request_id, error=repr(exc))
         cost = self.cost
         ending = self.ending
         if self.status is not None and not 200 <= self.status < 300:
