@@ -1,0 +1,46 @@
+"""Small, dependency-free statistics used by the load report (sans-IO)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100) with linear interpolation; ``None`` for no values."""
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile must be within 0..100, got {q}")
+    if not values:
+        return None
+    data = sorted(values)
+    if len(data) == 1:
+        return float(data[0])
+    pos = (len(data) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = math.ceil(pos)
+    if lo == hi:
+        return float(data[lo])
+    frac = pos - lo
+    return float(data[lo] + (data[hi] - data[lo]) * frac)
+
+
+def summarize(values: Sequence[float], scale: float = 1.0) -> dict[str, Any]:
+    """Count, mean, min, p50, p90, p99 and max of ``values`` multiplied by ``scale``."""
+    if not values:
+        return {"count": 0, "mean": None, "min": None, "p50": None, "p90": None,
+                "p99": None, "max": None}
+    scaled = [v * scale for v in values]
+    return {
+        "count": len(scaled),
+        "mean": _r(sum(scaled) / len(scaled)),
+        "min": _r(min(scaled)),
+        "p50": _r(percentile(scaled, 50)),
+        "p90": _r(percentile(scaled, 90)),
+        "p99": _r(percentile(scaled, 99)),
+        "max": _r(max(scaled)),
+    }
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
