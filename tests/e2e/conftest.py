@@ -1,0 +1,69 @@
+"""End-to-end fixtures: the real stack (redis-server, simulator, ext_proc, Envoy) on free ports."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import redis
+
+from extproc.stack import Stack, StackPorts, free_port
+from tests.helpers import e2e_rules, write_rules
+
+SIM_ARGS = ["--ttft-ms", "5", "--itl-ms", "2"]
+
+
+def make_stack(workdir: Path, *, envoys: int = 1, extprocs: int = 1, rules: dict | None = None,
+               redis_url: str | None = None) -> Stack:
+    """Start a stack whose processes all listen on free loopback ports."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = write_rules(workdir / "rules.yaml", rules or e2e_rules())
+
+    def run_of(n: int) -> int:
+        while True:
+            p = free_port()
+            if all(_free(p + i) for i in range(n)):
+                return p
+
+    ports = StackPorts(envoy=run_of(envoys), envoy_admin=run_of(envoys), sim=free_port(),
+                       extproc=run_of(extprocs), redis=free_port())
+    stack = Stack(config=str(config), workdir=workdir, ports=ports, envoys=envoys, extprocs=extprocs,
+                  redis_url=redis_url, sim_args=SIM_ARGS)
+    stack.start()
+    return stack
+
+
+def _free(port: int) -> bool:
+    from extproc.stack import port_in_use
+
+    return not port_in_use(port)
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """One Envoy, one processor, the simulator and Redis, shared by the e2e suite."""
+    s = make_stack(Path(tmp_path_factory.mktemp("stack")))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Two Envoys and two processor replicas sharing one Redis."""
+    s = make_stack(Path(tmp_path_factory.mktemp("pair")), envoys=2, extprocs=2)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def rds(stack: Stack) -> redis.Redis:
+    """A client of the stack's Redis."""
+    return redis.Redis(port=stack.ports.redis, decode_responses=True)
+
+
+def client(stack: Stack, key: str, *, envoy: int = 0) -> openai.OpenAI:
+    """The official SDK pointed at one of the stack's Envoys (no automatic retries)."""
+    port = stack.envoy_ports[envoy]
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=30)

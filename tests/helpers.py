@@ -1,0 +1,125 @@
+"""Shared test helpers: a real redis-server, the e2e rules file, counter reads."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+import yaml
+
+from extproc.stack import free_port
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port, in its own directory."""
+
+    def __init__(self, workdir: Path, *, extra: list[str] | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        self.port = free_port()
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(  # noqa: S603
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(workdir), *(extra or [])],
+            stdout=(workdir / "redis.log").open("ab"), stderr=subprocess.STDOUT,
+        )
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        client.close()
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:PORT/0``."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        """A synchronous client."""
+        return redis.Redis(port=self.port, decode_responses=True)
+
+    def stop(self) -> None:
+        """Terminate the server."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def e2e_rules(extra_tenants: dict[str, dict[str, Any]] | None = None, **top: Any) -> dict[str, Any]:
+    """The rules the end-to-end suite runs on: one tenant per scenario, hourly windows
+    (so a test never straddles a window boundary by accident), plaintext test keys."""
+
+    def tenant(plan: str, key: str, limits: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        t: dict[str, Any] = {"plan": plan, "keys": [{"name": key, "plaintext": f"sk-{key}"}]}
+        if limits:
+            t["limits"] = limits
+        return t
+
+    hour = "hour"
+    rules: dict[str, Any] = {
+        "version": 1,
+        "charging": {"mode": "stream_incremental", "streaming": "lazy", "charge_every_tokens": 16},
+        "models": {
+            "sim-small": {
+                "aliases": ["sim"],
+                "tokenizer": {"kind": "tiktoken", "encoding": "cl100k_base"},
+                "max_output_tokens": 1024,
+            }
+        },
+        "plans": {
+            "big": {"limits": [{"model": "*", "per": hour, "rpm": 100000, "tpm": 10_000_000}]},
+            "rpm2": {"limits": [{"model": "*", "per": hour, "rpm": 2, "tpm": 10_000_000}]},
+            "rpm4": {"limits": [{"model": "*", "per": hour, "rpm": 4, "tpm": 10_000_000}]},
+            "tpm300": {"limits": [{"model": "*", "per": hour, "rpm": 1000, "tpm": 300}]},
+            "tpm300strict": {
+                "limits": [{"model": "*", "per": hour, "rpm": 1000, "tpm": 300}],
+                "charging": {"streaming": "strict"},
+            },
+            "tpm2000": {"limits": [{"model": "*", "per": hour, "rpm": 1000, "tpm": 2000}]},
+            "tpm2000strict": {
+                "limits": [{"model": "*", "per": hour, "rpm": 1000, "tpm": 2000}],
+                "charging": {"streaming": "strict"},
+            },
+            "tpm5000": {"limits": [{"model": "*", "per": hour, "rpm": 1000, "tpm": 5000}]},
+        },
+        "tenants": {},
+    }
+    names = {
+        "std": "big", "auth": "big", "bad": "big", "nonstream": "big", "passthru": "big",
+        "rpm": "rpm2", "twoenvoy": "rpm4", "tpm": "tpm300", "cut": "tpm300",
+        "strict": "tpm300strict", "disc": "big", "reset": "big", "refund": "tpm5000",
+        "uperr": "tpm5000", "meta": "tpm300", "conclazy": "tpm2000", "concstrict": "tpm2000strict",
+        "usage": "tpm5000", "drain": "big", "alias": "big", "toolong": "tpm300",
+    }
+    for name, plan in names.items():
+        rules["tenants"][f"t-{name}"] = tenant(plan, name)
+    for name, t in (extra_tenants or {}).items():
+        rules["tenants"][name] = t
+    rules.update(top)
+    return rules
+
+
+def write_rules(path: Path, rules: dict[str, Any]) -> Path:
+    """Write a rules dict as YAML."""
+    path.write_text(yaml.safe_dump(rules, sort_keys=False))
+    return path
+
+
+def tpm_used(client: redis.Redis, tenant: str, metric: str = "tpm") -> int:
+    """Sum of the tenant-wide counters of ``metric`` in their current windows."""
+    total = 0
+    for key in client.scan_iter(f"aiq:{{{tenant}}}:{metric}:t:*"):
+        total += int(client.get(key) or 0)
+    return total
