@@ -235,6 +235,8 @@ class Stack:
                         "--log-level",
                         "warn",
                         "--disable-hot-restart",
+                        "--file-flush-interval-msec",
+                        "250",
                     ],
                 )
             self._wait("simulator", lambda: _http_ok(f"{self.sim_url}/healthz"))

@@ -166,9 +166,11 @@ class RequestProcessor:
         if self.life.state in (State.AWAIT_BODY, State.AWAIT_HEADERS):
             self.life.state = State.DONE
         self.ending = "refused" if err.status == 429 else "rejected"
-        return wire.immediate(
+        resp = wire.immediate(
             err.status, error_headers(err), error_body(err), f"ai_quota_{err.code}"
         )
+        resp.dynamic_metadata.CopyFrom(wire.dynamic_metadata(self._metadata(ending=self.ending)))
+        return resp
 
     # -- request headers -------------------------------------------------------------------
 

@@ -1,0 +1,225 @@
+"""Streaming through the real stack: charging every N, the clean cut-off, settlement on every ending."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import orjson
+import pytest
+import redis
+
+from extproc.stack import Stack
+from extproc.core.tokens import TokenizerSpec, count_chat_request, load_counter
+from tests.e2e.conftest import client
+from tests.helpers import tpm_used
+
+pytestmark = pytest.mark.e2e
+
+MSG = [{"role": "user", "content": "Tell me a long story."}]
+N = 16  # charge_every_tokens in the e2e rules
+
+
+def records(stack: Stack, tenant: str) -> list[dict]:
+    recs = httpx.get(f"{stack.sim_url}/sim/requests").json()["requests"]
+    return [r for r in recs if r["tenant"] == tenant]
+
+
+def settled(rds: redis.Redis, tenant: str, expect_change_from: int | None = None) -> int:
+    """The tenant's TPM once settlement (which runs just after the stream ends) has landed."""
+    deadline = time.monotonic() + 5
+    last = tpm_used(rds, tenant)
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = tpm_used(rds, tenant)
+        if now == last and (expect_change_from is None or now != expect_change_from):
+            return now
+        last = now
+    return last
+
+
+def stream_and_count(c: openai.OpenAI, **kw: object) -> tuple[int, Exception | None]:
+    """Content tokens received (the simulator sends one token per chunk) and the error raised."""
+    got = 0
+    try:
+        for ch in c.chat.completions.create(model="sim-small", messages=MSG, stream=True, **kw):  # type: ignore[call-overload]
+            if ch.choices and ch.choices[0].delta.content:
+                got += 1
+    except openai.APIError as exc:
+        return got, exc
+    return got, None
+
+
+def prompt_tokens() -> int:
+    """What the gateway counts for MSG, with the model's real tokenizer and chat overhead."""
+    spec = TokenizerSpec(kind="tiktoken", encoding="cl100k_base")
+    return count_chat_request({"messages": MSG}, load_counter(spec), spec)
+
+
+PROMPT = prompt_tokens()
+
+
+def test_lazy_stream_is_cut_cleanly_and_the_upstream_stops(stack: Stack, rds: redis.Redis) -> None:
+    """Over budget, the client gets an OpenAI error event and [DONE]; the upstream is disconnected."""
+    c = client(stack, "sk-cut")
+    got, err = stream_and_count(c, max_tokens=1000)
+    assert isinstance(err, openai.APIError)
+    assert "Rate limit reached for tokens" in err.message and "t-cut" in err.message
+    assert 0 < got < 1000
+    rec = records(stack, "t-cut")[-1]
+    assert rec["ending"] == "client_disconnected"
+    assert rec["tokens_sent"] < 1000
+    assert rec["disconnected_at"] is not None
+    used = settled(rds, "t-cut")
+    # lazy: the counter equals what was delivered (+ input), over the limit by at most one batch
+    assert 300 <= used <= 300 + N + 2
+    with pytest.raises(openai.RateLimitError) as info:
+        c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=5)
+    assert info.value.code == "tpm_limit_exceeded"
+
+
+def test_cut_stream_bytes_end_with_error_event_and_done(stack: Stack, rds: redis.Redis) -> None:
+    """On the wire the cut stream ends with one error event and data: [DONE], then a clean close."""
+    body = orjson.dumps({"model": "sim-small", "messages": MSG, "max_tokens": 1000, "stream": True})
+    with httpx.stream("POST", f"{stack.base_url}/chat/completions", content=body,
+                      headers={"authorization": "Bearer sk-meta", "content-type": "application/json"}) as r:
+        assert r.status_code == 200
+        raw = b"".join(r.iter_bytes())
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    err = orjson.loads(events[-2].removeprefix(b"data: "))["error"]
+    assert err["code"] == "tpm_limit_exceeded" and err["type"] == "tokens"
+    assert "resets in" in err["message"]
+    for e in events[:-2]:
+        assert e.startswith(b"data: {")
+        assert "error" not in orjson.loads(e.removeprefix(b"data: "))
+
+
+def test_access_log_shows_charged_tokens_and_ending(stack: Stack, rds: redis.Redis) -> None:
+    """Envoy's access log line carries tenant, model, input/output tokens and how it ended."""
+    # The t-meta stream was cut by the test above.
+    deadline = time.monotonic() + 5
+    lines: list[dict] = []
+    while time.monotonic() < deadline and not lines:
+        log = (stack.workdir / "envoy0.log").read_text(errors="replace")
+        lines = [orjson.loads(x) for x in log.splitlines() if x.startswith("{") and '"t-meta"' in x]
+        time.sleep(0.1)
+    assert lines, "no access log line for t-meta"
+    cut = [x for x in lines if x["ending"] == "cut"]
+    assert cut, lines
+    assert cut[0]["model"] == "sim-small"
+    assert int(cut[0]["output_tokens"]) > 0 and int(cut[0]["input_tokens"]) > 0
+
+
+def test_strict_stream_never_exceeds_the_limit_and_uses_it(stack: Stack, rds: redis.Redis) -> None:
+    """Strict mode: delivered + input never passes the limit, and at least 95% of it is used."""
+    c = client(stack, "sk-strict")
+    got, err = stream_and_count(c, max_tokens=1000)
+    assert isinstance(err, openai.APIError) and "Rate limit reached" in err.message
+    used = settled(rds, "t-strict")
+    assert used <= 300
+    assert used >= 0.95 * 300
+    # the counter is exactly what was delivered plus the prompt
+    assert used == got + PROMPT
+
+
+def test_client_disconnect_mid_stream_charges_what_was_delivered(stack: Stack, rds: redis.Redis) -> None:
+    """A client that walks away is charged for the tokens that passed, and the upstream stops."""
+    c = client(stack, "sk-disc")
+    stream = c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=1000, stream=True)
+    got = 0
+    for ch in stream:
+        if ch.choices and ch.choices[0].delta.content:
+            got += 1
+        if got == 100:
+            break
+    stream.close()
+    used = settled(rds, "t-disc", expect_change_from=None)
+    rec = records(stack, "t-disc")[-1]
+    deadline = time.monotonic() + 5
+    while rec["ending"] == "in_progress" and time.monotonic() < deadline:
+        time.sleep(0.05)
+        rec = records(stack, "t-disc")[-1]
+    assert rec["ending"] == "client_disconnected"
+    assert rec["tokens_sent"] < 1000
+    prompt = PROMPT
+    # charged: what passed the gateway (>= what the client read, <= what the upstream sent)
+    assert got <= used - prompt + 5
+    assert used - prompt <= rec["tokens_sent"] + 5
+
+
+def test_upstream_reset_mid_stream_charges_what_was_generated(stack: Stack, rds: redis.Redis) -> None:
+    """When the upstream dies mid-stream, the tokens it sent are charged, not max_tokens."""
+    c = client(stack, "sk-reset")
+    got, err = stream_and_count(c, max_tokens=800, extra_headers={"x-sim-disconnect-after": "120"})
+    assert err is not None
+    # A TCP reset may discard the last bytes in flight, so the client sees at most 120.
+    assert 100 <= got <= 120
+    used = settled(rds, "t-reset")
+    prompt = PROMPT
+    assert got <= used - prompt + 5
+    assert used - prompt <= 120 + 5
+
+
+def test_upstream_malformed_event_is_forwarded_and_counted(stack: Stack, rds: redis.Redis) -> None:
+    """A broken SSE event from the upstream reaches the client unchanged; the stream carries on."""
+    body = orjson.dumps({"model": "sim-small", "messages": MSG, "max_tokens": 50, "stream": True})
+    with httpx.stream("POST", f"{stack.base_url}/chat/completions", content=body,
+                      headers={"authorization": "Bearer sk-std", "content-type": "application/json",
+                               "x-sim-malformed-after": "10"}) as r:
+        raw = b"".join(r.iter_bytes())
+    assert b"data: {not json" in raw
+    assert raw.endswith(b"data: [DONE]\n\n")
+
+
+async def _astream(c: openai.AsyncOpenAI, max_tokens: int) -> tuple[int, bool]:
+    got = 0
+    try:
+        stream = await c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=max_tokens,
+                                                 stream=True)  # type: ignore[arg-type]
+        async for ch in stream:
+            if ch.choices and ch.choices[0].delta.content:
+                got += 1
+    except openai.RateLimitError:
+        return got, False
+    except openai.APIError:
+        return got, True
+    return got, True
+
+
+async def _concurrent(pair: Stack, key: str, streams: int) -> list[tuple[int, bool]]:
+    clients = [openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key=key, max_retries=0)
+               for p in pair.envoy_ports]
+    tasks = [_astream(clients[i % len(clients)], 400) for i in range(streams)]
+    out = await asyncio.gather(*tasks)
+    for cl in clients:
+        await cl.close()
+    return list(out)
+
+
+@pytest.mark.parametrize(("key", "tenant", "strict"), [("sk-conclazy", "t-conclazy", False),
+                                                       ("sk-concstrict", "t-concstrict", True)])
+async def test_concurrent_streams_through_two_envoys_stay_within_bound(
+    pair: Stack, key: str, tenant: str, strict: bool
+) -> None:
+    """24 concurrent streams of one tenant via 2 Envoys x 2 processors: the simulator's ground
+    truth stays within the mode's bound (strict: the limit; lazy: limit + N per stream)."""
+    streams = 24
+    results = await _concurrent(pair, key, streams)
+    rds = redis.Redis(port=pair.ports.redis, decode_responses=True)
+    await asyncio.sleep(0.5)
+    used = settled(rds, tenant)
+    delivered = sum(g for g, _ in results)
+    admitted = sum(1 for _, a in results if a)
+    prompt = PROMPT
+    if strict:
+        assert used <= 2000
+        assert delivered + admitted * prompt <= 2000
+        assert delivered + admitted * prompt >= 0.95 * 2000
+    else:
+        assert used <= 2000 + N * streams + 2 * streams
+    # the counters agree with what passed: ground truth from the simulator bounds the delivery
+    truth = sum(r["tokens_sent"] for r in records(pair, tenant))
+    assert delivered <= truth
