@@ -11,8 +11,8 @@ import orjson
 import pytest
 import redis
 
-from extproc.stack import Stack
 from extproc.core.tokens import TokenizerSpec, count_chat_request, load_counter
+from extproc.stack import Stack
 from tests.e2e.conftest import client
 from tests.helpers import tpm_used
 
