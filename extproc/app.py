@@ -76,7 +76,7 @@ async def start(
         metrics=metrics or Metrics(),
         key_prefix=settings.key_prefix,
     )
-    options = [("grpc.so_reuseport", 1 if settings.workers > 1 else 0)]
+    options = [("grpc.so_reuseport", 1 if settings.workers > 1 or settings.reuse_port else 0)]
     server = grpc.aio.server(options=options)
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessorServicer(gw), server)
     _add_usage_service(server, gw)

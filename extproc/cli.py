@@ -41,7 +41,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log_format, settings.log_level)
     if settings.workers > 1:
         return _serve_workers(settings)
-    _use_uvloop()
+    if settings.event_loop == "uvloop":
+        _use_uvloop()
     try:
         return asyncio.run(serve_forever(settings))
     except ConfigError as exc:

@@ -20,13 +20,15 @@ class Settings:
     metrics_port: int = 0
     usage_address: str = ""
     workers: int = 1
+    reuse_port: bool = False
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     shutdown_grace_s: float = 10.0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> Settings:
         """Read ``AIQ_CONFIG``, ``AIQ_REDIS_URL``, ``AIQ_GRPC_ADDRESS``, ``AIQ_KEY_PREFIX``,
         ``AIQ_LOG_FORMAT``, ``AIQ_LOG_LEVEL``, ``AIQ_METRICS_PORT``, ``AIQ_WORKERS``,
-        ``AIQ_SHUTDOWN_GRACE_S``; explicit ``overrides`` (from CLI flags) win."""
+        ``AIQ_REUSEPORT``, ``AIQ_EVENT_LOOP`` (uvloop|asyncio), ``AIQ_SHUTDOWN_GRACE_S``; explicit ``overrides`` (from CLI flags) win."""
         e = os.environ if env is None else env
         base = cls()
         fmt = e.get("AIQ_LOG_FORMAT", base.log_format)
@@ -39,6 +41,8 @@ class Settings:
             "log_level": e.get("AIQ_LOG_LEVEL", base.log_level),
             "metrics_port": int(e.get("AIQ_METRICS_PORT", base.metrics_port)),
             "workers": int(e.get("AIQ_WORKERS", base.workers)),
+            "reuse_port": e.get("AIQ_REUSEPORT", "0") == "1",
+            "event_loop": "asyncio" if e.get("AIQ_EVENT_LOOP") == "asyncio" else "uvloop",
             "shutdown_grace_s": float(e.get("AIQ_SHUTDOWN_GRACE_S", base.shutdown_grace_s)),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
