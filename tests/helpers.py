@@ -93,6 +93,17 @@ def e2e_rules(extra_tenants: dict[str, dict[str, Any]] | None = None, **top: Any
                 "charging": {"streaming": "strict"},
             },
             "tpm5000": {"limits": [{"model": "*", "per": hour, "rpm": 1000, "tpm": 5000}]},
+            "inputonly": {"limits": [{"model": "*", "per": hour, "tpm": 100000}],
+                          "charging": {"mode": "input_only"}},
+            "reservemax": {"limits": [{"model": "*", "per": hour, "tpm": 100000}],
+                           "charging": {"mode": "reserve_max"}},
+            "reserverefund": {"limits": [{"model": "*", "per": hour, "tpm": 100000}],
+                              "charging": {"mode": "reserve_refund"}},
+            "bigopen": {"limits": [{"model": "*", "per": hour, "rpm": 100000, "tpm": 10_000_000}],
+                        "failure_mode": "open"},
+            "modeltpm": {"limits": [{"model": "*", "per": hour, "tpm": 100000},
+                                    {"model": "sim-small", "per": hour, "tpm": 500},
+                                    {"model": "*", "scope": "key", "per": hour, "rpm": 3}]},
         },
         "tenants": {},
     }
@@ -102,6 +113,9 @@ def e2e_rules(extra_tenants: dict[str, dict[str, Any]] | None = None, **top: Any
         "strict": "tpm300strict", "disc": "big", "reset": "big", "refund": "tpm5000",
         "uperr": "tpm5000", "meta": "tpm300", "conclazy": "tpm2000", "concstrict": "tpm2000strict",
         "usage": "tpm5000", "drain": "big", "alias": "big", "toolong": "tpm300",
+        "inputonly": "inputonly", "reservemax": "reservemax", "reserverefund": "reserverefund",
+        "closed": "big", "open": "bigopen", "closedstream": "big", "openstream": "bigopen",
+        "estimate": "big", "modeltpm": "modeltpm",
     }
     for name, plan in names.items():
         rules["tenants"][f"t-{name}"] = tenant(plan, name)

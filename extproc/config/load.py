@@ -228,6 +228,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         breaker_cooldown_ms=cfg.failure.breaker_cooldown_ms,
         ledger_ttl_seconds=cfg.ledger_ttl_seconds,
         plaintext_keys=plaintext,
+        plan_failure_modes={n: p.failure_mode for n, p in cfg.plans.items() if p.failure_mode},
     )
 
 

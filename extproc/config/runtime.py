@@ -109,11 +109,16 @@ class RuntimeConfig:
     breaker_cooldown_ms: int
     ledger_ttl_seconds: int
     plaintext_keys: int = 0
+    plan_failure_modes: dict[str, Literal["closed", "open"]] = field(default_factory=dict)
 
     def resolve_model(self, name: str) -> Model | None:
         """The configured model for ``name`` or one of its aliases."""
         canonical = self.aliases.get(name, name)
         return self.models.get(canonical)
+
+    def failure_mode_for(self, plan: str) -> Literal["closed", "open"]:
+        """What to do when Redis is unreachable: the plan's choice, else the file's."""
+        return self.plan_failure_modes.get(plan, self.failure_mode)
 
     def charging_for(self, plan: str, model: str) -> Charging:
         """Charging settings: plan's over model's over the file's defaults."""

@@ -87,6 +87,7 @@ class PlanEntry(Strict):
     description: str = ""
     limits: list[LimitEntry] = Field(default_factory=list)
     charging: ChargingModel = Field(default_factory=ChargingModel)
+    failure_mode: FailureMode | None = None
 
 
 class KeyEntry(Strict):

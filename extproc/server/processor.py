@@ -378,7 +378,7 @@ class RequestProcessor:
             )
         except LimiterUnavailable:
             self.gw.metrics.limiter_errors.labels("admit").inc()
-            if self.cfg.failure_mode == "open":
+            if self.cfg.failure_mode_for(self.tenant.plan if self.tenant else "") == "open":
                 log.warning("limiter_unavailable_fail_open", request_id=self.request_id)
                 return None
             raise
@@ -533,7 +533,7 @@ class RequestProcessor:
         except LimiterUnavailable:
             self.gw.metrics.limiter_errors.labels("charge").inc()
             meter.on_charge_failed()
-            if self.cfg.failure_mode == "open":
+            if self.cfg.failure_mode_for(self.tenant.plan if self.tenant else "") == "open":
                 log.warning("limiter_unavailable_stream_unmetered", request_id=self.request_id)
                 meter.enforce = False
                 self._fail_open_stream = True

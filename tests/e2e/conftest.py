@@ -16,7 +16,7 @@ SIM_ARGS = ["--ttft-ms", "5", "--itl-ms", "2"]
 
 
 def make_stack(workdir: Path, *, envoys: int = 1, extprocs: int = 1, rules: dict | None = None,
-               redis_url: str | None = None) -> Stack:
+               redis_url: str | None = None, sim_args: list[str] | None = None) -> Stack:
     """Start a stack whose processes all listen on free loopback ports."""
     workdir.mkdir(parents=True, exist_ok=True)
     config = write_rules(workdir / "rules.yaml", rules or e2e_rules())
@@ -30,7 +30,7 @@ def make_stack(workdir: Path, *, envoys: int = 1, extprocs: int = 1, rules: dict
     ports = StackPorts(envoy=run_of(envoys), envoy_admin=run_of(envoys), sim=free_port(),
                        extproc=run_of(extprocs), redis=free_port())
     stack = Stack(config=str(config), workdir=workdir, ports=ports, envoys=envoys, extprocs=extprocs,
-                  redis_url=redis_url, sim_args=SIM_ARGS)
+                  redis_url=redis_url, sim_args=SIM_ARGS + (sim_args or []))
     stack.start()
     return stack
 

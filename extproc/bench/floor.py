@@ -1,0 +1,109 @@
+"""A do-nothing ext_proc processor: the floor a grpc.aio processor can reach.
+
+It exchanges exactly the messages the real gateway exchanges with Envoy and does no other
+work: CONTINUE at request headers and body, at response headers a ``mode_override`` to
+FULL_DUPLEX_STREAMED (with response trailers SEND) for ``text/event-stream`` responses, and
+each streamed response body chunk echoed back unchanged with the same ``end_of_stream``.
+The benchmark runs it in place of ``ai-quota serve`` to measure the per-chunk cost of Python
+gRPC alone.  ``python -m extproc.bench.floor`` listens on ``AIQ_GRPC_ADDRESS`` (or
+``--address``) and honours ``AIQ_EVENT_LOOP`` like the real server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+from typing import Any
+
+import grpc
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+_Mode = processing_mode_pb2.ProcessingMode
+_DUPLEX = _Mode(response_body_mode=_Mode.FULL_DUPLEX_STREAMED, response_trailer_mode=_Mode.SEND)
+
+
+def _is_sse(headers: Any) -> bool:
+    for h in headers.headers.headers:
+        if h.key.lower() == "content-type":
+            return b"text/event-stream" in h.raw_value
+    return False
+
+
+def answer(req: Any) -> Any:
+    """The floor's reply to one ProcessingRequest (None: nothing to send)."""
+    which = req.WhichOneof("request")
+    if which == "response_body":
+        common = pb.CommonResponse()
+        sr = common.body_mutation.streamed_response
+        sr.body = req.response_body.body
+        sr.end_of_stream = req.response_body.end_of_stream
+        return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
+    if which == "request_headers":
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+    if which == "request_body":
+        return pb.ProcessingResponse(request_body=pb.BodyResponse())
+    if which == "response_headers":
+        r = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+        if _is_sse(req.response_headers):
+            r.mode_override.CopyFrom(_DUPLEX)
+        return r
+    if which == "response_trailers":
+        return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+    if which == "request_trailers":
+        return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+    return None
+
+
+class FloorServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """``ExternalProcessor.Process`` with the real servicer's read/write loop and no work."""
+
+    async def Process(self, request_iterator: Any, context: Any) -> None:  # noqa: N802
+        """Answer each message in order until Envoy closes or cancels the stream."""
+        while True:
+            req = await context.read()
+            if req is grpc.aio.EOF:
+                return
+            resp = answer(req)
+            if resp is not None:
+                await context.write(resp)
+
+
+async def serve(address: str) -> int:
+    """Serve until SIGINT/SIGTERM."""
+    server = grpc.aio.server()
+    pb_grpc.add_ExternalProcessorServicer_to_server(FloorServicer(), server)
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(1.0)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m extproc.bench.floor``."""
+    parser = argparse.ArgumentParser(prog="python -m extproc.bench.floor", description=__doc__)
+    parser.add_argument(
+        "--address", default=os.environ.get("AIQ_GRPC_ADDRESS", "127.0.0.1:50051")
+    )
+    args = parser.parse_args(argv)
+    if os.environ.get("AIQ_EVENT_LOOP", "uvloop") != "asyncio":
+        try:
+            import uvloop
+
+            uvloop.install()
+        except ImportError:
+            pass
+    return asyncio.run(serve(args.address))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
