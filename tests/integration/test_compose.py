@@ -1,0 +1,223 @@
+"""Static checks of compose/: pinned images, files that exist, and an Envoy config that Envoy accepts
+and that is exactly what the project's renderer produces (so it cannot drift from envoy/envoy.yaml).
+
+No Docker engine is needed: the compose file is read as YAML and Envoy runs in ``--mode validate``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extproc.config import load_config
+from extproc.envoy_config import EnvoyPorts, render_yaml
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_DIR = ROOT / "compose"
+COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yaml"
+COMPOSE_ENVOY = COMPOSE_DIR / "envoy.yaml"
+LOCAL_ENVOY = ROOT / "envoy" / "envoy.yaml"
+
+#: The arguments compose/envoy.yaml is generated with (see compose/README.md).
+COMPOSE_PORTS = EnvoyPorts(
+    listen_host="0.0.0.0",
+    upstreams=(("sim", 18080),),
+    extprocs=(("extproc", 50051),),
+)
+EXPECTED_SERVICES = {"redis", "extproc", "sim", "envoy"}
+
+
+def _compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def _services() -> dict[str, dict[str, Any]]:
+    services = _compose()["services"]
+    assert isinstance(services, dict)
+    return services
+
+
+def _is_pinned(image: str) -> bool:
+    """``name:tag`` (or ``name@sha256:...``) with a tag that is not ``latest``."""
+    if "@sha256:" in image:
+        return True
+    name, _, tag = image.rpartition(":")
+    return bool(name) and "/" not in tag and tag not in {"", "latest"}
+
+
+def _build_paths(service: dict[str, Any]) -> tuple[Path, Path]:
+    build = service["build"]
+    if isinstance(build, str):
+        context, dockerfile = COMPOSE_DIR / build, "Dockerfile"
+    else:
+        context, dockerfile = COMPOSE_DIR / build["context"], build.get("dockerfile", "Dockerfile")
+    return context.resolve(), (context / dockerfile).resolve()
+
+
+def _from_images(dockerfile: Path) -> list[str]:
+    return re.findall(r"^FROM\s+(?:--\S+\s+)*(\S+)", dockerfile.read_text(), flags=re.M)
+
+
+def _bind_mounts(service: dict[str, Any]) -> list[tuple[Path, str]]:
+    """(host path, container path) of each bind mount; named volumes are skipped."""
+    out = []
+    for vol in service.get("volumes", []):
+        if isinstance(vol, dict):
+            if vol.get("type") != "bind":
+                continue
+            source, target = vol["source"], vol["target"]
+        else:
+            source, target = vol.split(":")[:2]
+        if source.startswith((".", "/")):
+            out.append(((COMPOSE_DIR / source).resolve(), target))
+    return out
+
+
+def _envoy_binary() -> str:
+    beside = Path(sys.executable).parent / "envoy"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("envoy")
+    if found is None:
+        pytest.skip("no envoy binary next to the interpreter or on PATH")
+    return found
+
+
+def _validate(path: Path) -> None:
+    proc = subprocess.run(
+        [_envoy_binary(), "--mode", "validate", "-c", str(path), "-l", "warning"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, f"envoy rejected {path}:\n{proc.stdout}\n{proc.stderr}"
+
+
+def _clusters(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+
+
+def _endpoint(cluster: dict[str, Any]) -> tuple[str, int]:
+    sock = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
+        "socket_address"
+    ]
+    return sock["address"], sock["port_value"]
+
+
+def test_compose_file_parses_with_the_expected_services() -> None:
+    """docker-compose.yaml is YAML with the redis, extproc, sim and envoy services."""
+    assert set(_services()) == EXPECTED_SERVICES
+
+
+def test_every_image_is_pinned() -> None:
+    """Each service uses a tagged non-latest image or is built from a Dockerfile with a pinned FROM."""
+    for name, service in _services().items():
+        if "build" in service:
+            _, dockerfile = _build_paths(service)
+            bases = _from_images(dockerfile)
+            assert bases, f"{dockerfile} has no FROM"
+            for base in bases:
+                assert _is_pinned(base), f"{name}: base image {base!r} is not pinned"
+        else:
+            assert _is_pinned(service["image"]), f"{name}: image {service['image']!r} not pinned"
+        if "image" in service:
+            assert _is_pinned(service["image"]), f"{name}: image tag {service['image']!r}"
+
+
+def test_every_built_or_mounted_file_exists() -> None:
+    """Build contexts, Dockerfiles and bind-mounted files all exist in the repository."""
+    for name, service in _services().items():
+        if "build" in service:
+            context, dockerfile = _build_paths(service)
+            assert context.is_dir(), f"{name}: build context {context} missing"
+            assert dockerfile.is_file(), f"{name}: {dockerfile} missing"
+        for host, _ in _bind_mounts(service):
+            assert host.exists(), f"{name}: mounted {host} missing"
+            assert host.is_relative_to(ROOT), f"{name}: mounts {host} from outside the repository"
+
+
+def test_services_mount_the_local_demo_rules_read_only() -> None:
+    """extproc mounts the same config/demo.yaml as the local stack, read-only, where AIQ_CONFIG points."""
+    extproc = _services()["extproc"]
+    env = extproc["environment"]
+    read_only = [v for v in extproc["volumes"] if isinstance(v, str) and v.endswith(":ro")]
+    mounts = {target: host for host, target in _bind_mounts({"volumes": read_only})}
+    assert mounts.get(env["AIQ_CONFIG"]) == (ROOT / "config" / "demo.yaml").resolve()
+    assert env["AIQ_REDIS_URL"] == "redis://redis:6379/0"
+    assert env["AIQ_GRPC_ADDRESS"] == "0.0.0.0:50051"
+    assert extproc["deploy"]["replicas"] == 2
+
+
+def test_mounted_rules_file_loads() -> None:
+    """Every mounted rules file passes extproc.config.load_config."""
+    rules = [
+        host
+        for service in _services().values()
+        for host, target in _bind_mounts(service)
+        if target.startswith("/config/")
+    ]
+    assert rules
+    for path in rules:
+        cfg = load_config(path)
+        assert cfg.max_body_bytes == COMPOSE_PORTS.max_body_bytes
+
+
+def test_redis_persists_with_aof_on_a_named_volume() -> None:
+    """Redis runs with --appendonly yes and keeps /data on a declared named volume."""
+    compose = _compose()
+    redis = compose["services"]["redis"]
+    command = redis["command"]
+    text = command if isinstance(command, str) else " ".join(command)
+    assert "--appendonly yes" in text
+    named = [v.split(":")[0] for v in redis["volumes"] if v.split(":")[1] == "/data"]
+    assert named and named[0] in compose["volumes"]
+
+
+def test_compose_envoy_yaml_equals_the_renderer_output() -> None:
+    """compose/envoy.yaml is exactly render_yaml(EnvoyPorts(0.0.0.0, sim:18080, extproc:50051))."""
+    on_disk = yaml.safe_load(COMPOSE_ENVOY.read_text())
+    assert on_disk == yaml.safe_load(render_yaml(COMPOSE_PORTS))
+
+
+def test_compose_envoy_yaml_matches_the_compose_services() -> None:
+    """Envoy's clusters resolve compose service names by DNS, on the ports those services listen on."""
+    services = _services()
+    clusters = _clusters(yaml.safe_load(COMPOSE_ENVOY.read_text()))
+    assert {c["type"] for c in clusters.values()} == {"STRICT_DNS"}
+    sim_host, sim_port = _endpoint(clusters["upstream"])
+    assert sim_host in services
+    assert str(sim_port) in services[sim_host]["command"]
+    ext_host, ext_port = _endpoint(clusters["extproc"])
+    assert ext_host == "extproc"
+    assert services["extproc"]["environment"]["AIQ_GRPC_ADDRESS"].endswith(f":{ext_port}")
+    assert f"{COMPOSE_PORTS.listen_port}:{COMPOSE_PORTS.listen_port}" in services["envoy"]["ports"]
+    envoy_mounts = dict(_bind_mounts(services["envoy"]))
+    assert envoy_mounts.get(COMPOSE_ENVOY.resolve()) == "/etc/envoy/envoy.yaml"
+
+
+def test_compose_envoy_yaml_passes_envoy_validate() -> None:
+    """envoy --mode validate accepts compose/envoy.yaml (STRICT_DNS names need not resolve)."""
+    _validate(COMPOSE_ENVOY)
+
+
+def test_local_envoy_yaml_equals_the_renderer_default() -> None:
+    """envoy/envoy.yaml is exactly render_yaml(EnvoyPorts()) (the renderer's default output)."""
+    assert yaml.safe_load(LOCAL_ENVOY.read_text()) == yaml.safe_load(render_yaml(EnvoyPorts()))
+
+
+def test_local_envoy_yaml_passes_envoy_validate() -> None:
+    """envoy --mode validate accepts the local default envoy/envoy.yaml."""
+    _validate(LOCAL_ENVOY)
