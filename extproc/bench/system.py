@@ -1,0 +1,202 @@
+"""What the benchmarks read from the processes they run: CPU time from ``/proc``, Redis
+``INFO commandstats``, Envoy admin counters; and how they start a stack on free ports."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+import yaml
+
+from extproc.stack import Stack, StackPorts, free_port, port_in_use
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+# Redis commands that are a round trip of the limiter (each call is one round trip).
+LIMITER_COMMANDS = ("evalsha", "eval", "mget", "fcall", "incrby", "get", "set")
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            text = Path(f"/proc/{pid}/task/{tid}/children").read_text()
+        except OSError:
+            continue
+        out += [int(x) for x in text.split()]
+    return out
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (``serve --workers N`` runs N child processes)."""
+    seen: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        seen.append(p)
+        todo += _children(p)
+    return seen
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """utime + stime of each process (all its threads), summed, in seconds."""
+    total = 0
+    for pid in pids:
+        try:
+            text = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+    return total / _TICK
+
+
+class CpuMeter:
+    """CPU seconds used by a process tree between ``start()`` and ``stop()``."""
+
+    def __init__(self, root_pids: Sequence[int]) -> None:
+        self.roots = list(root_pids)
+        self._pids: list[int] = []
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        """Take the starting reading (the tree is re-read so late workers are included)."""
+        self._pids = [p for r in self.roots for p in tree(r)]
+        self._t0 = cpu_seconds(self._pids)
+
+    def stop(self) -> float:
+        """CPU seconds since ``start()``."""
+        return cpu_seconds(self._pids) - self._t0
+
+
+def redis_calls(url_port: int) -> dict[str, int]:
+    """Calls per command from ``INFO commandstats`` (command name → calls)."""
+    client = redis.Redis(port=url_port)
+    try:
+        info: dict[str, Any] = client.info("commandstats")
+    finally:
+        client.close()
+    out: dict[str, int] = {}
+    for k, v in info.items():
+        name = k.removeprefix("cmdstat_")
+        out[name] = int(v["calls"]) if isinstance(v, dict) else 0
+    return out
+
+
+def limiter_round_trips(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Round trips per limiter command between two ``redis_calls`` readings."""
+    return {
+        c: after.get(c, 0) - before.get(c, 0)
+        for c in LIMITER_COMMANDS
+        if after.get(c, 0) - before.get(c, 0)
+    }
+
+
+def envoy_counters(admin_port: int, contains: str = "ext_proc") -> dict[str, int]:
+    """Envoy admin counters whose name contains ``contains``."""
+    url = f"http://127.0.0.1:{admin_port}/stats?filter={contains}"
+    with urllib.request.urlopen(url, timeout=2) as r:  # noqa: S310 - loopback admin port
+        text = r.read().decode()
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(": ")
+        if value.strip().isdigit():
+            out[name] = int(value)
+    return out
+
+
+def consecutive_free(n: int) -> int:
+    """First of ``n`` consecutive free loopback ports."""
+    for _ in range(200):
+        base = free_port() if n == 1 else random.randint(20_000, 60_000)
+        if all(not port_in_use(base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no run of free ports found")
+
+
+def bench_rules(every: int = 64, tpm_limit: int = 20_000) -> dict[str, Any]:
+    """Rules for the benchmarks, shaped like the end-to-end suite's: hourly windows,
+    plaintext test keys, one generous tenant and a lazy and a strict tenant with ``tpm_limit``."""
+    hour = "hour"
+    limited = [{"model": "*", "per": hour, "rpm": 1_000_000, "tpm": tpm_limit}]
+    return {
+        "version": 1,
+        "charging": {
+            "mode": "stream_incremental",
+            "streaming": "lazy",
+            "charge_every_tokens": every,
+        },
+        "models": {
+            "sim-small": {
+                "aliases": ["sim"],
+                "tokenizer": {"kind": "tiktoken", "encoding": "cl100k_base"},
+                "max_output_tokens": 4096,
+            }
+        },
+        "plans": {
+            "big": {
+                "limits": [{"model": "*", "per": hour, "rpm": 100_000_000, "tpm": 1_000_000_000}]
+            },
+            "lazy": {"limits": limited},
+            "strict": {"limits": limited, "charging": {"streaming": "strict"}},
+        },
+        "tenants": {
+            f"t-{name}": {"plan": plan, "keys": [{"name": name, "plaintext": f"sk-{name}"}]}
+            for name, plan in (("bench", "big"), ("lazy", "lazy"), ("strict", "strict"))
+        },
+    }
+
+
+def start_stack(
+    workdir: Path,
+    rules: dict[str, Any],
+    *,
+    envoys: int = 1,
+    extprocs: int = 1,
+    baseline: bool = False,
+    extproc_argv: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    redis_url: str | None = None,
+) -> Stack:
+    """Start Redis (unless ``redis_url``), the simulator, processors and Envoys on free ports."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = workdir / "rules.yaml"
+    config.write_text(yaml.safe_dump(rules, sort_keys=False))
+    ports = StackPorts(
+        envoy=consecutive_free(envoys),
+        envoy_admin=consecutive_free(envoys),
+        sim=free_port(),
+        extproc=consecutive_free(extprocs),
+        redis=free_port(),
+    )
+    stack = Stack(
+        config=str(config),
+        workdir=workdir,
+        ports=ports,
+        envoys=envoys,
+        extprocs=extprocs,
+        redis_url=redis_url,
+        sim_args=["--ttft-ms", "0", "--itl-ms", "0", "--max-records", "20000",
+                  "--max-tokens-cap", "8192", "--log-level", "warning"],
+        extproc_env=dict(env or {}),
+        baseline_port=consecutive_free(envoys) if baseline else 0,
+        extproc_argv=extproc_argv,
+    )
+    stack.start()
+    time.sleep(0.2)
+    return stack
+
+
+def proc_pids(stack: Stack, prefix: str) -> list[int]:
+    """Process ids of the stack's children whose name starts with ``prefix``."""
+    return [p.popen.pid for p in stack.procs if p.name.startswith(prefix)]
