@@ -116,7 +116,7 @@ def format_duration(seconds: float) -> str:
     """Render a reset time the way OpenAI does: ``1s``, ``6m0s``, ``120ms``."""
     if seconds <= 0:
         return "0s"
-    if seconds < 1:
+    if round(seconds * 1000) < 1000:
         return f"{max(1, round(seconds * 1000))}ms"
     whole = int(seconds + 0.999)
     hours, rest = divmod(whole, 3600)

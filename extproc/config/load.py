@@ -39,6 +39,8 @@ def load_config(path: str | Path) -> RuntimeConfig:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read config: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not UTF-8 text: {exc}") from exc
     return load_config_text(text, source=str(p), base_dir=p.parent)
 
 
@@ -125,14 +127,14 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
                 errors.append(f"{source}: models.{name}.aliases: {a!r} is already a model or alias")
             aliases[a] = name
             canonical[a] = name
-    specs = {name: _spec(m.tokenizer, base_dir) for name, m in cfg.models.items()}
-    fallback_spec = _spec(cfg.unknown_models.tokenizer, base_dir)
     try:
+        specs = {name: _spec(m.tokenizer, base_dir) for name, m in cfg.models.items()}
+        fallback_spec = _spec(cfg.unknown_models.tokenizer, base_dir)
         registry = TokenizerRegistry(specs, fallback=fallback_spec)
         counters = {name: registry.get(name) for name in cfg.models}
         fallback_counter = registry.get("\x00unknown-model")
         registry.warm()
-    except TokenizerLoadError as exc:
+    except (TokenizerLoadError, ValueError) as exc:
         raise ConfigError(f"{source}: models: {exc}") from exc
     models: dict[str, Model] = {}
     for name, m in cfg.models.items():
@@ -168,7 +170,9 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
     keys: dict[str, ApiKey] = {}
     plaintext = 0
     for tid, t in cfg.tenants.items():
-        if t.plan not in cfg.plans:
+        if t.plan not in plans:
+            if t.plan in cfg.plans:
+                continue  # the plan itself had errors, reported above
             errors.append(f"{source}: tenants.{tid}.plan: unknown plan {t.plan!r}")
             continue
         try:

@@ -125,4 +125,4 @@ class RuntimeConfig:
         found = self.charging.get((plan, model))
         if found is not None:
             return found
-        return self.default_charging.get(plan, Charging())
+        return self.default_charging.get(plan) or self.default_charging.get("", Charging())

@@ -22,7 +22,7 @@ WindowName = Literal["second", "minute", "hour", "day"]
 class Strict(BaseModel):
     """Base: every model rejects unknown keys and is immutable."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class TokenizerModel(Strict):
@@ -31,8 +31,8 @@ class TokenizerModel(Strict):
     kind: Literal["tiktoken", "huggingface", "estimate"] = "tiktoken"
     encoding: str | None = None
     path: str | None = None
-    chars_per_token: float = Field(default=3.0, gt=0)
-    safety_factor: float = Field(default=1.25, ge=1.0)
+    chars_per_token: float = Field(default=3.0, gt=0, allow_inf_nan=False)
+    safety_factor: float = Field(default=1.25, ge=1.0, allow_inf_nan=False)
     tokens_per_message: int = Field(default=3, ge=0)
     tokens_per_name: int = Field(default=1, ge=0)
     reply_priming_tokens: int = Field(default=3, ge=0)

@@ -138,7 +138,11 @@ def refusal(
             f"limit {b.limit.limit}, used {used}. Try again in {retry:.0f}s."
         )
         return QuotaExceeded(msg, metric="rpm", retry_after_s=retry, headers=headers)
-    if cost.tpm_amount > b.limit.limit:
+    too_large = [fb for fb, _ in failing if fb.metric == "tpm" and cost.tpm_amount > fb.limit.limit]
+    if b.metric == "tpm" and too_large:
+        b = min(too_large, key=lambda fb: fb.limit.limit)
+        scope = "all models" if b.limit.model == "*" else f"model {b.limit.model}"
+        per = _per(b.limit.window_s)
         msg = (
             f"Request too large for tenant {tenant} ({scope}): it needs {cost.tpm_amount} tokens "
             f"({cost.input_tokens} input + {cost.reserved_output} reserved output) but the limit is "

@@ -125,7 +125,7 @@ class StreamMeter:
             self.counted += k
             if not fwd:
                 continue
-            if self.enforce and self.strict and (self._held or k > self.lease):
+            if self.enforce and (self._held or self._must_hold(k)):
                 self._held.append((ev.raw, k))
                 self._held_tokens += k
                 continue
@@ -139,6 +139,14 @@ class StreamMeter:
             self.upstream_done = True
         return self._after(bytes(out))
 
+    def _must_hold(self, tokens: int) -> bool:
+        """Strict: the event does not fit the lease.  Lazy: Redis has fallen a whole batch
+        behind (a charge is in flight and 2N tokens are uncharged) — the safety valve that
+        keeps lazy overshoot under 2N per stream even when Redis is slow."""
+        if self.strict:
+            return tokens > self.lease
+        return self._charge_in_flight != 0 and self.uncharged + tokens > 2 * self.every and tokens > 0
+
     def _after(self, out: bytes) -> Step:
         charge = 0
         blocked = False
@@ -150,13 +158,10 @@ class StreamMeter:
                     charge = max(self.every, need)
                 elif not self.upstream_done and self.lease * 2 < self.every and not self.exhausted:
                     charge = self.every
-        elif (
-            self.enforce
-            and self._charge_in_flight == 0
-            and self.uncharged >= self.every
-            and not self.upstream_done
-        ):
-            charge = self.uncharged
+        elif self.enforce:
+            blocked = bool(self._held)
+            if self._charge_in_flight == 0 and self.uncharged >= self.every and not self.upstream_done:
+                charge = self.uncharged
         if charge:
             self._charge_in_flight = charge
         end = self.upstream_done and not blocked
@@ -178,7 +183,16 @@ class StreamMeter:
             self.uncharged -= asked
             if exhausted:
                 self.exhausted = True
-            return EMPTY
+                if self.enforce and self._held:
+                    return self._cut_step("quota exhausted")
+            out = bytearray()
+            while self._held:
+                raw, k = self._held.popleft()
+                self._held_tokens -= k
+                self.delivered += k
+                self.uncharged += k
+                out += raw
+            return self._after(bytes(out))
         self.charged += granted
         self.lease += granted
         self.leased_total += granted

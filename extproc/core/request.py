@@ -50,6 +50,7 @@ def _int_field(body: dict[str, Any], name: str, *, minimum: int, ceiling: int) -
     if isinstance(v, bool) or not isinstance(v, int):
         if isinstance(v, float) and v.is_integer():
             v = int(v)
+            body[name] = v  # upstream gets the integer, and clamping sees it
         else:
             raise BadRequest(
                 f"'{name}' must be an integer, got {type(v).__name__} {v!r}"[:200], param=name

@@ -219,7 +219,8 @@ async def test_concurrent_streams_through_two_envoys_stay_within_bound(
         assert delivered + admitted * prompt <= 2000
         assert delivered + admitted * prompt >= 0.95 * 2000
     else:
-        assert used <= 2000 + N * streams + 2 * streams
+        # lazy: N per stream normally; 2N when Redis falls behind (the meter then waits)
+        assert used <= 2000 + 2 * N * streams
     # the counters agree with what passed: ground truth from the simulator bounds the delivery
     truth = sum(r["tokens_sent"] for r in records(pair, tenant))
     assert delivered <= truth

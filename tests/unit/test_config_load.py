@@ -241,11 +241,6 @@ def test_limit_without_rpm_or_tpm_rejected() -> None:
     assert "at least one of 'rpm' or 'tpm'" in msg
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: schema.Strict uses strict=False, so a YAML boolean is coerced to an int "
-    "('rpm: true' becomes a limit of 1 request) instead of being rejected as a wrong type",
-)
 def test_boolean_limit_rejected() -> None:
     """``rpm: true`` is a wrong type, not a limit of 1."""
     msg = error_of(doc(_set(("plans", "basic", "limits", 0, "rpm"), True)))
@@ -277,11 +272,6 @@ def test_unknown_model_in_unused_plan_limit() -> None:
     assert "plans.spare.limits[0].model: unknown model 'gpt-9'" in error_of(doc(edit))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: compile_config (load.py, tenant loop) indexes plans[t.plan] after that plan "
-    "failed to compile, raising KeyError instead of ConfigError",
-)
 def test_unknown_model_in_used_plan_limit_fixture() -> None:
     """A plan limit for an unknown model, on a plan a tenant uses, is a ConfigError."""
     msg = fixture_error("plan_unknown_model_limit.yaml")
@@ -416,11 +406,6 @@ def test_unknown_models_tokenizer_loaded() -> None:
     assert cfg.unknown_model.counter.count("x" * 30) > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: chars_per_token: .inf passes the schema (gt=0) and TokenizerSpec raises a bare "
-    "ValueError from compile_config instead of a ConfigError naming the path",
-)
 def test_infinite_chars_per_token_is_config_error() -> None:
     """An infinite chars_per_token is reported as a ConfigError."""
     text = doc(_set(("models", "sim-small", "tokenizer", "chars_per_token"), float("inf")))
@@ -461,11 +446,6 @@ def test_directory_is_unreadable(tmp_path: Path) -> None:
         load_config(tmp_path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: load_config catches only OSError around read_text; a non-UTF-8 file raises "
-    "a bare UnicodeDecodeError instead of a ConfigError naming the file",
-)
 def test_non_utf8_file(tmp_path: Path) -> None:
     """A file that is not UTF-8 is a ConfigError."""
     path = tmp_path / "latin1.yaml"

@@ -299,11 +299,6 @@ def test_refusal_zero_tpm_amount_never_blames_tpm() -> None:
     assert err.code == "rpm_limit_exceeded"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: refusal() checks 'Request too large' only against the chosen (longest-window) "
-    "TPM bucket; a cost above a shorter window's limit is reported as a retryable rate limit",
-)
 def test_refusal_too_large_for_minute_hidden_by_hour_bucket() -> None:
     """A cost above the minute TPM limit is 'too large' even when the hour bucket also refuses."""
     bs = buckets(TPM_MIN, TPM_HOUR)

@@ -82,13 +82,36 @@ def test_lazy_charges_once_every_passed_and_not_while_in_flight() -> None:
     assert step.charge == 6
     assert step.forward == ev("d e f")
     assert m.charge_in_flight
-    step = m.feed(ev("g h i j k l"), end=False)
+    step = m.feed(ev("g h i j"), end=False)
     assert step.charge == 0
-    assert step.forward == ev("g h i j k l")
-    assert m.on_charge(6, exhausted=False) == EMPTY
+    assert step.forward == ev("g h i j")
+    assert m.on_charge(6, exhausted=False) == Step()
     assert not m.charge_in_flight
-    assert (m.charged, m.uncharged) == (6, 6)
-    assert m.feed(ev("m"), end=False).charge == 7
+    assert (m.charged, m.uncharged) == (6, 4)
+    assert m.feed(ev("k"), end=False).charge == 5
+
+
+def test_lazy_holds_events_when_redis_falls_two_batches_behind() -> None:
+    """With a charge in flight and 2N tokens uncharged, lazy waits for Redis (the safety valve)."""
+    m = lazy(every=5)
+    assert m.feed(ev("a b c d e f"), end=False).charge == 6
+    assert m.feed(ev("g h i j"), end=False).forward == ev("g h i j")
+    step = m.feed(ev("k l"), end=False)
+    assert step.forward == b"" and step.blocked
+    released = m.on_charge(6, exhausted=False)
+    assert released.forward == ev("k l") and released.charge == 6 and not released.blocked
+    assert m.delivered == 12
+
+
+def test_lazy_cuts_held_events_when_the_charge_says_exhausted() -> None:
+    """Events held behind a slow charge are not delivered when that charge exhausts the quota."""
+    m = lazy(every=5)
+    m.feed(ev("a b c d e f"), end=False)
+    m.feed(ev("g h i j"), end=False)
+    assert m.feed(ev("k l"), end=False).blocked
+    step = m.on_charge(6, exhausted=True)
+    assert step.cut_reason == "quota exhausted" and step.forward == b""
+    assert m.delivered == 10
 
 
 def test_lazy_cuts_on_feed_after_exhausted_charge() -> None:

@@ -278,11 +278,6 @@ def test_rewrite_does_not_add_absent_budget_field() -> None:
     assert "max_completion_tokens" not in out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: rewrite_body clamps only int budgets; an integral float (5000.0), which "
-    "parse_request accepts, is sent upstream unclamped",
-)
 def test_rewrite_clamps_integral_float_budget() -> None:
     """A float budget accepted by parse_request (5000.0) is clamped like an int."""
     out = rewritten(chat(max_tokens=5000.0), clamp_to=1024)
