@@ -224,3 +224,25 @@ async def test_concurrent_streams_through_two_envoys_stay_within_bound(
     # the counters agree with what passed: ground truth from the simulator bounds the delivery
     truth = sum(r["tokens_sent"] for r in records(pair, tenant))
     assert delivered <= truth
+
+
+def test_zero_token_stream_ends_cleanly(stack: Stack, rds: redis.Redis) -> None:
+    """A stream with no content tokens still ends with its finish chunk and [DONE], no hang."""
+    body = orjson.dumps({"model": "sim-small", "messages": MSG, "max_tokens": 50, "stream": True})
+    with httpx.stream("POST", f"{stack.base_url}/chat/completions", content=body, timeout=20,
+                      headers={"authorization": "Bearer sk-std", "content-type": "application/json",
+                               "x-sim-tokens": "0"}) as r:
+        assert r.status_code == 200
+        raw = b"".join(r.iter_bytes())
+    assert raw.endswith(b"data: [DONE]\n\n")
+    assert b'"finish_reason":"stop"' in raw
+
+
+def test_upstream_error_status_on_a_stream_is_passed_and_refunded(stack: Stack, rds: redis.Redis) -> None:
+    """A streaming request the upstream refuses (503) reaches the client as that error, costs no TPM."""
+    c = client(stack, "sk-uperr")
+    before = tpm_used(rds, "t-uperr")
+    with pytest.raises(openai.InternalServerError):
+        list(c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=20, stream=True,
+                                       extra_headers={"x-sim-status": "503"}))
+    assert settled(rds, "t-uperr") == before
