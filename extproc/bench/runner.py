@@ -298,7 +298,7 @@ async def round_trips(b: Bench, main: Stack) -> None:
     raw: dict[str, Any] = {}
     every = b.plan.every
     cases = (
-        ("streamed, 500 tokens", Shape(prompt_tokens=100, max_tokens=500, stream=True, itl_ms=0),
+        ("streamed, 500 tokens", Shape(prompt_tokens=100, max_tokens=500, stream=True, itl_ms=1),
          20, 2 + -(-500 // every) - 1),
         ("non-streaming", Shape(prompt_tokens=1000, max_tokens=8), 50, 2),
     )
@@ -501,23 +501,31 @@ async def workers(b: Bench, variants: dict[str, Stack]) -> None:
     unary = Shape(prompt_tokens=1000, max_tokens=8)
     b.log(f"workers: {list(variants)} at c={c}, {secs}s per arm x {b.plan.worker_rounds}")
 
-    async def chunks(s: Stack) -> float:
-        rs, el = await timed(s.base_url, KEY, stream, seconds=secs, concurrency=c)
+    async def chunks(url: str) -> float:
+        rs, el = await timed(url, KEY, stream, seconds=secs, concurrency=c)
         return sum(r.tokens for r in rs if r.status == 200) / el
 
-    async def reqs(s: Stack) -> float:
-        rs, el = await timed(s.base_url, KEY, unary, seconds=secs, concurrency=c)
+    async def reqs(url: str) -> float:
+        rs, el = await timed(url, KEY, unary, seconds=secs, concurrency=c)
         return ok_count(rs) / el
 
     arms: dict[str, Callable[[], Awaitable[float]]] = {}
+    first = next(iter(variants.values()))
+    if first.baseline_port:
+        nofilter = f"http://127.0.0.1:{first.baseline_port}/v1"
+        arms["no filter chunks/s"] = partial(chunks, nofilter)
+        arms["no filter req/s"] = partial(reqs, nofilter)
     for name, s in variants.items():
-        arms[f"{name} chunks/s"] = partial(chunks, s)
-        arms[f"{name} req/s"] = partial(reqs, s)
+        arms[f"{name} chunks/s"] = partial(chunks, s.base_url)
+        arms[f"{name} req/s"] = partial(reqs, s.base_url)
     res = await interleave(b.plan.worker_rounds, arms)
     med = {k: med_rounds(list(v)) for k, v in res.items()}
     b.raw["workers"] = {"rounds": res, "median": med, "concurrency": c}
     base = next(iter(variants))
     for unit in ("chunks/s", "req/s"):
+        if f"no filter {unit}" in med:
+            b.table.add(Row("7 workers", f"{unit}: {base} (base = same Envoy, no filter)", unit,
+                            med[f"{base} {unit}"], med[f"no filter {unit}"]))
         for name in list(variants)[1:]:
             b.table.add(Row("7 workers", f"{unit}: {name} (base = {base})", unit,
                             med[f"{name} {unit}"], med[f"{base} {unit}"]))
@@ -531,10 +539,12 @@ def _pyspy() -> str | None:
     return str(local) if local.exists() else shutil.which("py-spy")
 
 
-def parse_pyspy_raw(text: str) -> tuple[Counter[str], Counter[str], int]:
-    """Own-time and inclusive samples per function from py-spy's ``--format raw`` output."""
+def parse_pyspy_raw(text: str) -> tuple[Counter[str], Counter[str], Counter[str], int]:
+    """Own-time samples per function, inclusive samples per function and own-time samples per
+    module (Python file or native library) from py-spy's ``--format raw`` output."""
     own: Counter[str] = Counter()
     incl: Counter[str] = Counter()
+    mods: Counter[str] = Counter()
     total = 0
     for line in text.splitlines():
         stack, _, count_s = line.rpartition(" ")
@@ -544,22 +554,32 @@ def parse_pyspy_raw(text: str) -> tuple[Counter[str], Counter[str], int]:
         total += n
         frames = [_frame_name(f) for f in stack.split(";")]
         own[frames[-1]] += n
+        mods[_module(frames[-1])] += n
         for f in set(frames):
             incl[f] += n
-    return own, incl, total
+    return own, incl, mods, total
+
+
+def _module(frame: str) -> str:
+    """``func (file.py)`` → ``file.py``; native frames keep their library name."""
+    _, _, where = frame.rpartition(" (")
+    return where.rstrip(")") or frame
 
 
 def _frame_name(frame: str) -> str:
-    """``func (path/to/file.py:123)`` → ``func (file.py)``."""
+    """``func (path/to/file.py:123)`` → ``func (dir/file.py)``."""
     func, _, where = frame.partition(" (")
-    path = where.rstrip(")").rsplit(":", 1)[0]
+    where = where.rstrip(")")
+    path = where.rsplit(":", 1)[0] if where.endswith(tuple("0123456789")) else where
     parts = path.split("/")
     short = "/".join(parts[-2:]) if len(parts) > 1 else path
     return f"{func} ({short})"
 
 
 async def profile(b: Bench, main: Stack) -> None:
-    """py-spy on the real processor while it meters 500-chunk streams."""
+    """py-spy on the real processor while it meters 500-chunk streams.  Without ``--native``
+    (which needs blocking sampling and shows mostly idle libc waits here) time spent in C
+    extensions is charged to the Python frame that called them."""
     spy = _pyspy()
     if spy is None:
         b.raw["profile"] = {"skipped": "py-spy not installed (pip install py-spy)"}
@@ -587,7 +607,7 @@ async def profile(b: Bench, main: Stack) -> None:
     if proc.returncode != 0 or not out.exists():
         b.raw["profile"] = {"skipped": f"py-spy failed: {err.decode(errors='replace')[-300:]}"}
         return
-    own, incl, total = parse_pyspy_raw(out.read_text())
+    own, incl, mods, total = parse_pyspy_raw(out.read_text())
     chunks = sum(r.tokens for r in rs)
     us_per_sample = US / rate
 
@@ -601,13 +621,20 @@ async def profile(b: Bench, main: Stack) -> None:
     b.raw["profile"] = {
         "rate_hz": rate, "samples": total, "chunks": chunks,
         "cpu_us_per_chunk_sampled": total * us_per_sample / max(1, chunks),
-        "own": table(own, 25),
+        "own": table(own, 30),
+        "own_by_module": table(mods, 20),
         "inclusive_extproc": table(Counter({f: n for f, n in incl.items()
                                             if "extproc" in f or "server/" in f
                                             or "core/" in f or "limiter/" in f}), 20),
     }
     for item in b.raw["profile"]["own"][:5]:
         b.table.add(Row("8 profile", f"own time: {item['function']}", "µs/chunk",
+                        item["us_per_chunk"], note=f"{100 * item['share']:.0f}% of samples"))
+    wanted = ("ExternalProcessorServicer.Process ", "RequestProcessor.handle ")
+    for item in b.raw["profile"]["inclusive_extproc"]:
+        if not item["function"].startswith(wanted):
+            continue
+        b.table.add(Row("8 profile", f"inclusive: {item['function']}", "µs/chunk",
                         item["us_per_chunk"], note=f"{100 * item['share']:.0f}% of samples"))
 
 
@@ -664,7 +691,8 @@ async def run(b: Bench) -> None:
             serve = (py, "-m", "extproc", "serve")
             variants = {
                 "1 worker uvloop": started(await asyncio.to_thread(
-                    system.start_stack, b.workdir / "w1", rules, extproc_argv=serve)),
+                    system.start_stack, b.workdir / "w1", rules, extproc_argv=serve,
+                    baseline=True)),
                 "2 workers uvloop": started(await asyncio.to_thread(
                     system.start_stack, b.workdir / "w2", rules,
                     extproc_argv=(*serve, "--workers", "2"))),

@@ -18,8 +18,9 @@ from extproc.stack import Stack, StackPorts, free_port, port_in_use
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
-# Redis commands that are a round trip of the limiter (each call is one round trip).
-LIMITER_COMMANDS = ("evalsha", "eval", "mget", "fcall", "incrby", "get", "set")
+# Commands a client sends as one round trip each.  Redis 7 also counts the commands a script
+# runs (GET, INCRBY ... inside EVALSHA) in commandstats; those are not round trips.
+LIMITER_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro", "mget")
 
 
 def _children(pid: int) -> list[int]:
