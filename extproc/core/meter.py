@@ -66,6 +66,7 @@ class StreamMeter:
         self._held: deque[tuple[bytes, int]] = deque()
         self._held_tokens = 0
         self._charge_in_flight = 0
+        self._new_charge = 0
         self.uncharged = 0
         self.charged = 0
         self.delivered = 0
@@ -135,6 +136,10 @@ class StreamMeter:
                 self.lease -= k
             else:
                 self.uncharged += k
+                if self.enforce and self._charge_in_flight == 0 and self.uncharged >= self.every:
+                    # Ask now, mid-chunk: a chunk carrying many events must not slip past
+                    # the 2N cap just because the charge would only be asked after it.
+                    self._charge_in_flight = self._new_charge = self.uncharged
         if end:
             self.upstream_done = True
         return self._after(bytes(out))
@@ -161,7 +166,11 @@ class StreamMeter:
         elif self.enforce:
             blocked = bool(self._held)
             if self._charge_in_flight == 0 and self.uncharged >= self.every and not self.upstream_done:
-                charge = self.uncharged
+                self._new_charge = self.uncharged
+            charge, self._new_charge = self._new_charge, 0
+            if charge and self.upstream_done:
+                # The stream is over: settlement charges the remainder in one call.
+                self._charge_in_flight = charge = 0
         if charge:
             self._charge_in_flight = charge
         end = self.upstream_done and not blocked
@@ -208,6 +217,21 @@ class StreamMeter:
         if self._held and granted == 0:
             return self._cut_step("quota exhausted", prefix=bytes(out))
         return self._after(bytes(out))
+
+    def stop_enforcing(self) -> Step:
+        """Fail-open: meter no more; release whatever was held and let the rest through."""
+        self.enforce = False
+        self._charge_in_flight = self._new_charge = 0
+        out = bytearray()
+        while self._held:
+            raw, k = self._held.popleft()
+            self.delivered += k
+            out += raw
+        self._held_tokens = 0
+        end = self.upstream_done and not self.finished
+        if end:
+            self.finished = True
+        return Step(forward=bytes(out), end_stream=end)
 
     def on_charge_failed(self) -> None:
         """The limiter could not answer; the caller decides (fail open/closed)."""

@@ -456,9 +456,13 @@ class RequestProcessor:
         if meter.finished:
             return []
         out: list[wire.ProcessingResponse] = []
-        await self._collect_charge(wait=False)
-        if meter.finished:  # a failed charge cut the stream
-            return self._drain_cut(out)
+        answered = await self._collect_charge(wait=False)
+        if answered is not None:
+            # A charge answered since the last chunk: it may release held events, ask for the
+            # next charge, or cut the stream. None of that may be dropped.
+            out += await self._apply(answered)
+            if meter.finished:
+                return out
         step = meter.feed(data, end)
         out += await self._apply(step)
         if end and meter.finished and self.life.state is State.STREAMING:
@@ -484,14 +488,13 @@ class RequestProcessor:
                 self._start_charge(step.charge)
             if not step.blocked:
                 return out
-            # Strict: the next event does not fit the lease; wait for the renewal.
-            step = await self._collect_charge(wait=True) or Step(blocked=False)
-            if meter.finished and self.meter is not None and meter.cut_reason is not None:
-                return self._drain_cut(out)
-
-    def _drain_cut(self, out: list[wire.ProcessingResponse]) -> list[wire.ProcessingResponse]:
-        out.append(self._cut())
-        return out
+            # Held events wait for the pending charge (strict: the lease ran dry; lazy: Redis
+            # fell 2N tokens behind). Its answer releases them, asks for more, or cuts.
+            answered = await self._collect_charge(wait=True)
+            if answered is None:  # nothing in flight: cannot happen, but never stall a stream
+                log.error("blocked_without_charge", request_id=self.request_id)
+                answered = meter.stop_enforcing()
+            step = answered
 
     def _start_charge(self, amount: int) -> None:
         assert self.tenant is not None and self.key is not None and self.model is not None
@@ -535,19 +538,15 @@ class RequestProcessor:
             meter.on_charge_failed()
             if self.cfg.failure_mode_for(self.tenant.plan if self.tenant else "") == "open":
                 log.warning("limiter_unavailable_stream_unmetered", request_id=self.request_id)
-                meter.enforce = False
                 self._fail_open_stream = True
-                return meter.feed(b"", False) if not meter.finished else None
+                return meter.stop_enforcing()
             meter.cut_reason = "quota backend unavailable"
             meter.finished = True
             return Step(cut_reason=meter.cut_reason)
         self.account.record(self._charge_buckets, res.granted)
-        step = meter.on_charge(res.granted, res.exhausted)
         self._last_values = (self._charge_buckets, res.values)
-        if meter.exhausted and not meter.strict:
-            # Lazy: cut before the next chunk goes out.
-            return step
-        return step
+        # Lazy and exhausted: the meter cuts before the next chunk goes out.
+        return meter.on_charge(res.granted, res.exhausted)
 
     def _cut(self) -> wire.ProcessingResponse:
         meter = self.meter

@@ -29,7 +29,8 @@ def fstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A stack whose Redis and processor the tests may stop."""
     rules = e2e_rules(unknown_models={"action": "estimate", "max_output_tokens": 256,
                                       "tokenizer": {"kind": "estimate", "chars_per_token": 3.0,
-                                                    "safety_factor": 1.25}})
+                                                    "safety_factor": 1.25}},
+                     paths={"other": "rpm_only"})
     s = make_stack(Path(tmp_path_factory.mktemp("fail")), rules=rules,
                    sim_args=["--model", "sim-small", "--model", "mystery-model"])
     yield s
@@ -46,6 +47,16 @@ def test_unknown_model_is_counted_by_the_estimator(fstack: Stack) -> None:
     used = tpm_used(rds, "t-estimate")
     assert used >= len(text) / 3.0 * 1.25  # never below the conservative estimate
     assert used >= comp.usage.prompt_tokens + comp.usage.completion_tokens
+
+
+def test_rpm_only_policy_counts_other_paths(fstack: Stack) -> None:
+    """With paths.other: rpm_only, /v1/models passes but counts toward the tenant's RPM."""
+    c = client(fstack, "sk-rpm")
+    for _ in range(2):
+        assert c.models.list().data
+    with pytest.raises(openai.RateLimitError) as info:
+        c.models.list()
+    assert info.value.code == "rpm_limit_exceeded"
 
 
 def _stream_in_thread(stack: Stack, key: str, out: dict[str, object], max_tokens: int = 1000,
