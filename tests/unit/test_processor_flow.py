@@ -1,0 +1,173 @@
+"""The per-request processor driven message by message with real ext_proc protobufs and a
+scripted in-memory limiter: nothing is lost or stalled whatever order charges answer in."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.clock import FakeClock
+from extproc.config import load_config_text
+from extproc.limiter.base import Adjustment, AdmitResult, BucketCharge, ChargeResult
+from extproc.metrics import Metrics
+from extproc.server.processor import Gateway, RequestProcessor
+
+pytestmark = pytest.mark.unit
+
+RULES = """
+models:
+  m: {tokenizer: {kind: tiktoken, encoding: cl100k_base}, max_output_tokens: 1000}
+charging: {charge_every_tokens: 4, streaming: %s}
+plans:
+  p: {limits: [{model: "*", per: hour, rpm: 100, tpm: %d}]}
+tenants:
+  t: {plan: p, keys: [{name: k, plaintext: sk-t}]}
+"""
+
+
+class ScriptedLimiter:
+    """Admits everything; stream charges answer after a varying number of event-loop turns,
+    so some answer between chunks and some are still pending when the stream must wait."""
+
+    def __init__(self, *, grant: int | None = None, exhausted_after: int | None = None,
+                 delays: tuple[int, ...] = (0, 1, 3, 7, 2)) -> None:
+        self.delays = delays
+        self.charges: list[int] = []
+        self.settles: list[list[Adjustment]] = []
+        self.grant = grant
+        self.exhausted_after = exhausted_after
+
+    async def admit(self, ledger: str, buckets: list[BucketCharge], **_: Any) -> AdmitResult:
+        return AdmitResult(True, False, tuple(b.amount for b in buckets))
+
+    async def charge(self, ledger: str, seq: int, buckets: list[BucketCharge], amount: int,
+                     **_: Any) -> ChargeResult:
+        for _ in range(self.delays[len(self.charges) % len(self.delays)]):
+            await asyncio.sleep(0)
+        self.charges.append(amount)
+        granted = amount if self.grant is None else min(self.grant, amount)
+        if self.exhausted_after is not None and len(self.charges) > self.exhausted_after:
+            granted = 0
+        exhausted = self.exhausted_after is not None and len(self.charges) >= self.exhausted_after
+        return ChargeResult(granted, exhausted, tuple(0 for _ in buckets))
+
+    async def settle(self, ledger: str, adjustments: list[Adjustment], **_: Any) -> bool:
+        self.settles.append(adjustments)
+        return True
+
+    async def read(self, keys: list[str]) -> list[int]:
+        return [0] * len(keys)
+
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        return None
+
+
+def headers(pairs: dict[str, str], *, eos: bool = False) -> Any:
+    hh = pb.HttpHeaders(end_of_stream=eos)
+    for k, v in pairs.items():
+        hh.headers.headers.append(base_pb2.HeaderValue(key=k, raw_value=v.encode()))
+    return hh
+
+
+def event(word: str) -> bytes:
+    obj = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": word}}]}
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def start(limiter: ScriptedLimiter, streaming: str = "lazy", tpm: int = 100000) -> RequestProcessor:
+    cfg = load_config_text(RULES % (streaming, tpm))
+    gw = Gateway(config=cfg, limiter=limiter, clock=FakeClock(), metrics=Metrics())  # type: ignore[arg-type]
+    proc = RequestProcessor(gw)
+    await proc.handle(pb.ProcessingRequest(request_headers=headers(
+        {":path": "/v1/chat/completions", ":method": "POST", "authorization": "Bearer sk-t",
+         "x-request-id": "r1"})))
+    body = orjson.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+    [resp] = await proc.handle(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+    assert resp.WhichOneof("response") == "request_body"
+    [resp] = await proc.handle(pb.ProcessingRequest(response_headers=headers(
+        {":status": "200", "content-type": "text/event-stream"})))
+    assert resp.mode_override.response_body_mode == 4  # FULL_DUPLEX_STREAMED
+    return proc
+
+
+def forwarded(resps: list[Any]) -> tuple[bytes, bool]:
+    data = b""
+    eos = False
+    for r in resps:
+        sr = r.response_body.response.body_mutation.streamed_response
+        data += sr.body
+        eos = eos or sr.end_of_stream
+    return data, eos
+
+
+async def feed(proc: RequestProcessor, chunk: bytes, end: bool = False) -> list[Any]:
+    return await proc.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk, end_of_stream=end)))
+
+
+async def test_lazy_answers_between_chunks_lose_nothing() -> None:
+    """Charges answering between chunks never drop or delay events; the stream ends whole."""
+    lim = ScriptedLimiter()
+    proc = await start(lim)
+    words = [f" w{i}" for i in range(40)]
+    sent = b""
+    got: list[Any] = []
+    for i, w in enumerate(words):
+        ev = event(w)
+        sent += ev
+        got += await feed(proc, ev)
+        for _ in range(i % 4):
+            await asyncio.sleep(0)  # time passes between chunks: some charges answer
+    got += await feed(proc, b"data: [DONE]\n\n", end=True)
+    data, eos = forwarded(got)
+    assert data == sent + b"data: [DONE]\n\n"
+    assert eos
+    assert sum(lim.charges) <= proc.meter.delivered  # type: ignore[union-attr]
+
+
+async def test_strict_holds_then_releases_in_order() -> None:
+    """Strict: events beyond the lease wait for the renewal and then go out in order."""
+    lim = ScriptedLimiter()
+    proc = await start(lim, "strict")
+    sent = b""
+    got: list[Any] = []
+    feeder = []
+    for i in range(12):
+        ev = event(f" s{i}")
+        sent += ev
+        feeder.append(ev)
+    got += await feed(proc, b"".join(feeder))
+    got += await feed(proc, b"data: [DONE]\n\n", end=True)
+    data, eos = forwarded(got)
+    assert data == sent + b"data: [DONE]\n\n" and eos
+
+
+async def test_strict_refused_renewal_cuts_with_error_event() -> None:
+    """A renewal granting nothing ends the stream with an error event and [DONE]."""
+    lim = ScriptedLimiter(grant=4, exhausted_after=1)
+    proc = await start(lim, "strict")
+    got = await feed(proc, b"".join(event(f" x{i}") for i in range(20)))
+    data, eos = forwarded(got)
+    assert eos
+    tail = data.rsplit(b"\n\n", 3)
+    assert data.endswith(b"data: [DONE]\n\n")
+    assert b'"code":"tpm_limit_exceeded"' in tail[-3]
+    assert proc.meter is not None and proc.meter.delivered <= 8
+
+
+async def test_settlement_happens_once() -> None:
+    """finish() twice settles once."""
+    lim = ScriptedLimiter()
+    proc = await start(lim)
+    await feed(proc, event(" a") + event(" b"))
+    await proc.finish("client_disconnected")
+    await proc.finish("client_disconnected")
+    assert len(lim.settles) == 1
+    assert proc.ending == "client_disconnected"
