@@ -306,6 +306,14 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     _delegate(
+        "extproc.bench.cli",
+        sub.add_parser(
+            "bench",
+            help="run the benchmark suite (what scripts/bench calls)",
+            description="Benchmarks against baselines measured in the same run: a table and JSON.",
+        ),
+    )
+    _delegate(
         "extproc.usage.cli",
         sub.add_parser(
             "usage",
