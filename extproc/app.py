@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,10 @@ async def start(
     if port == 0:
         raise OSError(f"cannot listen on {settings.grpc_address} (address in use?)")
     await server.start()
+    # Everything loaded so far (config, tokenizers, protobuf classes) lives for the whole
+    # process: keep it out of the collector's full passes.
+    gc.collect()
+    gc.freeze()
     log.info(
         "serving",
         address=settings.grpc_address,

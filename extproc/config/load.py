@@ -23,7 +23,12 @@ from extproc.config.runtime import (
     RuntimeConfig,
     Tenant,
 )
-from extproc.core.tokens import TokenizerLoadError, TokenizerRegistry, TokenizerSpec
+from extproc.core.tokens import (
+    TokenizerLoadError,
+    TokenizerRegistry,
+    TokenizerSpec,
+    delta_counter,
+)
 
 UNKNOWN_MODEL_NAME = "(unknown)"
 
@@ -147,6 +152,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
             counter=counter,
             max_output_tokens=m.max_output_tokens,
             max_input_tokens=m.max_input_tokens,
+            delta_count=delta_counter(counter.count),
         )
     assert fallback_counter is not None
     unknown = Model(

@@ -6,6 +6,7 @@ are dictionary gets.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -52,6 +53,11 @@ class Model:
     max_output_tokens: int
     max_input_tokens: int | None
     known: bool = True
+    delta_count: Callable[[str], int] | None = None
+
+    def stream_counter(self) -> Callable[[str], int]:
+        """The per-delta counter for streams (memoised), or the plain one."""
+        return self.delta_count or self.counter.count
 
 
 @dataclass(frozen=True, slots=True)

@@ -406,7 +406,7 @@ class RequestProcessor:
         if is_sse and self.cost.meter_stream:
             assert self.model is not None and self.req is not None
             self.meter = StreamMeter(
-                count=self.model.counter.count,
+                count=self.model.stream_counter(),
                 every=self.cost.every,
                 strict=self.cost.strict,
                 enforce=self.cost.enforce_stream,
@@ -456,14 +456,27 @@ class RequestProcessor:
         if meter.finished:
             return []
         out: list[wire.ProcessingResponse] = []
-        answered = await self._collect_charge(wait=False)
-        if answered is not None:
+        task = self._charge_task
+        if task is not None and task.done():
             # A charge answered since the last chunk: it may release held events, ask for the
             # next charge, or cut the stream. None of that may be dropped.
-            out += await self._apply(answered)
-            if meter.finished:
-                return out
+            answered = self._take_answer()
+            if (
+                answered.forward
+                or answered.charge
+                or answered.blocked
+                or answered.cut_reason
+                or answered.end_stream
+            ):
+                out += await self._apply(answered)
+                if meter.finished:
+                    return out
         step = meter.feed(data, end)
+        if not (step.charge or step.blocked or step.cut_reason or step.end_stream):
+            # The common case: forward what completed, no Redis, no await.
+            if step.forward:
+                out.append(wire.streamed_body(step.forward, False))
+            return out
         out += await self._apply(step)
         if end and meter.finished and self.life.state is State.STREAMING:
             self.life.advance(Input.END)
@@ -528,11 +541,19 @@ class RequestProcessor:
         task = self._charge_task
         if task is None or (not wait and not task.done()):
             return None
+        if not task.done():
+            await asyncio.wait([task])
+        return self._take_answer()
+
+    def _take_answer(self) -> Step:
+        """The meter's next step from the finished charge task's answer."""
+        task = self._charge_task
+        assert task is not None and task.done()
         self._charge_task = None
         meter = self.meter
         assert meter is not None
         try:
-            res = await task
+            res = task.result()
         except LimiterUnavailable:
             self.gw.metrics.limiter_errors.labels("charge").inc()
             meter.on_charge_failed()

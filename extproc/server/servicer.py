@@ -42,8 +42,12 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
                 req = await context.read()
                 if req is grpc.aio.EOF:
                     break
-                for resp in await proc.handle(req):
-                    await context.write(resp)
+                resps = await proc.handle(req)
+                if len(resps) == 1:
+                    await context.write(resps[0])
+                else:
+                    for resp in resps:
+                        await context.write(resp)
             ending = "upstream_reset"
         except asyncio.CancelledError:
             ending = "cancelled"

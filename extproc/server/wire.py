@@ -19,6 +19,10 @@ ProcessingRequest: TypeAlias = Any
 ProcessingResponse: TypeAlias = Any
 Mode: TypeAlias = Any
 _PR = pb.ProcessingResponse
+_Body = pb.BodyResponse
+_Common = pb.CommonResponse
+_Mutation = pb.BodyMutation
+_Streamed = pb.StreamedBodyResponse
 _Mode = processing_mode_pb2.ProcessingMode
 
 METADATA_NAMESPACE = "ai_quota"
@@ -125,11 +129,16 @@ def continue_response_body(metadata: Mapping[str, object] | None = None) -> Proc
 def streamed_body(
     data: bytes, end_of_stream: bool, metadata: Mapping[str, object] | None = None
 ) -> ProcessingResponse:
-    """A FULL_DUPLEX_STREAMED body response: bytes we forward to the client."""
-    common = pb.CommonResponse()
-    common.body_mutation.streamed_response.body = data
-    common.body_mutation.streamed_response.end_of_stream = end_of_stream
-    r = _PR(response_body=pb.BodyResponse(response=common))
+    """A FULL_DUPLEX_STREAMED body response: bytes we forward to the client (hot path)."""
+    r = _PR(
+        response_body=_Body(
+            response=_Common(
+                body_mutation=_Mutation(
+                    streamed_response=_Streamed(body=data, end_of_stream=end_of_stream)
+                )
+            )
+        )
+    )
     if metadata:
         r.dynamic_metadata.CopyFrom(dynamic_metadata(metadata))
     return r

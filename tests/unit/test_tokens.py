@@ -583,3 +583,24 @@ def test_completion_shape_errors(cl100k: TiktokenCounter, body: Any, match: str)
     """Wrong prompt shapes raise PromptShapeError naming the field."""
     with pytest.raises(PromptShapeError, match=match):
         count_completion_prompt(body, cl100k)
+
+
+def test_delta_counter_is_exact_and_bounded() -> None:
+    """The memoised per-delta counter returns what the tokenizer returns, within its bound."""
+    from extproc.core.tokens import delta_counter
+
+    calls: list[str] = []
+
+    def count(text: str) -> int:
+        calls.append(text)
+        return len(text.split()) + 1
+
+    cached = delta_counter(count, max_len=8, max_entries=2)
+    assert cached(" the") == 2 and cached(" the") == 2
+    assert calls == [" the"]
+    long = "a long text beyond eight"
+    assert cached(long) == count(long)
+    cached(" a")
+    cached(" b")  # the table is full: cleared, then refilled
+    assert cached(" the") == 2
+    assert calls.count(" the") == 2
