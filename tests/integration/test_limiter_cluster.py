@@ -22,6 +22,16 @@ from extproc.stack import free_port
 pytestmark = pytest.mark.integration
 
 
+def _port_with_bus() -> int:
+    """A free port whose cluster-bus port (port + 10000) is valid and free too."""
+    from extproc.stack import port_in_use
+
+    while True:
+        p = free_port()
+        if p + 10000 <= 65535 and not port_in_use(p + 10000):
+            return p
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[int]]:
     """Three masters on free ports, slots assigned with redis-cli --cluster create."""
@@ -30,7 +40,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[int]]:
     if server is None or cli is None:
         pytest.fail("redis-server and redis-cli are required (apt-get install redis-server)")
     base = Path(tmp_path_factory.mktemp("cluster"))
-    ports = [free_port() for _ in range(3)]
+    ports = [_port_with_bus() for _ in range(3)]
     procs = []
     for p in ports:
         d = base / str(p)
