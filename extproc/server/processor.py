@@ -614,7 +614,7 @@ class RequestProcessor:
         scope = "all models" if b.limit.model == "*" else f"model {b.limit.model}"
         return (
             f"Rate limit reached for tokens per {admission.per_name(b.limit.window_s)} on tenant "
-            f"{self.tenant.id} ({scope}): limit {b.limit.limit}, used {min(v, b.limit.limit) if v else b.limit.limit}. "
+            f"{self.tenant.id} ({scope}): limit {b.limit.limit}, used {v if v else b.limit.limit}. "
             f"The stream was stopped after {self.meter.delivered if self.meter else 0} output tokens; "
             f"the limit resets in {b.reset_s(now):.0f}s."
         )
