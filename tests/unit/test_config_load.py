@@ -110,11 +110,12 @@ def test_demo_limits_and_policies(demo: RuntimeConfig) -> None:
 
 
 def test_demo_charging(demo: RuntimeConfig) -> None:
-    """The strict plan streams strictly; the others inherit the file's lazy default."""
+    """The strict plan streams strictly; the tight plan lowers N; the rest inherit the defaults."""
     assert demo.charging_for("tight-strict", "sim-small") == Charging(
         "stream_incremental", "strict", 64
     )
-    assert demo.charging_for("tight", "sim-small") == Charging("stream_incremental", "lazy", 64)
+    assert demo.charging_for("tight", "sim-small") == Charging("stream_incremental", "lazy", 32)
+    assert demo.charging_for("standard", "sim-small") == Charging("stream_incremental", "lazy", 64)
 
 
 def test_minimal_fixture_defaults() -> None:
