@@ -285,7 +285,6 @@ class RequestProcessor:
                 )
             clamp = model.max_output_tokens
         per_choice = effective_output_budget(req.declared_max_output, model.max_output_tokens)
-        model_key = model.name if model.known else req.model
         charging = self.cfg.charging_for(self.tenant.plan, model.name)
         self.charging = charging
         cost = admission.compute_cost(
@@ -297,14 +296,7 @@ class RequestProcessor:
         )
         self.cost = cost
         now = self.gw.clock.now_ms()
-        self.buckets = admission.buckets_for(
-            prefix=self.gw.key_prefix,
-            tenant=self.tenant.id,
-            key_name=self.key.name,
-            model=model_key,
-            limits=self.tenant.limits,
-            now_ms=now,
-        )
+        self.buckets = self._buckets_at(now)
         self._ledger = ledger_key(self.gw.key_prefix, self.tenant.id, self.request_id)
         res = await self._limit_admit(self.buckets, cost)
         if res is None:  # fail-open: Redis is down and the policy lets traffic through
@@ -509,18 +501,22 @@ class RequestProcessor:
                 answered = meter.stop_enforcing()
             step = answered
 
-    def _start_charge(self, amount: int) -> None:
+    def _buckets_at(self, now_ms: int) -> list[WindowedBucket]:
+        """This request's buckets in the windows containing ``now_ms``."""
         assert self.tenant is not None and self.key is not None and self.model is not None
-        now = self.gw.clock.now_ms()
         model_key = self.model.name if self.model.known else (self.req.model if self.req else "*")
-        self._charge_buckets = admission.buckets_for(
+        return admission.buckets_for(
             prefix=self.gw.key_prefix,
             tenant=self.tenant.id,
             key_name=self.key.name,
             model=model_key,
             limits=self.tenant.limits,
-            now_ms=now,
+            now_ms=now_ms,
         )
+
+    def _start_charge(self, amount: int) -> None:
+        assert self.tenant is not None and self.key is not None and self.model is not None
+        self._charge_buckets = self._buckets_at(self.gw.clock.now_ms())
         self._seq += 1
         charges = admission.tpm_charges(self._charge_buckets, amount)
         assert self.meter is not None
@@ -683,17 +679,7 @@ class RequestProcessor:
         if final_total is None:
             self._log_settled(ending, self.account.total, 0)
             return
-        now = self.gw.clock.now_ms()
-        assert self.key is not None and self.model is not None
-        model_key = self.model.name if self.model.known else (self.req.model if self.req else "*")
-        current = admission.buckets_for(
-            prefix=self.gw.key_prefix,
-            tenant=self.tenant.id,
-            key_name=self.key.name,
-            model=model_key,
-            limits=self.tenant.limits,
-            now_ms=now,
-        )
+        current = self._buckets_at(self.gw.clock.now_ms())
         adjustments = self.account.adjustments(final_total, current)
         delta = final_total - self.account.total
         if adjustments:
