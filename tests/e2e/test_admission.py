@@ -224,3 +224,16 @@ def test_two_envoys_share_one_quota(pair: Stack) -> None:
         except openai.RateLimitError:
             refused += 1
     assert (admitted, refused) == (4, 4)
+
+
+def test_completions_endpoint_is_metered(stack: Stack, rds: redis.Redis) -> None:
+    """/v1/completions: the prompt is counted, streamed and non-streamed answers settle."""
+    c = client(stack, "sk-completions")
+    comp = c.completions.create(model="sim-small", prompt="Once upon a time", max_tokens=7)
+    assert comp.usage is not None and comp.usage.completion_tokens == 7
+    text = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="sim-small", prompt=["Once upon a time"], max_tokens=9, stream=True) if ch.choices)
+    assert text
+    used = tpm_used(rds, "t-completions")
+    prompt = 4  # "Once upon a time" in cl100k_base
+    assert used == 2 * prompt + 7 + 9

@@ -59,6 +59,30 @@ def test_rpm_only_policy_counts_other_paths(fstack: Stack) -> None:
     assert info.value.code == "rpm_limit_exceeded"
 
 
+def test_sighup_reloads_rules_without_a_restart(fstack: Stack) -> None:
+    """Editing the rules file and sending SIGHUP applies new limits to the running processor."""
+    import yaml
+
+    c = client(fstack, "sk-reload")
+    c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=1)
+    path = Path(fstack.config)
+    rules = yaml.safe_load(path.read_text())
+    rules["tenants"]["t-reload"]["limits"] = [{"model": "*", "per": "hour", "rpm": 1}]
+    path.write_text(yaml.safe_dump(rules))
+    proc = next(p for p in fstack.procs if p.name == "extproc0")
+    proc.popen.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    refused = False
+    while time.monotonic() < deadline and not refused:
+        try:
+            c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=1)
+            time.sleep(0.1)
+        except openai.RateLimitError as exc:
+            refused = exc.response.headers["x-ratelimit-limit-requests"] == "1"
+    assert refused
+    assert proc.popen.poll() is None
+
+
 def _stream_in_thread(stack: Stack, key: str, out: dict[str, object], max_tokens: int = 1000,
                       started: threading.Event | None = None) -> threading.Thread:
     def run() -> None:
