@@ -327,4 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ai-quota`` console script."""
     args = build_parser().parse_args(argv)
+    if args.command not in ("serve", "sim"):
+        # Side tools log to stderr so their stdout (reports, tables, YAML) stays clean.
+        from extproc.logs import configure_logging
+
+        configure_logging("console")
     return int(args.func(args))
