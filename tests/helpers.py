@@ -115,7 +115,7 @@ def e2e_rules(extra_tenants: dict[str, dict[str, Any]] | None = None, **top: Any
         "usage": "tpm5000", "drain": "big", "alias": "big", "toolong": "tpm300",
         "inputonly": "inputonly", "reservemax": "reservemax", "reserverefund": "reserverefund",
         "closed": "big", "open": "bigopen", "closedstream": "big", "openstream": "bigopen",
-        "estimate": "big", "modeltpm": "modeltpm", "loadsmoke": "tpm300", "completions": "big", "reload": "big",
+        "estimate": "big", "modeltpm": "modeltpm", "loadsmoke": "tpm300", "completions": "big", "reload": "big", "replay": "big",
     }
     for name, plan in names.items():
         rules["tenants"][f"t-{name}"] = tenant(plan, name)

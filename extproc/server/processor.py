@@ -9,7 +9,9 @@ mapped.  :meth:`RequestProcessor.finish` settles the request and runs whatever t
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +78,17 @@ class Gateway:
     draining: bool = False
     pending: set[asyncio.Task[Any]] = field(default_factory=set)
     active: set[RequestProcessor] = field(default_factory=set)
+
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    _serial: itertools.count[int] = field(default_factory=itertools.count)
+
+    def ledger_id(self, request_id: str) -> str:
+        """A ledger id unique to one HTTP request: Envoy's request id, this process, a serial.
+
+        A client that sends its own ``x-request-id`` twice makes two requests, charged twice;
+        only this process's own retries of one call can meet the same ledger.
+        """
+        return f"{request_id}.{self.instance}.{next(self._serial)}"
 
     def track(self, task: asyncio.Task[Any]) -> None:
         """Keep a background task alive until it ends (settlements are drained on shutdown)."""
@@ -297,7 +310,9 @@ class RequestProcessor:
         self.cost = cost
         now = self.gw.clock.now_ms()
         self.buckets = self._buckets_at(now)
-        self._ledger = ledger_key(self.gw.key_prefix, self.tenant.id, self.request_id)
+        self._ledger = ledger_key(
+            self.gw.key_prefix, self.tenant.id, self.gw.ledger_id(self.request_id)
+        )
         res = await self._limit_admit(self.buckets, cost)
         if res is None:  # fail-open: Redis is down and the policy lets traffic through
             self._admitted_unmetered()
@@ -306,9 +321,10 @@ class RequestProcessor:
                 self.buckets, res.values, cost, now, tenant=self.tenant.id, model=model.name
             )
         else:
-            self.admitted = not res.duplicate
-            if self.admitted:
-                self.account.record(self.buckets, cost.tpm_amount)
+            # A duplicate can only be our own retried call (ledger ids are unique per HTTP
+            # request): the first execution charged, so the request is admitted and metered.
+            self.admitted = True
+            self.account.record(self.buckets, cost.tpm_amount)
             hdrs = admission.rate_limit_headers(self.buckets, res.values, now)
             self.headers_out = hdrs.as_pairs()
         self.life.advance(Input.ADMITTED)
@@ -361,7 +377,9 @@ class RequestProcessor:
             return await self.gw.limiter.admit(
                 self._ledger
                 or ledger_key(
-                    self.gw.key_prefix, self.tenant.id if self.tenant else "_", self.request_id
+                    self.gw.key_prefix,
+                    self.tenant.id if self.tenant else "_",
+                    self.gw.ledger_id(self.request_id),
                 ),
                 admission.admission_charges(buckets, cost),
                 tpm_charged=cost.tpm_amount,

@@ -237,3 +237,12 @@ def test_completions_endpoint_is_metered(stack: Stack, rds: redis.Redis) -> None
     used = tpm_used(rds, "t-completions")
     prompt = 4  # "Once upon a time" in cl100k_base
     assert used == 2 * prompt + 7 + 9
+
+
+def test_a_reused_request_id_is_charged_again(stack: Stack, rds: redis.Redis) -> None:
+    """A client sending the same x-request-id twice makes two requests, and pays for both."""
+    c = client(stack, "sk-replay")
+    for _ in range(2):
+        c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=5,
+                                  extra_headers={"x-request-id": "fixed-id-1"})
+    assert tpm_used(rds, "t-replay", "rpm") == 2
