@@ -96,6 +96,9 @@ def _hcm(name: str, with_filter: bool, p: EnvoyPorts) -> dict[str, Any]:
             "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
             "stat_prefix": name,
             "codec_type": "AUTO",
+            "normalize_path": True,
+            "merge_slashes": True,
+            "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT",
             "stream_idle_timeout": "60s",
             "request_timeout": "0s",
             "route_config": {

@@ -39,8 +39,14 @@ class ParsedRequest:
 
 def endpoint_for_path(path: str) -> Endpoint | None:
     """The endpoint kind for a ``:path`` (query string ignored), or None if not metered."""
-    bare = path.split("?", 1)[0]
-    return ENDPOINTS.get(bare)
+    bare = path.split("?", 1)[0].split("#", 1)[0]
+    # Envoy merges slashes and normalises the path before us (see envoy_config); a trailing
+    # slash must not turn a metered endpoint into an unmetered one either.
+    while "//" in bare:
+        bare = bare.replace("//", "/")
+    if len(bare) > 1:
+        bare = bare.rstrip("/")
+    return ENDPOINTS.get(bare.lower())
 
 
 def _int_field(body: dict[str, Any], name: str, *, minimum: int, ceiling: int) -> int | None:

@@ -246,3 +246,14 @@ def test_a_reused_request_id_is_charged_again(stack: Stack, rds: redis.Redis) ->
         c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=5,
                                   extra_headers={"x-request-id": "fixed-id-1"})
     assert tpm_used(rds, "t-replay", "rpm") == 2
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions/", "//v1//chat/completions",
+                                  "/v1/./chat/completions", "/V1/Chat/Completions"])
+def test_path_tricks_do_not_escape_metering(stack: Stack, path: str) -> None:
+    """Variants of the metered path reach admission too (here: its JSON check refuses them)."""
+    r = httpx.post(f"http://127.0.0.1:{stack.ports.envoy}{path}",
+                   headers={"authorization": "Bearer sk-std", "content-type": "application/json"},
+                   content=b"{not json")
+    assert r.status_code == 400, r.text
+    assert "not valid JSON" in r.json()["error"]["message"]

@@ -360,7 +360,7 @@ def test_rewrite_all_changes_together() -> None:
         ("/v1/chat/completions?api-version=2024-01-01", "chat"),
         ("/v1/completions?", "completions"),
         ("/v1/models", None),
-        ("/v1/chat/completions/", None),
+        ("/v1/chat/completions/", "chat"),
         ("/v1/embeddings?x=/v1/completions", None),
         ("", None),
     ],
