@@ -131,7 +131,6 @@ class RequestProcessor:
         self._charge_buckets: list[WindowedBucket] = []
         self._seq = 0
         self._ledger = ""
-        self._fail_open_stream = False
         self._raw_len = 0
         self._last_values: tuple[list[WindowedBucket], tuple[int, ...]] = ([], ())
 
@@ -573,7 +572,6 @@ class RequestProcessor:
             meter.on_charge_failed()
             if self.cfg.failure_mode_for(self.tenant.plan if self.tenant else "") == "open":
                 log.warning("limiter_unavailable_stream_unmetered", request_id=self.request_id)
-                self._fail_open_stream = True
                 return meter.stop_enforcing()
             meter.cut_reason = "quota backend unavailable"
             meter.finished = True
@@ -673,8 +671,8 @@ class RequestProcessor:
         if self.settled:
             return
         self.settled = True
-        if self.ending in ("unknown", "in_progress") or ending != "completed":
-            self.ending = ending if self.ending in ("unknown", "completed") else self.ending
+        if self.ending == "unknown":  # a cut, refusal or upstream error already named it
+            self.ending = ending
         if self.meter is not None:
             self.gw.metrics.active_streams.dec()
         if not self.admitted or self.cost is None or self.tenant is None:
