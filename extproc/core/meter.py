@@ -57,6 +57,10 @@ class StreamMeter:
     ) -> None:
         self._count = count
         self.every = every
+        # Lazy batch size: N, shrunk to N/4 once a charge reports the quota nearly used, so
+        # streams near the limit learn about exhaustion sooner (a few more Redis calls, only
+        # at the end of a window's budget).
+        self.batch = every
         self.strict = strict
         self.enforce = enforce
         self._strip_usage = strip_usage
@@ -136,7 +140,7 @@ class StreamMeter:
                 self.lease -= k
             else:
                 self.uncharged += k
-                if self.enforce and self._charge_in_flight == 0 and self.uncharged >= self.every:
+                if self.enforce and self._charge_in_flight == 0 and self.uncharged >= self.batch:
                     # Ask now, mid-chunk: a chunk carrying many events must not slip past
                     # the 2N cap just because the charge would only be asked after it.
                     self._charge_in_flight = self._new_charge = self.uncharged
@@ -150,7 +154,9 @@ class StreamMeter:
         keeps lazy overshoot under 2N per stream even when Redis is slow."""
         if self.strict:
             return tokens > self.lease
-        return self._charge_in_flight != 0 and self.uncharged + tokens > 2 * self.every and tokens > 0
+        return (
+            self._charge_in_flight != 0 and self.uncharged + tokens > 2 * self.every and tokens > 0
+        )
 
     def _after(self, out: bytes) -> Step:
         charge = 0
@@ -165,7 +171,11 @@ class StreamMeter:
                     charge = self.every
         elif self.enforce:
             blocked = bool(self._held)
-            if self._charge_in_flight == 0 and self.uncharged >= self.every and not self.upstream_done:
+            if (
+                self._charge_in_flight == 0
+                and self.uncharged >= self.batch
+                and not self.upstream_done
+            ):
                 self._new_charge = self.uncharged
             charge, self._new_charge = self._new_charge, 0
             if charge and self.upstream_done:
@@ -180,8 +190,11 @@ class StreamMeter:
 
     # -- limiter answers -------------------------------------------------------------------
 
-    def on_charge(self, granted: int, exhausted: bool) -> Step:
-        """Report the limiter's answer to the last requested charge."""
+    def on_charge(self, granted: int, exhausted: bool, room: int | None = None) -> Step:
+        """Report the limiter's answer to the last requested charge (``room``: tokens the
+        tightest bucket still has after it, when known)."""
+        if room is not None and room < 4 * self.every:
+            self.batch = max(1, self.every // 4)
         asked = self._charge_in_flight
         self._charge_in_flight = 0
         if self.finished:

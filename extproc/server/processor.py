@@ -533,7 +533,10 @@ class RequestProcessor:
 
     def _start_charge(self, amount: int) -> None:
         assert self.tenant is not None and self.key is not None and self.model is not None
-        self._charge_buckets = self._buckets_at(self.gw.clock.now_ms())
+        # TPM buckets only, in the order the limiter returns their values.
+        self._charge_buckets = [
+            b for b in self._buckets_at(self.gw.clock.now_ms()) if b.metric == "tpm"
+        ]
         self._seq += 1
         charges = admission.tpm_charges(self._charge_buckets, amount)
         assert self.meter is not None
@@ -578,8 +581,12 @@ class RequestProcessor:
             return Step(cut_reason=meter.cut_reason)
         self.account.record(self._charge_buckets, res.granted)
         self._last_values = (self._charge_buckets, res.values)
+        room = min(
+            (b.limit.limit - v for b, v in zip(self._charge_buckets, res.values, strict=True)),
+            default=None,
+        )
         # Lazy and exhausted: the meter cuts before the next chunk goes out.
-        return meter.on_charge(res.granted, res.exhausted)
+        return meter.on_charge(res.granted, res.exhausted, room)
 
     def _cut(self) -> wire.ProcessingResponse:
         meter = self.meter
@@ -617,7 +624,7 @@ class RequestProcessor:
         assert self.tenant is not None
         now = self.gw.clock.now_ms()
         buckets, values = self._last_values
-        tpm = [(b, v) for b, v in zip(buckets, values, strict=False) if b.metric == "tpm"]
+        tpm = [(b, v) for b, v in zip(buckets, values, strict=True) if b.metric == "tpm"]
         if not tpm:
             tpm = [(b, 0) for b in self.buckets if b.metric == "tpm"]
         if not tpm:
