@@ -57,7 +57,7 @@ class StreamMeter:
     ) -> None:
         self._count = count
         self.every = every
-        # Lazy batch size: N, shrunk to N/4 once a charge reports the quota nearly used, so
+        # Lazy batch size: N, shrunk to N/4 once a charge reports less than 16N left, so
         # streams near the limit learn about exhaustion sooner (a few more Redis calls, only
         # at the end of a window's budget).
         self.batch = every
@@ -193,7 +193,7 @@ class StreamMeter:
     def on_charge(self, granted: int, exhausted: bool, room: int | None = None) -> Step:
         """Report the limiter's answer to the last requested charge (``room``: tokens the
         tightest bucket still has after it, when known)."""
-        if room is not None and room < 4 * self.every:
+        if room is not None and room < 16 * self.every:
             self.batch = max(1, self.every // 4)
         asked = self._charge_in_flight
         self._charge_in_flight = 0

@@ -453,10 +453,10 @@ def test_event_too_large_cuts() -> None:
 
 
 def test_lazy_batches_shrink_when_the_quota_is_nearly_used() -> None:
-    """Once a charge reports less than 4N left, lazy charges every N/4 tokens."""
+    """Once a charge reports less than 16N left, lazy charges every N/4 tokens."""
     m = lazy(every=8)
     assert m.feed(ev("a b c d e f g h"), end=False).charge == 8
-    m.on_charge(8, exhausted=False, room=100)
+    m.on_charge(8, exhausted=False, room=1000)
     assert m.batch == 8
     assert m.feed(ev("a b c d e f g h"), end=False).charge == 8
     m.on_charge(8, exhausted=False, room=20)
