@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
 
 import yaml
 from pydantic import ValidationError
@@ -245,17 +244,3 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
 def key_digest(presented: str) -> str:
     """The SHA-256 hex digest under which a presented API key is looked up."""
     return hashlib.sha256(presented.encode()).hexdigest()
-
-
-def dump_example() -> dict[str, Any]:
-    """A minimal valid document (used by ``check-config --example``)."""
-    return {
-        "models": {
-            "my-model": {
-                "tokenizer": {"kind": "tiktoken", "encoding": "cl100k_base"},
-                "max_output_tokens": 4096,
-            }
-        },
-        "plans": {"basic": {"limits": [{"model": "*", "rpm": 60, "tpm": 100000}]}},
-        "tenants": {"acme": {"plan": "basic", "keys": [{"name": "acme-1", "sha256": "0" * 64}]}},
-    }

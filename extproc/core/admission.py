@@ -130,8 +130,8 @@ def refusal(
     failing.sort(key=lambda bv: (bv[0].metric != "rpm", -bv[0].reset_s(now_ms)))
     b, used = failing[0]
     retry = max(bb.reset_s(now_ms) for bb, _ in failing)
-    scope = "all models" if b.limit.model == "*" else f"model {b.limit.model}"
-    per = _per(b.limit.window_s)
+    scope = scope_label(b.limit)
+    per = per_name(b.limit.window_s)
     if b.metric == "rpm":
         msg = (
             f"Rate limit reached for requests per {per} on tenant {tenant} ({scope}): "
@@ -141,8 +141,8 @@ def refusal(
     too_large = [fb for fb, _ in failing if fb.metric == "tpm" and cost.tpm_amount > fb.limit.limit]
     if b.metric == "tpm" and too_large:
         b = min(too_large, key=lambda fb: fb.limit.limit)
-        scope = "all models" if b.limit.model == "*" else f"model {b.limit.model}"
-        per = _per(b.limit.window_s)
+        scope = scope_label(b.limit)
+        per = per_name(b.limit.window_s)
         msg = (
             f"Request too large for tenant {tenant} ({scope}): it needs {cost.tpm_amount} tokens "
             f"({cost.input_tokens} input + {cost.reserved_output} reserved output) but the limit is "
@@ -157,17 +157,11 @@ def refusal(
     return QuotaExceeded(msg, metric="tpm", retry_after_s=retry, headers=headers)
 
 
-def _per(window_s: int) -> str:
+def per_name(window_s: int) -> str:
+    """``minute`` for 60 and so on (``90s`` for windows without a name)."""
     return {1: "second", 60: "minute", 3600: "hour", 86400: "day"}.get(window_s, f"{window_s}s")
 
 
-def per_name(window_s: int) -> str:
-    """``minute`` for 60 and so on."""
-    return _per(window_s)
-
-
-def windowed_all(
-    prefix: str, tenant: str, key_name: str, limits: tuple[Limit, ...], now_ms: int
-) -> list[WindowedBucket]:
-    """All buckets of ``limits`` in their current windows (the usage API)."""
-    return windowed(prefix, tenant, key_name, list(limits), now_ms)
+def scope_label(limit: Limit) -> str:
+    """How messages name a bucket's model scope."""
+    return "all models" if limit.model == "*" else f"model {limit.model}"

@@ -250,6 +250,10 @@ class StreamMeter:
         """The limiter could not answer; the caller decides (fail open/closed)."""
         self._charge_in_flight = 0
 
+    def fail(self, reason: str) -> Step:
+        """Fail closed: stop forwarding; the caller ends the stream with :meth:`cut`."""
+        return self._cut_step(reason)
+
     @property
     def charge_in_flight(self) -> bool:
         """A charge was asked for and not yet answered."""

@@ -251,8 +251,6 @@ class RequestProcessor:
     async def on_request_body(self, body: Any) -> wire.ProcessingResponse:
         """Parse, count input tokens, compute the cost and run the one admission script."""
         self.life.advance(Input.REQUEST_BODY)
-        if self.life.state is not State.AWAIT_BODY:
-            return wire.continue_request_body(None)
         assert self.tenant is not None and self.key is not None
         if not body.end_of_stream:
             raise RequestTooLarge("the request body arrived in pieces; buffered mode is required")
@@ -576,9 +574,7 @@ class RequestProcessor:
             if self.cfg.failure_mode_for(self.tenant.plan if self.tenant else "") == "open":
                 log.warning("limiter_unavailable_stream_unmetered", request_id=self.request_id)
                 return meter.stop_enforcing()
-            meter.cut_reason = "quota backend unavailable"
-            meter.finished = True
-            return Step(cut_reason=meter.cut_reason)
+            return meter.fail("quota backend unavailable")
         self.account.record(self._charge_buckets, res.granted)
         self._last_values = (self._charge_buckets, res.values)
         room = min(
@@ -630,7 +626,7 @@ class RequestProcessor:
         if not tpm:
             return "Rate limit reached for tokens; the stream was stopped."
         b, v = max(tpm, key=lambda bv: bv[1] - bv[0].limit.limit)
-        scope = "all models" if b.limit.model == "*" else f"model {b.limit.model}"
+        scope = admission.scope_label(b.limit)
         return (
             f"Rate limit reached for tokens per {admission.per_name(b.limit.window_s)} on tenant "
             f"{self.tenant.id} ({scope}): limit {b.limit.limit}, used {v if v else b.limit.limit}. "

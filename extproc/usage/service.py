@@ -8,7 +8,7 @@ import grpc
 
 from extproc._gen.aiquota.v1 import usage_pb2, usage_pb2_grpc
 from extproc.config.load import key_digest
-from extproc.core import admission
+from extproc.core.keys import windowed
 from extproc.errors import LimiterUnavailable
 from extproc.server.processor import Gateway
 
@@ -44,7 +44,7 @@ class UsageServicer(usage_pb2_grpc.UsageServicer):
         if not key_name:
             limits = tuple(lim for lim in limits if lim.scope == "tenant")
         now = self.gw.clock.now_ms()
-        buckets = admission.windowed_all(self.gw.key_prefix, tenant.id, key_name, limits, now)
+        buckets = windowed(self.gw.key_prefix, tenant.id, key_name, limits, now)
         try:
             values = await self.gw.limiter.read([b.key for b in buckets])
         except LimiterUnavailable as exc:

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from extproc.config import ConfigError, load_config, load_config_text
-from extproc.config.load import dump_example, key_digest
+from extproc.config.load import key_digest
 from extproc.config.runtime import ApiKey, Charging, Limit, RuntimeConfig
 
 pytestmark = pytest.mark.unit
@@ -130,12 +130,6 @@ def test_minimal_fixture_defaults() -> None:
     assert cfg.count_refused_requests is False
     assert cfg.ledger_ttl_seconds == 3600
     assert cfg.plaintext_keys == 1
-
-
-def test_dump_example_is_valid() -> None:
-    """The example document offered by check-config compiles."""
-    cfg = load_config_text(yaml.safe_dump(dump_example()))
-    assert set(cfg.tenants) == {"acme"}
 
 
 def test_load_config_text_defaults_source() -> None:
