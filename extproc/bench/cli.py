@@ -22,18 +22,38 @@ from extproc.bench.runner import SECTIONS, Bench, Plan
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Flags of ``ai-quota bench``."""
-    parser.add_argument("--quick", action="store_true",
-                        help="fewer rounds and requests: about one minute instead of a few")
-    parser.add_argument("--only", action="append", choices=SECTIONS, metavar="SECTION",
-                        help=f"run only these sections (repeatable): {', '.join(SECTIONS)}")
-    parser.add_argument("--skip", action="append", choices=SECTIONS, metavar="SECTION",
-                        help="leave these sections out (repeatable)")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="A/B rounds per comparison (default 5, --quick 3)")
-    parser.add_argument("--out", default="bench-results",
-                        help="directory for bench-<timestamp>.json (default bench-results)")
-    parser.add_argument("--keep-workdir", action="store_true",
-                        help="keep the stacks' logs and configs (printed at the end)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer rounds and requests: about one minute instead of a few",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=SECTIONS,
+        metavar="SECTION",
+        help=f"run only these sections (repeatable): {', '.join(SECTIONS)}",
+    )
+    parser.add_argument(
+        "--skip",
+        action="append",
+        choices=SECTIONS,
+        metavar="SECTION",
+        help="leave these sections out (repeatable)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="A/B rounds per comparison (default 5, --quick 3)"
+    )
+    parser.add_argument(
+        "--out",
+        default="bench-results",
+        help="directory for bench-<timestamp>.json (default bench-results)",
+    )
+    parser.add_argument(
+        "--keep-workdir",
+        action="store_true",
+        help="keep the stacks' logs and configs (printed at the end)",
+    )
 
 
 def meta(plan: Plan, sections: frozenset[str], started: float, elapsed: float) -> dict[str, Any]:
@@ -83,8 +103,10 @@ def run(args: argparse.Namespace) -> int:
 def summary(table: Table, m: dict[str, Any]) -> str:
     """The console summary: a header line, the table, the target count."""
     met, missed = table.targets()
-    head = (f"ai-quota bench {m['started_at']} — {m['cpus']} CPUs, {m['elapsed_s']} s, "
-            f"Python {m['python']}")
+    head = (
+        f"ai-quota bench {m['started_at']} — {m['cpus']} CPUs, {m['elapsed_s']} s, "
+        f"Python {m['python']}"
+    )
     return f"{head}\n\n{table.markdown()}\n\ntargets: {met} met, {missed} missed"
 
 

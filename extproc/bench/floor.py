@@ -91,9 +91,7 @@ async def serve(address: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m extproc.bench.floor``."""
     parser = argparse.ArgumentParser(prog="python -m extproc.bench.floor", description=__doc__)
-    parser.add_argument(
-        "--address", default=os.environ.get("AIQ_GRPC_ADDRESS", "127.0.0.1:50051")
-    )
+    parser.add_argument("--address", default=os.environ.get("AIQ_GRPC_ADDRESS", "127.0.0.1:50051"))
     args = parser.parse_args(argv)
     if os.environ.get("AIQ_EVENT_LOOP", "uvloop") != "asyncio":
         try:

@@ -120,8 +120,9 @@ async def batch(
                 if time.monotonic() > stop_at:
                     return
                 rid = bench.rid(tag) if bench else ""
-                out.append(await send(session, url, key, shape, body=shape.body(n),
-                                      client_request_id=rid))
+                out.append(
+                    await send(session, url, key, shape, body=shape.body(n), client_request_id=rid)
+                )
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return out
@@ -147,7 +148,9 @@ async def timed(
     return out, time.perf_counter() - started
 
 
-async def interleave(rounds: int, arms: dict[str, Callable[[], Awaitable[T]]]) -> dict[str, list[T]]:
+async def interleave(
+    rounds: int, arms: dict[str, Callable[[], Awaitable[T]]]
+) -> dict[str, list[T]]:
     """Run every arm once per round, in the same order (A B A B ...)."""
     out: dict[str, list[T]] = {name: [] for name in arms}
     for _ in range(rounds):
@@ -198,9 +201,7 @@ async def admission(b: Bench, main: Stack, baseline_url: str) -> None:
             gw = med_rounds([pct_ms(r, q) for r in res["gateway"]])
             summary[f"p{q}"] = {"baseline": base, "gateway": gw}
             b.table.add(Row("1 admission", f"latency p{q}, c={c}", "ms", gw, base))
-        summary["errors"] = {
-            arm: sum(len(r) - ok_count(r) for r in rs) for arm, rs in res.items()
-        }
+        summary["errors"] = {arm: sum(len(r) - ok_count(r) for r in rs) for arm, rs in res.items()}
         raw[f"c{c}"] = summary
     b.raw["admission"] = raw
 
@@ -223,21 +224,38 @@ async def streaming(b: Bench, main: Stack, baseline_url: str, floor: Stack) -> N
             },
         )
         ttft = {arm: med_rounds([pct_ms(r, 50, "ttft") for r in rs]) for arm, rs in res.items()}
-        gap = {
-            arm: med_rounds([pct_ms(r, 50, "mean_gap") for r in rs]) for arm, rs in res.items()
-        }
+        gap = {arm: med_rounds([pct_ms(r, 50, "mean_gap") for r in rs]) for arm, rs in res.items()}
         incomplete = {arm: sum(1 for r in rs for x in r if not x.done) for arm, rs in res.items()}
         raw[f"latency_{chunks}"] = {"ttft_ms": ttft, "mean_gap_ms": gap, "incomplete": incomplete}
-        b.table.add(Row("2 streaming", f"TTFT p50, {chunks} chunks", "ms", ttft["gateway"],
-                        ttft["baseline"]))
-        b.table.add(Row("2 streaming", f"mean inter-chunk, {chunks} chunks", "ms",
-                        gap["gateway"], gap["baseline"]))
-        b.table.add(Row("2 streaming", f"mean inter-chunk, {chunks} chunks, floor processor",
-                        "ms", gap["floor"], gap["baseline"]))
+        b.table.add(
+            Row(
+                "2 streaming", f"TTFT p50, {chunks} chunks", "ms", ttft["gateway"], ttft["baseline"]
+            )
+        )
+        b.table.add(
+            Row(
+                "2 streaming",
+                f"mean inter-chunk, {chunks} chunks",
+                "ms",
+                gap["gateway"],
+                gap["baseline"],
+            )
+        )
+        b.table.add(
+            Row(
+                "2 streaming",
+                f"mean inter-chunk, {chunks} chunks, floor processor",
+                "ms",
+                gap["floor"],
+                gap["baseline"],
+            )
+        )
 
     # CPU per chunk from two stream lengths, real vs floor, interleaved.
-    procs = {"gateway": (main, system.proc_pids(main, "extproc")),
-             "floor": (floor, system.proc_pids(floor, "extproc"))}
+    procs = {
+        "gateway": (main, system.proc_pids(main, "extproc")),
+        "floor": (floor, system.proc_pids(floor, "extproc")),
+    }
     conc = b.plan.cpu_concurrency
     m = b.plan.cpu_streams
     lengths = (50, 500)
@@ -260,12 +278,16 @@ async def streaming(b: Bench, main: Stack, baseline_url: str, floor: Stack) -> N
             out[f"msgs_per_req_{chunks}"] = sent / max(1, len(rs))
             out[f"tokens_per_req_{chunks}"] = sum(r.tokens for r in rs) / max(1, len(rs))
         fixed, per_chunk = per_unit_split(
-            out["cpu_per_req_50"], out["cpu_per_req_500"],
-            out["tokens_per_req_50"], out["tokens_per_req_500"],
+            out["cpu_per_req_50"],
+            out["cpu_per_req_500"],
+            out["tokens_per_req_50"],
+            out["tokens_per_req_500"],
         )
         _, per_msg = per_unit_split(
-            out["cpu_per_req_50"], out["cpu_per_req_500"],
-            out["msgs_per_req_50"], out["msgs_per_req_500"],
+            out["cpu_per_req_50"],
+            out["cpu_per_req_500"],
+            out["msgs_per_req_50"],
+            out["msgs_per_req_500"],
         )
         out.update(fixed=fixed, per_chunk=per_chunk, per_msg=per_msg)
         return out
@@ -278,16 +300,44 @@ async def streaming(b: Bench, main: Stack, baseline_url: str, floor: Stack) -> N
     def us(x: float | None) -> float | None:
         return None if x is None else x * US
 
-    r = b.table.add(Row("2 streaming", "processor CPU per chunk (base = floor)", "µs",
-                        us(med["gateway"]["per_chunk"]), us(med["floor"]["per_chunk"]),
-                        target="<= 1.2x"))
+    r = b.table.add(
+        Row(
+            "2 streaming",
+            "processor CPU per chunk (base = floor)",
+            "µs",
+            us(med["gateway"]["per_chunk"]),
+            us(med["floor"]["per_chunk"]),
+            target="<= 1.2x",
+        )
+    )
     r.met = r.ratio is not None and r.ratio <= 1.2
-    b.table.add(Row("2 streaming", "processor CPU per gRPC message (base = floor)", "µs",
-                    us(med["gateway"]["per_msg"]), us(med["floor"]["per_msg"])))
-    b.table.add(Row("2 streaming", "processor CPU per request, fixed part (base = floor)", "µs",
-                    us(med["gateway"]["fixed"]), us(med["floor"]["fixed"])))
-    b.table.add(Row("2 streaming", "gRPC messages Envoy sent per 500-chunk stream", "msgs",
-                    med["gateway"]["msgs_per_req_500"], med["floor"]["msgs_per_req_500"]))
+    b.table.add(
+        Row(
+            "2 streaming",
+            "processor CPU per gRPC message (base = floor)",
+            "µs",
+            us(med["gateway"]["per_msg"]),
+            us(med["floor"]["per_msg"]),
+        )
+    )
+    b.table.add(
+        Row(
+            "2 streaming",
+            "processor CPU per request, fixed part (base = floor)",
+            "µs",
+            us(med["gateway"]["fixed"]),
+            us(med["floor"]["fixed"]),
+        )
+    )
+    b.table.add(
+        Row(
+            "2 streaming",
+            "gRPC messages Envoy sent per 500-chunk stream",
+            "msgs",
+            med["gateway"]["msgs_per_req_500"],
+            med["floor"]["msgs_per_req_500"],
+        )
+    )
 
 
 # -- 3. Redis round trips -------------------------------------------------------------------
@@ -298,8 +348,12 @@ async def round_trips(b: Bench, main: Stack) -> None:
     raw: dict[str, Any] = {}
     every = b.plan.every
     cases = (
-        ("streamed, 500 tokens", Shape(prompt_tokens=100, max_tokens=500, stream=True, itl_ms=1),
-         20, 2 + -(-500 // every) - 1),
+        (
+            "streamed, 500 tokens",
+            Shape(prompt_tokens=100, max_tokens=500, stream=True, itl_ms=1),
+            20,
+            2 + -(-500 // every) - 1,
+        ),
         ("non-streaming", Shape(prompt_tokens=1000, max_tokens=8), 50, 2),
     )
     for name, shape, n, _expected in cases:
@@ -310,9 +364,17 @@ async def round_trips(b: Bench, main: Stack) -> None:
         calls = system.limiter_round_trips(before, after)
         per = sum(calls.values()) / max(1, ok_count(rs))
         raw[name] = {"requests": len(rs), "ok": ok_count(rs), "calls": calls, "per_request": per}
-        b.table.add(Row("3 redis", f"round trips per request, {name}", "calls", per,
-                        note=", ".join(f"{k} {v / max(1, ok_count(rs)):.2f}"
-                                       for k, v in sorted(calls.items()))))
+        b.table.add(
+            Row(
+                "3 redis",
+                f"round trips per request, {name}",
+                "calls",
+                per,
+                note=", ".join(
+                    f"{k} {v / max(1, ok_count(rs)):.2f}" for k, v in sorted(calls.items())
+                ),
+            )
+        )
     raw["charge_every_tokens"] = every
     b.raw["redis"] = raw
 
@@ -344,10 +406,12 @@ def tokenizer_inprocess(b: Bench) -> dict[str, float]:
 async def tokenizer(b: Bench, main: Stack, baseline_url: str) -> None:
     """In-process counting cost, and end-to-end latency at 32k vs 1k prompt tokens."""
     inproc = tokenizer_inprocess(b)
-    b.table.add(Row("4 tokenizer", "count_chat_request, 1k-token prompt", "µs",
-                    inproc["count_1000_us"]))
-    b.table.add(Row("4 tokenizer", "count_chat_request, 32k-token prompt", "µs",
-                    inproc["count_32000_us"]))
+    b.table.add(
+        Row("4 tokenizer", "count_chat_request, 1k-token prompt", "µs", inproc["count_1000_us"])
+    )
+    b.table.add(
+        Row("4 tokenizer", "count_chat_request, 32k-token prompt", "µs", inproc["count_32000_us"])
+    )
     n = b.plan.tok_e2e
     b.log(f"tokenizer end to end: {n} requests of 1k and 32k per arm x {b.plan.rounds}")
     small, big = Shape(prompt_tokens=1000, max_tokens=8), Shape(prompt_tokens=32000, max_tokens=8)
@@ -362,15 +426,28 @@ async def tokenizer(b: Bench, main: Stack, baseline_url: str) -> None:
     )
     p50 = {arm: med_rounds([pct_ms(r, 50) for r in rs]) for arm, rs in res.items()}
     b.raw["tokenizer"] = {"in_process": inproc, "p50_ms": p50}
-    b.table.add(Row("4 tokenizer", "latency p50, 32k-token prompt", "ms", p50["gateway_32k"],
-                    p50["baseline_32k"]))
+    b.table.add(
+        Row(
+            "4 tokenizer",
+            "latency p50, 32k-token prompt",
+            "ms",
+            p50["gateway_32k"],
+            p50["baseline_32k"],
+        )
+    )
 
     def sub(a: float | None, c: float | None) -> float | None:
         return None if a is None or c is None else a - c
 
-    b.table.add(Row("4 tokenizer", "latency p50, 32k minus 1k prompt", "ms",
-                    sub(p50["gateway_32k"], p50["gateway_1k"]),
-                    sub(p50["baseline_32k"], p50["baseline_1k"])))
+    b.table.add(
+        Row(
+            "4 tokenizer",
+            "latency p50, 32k minus 1k prompt",
+            "ms",
+            sub(p50["gateway_32k"], p50["gateway_1k"]),
+            sub(p50["baseline_32k"], p50["baseline_1k"]),
+        )
+    )
 
 
 # -- 5 + 6. accuracy under load and upstream stop latency ----------------------------------
@@ -405,14 +482,18 @@ async def accuracy(b: Bench, stack: Stack) -> None:
     for mode in ("lazy", "strict"):
         await _wait_window(b)
         window = int(time.time() // 3600)
-        b.log(f"accuracy ({mode}): {conc} streams through 2 Envoys x 2 processors, "
-              f"limit {limit} tokens per window")
+        b.log(
+            f"accuracy ({mode}): {conc} streams through 2 Envoys x 2 processors, "
+            f"limit {limit} tokens per window"
+        )
         results: list[tuple[Result, int]] = []
         started = time.monotonic()
         async with aiohttp.ClientSession(connector=connector(conc)) as session:
 
             async def worker(
-                i: int, mode: str = mode, started: float = started,
+                i: int,
+                mode: str = mode,
+                started: float = started,
                 results: list[tuple[Result, int]] = results,
             ) -> None:
                 url = f"http://127.0.0.1:{stack.envoy_ports[i % 2]}/v1"
@@ -422,8 +503,15 @@ async def accuracy(b: Bench, stack: Stack) -> None:
                     n = i * 10 + j
                     body = shape.body(n)
                     prompt = count_chat_request(orjson.loads(body), model.counter, model.tokenizer)
-                    r = await send(session, url, f"sk-{mode}", shape, body=body,
-                                   client_request_id=b.rid(mode), limit_s=45)
+                    r = await send(
+                        session,
+                        url,
+                        f"sk-{mode}",
+                        shape,
+                        body=body,
+                        client_request_id=b.rid(mode),
+                        limit_s=45,
+                    )
                     results.append((r, prompt))
                     if r.status != 200 or r.cut:
                         return
@@ -434,16 +522,20 @@ async def accuracy(b: Bench, stack: Stack) -> None:
         ids = {r.client_request_id for r, _ in results}
         recs: dict[str, dict[str, Any]] = {}
         for _ in range(30):
-            recs = {x["client_request_id"]: x for x in _sim_records(stack.sim_url)
-                    if x.get("client_request_id") in ids}
+            recs = {
+                x["client_request_id"]: x
+                for x in _sim_records(stack.sim_url)
+                if x.get("client_request_id") in ids
+            }
             if all(x["ending"] != "in_progress" for x in recs.values()):
                 break
             await asyncio.sleep(0.2)
         admitted = [(r, p) for r, p in results if r.status == 200]
         prompt_total = sum(p for _, p in admitted)
         delivered = sum(r.tokens for r, _ in admitted)
-        upstream = sum(int(recs.get(r.client_request_id, {}).get("tokens_sent", 0))
-                       for r, _ in admitted)
+        upstream = sum(
+            int(recs.get(r.client_request_id, {}).get("tokens_sent", 0)) for r, _ in admitted
+        )
         same_window = int(time.time() // 3600) == window
         used_client = prompt_total + delivered
         used_upstream = prompt_total + upstream
@@ -458,37 +550,67 @@ async def accuracy(b: Bench, stack: Stack) -> None:
                 if rec.get("last_token_at"):
                     gaps.append((rec["disconnected_at"] - rec["last_token_at"]) * MS)
         raw[mode] = {
-            "limit": limit, "requests": len(results), "admitted": len(admitted),
+            "limit": limit,
+            "requests": len(results),
+            "admitted": len(admitted),
             "refused": sum(1 for r, _ in results if r.status == 429),
             "failed": sum(1 for r, _ in results if r.status not in (200, 429)),
-            "cut": len(cut), "incomplete": sum(1 for r, _ in admitted if not r.done),
-            "prompt_tokens": prompt_total, "delivered_client": delivered,
-            "sent_upstream": upstream, "used_client": used_client,
-            "used_upstream": used_upstream, "overshoot_client": over_client,
-            "overshoot_upstream": over_upstream, "bound": bound,
-            "utilisation": used_client / limit, "elapsed_s": elapsed,
+            "cut": len(cut),
+            "incomplete": sum(1 for r, _ in admitted if not r.done),
+            "prompt_tokens": prompt_total,
+            "delivered_client": delivered,
+            "sent_upstream": upstream,
+            "used_client": used_client,
+            "used_upstream": used_upstream,
+            "overshoot_client": over_client,
+            "overshoot_upstream": over_upstream,
+            "bound": bound,
+            "utilisation": used_client / limit,
+            "elapsed_s": elapsed,
             "same_window": same_window,
             "endings": dict(Counter(x["ending"] for x in recs.values())),
         }
         # Both modes are judged on what reached clients (what the counters charge); the
         # upstream figure also counts tokens generated after the cut and never delivered.
         over = over_client
-        row = b.table.add(Row("5 accuracy", f"{mode}: overshoot ({conc} streams, N={b.plan.every})",
-                            "tokens", float(over), target=f"<= {bound}",
-                            note=f"upstream {over_upstream:+d}, client {over_client:+d}"))
+        row = b.table.add(
+            Row(
+                "5 accuracy",
+                f"{mode}: overshoot ({conc} streams, N={b.plan.every})",
+                "tokens",
+                float(over),
+                target=f"<= {bound}",
+                note=f"upstream {over_upstream:+d}, client {over_client:+d}",
+            )
+        )
         row.met = over <= bound and same_window
-        u = b.table.add(Row("5 accuracy", f"{mode}: utilisation (delivered+prompt)/limit", "%",
-                            100.0 * used_client / limit,
-                            target=">= 95%" if mode == "strict" else ""))
+        u = b.table.add(
+            Row(
+                "5 accuracy",
+                f"{mode}: utilisation (delivered+prompt)/limit",
+                "%",
+                100.0 * used_client / limit,
+                target=">= 95%" if mode == "strict" else "",
+            )
+        )
         if mode == "strict":
             u.met = used_client >= 0.95 * limit
     b.raw["accuracy"] = raw
     b.raw["stop_latency"] = {"cut_to_disconnect_ms": stops, "last_token_to_disconnect_ms": gaps}
-    for name, xs in (("client error event -> upstream disconnect", stops),
-                     ("upstream last token -> disconnect", gaps)):
+    for name, xs in (
+        ("client error event -> upstream disconnect", stops),
+        ("upstream last token -> disconnect", gaps),
+    ):
         for q in (50, 99):
-            row = b.table.add(Row("6 stop", f"{name} p{q} (n={len(xs)})", "ms",
-                                percentile(xs, q), target="< 50 ms"))
+            row = b.table.add(
+                Row(
+                    "6 stop",
+                    f"{name} p{q} (n={len(xs)})",
+                    "ms",
+                    percentile(xs, q),
+                    target="< 50 ms",
+                )
+            )
             row.met = row.value is not None and row.value < 50
 
 
@@ -525,11 +647,25 @@ async def workers(b: Bench, variants: dict[str, Stack]) -> None:
     base = next(iter(variants))
     for unit in ("chunks/s", "req/s"):
         if f"no filter {unit}" in med:
-            b.table.add(Row("7 workers", f"{unit}: {base} (base = same Envoy, no filter)", unit,
-                            med[f"{base} {unit}"], med[f"no filter {unit}"]))
+            b.table.add(
+                Row(
+                    "7 workers",
+                    f"{unit}: {base} (base = same Envoy, no filter)",
+                    unit,
+                    med[f"{base} {unit}"],
+                    med[f"no filter {unit}"],
+                )
+            )
         for name in list(variants)[1:]:
-            b.table.add(Row("7 workers", f"{unit}: {name} (base = {base})", unit,
-                            med[f"{name} {unit}"], med[f"{base} {unit}"]))
+            b.table.add(
+                Row(
+                    "7 workers",
+                    f"{unit}: {name} (base = {base})",
+                    unit,
+                    med[f"{name} {unit}"],
+                    med[f"{base} {unit}"],
+                )
+            )
 
 
 # -- 8. profile ------------------------------------------------------------------------------
@@ -592,14 +728,27 @@ async def profile(b: Bench, main: Stack) -> None:
     secs = b.plan.profile_seconds
     b.log(f"profile: py-spy {secs}s at {rate} Hz on pid {pid}")
     proc = await asyncio.create_subprocess_exec(
-        spy, "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw",
-        "--nonblocking", "--duration", str(int(secs)), "--output", str(out),
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        spy,
+        "record",
+        "--pid",
+        str(pid),
+        "--rate",
+        str(rate),
+        "--format",
+        "raw",
+        "--nonblocking",
+        "--duration",
+        str(int(secs)),
+        "--output",
+        str(out),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
     )
     await asyncio.sleep(0.5)
     shape = Shape(prompt_tokens=100, max_tokens=500, stream=True, itl_ms=1)
-    rs, _ = await timed(main.base_url, KEY, shape, seconds=secs - 0.5,
-                        concurrency=b.plan.cpu_concurrency)
+    rs, _ = await timed(
+        main.base_url, KEY, shape, seconds=secs - 0.5, concurrency=b.plan.cpu_concurrency
+    )
     try:
         _, err = await asyncio.wait_for(proc.communicate(), secs + 20)
     except TimeoutError:
@@ -614,29 +763,56 @@ async def profile(b: Bench, main: Stack) -> None:
 
     def table(c: Counter[str], k: int) -> list[dict[str, Any]]:
         return [
-            {"function": f, "samples": n, "share": n / max(1, total),
-             "us_per_chunk": n * us_per_sample / max(1, chunks)}
+            {
+                "function": f,
+                "samples": n,
+                "share": n / max(1, total),
+                "us_per_chunk": n * us_per_sample / max(1, chunks),
+            }
             for f, n in c.most_common(k)
         ]
 
     b.raw["profile"] = {
-        "rate_hz": rate, "samples": total, "chunks": chunks,
+        "rate_hz": rate,
+        "samples": total,
+        "chunks": chunks,
         "cpu_us_per_chunk_sampled": total * us_per_sample / max(1, chunks),
         "own": table(own, 30),
         "own_by_module": table(mods, 20),
-        "inclusive_extproc": table(Counter({f: n for f, n in incl.items()
-                                            if "extproc" in f or "server/" in f
-                                            or "core/" in f or "limiter/" in f}), 20),
+        "inclusive_extproc": table(
+            Counter(
+                {
+                    f: n
+                    for f, n in incl.items()
+                    if "extproc" in f or "server/" in f or "core/" in f or "limiter/" in f
+                }
+            ),
+            20,
+        ),
     }
     for item in b.raw["profile"]["own"][:5]:
-        b.table.add(Row("8 profile", f"own time: {item['function']}", "µs/chunk",
-                        item["us_per_chunk"], note=f"{100 * item['share']:.0f}% of samples"))
+        b.table.add(
+            Row(
+                "8 profile",
+                f"own time: {item['function']}",
+                "µs/chunk",
+                item["us_per_chunk"],
+                note=f"{100 * item['share']:.0f}% of samples",
+            )
+        )
     wanted = ("ExternalProcessorServicer.Process ", "RequestProcessor.handle ")
     for item in b.raw["profile"]["inclusive_extproc"]:
         if not item["function"].startswith(wanted):
             continue
-        b.table.add(Row("8 profile", f"inclusive: {item['function']}", "µs/chunk",
-                        item["us_per_chunk"], note=f"{100 * item['share']:.0f}% of samples"))
+        b.table.add(
+            Row(
+                "8 profile",
+                f"inclusive: {item['function']}",
+                "µs/chunk",
+                item["us_per_chunk"],
+                note=f"{100 * item['share']:.0f}% of samples",
+            )
+        )
 
 
 # -- the whole run ---------------------------------------------------------------------------
@@ -658,20 +834,29 @@ async def run(b: Bench) -> None:
     try:
         if want & {"admission", "streaming", "redis", "tokenizer", "profile"}:
             b.log("starting the main stack (Envoy with baseline listener) and the floor stack")
-            main = started(await asyncio.to_thread(
-                system.start_stack, b.workdir / "main", rules, baseline=True))
+            main = started(
+                await asyncio.to_thread(
+                    system.start_stack, b.workdir / "main", rules, baseline=True
+                )
+            )
             baseline_url = f"http://127.0.0.1:{main.baseline_port}/v1"
             await batch(main.base_url, KEY, Shape(), count=30, concurrency=4)
             await batch(baseline_url, KEY, Shape(), count=30, concurrency=4)
             if "admission" in want:
                 await admission(b, main, baseline_url)
             if "streaming" in want:
-                floor = started(await asyncio.to_thread(
-                    system.start_stack, b.workdir / "floor", rules,
-                    extproc_argv=(py, "-m", "extproc.bench.floor"),
-                    redis_url=main.effective_redis_url))
-                await batch(floor.base_url, KEY, Shape(stream=True, max_tokens=20), count=20,
-                            concurrency=4)
+                floor = started(
+                    await asyncio.to_thread(
+                        system.start_stack,
+                        b.workdir / "floor",
+                        rules,
+                        extproc_argv=(py, "-m", "extproc.bench.floor"),
+                        redis_url=main.effective_redis_url,
+                    )
+                )
+                await batch(
+                    floor.base_url, KEY, Shape(stream=True, max_tokens=20), count=20, concurrency=4
+                )
                 await streaming(b, main, baseline_url, floor)
                 floor.stop()
             if "redis" in want:
@@ -683,23 +868,43 @@ async def run(b: Bench) -> None:
             main.stop()
         if "accuracy" in want:
             b.log("starting the accuracy stack (2 Envoys x 2 processors)")
-            acc = started(await asyncio.to_thread(
-                system.start_stack, b.workdir / "accuracy", rules, envoys=2, extprocs=2))
+            acc = started(
+                await asyncio.to_thread(
+                    system.start_stack, b.workdir / "accuracy", rules, envoys=2, extprocs=2
+                )
+            )
             await accuracy(b, acc)
             acc.stop()
         if "workers" in want:
             b.log("starting the worker stacks")
             serve = (py, "-m", "extproc", "serve")
             variants = {
-                "1 worker uvloop": started(await asyncio.to_thread(
-                    system.start_stack, b.workdir / "w1", rules, extproc_argv=serve,
-                    baseline=True)),
-                "2 workers uvloop": started(await asyncio.to_thread(
-                    system.start_stack, b.workdir / "w2", rules,
-                    extproc_argv=(*serve, "--workers", "2"))),
-                "1 worker asyncio": started(await asyncio.to_thread(
-                    system.start_stack, b.workdir / "w1a", rules, extproc_argv=serve,
-                    env={"AIQ_EVENT_LOOP": "asyncio"})),
+                "1 worker uvloop": started(
+                    await asyncio.to_thread(
+                        system.start_stack,
+                        b.workdir / "w1",
+                        rules,
+                        extproc_argv=serve,
+                        baseline=True,
+                    )
+                ),
+                "2 workers uvloop": started(
+                    await asyncio.to_thread(
+                        system.start_stack,
+                        b.workdir / "w2",
+                        rules,
+                        extproc_argv=(*serve, "--workers", "2"),
+                    )
+                ),
+                "1 worker asyncio": started(
+                    await asyncio.to_thread(
+                        system.start_stack,
+                        b.workdir / "w1a",
+                        rules,
+                        extproc_argv=serve,
+                        env={"AIQ_EVENT_LOOP": "asyncio"},
+                    )
+                ),
             }
             for s in variants.values():
                 await batch(s.base_url, KEY, Shape(), count=20, concurrency=4)

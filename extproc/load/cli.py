@@ -50,69 +50,153 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     tgt = parser.add_argument_group("targets and traffic mix")
-    tgt.add_argument("--target", action="append", metavar="URL",
-                     help="OpenAI-compatible base URL (loopback only), repeatable; requests "
-                          "are spread round-robin (default http://127.0.0.1:10000/v1)")
-    tgt.add_argument("--key", action="append", metavar="KEY",
-                     help="API key sent as 'Authorization: Bearer KEY', repeatable; each key "
-                          "is a tenant in the report (default sk-test)")
-    tgt.add_argument("--key-weights", metavar="W1,W2,...",
-                     help="relative share of requests per --key, e.g. 3,1")
-    tgt.add_argument("--model", action="append", metavar="NAME",
-                     help="model name, repeatable; chosen uniformly (default sim-small)")
-    tgt.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
-                     help="POST /chat/completions or /completions (default chat)")
-    tgt.add_argument("--stream-ratio", type=float, default=0.8,
-                     help="fraction of streaming requests (default 0.8)")
-    tgt.add_argument("--max-tokens", default="128", metavar="N|LO:HI",
-                     help="max_tokens per request, or a uniform range (default 128)")
-    tgt.add_argument("--prompt-tokens", type=int, default=64,
-                     help="approximate prompt size in cl100k tokens (default 64)")
-    tgt.add_argument("--no-usage", action="store_true",
-                     help="do not ask for stream_options.include_usage")
-    tgt.add_argument("--header", action="append", default=[], metavar="NAME:VALUE",
-                     help="extra request header, repeatable")
+    tgt.add_argument(
+        "--target",
+        action="append",
+        metavar="URL",
+        help="OpenAI-compatible base URL (loopback only), repeatable; requests "
+        "are spread round-robin (default http://127.0.0.1:10000/v1)",
+    )
+    tgt.add_argument(
+        "--key",
+        action="append",
+        metavar="KEY",
+        help="API key sent as 'Authorization: Bearer KEY', repeatable; each key "
+        "is a tenant in the report (default sk-test)",
+    )
+    tgt.add_argument(
+        "--key-weights", metavar="W1,W2,...", help="relative share of requests per --key, e.g. 3,1"
+    )
+    tgt.add_argument(
+        "--model",
+        action="append",
+        metavar="NAME",
+        help="model name, repeatable; chosen uniformly (default sim-small)",
+    )
+    tgt.add_argument(
+        "--endpoint",
+        choices=("chat", "completions"),
+        default="chat",
+        help="POST /chat/completions or /completions (default chat)",
+    )
+    tgt.add_argument(
+        "--stream-ratio",
+        type=float,
+        default=0.8,
+        help="fraction of streaming requests (default 0.8)",
+    )
+    tgt.add_argument(
+        "--max-tokens",
+        default="128",
+        metavar="N|LO:HI",
+        help="max_tokens per request, or a uniform range (default 128)",
+    )
+    tgt.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=64,
+        help="approximate prompt size in cl100k tokens (default 64)",
+    )
+    tgt.add_argument(
+        "--no-usage", action="store_true", help="do not ask for stream_options.include_usage"
+    )
+    tgt.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        metavar="NAME:VALUE",
+        help="extra request header, repeatable",
+    )
 
     load = parser.add_argument_group("load shape and bounds")
-    load.add_argument("--concurrency", type=int, default=8,
-                      help="closed loop: number of workers (default 8)")
-    load.add_argument("--rate", type=float,
-                      help="open loop: arrivals per second (switches to open loop)")
-    load.add_argument("--arrival", choices=("poisson", "uniform"), default="poisson",
-                      help="open-loop arrival process (default poisson)")
-    load.add_argument("--max-in-flight", type=int, default=256,
-                      help="open loop: cap on concurrent requests (default 256)")
-    load.add_argument("--duration", type=float, metavar="S",
-                      help="stop starting requests after S seconds (default 10 when "
-                           "--requests is not given either)")
-    load.add_argument("--requests", type=int, metavar="N",
-                      help="stop after N requests (whichever of --duration/--requests first)")
-    load.add_argument("--request-timeout", type=float, default=60.0, metavar="S",
-                      help="hard timeout per request (default 60)")
+    load.add_argument(
+        "--concurrency", type=int, default=8, help="closed loop: number of workers (default 8)"
+    )
+    load.add_argument(
+        "--rate", type=float, help="open loop: arrivals per second (switches to open loop)"
+    )
+    load.add_argument(
+        "--arrival",
+        choices=("poisson", "uniform"),
+        default="poisson",
+        help="open-loop arrival process (default poisson)",
+    )
+    load.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=256,
+        help="open loop: cap on concurrent requests (default 256)",
+    )
+    load.add_argument(
+        "--duration",
+        type=float,
+        metavar="S",
+        help="stop starting requests after S seconds (default 10 when "
+        "--requests is not given either)",
+    )
+    load.add_argument(
+        "--requests",
+        type=int,
+        metavar="N",
+        help="stop after N requests (whichever of --duration/--requests first)",
+    )
+    load.add_argument(
+        "--request-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="hard timeout per request (default 60)",
+    )
     load.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     load.add_argument("--run-id", help="prefix of x-client-request-id (default generated)")
 
     rep = parser.add_argument_group("report")
-    rep.add_argument("--out", metavar="DIR",
-                     help="report directory (default ./load-report-<timestamp>)")
+    rep.add_argument(
+        "--out", metavar="DIR", help="report directory (default ./load-report-<timestamp>)"
+    )
     rep.add_argument("--no-plot", action="store_true", help="skip report.png")
-    rep.add_argument("--window-seconds", type=float, default=60.0,
-                     help="token window length, aligned to wall-clock multiples (default 60)")
-    rep.add_argument("--limit-tpm", action="append", default=[], metavar="KEY=N",
-                     help="tokens-per-minute limit of a tenant, repeatable; enables overshoot "
-                          "and utilisation per window")
-    rep.add_argument("--sim-url", metavar="URL",
-                     help="simulator base URL for ground truth (GET /sim/requests)")
-    rep.add_argument("--fail-on-overshoot", action="store_true",
-                     help="exit 1 when any window's overshoot exceeds --overshoot-tolerance")
-    rep.add_argument("--overshoot-tolerance", default="0", metavar="N|P%",
-                     help="allowed overshoot per window, tokens or percent of the limit "
-                          "(default 0)")
+    rep.add_argument(
+        "--window-seconds",
+        type=float,
+        default=60.0,
+        help="token window length, aligned to wall-clock multiples (default 60)",
+    )
+    rep.add_argument(
+        "--limit-tpm",
+        action="append",
+        default=[],
+        metavar="KEY=N",
+        help="tokens-per-minute limit of a tenant, repeatable; enables overshoot "
+        "and utilisation per window",
+    )
+    rep.add_argument(
+        "--sim-url", metavar="URL", help="simulator base URL for ground truth (GET /sim/requests)"
+    )
+    rep.add_argument(
+        "--fail-on-overshoot",
+        action="store_true",
+        help="exit 1 when any window's overshoot exceeds --overshoot-tolerance",
+    )
+    rep.add_argument(
+        "--overshoot-tolerance",
+        default="0",
+        metavar="N|P%",
+        help="allowed overshoot per window, tokens or percent of the limit (default 0)",
+    )
     prog = rep.add_mutually_exclusive_group()
-    prog.add_argument("--progress", dest="progress", action="store_true", default=None,
-                      help="force the live progress line on stderr")
-    prog.add_argument("--no-progress", dest="progress", action="store_false",
-                      help="disable the live progress line")
+    prog.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="force the live progress line on stderr",
+    )
+    prog.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="disable the live progress line",
+    )
 
 
 def _headers(values: list[str]) -> tuple[tuple[str, str], ...]:

@@ -33,12 +33,14 @@ def plot_report(report: LoadReport, path: Path) -> None:
     for i, (tenant, rows) in enumerate(sorted(tenants.items())):
         color = colors[i % len(colors)]
         xs = [r["start"] - t0 + width * (i + 0.5) for r in rows]
-        ax_win.bar(xs, [r["tokens"] for r in rows], width=width, label=tenant, color=color,
-                   align="edge")
+        ax_win.bar(
+            xs, [r["tokens"] for r in rows], width=width, label=tenant, color=color, align="edge"
+        )
         limits = [r["limit"] for r in rows if r["limit"] is not None]
         if limits:
-            ax_win.axhline(limits[0], color=color, linestyle="--", linewidth=1,
-                           label=f"{tenant} limit")
+            ax_win.axhline(
+                limits[0], color=color, linestyle="--", linewidth=1, label=f"{tenant} limit"
+            )
     ax_win.set_title(f"Tokens per {wsec:g}s window (prompt + output) per tenant")
     ax_win.set_xlabel("seconds since first window start")
     ax_win.set_ylabel("tokens")

@@ -24,15 +24,18 @@ class Counters:
 def format_line(c: Counters, now: float | None = None) -> str:
     """The progress line for counters ``c`` at monotonic time ``now``."""
     elapsed = max((time.monotonic() if now is None else now) - c.started_mono, 1e-9)
-    return (f"[{elapsed:7.1f}s] done {c.done}  in-flight {c.in_flight}  429 {c.refused}  "
-            f"cut {c.cut}  failed {c.failed}  out {c.output_tokens / elapsed:.0f} tok/s")
+    return (
+        f"[{elapsed:7.1f}s] done {c.done}  in-flight {c.in_flight}  429 {c.refused}  "
+        f"cut {c.cut}  failed {c.failed}  out {c.output_tokens / elapsed:.0f} tok/s"
+    )
 
 
 class ProgressLine:
     """Redraws one line on ``stream``; ``render`` is rate-limited to ``max_hz``."""
 
-    def __init__(self, counters: Counters, stream: TextIO | None = None,
-                 max_hz: float = 4.0) -> None:
+    def __init__(
+        self, counters: Counters, stream: TextIO | None = None, max_hz: float = 4.0
+    ) -> None:
         """Remember where to draw and how often."""
         self.counters = counters
         self.stream = stream or sys.stderr

@@ -208,8 +208,11 @@ def build_report(
                 "limit_per_window": round(limits[tenant] * config.window_seconds / 60.0, 3),
                 **overshoot_summary(rows),
             }
-    maxes = [float(v["max_overshoot"]) for v in overshoot_tenants.values()
-             if v["max_overshoot"] is not None]
+    maxes = [
+        float(v["max_overshoot"])
+        for v in overshoot_tenants.values()
+        if v["max_overshoot"] is not None
+    ]
 
     data: dict[str, Any] = {
         "schema": SCHEMA,
@@ -280,8 +283,10 @@ def _check_counts(where: str, c: Mapping[str, Any], problems: list[str]) -> None
             problems.append(f"{where}: {k} must be a non-negative integer, got {v!r}")
             return
     if c["admitted"] + c["refused"] + c["failed"] != c["total"]:
-        problems.append(f"{where}: admitted + refused + failed != total "
-                        f"({c['admitted']} + {c['refused']} + {c['failed']} != {c['total']})")
+        problems.append(
+            f"{where}: admitted + refused + failed != total "
+            f"({c['admitted']} + {c['refused']} + {c['failed']} != {c['total']})"
+        )
     if c["ok"] + c["cut"] != c["admitted"]:
         problems.append(f"{where}: ok + cut != admitted")
     if c["cut"] > c["admitted"]:
@@ -296,8 +301,12 @@ def _check_counts(where: str, c: Mapping[str, Any], problems: list[str]) -> None
             problems.append(f"{where}: {k} must be a non-negative integer, got {v!r}")
 
 
-def _check_sum(where: str, parts: Mapping[str, Mapping[str, Any]], whole: Mapping[str, Any],
-               problems: list[str]) -> None:
+def _check_sum(
+    where: str,
+    parts: Mapping[str, Mapping[str, Any]],
+    whole: Mapping[str, Any],
+    problems: list[str],
+) -> None:
     for k in (*COUNT_KEYS, *TOKEN_KEYS):
         got = sum(int(p.get(k) or 0) for p in parts.values())
         if got != whole.get(k):
@@ -327,8 +336,17 @@ def validate_report(report: Mapping[str, Any] | LoadReport) -> list[str]:
     """Return every internal inconsistency of ``report`` (empty list when consistent)."""
     data: Mapping[str, Any] = report.data if isinstance(report, LoadReport) else report
     problems: list[str] = []
-    for section in ("schema", "run", "totals", "tenants", "models", "latency", "windows",
-                    "overshoot", "ground_truth"):
+    for section in (
+        "schema",
+        "run",
+        "totals",
+        "tenants",
+        "models",
+        "latency",
+        "windows",
+        "overshoot",
+        "ground_truth",
+    ):
         if section not in data:
             problems.append(f"missing section {section!r}")
     if problems:
@@ -357,12 +375,16 @@ def validate_report(report: Mapping[str, Any] | LoadReport) -> list[str]:
         tol = 0.01 * (len(rows) + 1) + 1e-6 * float(tenants[name]["output_tokens_delivered"])
         out_sum = sum(float(r["output_tokens"]) for r in rows)
         if not _close(out_sum, float(tenants[name]["output_tokens_delivered"]), tol):
-            problems.append(f"windows.{name}: output tokens {out_sum} != delivered "
-                            f"{tenants[name]['output_tokens_delivered']}")
+            problems.append(
+                f"windows.{name}: output tokens {out_sum} != delivered "
+                f"{tenants[name]['output_tokens_delivered']}"
+            )
         prm_sum = sum(float(r["prompt_tokens"]) for r in rows)
         if not _close(prm_sum, float(tenants[name]["prompt_tokens_charged"]), tol):
-            problems.append(f"windows.{name}: prompt tokens {prm_sum} != charged "
-                            f"{tenants[name]['prompt_tokens_charged']}")
+            problems.append(
+                f"windows.{name}: prompt tokens {prm_sum} != charged "
+                f"{tenants[name]['prompt_tokens_charged']}"
+            )
         starts = [float(r["start"]) for r in rows]
         if starts != sorted(starts):
             problems.append(f"windows.{name}: windows not sorted")
@@ -371,22 +393,30 @@ def validate_report(report: Mapping[str, Any] | LoadReport) -> list[str]:
                 k = float(r["start"]) / wsec
                 if abs(k - round(k)) > 1e-6:
                     problems.append(f"windows.{name}: window {r['start']} not aligned to {wsec}s")
-            if not _close(float(r["tokens"]),
-                          float(r["output_tokens"]) + float(r["prompt_tokens"]), 0.01):
+            if not _close(
+                float(r["tokens"]), float(r["output_tokens"]) + float(r["prompt_tokens"]), 0.01
+            ):
                 problems.append(f"windows.{name}: tokens != output + prompt at {r['start']}")
             if r.get("limit") is not None:
                 expect = max(0.0, float(r["tokens"]) - float(r["limit"]))
                 if r.get("overshoot") is None or not _close(float(r["overshoot"]), expect, 0.01):
-                    problems.append(f"windows.{name}: overshoot {r.get('overshoot')} != "
-                                    f"max(0, tokens - limit) = {expect} at {r['start']}")
+                    problems.append(
+                        f"windows.{name}: overshoot {r.get('overshoot')} != "
+                        f"max(0, tokens - limit) = {expect} at {r['start']}"
+                    )
     for name, t in tenants.items():
-        if t.get("output_tokens_delivered", 0) + t.get("prompt_tokens_charged", 0) > 0 \
-                and name not in win_tenants:
+        if (
+            t.get("output_tokens_delivered", 0) + t.get("prompt_tokens_charged", 0) > 0
+            and name not in win_tenants
+        ):
             problems.append(f"windows: tenant {name!r} delivered tokens but has no windows")
 
     ov = data["overshoot"]
-    maxes = [v.get("max_overshoot") for v in ov.get("tenants", {}).values()
-             if v.get("max_overshoot") is not None]
+    maxes = [
+        v.get("max_overshoot")
+        for v in ov.get("tenants", {}).values()
+        if v.get("max_overshoot") is not None
+    ]
     expected_max = round(max(maxes), 3) if maxes else None
     if ov.get("max_overshoot") != expected_max:
         problems.append(f"overshoot.max_overshoot {ov.get('max_overshoot')} != {expected_max}")
@@ -426,18 +456,21 @@ def summary_text(data: Mapping[str, Any]) -> str:
         f"{_fmt(lat['ttft_ms']['p99'])}   ITL ms p50/p90/p99 {_fmt(lat['itl_ms']['p50'])}/"
         f"{_fmt(lat['itl_ms']['p90'])}/{_fmt(lat['itl_ms']['p99'])}"
     )
-    lines.append(f"  {'tenant':<16} {'total':>6} {'ok':>6} {'cut':>5} {'429':>5} {'fail':>5} "
-                 f"{'out tok':>9} {'max overshoot':>14}")
+    lines.append(
+        f"  {'tenant':<16} {'total':>6} {'ok':>6} {'cut':>5} {'429':>5} {'fail':>5} "
+        f"{'out tok':>9} {'max overshoot':>14}"
+    )
     ov = data["overshoot"]["tenants"]
     for name, e in data["tenants"].items():
         mo = ov.get(name, {}).get("max_overshoot")
-        lines.append(f"  {name[:16]:<16} {e['total']:>6} {e['ok']:>6} {e['cut']:>5} "
-                     f"{e['refused']:>5} {e['failed']:>5} {e['output_tokens_delivered']:>9} "
-                     f"{_fmt(mo):>14}")
+        lines.append(
+            f"  {name[:16]:<16} {e['total']:>6} {e['ok']:>6} {e['cut']:>5} "
+            f"{e['refused']:>5} {e['failed']:>5} {e['output_tokens_delivered']:>9} "
+            f"{_fmt(mo):>14}"
+        )
     gt = data["ground_truth"]
     if gt.get("available"):
-        lines.append(f"  ground truth: matched {gt.get('matched')}  "
-                     f"endings {gt.get('endings')}")
+        lines.append(f"  ground truth: matched {gt.get('matched')}  endings {gt.get('endings')}")
     return "\n".join(lines)
 
 
@@ -446,8 +479,9 @@ def write_report(report: LoadReport, out_dir: Path, *, plot: bool = True) -> lis
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     jpath = out_dir / "report.json"
-    jpath.write_bytes(orjson.dumps(report.data, option=orjson.OPT_INDENT_2 |
-                                   orjson.OPT_NON_STR_KEYS))
+    jpath.write_bytes(
+        orjson.dumps(report.data, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS)
+    )
     written.append(jpath)
     rpath = out_dir / "requests.jsonl"
     with rpath.open("wb") as fh:
@@ -493,7 +527,9 @@ def overshoot_violations(data: Mapping[str, Any], tolerance: str = "0") -> list[
                 continue
             allowed = float(r["limit"]) * value / 100.0 if is_pct else value
             if float(r["overshoot"]) > allowed:
-                out.append(f"{tenant}: window {r['start']:.0f} delivered {r['tokens']:.0f} "
-                           f"tokens, limit {r['limit']:.0f}, overshoot {r['overshoot']:.0f} "
-                           f"> tolerance {allowed:.0f}")
+                out.append(
+                    f"{tenant}: window {r['start']:.0f} delivered {r['tokens']:.0f} "
+                    f"tokens, limit {r['limit']:.0f}, overshoot {r['overshoot']:.0f} "
+                    f"> tolerance {allowed:.0f}"
+                )
     return out

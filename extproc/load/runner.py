@@ -267,8 +267,11 @@ class Runner:
         err = parse_error(obj)
         if err is not None:
             rec.error_code, rec.error_type = err.code, err.type
-            rec.outcome, rec.reason = ("cut", None) if err.is_quota_cut else (
-                "failed", f"body_error:{err.code or err.type or 'unknown'}")
+            rec.outcome, rec.reason = (
+                ("cut", None)
+                if err.is_quota_cut
+                else ("failed", f"body_error:{err.code or err.type or 'unknown'}")
+            )
             return
         text = extract_content(obj)
         if text:
@@ -281,20 +284,26 @@ class Runner:
 
 
 async def fetch_ground_truth(
-    session: aiohttp.ClientSession, sim_url: str, run_id: str,
+    session: aiohttp.ClientSession,
+    sim_url: str,
+    run_id: str,
     settle_s: float = GROUND_TRUTH_SETTLE_S,
 ) -> list[SimRecord]:
     """Records of this run from ``GET {sim_url}/sim/requests``, waiting briefly for stragglers."""
     deadline = time.monotonic() + settle_s
     prefix = f"{run_id}-"
     while True:
-        async with session.get(sim_url.rstrip("/") + "/sim/requests",
-                               allow_redirects=False) as resp:
+        async with session.get(
+            sim_url.rstrip("/") + "/sim/requests", allow_redirects=False
+        ) as resp:
             resp.raise_for_status()
             body = orjson.loads(await resp.read())
         raw = body.get("requests", []) if isinstance(body, dict) else []
-        recs = [s for s in (SimRecord.from_json(r) for r in raw if isinstance(r, dict))
-                if s is not None and s.client_request_id.startswith(prefix)]
+        recs = [
+            s
+            for s in (SimRecord.from_json(r) for r in raw if isinstance(r, dict))
+            if s is not None and s.client_request_id.startswith(prefix)
+        ]
         if all(s.ending != "in_progress" for s in recs) or time.monotonic() >= deadline:
             return recs
         await asyncio.sleep(0.2)
@@ -310,16 +319,22 @@ async def run_load(config: LoadConfig) -> LoadReport:
     """Run the load described by ``config`` and return the report (nothing is written)."""
     config = config.validated()
     run_id = config.run_id or new_run_id()
-    log.info("load_run_start", run_id=run_id, targets=list(config.targets),
-             mode="open" if config.open_loop else "closed")
+    log.info(
+        "load_run_start",
+        run_id=run_id,
+        targets=list(config.targets),
+        mode="open" if config.open_loop else "closed",
+    )
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.request_timeout)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout,
-                                     trust_env=False) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, trust_env=False
+    ) as session:
         runner = Runner(config, run_id, session)
         progress = ProgressLine(runner.counters) if config.progress else None
-        progress_task = (asyncio.create_task(_progress_loop(progress))
-                         if progress is not None else None)
+        progress_task = (
+            asyncio.create_task(_progress_loop(progress)) if progress is not None else None
+        )
         started_at = time.time()
         try:
             if config.open_loop:
@@ -344,11 +359,20 @@ async def run_load(config: LoadConfig) -> LoadReport:
                 ground_truth = {"available": False, "error": f"{type(exc).__name__}: {exc}"}
     records = sorted(runner.records, key=lambda r: r.n)
     report = build_report(
-        records, config, started_at=started_at, ended_at=ended_at, run_id=run_id,
+        records,
+        config,
+        started_at=started_at,
+        ended_at=ended_at,
+        run_id=run_id,
         ground_truth=ground_truth,
         run_stats={"requests_sent": len(records), "arrivals_delayed": runner.arrivals_delayed},
     )
-    log.info("load_run_end", run_id=run_id, total=report.totals["total"],
-             refused=report.totals["refused"], cut=report.totals["cut"],
-             failed=report.totals["failed"])
+    log.info(
+        "load_run_end",
+        run_id=run_id,
+        total=report.totals["total"],
+        refused=report.totals["refused"],
+        cut=report.totals["cut"],
+        failed=report.totals["failed"],
+    )
     return report

@@ -28,8 +28,15 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 def summarize(values: Sequence[float], scale: float = 1.0) -> dict[str, Any]:
     """Count, mean, min, p50, p90, p99 and max of ``values`` multiplied by ``scale``."""
     if not values:
-        return {"count": 0, "mean": None, "min": None, "p50": None, "p90": None,
-                "p99": None, "max": None}
+        return {
+            "count": 0,
+            "mean": None,
+            "min": None,
+            "p50": None,
+            "p90": None,
+            "p99": None,
+            "max": None,
+        }
     scaled = [v * scale for v in values]
     return {
         "count": len(scaled),

@@ -148,8 +148,12 @@ def overshoot_summary(rows: list[WindowRow]) -> dict[str, float | int | None]:
     """Max and total overshoot, windows over the limit and peak utilisation for one tenant."""
     limited = [r for r in rows if r.limit is not None]
     if not limited:
-        return {"max_overshoot": None, "total_overshoot": None, "windows_over": None,
-                "max_utilisation": None}
+        return {
+            "max_overshoot": None,
+            "total_overshoot": None,
+            "windows_over": None,
+            "max_utilisation": None,
+        }
     overs = [r.overshoot or 0.0 for r in limited]
     utils = [r.utilisation for r in limited if r.utilisation is not None]
     return {

@@ -37,9 +37,7 @@ def headers_of(hh: Any) -> dict[str, str]:
     return out
 
 
-def _mutation(
-    set_headers: Iterable[tuple[str, str]] = (), remove: Iterable[str] = ()
-) -> Any:
+def _mutation(set_headers: Iterable[tuple[str, str]] = (), remove: Iterable[str] = ()) -> Any:
     m = pb.HeaderMutation()
     for k, v in set_headers:
         m.set_headers.append(

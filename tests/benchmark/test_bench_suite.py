@@ -18,7 +18,15 @@ async def test_quick_suite_produces_every_section(tmp_path: Path) -> None:
     await run(bench)
     doc = document(bench.table, {}, bench.raw)
     sections = {r["section"].split()[1] for r in doc["rows"]}
-    assert {"admission", "streaming", "redis", "tokenizer", "accuracy", "stop", "workers"} <= sections
+    assert {
+        "admission",
+        "streaming",
+        "redis",
+        "tokenizer",
+        "accuracy",
+        "stop",
+        "workers",
+    } <= sections
     streamed = bench.raw["redis"]["streamed, 500 tokens"]["per_request"]
     assert 7 <= streamed <= 11  # 1 admit + ~7 charges + 1 settle with N=64
     strict = bench.raw["accuracy"]["strict"]

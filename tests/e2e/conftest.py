@@ -15,8 +15,15 @@ from tests.helpers import e2e_rules, write_rules
 SIM_ARGS = ["--ttft-ms", "5", "--itl-ms", "2"]
 
 
-def make_stack(workdir: Path, *, envoys: int = 1, extprocs: int = 1, rules: dict | None = None,
-               redis_url: str | None = None, sim_args: list[str] | None = None) -> Stack:
+def make_stack(
+    workdir: Path,
+    *,
+    envoys: int = 1,
+    extprocs: int = 1,
+    rules: dict | None = None,
+    redis_url: str | None = None,
+    sim_args: list[str] | None = None,
+) -> Stack:
     """Start a stack whose processes all listen on free loopback ports."""
     workdir.mkdir(parents=True, exist_ok=True)
     config = write_rules(workdir / "rules.yaml", rules or e2e_rules())
@@ -27,10 +34,22 @@ def make_stack(workdir: Path, *, envoys: int = 1, extprocs: int = 1, rules: dict
             if all(_free(p + i) for i in range(n)):
                 return p
 
-    ports = StackPorts(envoy=run_of(envoys), envoy_admin=run_of(envoys), sim=free_port(),
-                       extproc=run_of(extprocs), redis=free_port())
-    stack = Stack(config=str(config), workdir=workdir, ports=ports, envoys=envoys, extprocs=extprocs,
-                  redis_url=redis_url, sim_args=SIM_ARGS + (sim_args or []))
+    ports = StackPorts(
+        envoy=run_of(envoys),
+        envoy_admin=run_of(envoys),
+        sim=free_port(),
+        extproc=run_of(extprocs),
+        redis=free_port(),
+    )
+    stack = Stack(
+        config=str(config),
+        workdir=workdir,
+        ports=ports,
+        envoys=envoys,
+        extprocs=extprocs,
+        redis_url=redis_url,
+        sim_args=SIM_ARGS + (sim_args or []),
+    )
     stack.start()
     return stack
 
@@ -66,4 +85,6 @@ def rds(stack: Stack) -> redis.Redis:
 def client(stack: Stack, key: str, *, envoy: int = 0) -> openai.OpenAI:
     """The official SDK pointed at one of the stack's Envoys (no automatic retries)."""
     port = stack.envoy_ports[envoy]
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=30)
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=30
+    )

@@ -16,8 +16,12 @@ pytestmark = pytest.mark.e2e
 
 MSG = [{"role": "user", "content": "Say something."}]
 RL_HEADERS = (
-    "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
-    "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens",
+    "x-ratelimit-limit-requests",
+    "x-ratelimit-remaining-requests",
+    "x-ratelimit-reset-requests",
+    "x-ratelimit-limit-tokens",
+    "x-ratelimit-remaining-tokens",
+    "x-ratelimit-reset-tokens",
 )
 
 
@@ -41,14 +45,19 @@ def test_non_streaming_completion_carries_rate_limit_headers(stack: Stack) -> No
 
 def test_alias_is_rewritten_to_the_canonical_model(stack: Stack) -> None:
     """A request for an alias reaches the upstream under the model's real name."""
-    comp = client(stack, "sk-alias").chat.completions.create(model="sim", messages=MSG, max_tokens=3)
+    comp = client(stack, "sk-alias").chat.completions.create(
+        model="sim", messages=MSG, max_tokens=3
+    )
     assert comp.model == "sim-small"
 
 
 def test_identity_headers_are_set_by_the_gateway_not_the_client(stack: Stack) -> None:
     """A client-supplied x-quota-tenant is replaced by the tenant the key belongs to."""
     client(stack, "sk-std").chat.completions.create(
-        model="sim-small", messages=MSG, max_tokens=2, extra_headers={"x-quota-tenant": "t-big-spender"}
+        model="sim-small",
+        messages=MSG,
+        max_tokens=2,
+        extra_headers={"x-quota-tenant": "t-big-spender"},
     )
     rec = sim_records(stack, "t-std")[-1]
     assert rec["headers_seen"]["x-quota-tenant"] == "t-std"
@@ -58,7 +67,9 @@ def test_identity_headers_are_set_by_the_gateway_not_the_client(stack: Stack) ->
 def test_streaming_passes_through_without_the_forced_usage_chunk(stack: Stack) -> None:
     """A stream reaches the client whole; the usage chunk the gateway forced is stripped."""
     c = client(stack, "sk-std")
-    chunks = list(c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=40, stream=True))
+    chunks = list(
+        c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=40, stream=True)
+    )
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text
     assert all(ch.usage is None for ch in chunks)
@@ -70,8 +81,15 @@ def test_streaming_passes_through_without_the_forced_usage_chunk(stack: Stack) -
 def test_streaming_keeps_usage_when_the_client_asks(stack: Stack) -> None:
     """With stream_options.include_usage the client gets the usage chunk."""
     c = client(stack, "sk-std")
-    chunks = list(c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=25, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        c.chat.completions.create(
+            model="sim-small",
+            messages=MSG,
+            max_tokens=25,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     usage = [ch.usage for ch in chunks if ch.usage is not None]
     assert len(usage) == 1 and usage[0].completion_tokens == 25
 
@@ -82,8 +100,11 @@ def test_missing_or_unknown_key_is_401(stack: Stack, key: str | None) -> None:
     headers = {"content-type": "application/json"}
     if key:
         headers["authorization"] = f"Bearer {key}"
-    r = httpx.post(f"{stack.base_url}/chat/completions", headers=headers,
-                   content=orjson.dumps({"model": "sim-small", "messages": MSG}))
+    r = httpx.post(
+        f"{stack.base_url}/chat/completions",
+        headers=headers,
+        content=orjson.dumps({"model": "sim-small", "messages": MSG}),
+    )
     assert r.status_code == 401
     err = r.json()["error"]
     assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error"
@@ -93,9 +114,11 @@ def test_missing_or_unknown_key_is_401(stack: Stack, key: str | None) -> None:
 
 def test_api_key_header_is_accepted(stack: Stack) -> None:
     """Azure-style 'api-key' header identifies the tenant too."""
-    r = httpx.post(f"{stack.base_url}/chat/completions",
-                   headers={"api-key": "sk-std", "content-type": "application/json"},
-                   content=orjson.dumps({"model": "sim-small", "messages": MSG, "max_tokens": 2}))
+    r = httpx.post(
+        f"{stack.base_url}/chat/completions",
+        headers={"api-key": "sk-std", "content-type": "application/json"},
+        content=orjson.dumps({"model": "sim-small", "messages": MSG, "max_tokens": 2}),
+    )
     assert r.status_code == 200
 
 
@@ -109,16 +132,22 @@ def test_api_key_header_is_accepted(stack: Stack) -> None:
         (orjson.dumps({"model": "sim-small", "messages": MSG, "max_tokens": 10**12}), "at most"),
         (orjson.dumps({"model": "sim-small", "messages": "hi"}), "messages"),
         (orjson.dumps({"model": "sim-small", "messages": MSG, "stream": "yes"}), "stream"),
-        (orjson.dumps({"model": "sim-small", "messages": [{"role": "user", "content": 5}]}), "content"),
+        (
+            orjson.dumps({"model": "sim-small", "messages": [{"role": "user", "content": 5}]}),
+            "content",
+        ),
     ],
 )
-def test_malformed_requests_are_400_and_cost_nothing(stack: Stack, rds: redis.Redis, body: bytes,
-                                                     fragment: str) -> None:
+def test_malformed_requests_are_400_and_cost_nothing(
+    stack: Stack, rds: redis.Redis, body: bytes, fragment: str
+) -> None:
     """Bad input gets a 400 naming the problem, and no quota is charged."""
     before = tpm_used(rds, "t-bad")
-    r = httpx.post(f"{stack.base_url}/chat/completions",
-                   headers={"authorization": "Bearer sk-bad", "content-type": "application/json"},
-                   content=body)
+    r = httpx.post(
+        f"{stack.base_url}/chat/completions",
+        headers={"authorization": "Bearer sk-bad", "content-type": "application/json"},
+        content=body,
+    )
     assert r.status_code == 400, r.text
     assert fragment in r.json()["error"]["message"]
     assert tpm_used(rds, "t-bad") == before
@@ -127,7 +156,9 @@ def test_malformed_requests_are_400_and_cost_nothing(stack: Stack, rds: redis.Re
 def test_negative_max_tokens_raises_bad_request_in_the_sdk(stack: Stack) -> None:
     """The SDK surfaces the gateway's 400 as BadRequestError."""
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        client(stack, "sk-bad").chat.completions.create(model="sim-small", messages=MSG, max_tokens=-1)
+        client(stack, "sk-bad").chat.completions.create(
+            model="sim-small", messages=MSG, max_tokens=-1
+        )
 
 
 def test_unknown_model_is_404(stack: Stack) -> None:
@@ -138,10 +169,14 @@ def test_unknown_model_is_404(stack: Stack) -> None:
 
 def test_oversized_body_is_413(stack: Stack) -> None:
     """A body over the listener buffer limit is refused by Envoy with 413 and never charged."""
-    big = orjson.dumps({"model": "sim-small", "messages": [{"role": "user", "content": "x " * 700_000}]})
-    r = httpx.post(f"{stack.base_url}/chat/completions",
-                   headers={"authorization": "Bearer sk-bad", "content-type": "application/json"},
-                   content=big)
+    big = orjson.dumps(
+        {"model": "sim-small", "messages": [{"role": "user", "content": "x " * 700_000}]}
+    )
+    r = httpx.post(
+        f"{stack.base_url}/chat/completions",
+        headers={"authorization": "Bearer sk-bad", "content-type": "application/json"},
+        content=big,
+    )
     assert r.status_code == 413
 
 
@@ -171,10 +206,14 @@ def test_tpm_limit_counts_real_tokens(stack: Stack, rds: redis.Redis) -> None:
     prompt_tokens = used - 100
     assert 5 <= prompt_tokens <= 30
     with pytest.raises(openai.RateLimitError) as info:
-        c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=300 - used - prompt_tokens + 1)
+        c.chat.completions.create(
+            model="sim-small", messages=MSG, max_tokens=300 - used - prompt_tokens + 1
+        )
     assert info.value.code == "tpm_limit_exceeded" and info.value.type == "tokens"
     assert info.value.response.headers["x-ratelimit-remaining-tokens"] == str(300 - used)
-    ok = c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=300 - used - prompt_tokens)
+    ok = c.chat.completions.create(
+        model="sim-small", messages=MSG, max_tokens=300 - used - prompt_tokens
+    )
     assert ok.usage is not None
     assert tpm_used(rds, "t-tpm") == 300
 
@@ -182,25 +221,33 @@ def test_tpm_limit_counts_real_tokens(stack: Stack, rds: redis.Redis) -> None:
 def test_request_larger_than_the_limit_says_so(stack: Stack) -> None:
     """A request that could never fit is told which limit and by how much."""
     with pytest.raises(openai.RateLimitError, match="Request too large"):
-        client(stack, "sk-toolong").chat.completions.create(model="sim-small", messages=MSG, max_tokens=1000)
+        client(stack, "sk-toolong").chat.completions.create(
+            model="sim-small", messages=MSG, max_tokens=1000
+        )
 
 
-def test_non_streaming_reservation_is_refunded_to_actual_usage(stack: Stack, rds: redis.Redis) -> None:
+def test_non_streaming_reservation_is_refunded_to_actual_usage(
+    stack: Stack, rds: redis.Redis
+) -> None:
     """max_tokens is reserved at admission; settlement keeps only what the upstream generated."""
     c = client(stack, "sk-refund")
-    comp = c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=900,
-                                     extra_headers={"x-sim-tokens": "10"})
+    comp = c.chat.completions.create(
+        model="sim-small", messages=MSG, max_tokens=900, extra_headers={"x-sim-tokens": "10"}
+    )
     assert comp.usage is not None and comp.usage.completion_tokens == 10
     used = tpm_used(rds, "t-refund")
     assert used - 10 < 40  # only the prompt and 10 output tokens remain charged
 
 
-def test_upstream_error_refunds_tokens_but_counts_the_request(stack: Stack, rds: redis.Redis) -> None:
+def test_upstream_error_refunds_tokens_but_counts_the_request(
+    stack: Stack, rds: redis.Redis
+) -> None:
     """An upstream 500 costs no tokens; the request still counts toward RPM."""
     c = client(stack, "sk-uperr")
     with pytest.raises(openai.InternalServerError):
-        c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=200,
-                                  extra_headers={"x-sim-status": "500"})
+        c.chat.completions.create(
+            model="sim-small", messages=MSG, max_tokens=200, extra_headers={"x-sim-status": "500"}
+        )
     assert tpm_used(rds, "t-uperr") == 0
     assert tpm_used(rds, "t-uperr", "rpm") == 1
 
@@ -219,7 +266,8 @@ def test_two_envoys_share_one_quota(pair: Stack) -> None:
     for i in range(8):
         try:
             client(pair, "sk-twoenvoy", envoy=i % 2).chat.completions.create(
-                model="sim-small", messages=MSG, max_tokens=2)
+                model="sim-small", messages=MSG, max_tokens=2
+            )
             admitted += 1
         except openai.RateLimitError:
             refused += 1
@@ -231,8 +279,13 @@ def test_completions_endpoint_is_metered(stack: Stack, rds: redis.Redis) -> None
     c = client(stack, "sk-completions")
     comp = c.completions.create(model="sim-small", prompt="Once upon a time", max_tokens=7)
     assert comp.usage is not None and comp.usage.completion_tokens == 7
-    text = "".join(ch.choices[0].text for ch in c.completions.create(
-        model="sim-small", prompt=["Once upon a time"], max_tokens=9, stream=True) if ch.choices)
+    text = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model="sim-small", prompt=["Once upon a time"], max_tokens=9, stream=True
+        )
+        if ch.choices
+    )
     assert text
     used = tpm_used(rds, "t-completions")
     prompt = 4  # "Once upon a time" in cl100k_base
@@ -243,17 +296,30 @@ def test_a_reused_request_id_is_charged_again(stack: Stack, rds: redis.Redis) ->
     """A client sending the same x-request-id twice makes two requests, and pays for both."""
     c = client(stack, "sk-replay")
     for _ in range(2):
-        c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=5,
-                                  extra_headers={"x-request-id": "fixed-id-1"})
+        c.chat.completions.create(
+            model="sim-small",
+            messages=MSG,
+            max_tokens=5,
+            extra_headers={"x-request-id": "fixed-id-1"},
+        )
     assert tpm_used(rds, "t-replay", "rpm") == 2
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions/", "//v1//chat/completions",
-                                  "/v1/./chat/completions", "/V1/Chat/Completions"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/chat/completions/",
+        "//v1//chat/completions",
+        "/v1/./chat/completions",
+        "/V1/Chat/Completions",
+    ],
+)
 def test_path_tricks_do_not_escape_metering(stack: Stack, path: str) -> None:
     """Variants of the metered path reach admission too (here: its JSON check refuses them)."""
-    r = httpx.post(f"http://127.0.0.1:{stack.ports.envoy}{path}",
-                   headers={"authorization": "Bearer sk-std", "content-type": "application/json"},
-                   content=b"{not json")
+    r = httpx.post(
+        f"http://127.0.0.1:{stack.ports.envoy}{path}",
+        headers={"authorization": "Bearer sk-std", "content-type": "application/json"},
+        content=b"{not json",
+    )
     assert r.status_code == 400, r.text
     assert "not valid JSON" in r.json()["error"]["message"]

@@ -27,12 +27,19 @@ MSG = [{"role": "user", "content": "Tell me a long story."}]
 @pytest.fixture(scope="module")
 def fstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A stack whose Redis and processor the tests may stop."""
-    rules = e2e_rules(unknown_models={"action": "estimate", "max_output_tokens": 256,
-                                      "tokenizer": {"kind": "estimate", "chars_per_token": 3.0,
-                                                    "safety_factor": 1.25}},
-                     paths={"other": "rpm_only"})
-    s = make_stack(Path(tmp_path_factory.mktemp("fail")), rules=rules,
-                   sim_args=["--model", "sim-small", "--model", "mystery-model"])
+    rules = e2e_rules(
+        unknown_models={
+            "action": "estimate",
+            "max_output_tokens": 256,
+            "tokenizer": {"kind": "estimate", "chars_per_token": 3.0, "safety_factor": 1.25},
+        },
+        paths={"other": "rpm_only"},
+    )
+    s = make_stack(
+        Path(tmp_path_factory.mktemp("fail")),
+        rules=rules,
+        sim_args=["--model", "sim-small", "--model", "mystery-model"],
+    )
     yield s
     s.stop()
 
@@ -42,7 +49,8 @@ def test_unknown_model_is_counted_by_the_estimator(fstack: Stack) -> None:
     rds = redis.Redis(port=fstack.ports.redis, decode_responses=True)
     text = "word " * 300
     comp = client(fstack, "sk-estimate").chat.completions.create(
-        model="mystery-model", messages=[{"role": "user", "content": text}], max_tokens=10)
+        model="mystery-model", messages=[{"role": "user", "content": text}], max_tokens=10
+    )
     assert comp.usage is not None
     used = tpm_used(rds, "t-estimate")
     assert used >= len(text) / 3.0 * 1.25  # never below the conservative estimate
@@ -83,14 +91,23 @@ def test_sighup_reloads_rules_without_a_restart(fstack: Stack) -> None:
     assert proc.popen.poll() is None
 
 
-def _stream_in_thread(stack: Stack, key: str, out: dict[str, object], max_tokens: int = 1000,
-                      started: threading.Event | None = None) -> threading.Thread:
+def _stream_in_thread(
+    stack: Stack,
+    key: str,
+    out: dict[str, object],
+    max_tokens: int = 1000,
+    started: threading.Event | None = None,
+) -> threading.Thread:
     def run() -> None:
         got = 0
         try:
             for ch in client(stack, key).chat.completions.create(
-                    model="sim-small", messages=MSG, max_tokens=max_tokens, stream=True,
-                    extra_headers={"x-sim-itl-ms": "5"}):
+                model="sim-small",
+                messages=MSG,
+                max_tokens=max_tokens,
+                stream=True,
+                extra_headers={"x-sim-itl-ms": "5"},
+            ):
                 if ch.choices and ch.choices[0].delta.content:
                     got += 1
                     out["got"] = got
@@ -125,15 +142,21 @@ def test_sigterm_drains_in_flight_streams_and_settles(fstack: Stack) -> None:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
-            client(fstack, "sk-std").chat.completions.create(model="sim-small", messages=MSG, max_tokens=1)
+            client(fstack, "sk-std").chat.completions.create(
+                model="sim-small", messages=MSG, max_tokens=1
+            )
             break
         except openai.APIError:
             time.sleep(0.2)
 
 
 def _extproc_env(stack: Stack) -> dict[str, str]:
-    return {"AIQ_CONFIG": str(Path(stack.config).resolve()), "AIQ_REDIS_URL": stack.effective_redis_url,
-            "AIQ_GRPC_ADDRESS": f"127.0.0.1:{stack.extproc_ports[0]}", "AIQ_LOG_FORMAT": "json"}
+    return {
+        "AIQ_CONFIG": str(Path(stack.config).resolve()),
+        "AIQ_REDIS_URL": stack.effective_redis_url,
+        "AIQ_GRPC_ADDRESS": f"127.0.0.1:{stack.extproc_ports[0]}",
+        "AIQ_LOG_FORMAT": "json",
+    }
 
 
 def test_redis_gone_mid_stream_cuts_closed_and_continues_open(fstack: Stack) -> None:
@@ -158,10 +181,12 @@ def test_redis_gone_fails_closed_with_503_within_bounded_time(fstack: Stack) -> 
     """With Redis down, a fail-closed tenant gets a 503 OpenAI error quickly, never a hang."""
     fstack.kill("redis")
     t0 = time.monotonic()
-    r = httpx.post(f"{fstack.base_url}/chat/completions",
-                   headers={"authorization": "Bearer sk-closed", "content-type": "application/json"},
-                   content=orjson.dumps({"model": "sim-small", "messages": MSG, "max_tokens": 5}),
-                   timeout=30)
+    r = httpx.post(
+        f"{fstack.base_url}/chat/completions",
+        headers={"authorization": "Bearer sk-closed", "content-type": "application/json"},
+        content=orjson.dumps({"model": "sim-small", "messages": MSG, "max_tokens": 5}),
+        timeout=30,
+    )
     assert r.status_code == 503
     err = r.json()["error"]
     assert err["code"] == "quota_backend_unavailable" and err["type"] == "server_error"
@@ -172,5 +197,7 @@ def test_redis_gone_fails_closed_with_503_within_bounded_time(fstack: Stack) -> 
 def test_redis_gone_fails_open_for_plans_that_choose_it(fstack: Stack) -> None:
     """A plan with failure_mode: open keeps serving, unmetered, while Redis is down."""
     fstack.kill("redis")
-    comp = client(fstack, "sk-open").chat.completions.create(model="sim-small", messages=MSG, max_tokens=5)
+    comp = client(fstack, "sk-open").chat.completions.create(
+        model="sim-small", messages=MSG, max_tokens=5
+    )
     assert comp.usage is not None and comp.usage.completion_tokens == 5

@@ -20,11 +20,21 @@ pytestmark = pytest.mark.e2e
 
 async def test_load_through_the_gateway_reports_refusals_and_cuts(stack: Stack) -> None:
     """A tight tenant under load: streams are cut, later requests refused, totals add up."""
-    report = await run_load(LoadConfig(
-        targets=(stack.base_url,), keys=("sk-loadsmoke",), stream_ratio=1.0, max_tokens=(400, 400),
-        prompt_tokens=20, concurrency=4, requests=16, duration=20.0, sim_url=stack.sim_url,
-        limits_tpm=(("sk-loadsmoke", 300 * 60 // 3600),), request_timeout=30.0,
-    ))
+    report = await run_load(
+        LoadConfig(
+            targets=(stack.base_url,),
+            keys=("sk-loadsmoke",),
+            stream_ratio=1.0,
+            max_tokens=(400, 400),
+            prompt_tokens=20,
+            concurrency=4,
+            requests=16,
+            duration=20.0,
+            sim_url=stack.sim_url,
+            limits_tpm=(("sk-loadsmoke", 300 * 60 // 3600),),
+            request_timeout=30.0,
+        )
+    )
     assert validate_report(report) == []
     totals = report.data["totals"]
     assert totals["total"] == 16
@@ -37,10 +47,31 @@ def test_load_cli_writes_a_consistent_report(stack: Stack, tmp_path: Path) -> No
     """The `ai-quota load` command runs a bounded load and writes report.json and report.png."""
     out = tmp_path / "report"
     proc = subprocess.run(
-        [sys.executable, "-m", "extproc", "load", "--target", stack.base_url, "--key", "sk-std",
-         "--requests", "12", "--concurrency", "3", "--max-tokens", "30", "--no-progress",
-         "--sim-url", stack.sim_url, "--out", str(out)],
-        capture_output=True, text=True, timeout=120, check=False,
+        [
+            sys.executable,
+            "-m",
+            "extproc",
+            "load",
+            "--target",
+            stack.base_url,
+            "--key",
+            "sk-std",
+            "--requests",
+            "12",
+            "--concurrency",
+            "3",
+            "--max-tokens",
+            "30",
+            "--no-progress",
+            "--sim-url",
+            stack.sim_url,
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     data = orjson.loads((out / "report.json").read_bytes())

@@ -23,7 +23,9 @@ def test_input_only_charges_just_the_prompt(stack: Stack, rds: redis.Redis) -> N
     """input_only: a stream and a non-stream cost their prompt tokens only, and are never cut."""
     c = client(stack, "sk-inputonly")
     c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=50)
-    chunks = list(c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=60, stream=True))
+    chunks = list(
+        c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=60, stream=True)
+    )
     assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) == 60
     assert settled(rds, "t-inputonly") == 2 * PROMPT
 
@@ -31,16 +33,24 @@ def test_input_only_charges_just_the_prompt(stack: Stack, rds: redis.Redis) -> N
 def test_reserve_max_keeps_the_whole_reservation(stack: Stack, rds: redis.Redis) -> None:
     """reserve_max: input + max_tokens is charged and never refunded."""
     c = client(stack, "sk-reservemax")
-    c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=300,
-                              extra_headers={"x-sim-tokens": "5"})
+    c.chat.completions.create(
+        model="sim-small", messages=MSG, max_tokens=300, extra_headers={"x-sim-tokens": "5"}
+    )
     assert settled(rds, "t-reservemax") == PROMPT + 300
 
 
 def test_reserve_refund_settles_streams_to_actual(stack: Stack, rds: redis.Redis) -> None:
     """reserve_refund: a stream reserves max_tokens and settles to what was generated."""
     c = client(stack, "sk-reserverefund")
-    chunks = list(c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=400, stream=True,
-                                            extra_headers={"x-sim-tokens": "30"}))
+    chunks = list(
+        c.chat.completions.create(
+            model="sim-small",
+            messages=MSG,
+            max_tokens=400,
+            stream=True,
+            extra_headers={"x-sim-tokens": "30"},
+        )
+    )
     assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) == 30
     assert settled(rds, "t-reserverefund") == PROMPT + 30
 
@@ -64,26 +74,62 @@ def test_model_and_key_buckets_apply_together(stack: Stack, rds: redis.Redis) ->
 
 def test_usage_cli_shows_where_a_tenant_stands(stack: Stack, rds: redis.Redis) -> None:
     """`ai-quota usage --key` reads the live counters through the gateway's own gRPC API."""
-    client(stack, "sk-usage").chat.completions.create(model="sim-small", messages=MSG, max_tokens=40)
+    client(stack, "sk-usage").chat.completions.create(
+        model="sim-small", messages=MSG, max_tokens=40
+    )
     used = settled(rds, "t-usage")
     out = subprocess.run(
-        [sys.executable, "-m", "extproc", "usage", "--key", "sk-usage", "--json",
-         "--address", f"127.0.0.1:{stack.extproc_ports[0]}"],
-        capture_output=True, text=True, timeout=30, check=True,
+        [
+            sys.executable,
+            "-m",
+            "extproc",
+            "usage",
+            "--key",
+            "sk-usage",
+            "--json",
+            "--address",
+            f"127.0.0.1:{stack.extproc_ports[0]}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
     )
     doc = orjson.loads(out.stdout)
     assert doc["tenant"] == "t-usage" and doc["plan"] == "tpm5000"
     tpm = next(b for b in doc["buckets"] if b["metric"] == "tpm")
     assert tpm["used"] == used and tpm["limit"] == 5000 and tpm["remaining"] == 5000 - used
     table = subprocess.run(
-        [sys.executable, "-m", "extproc", "usage", "--tenant", "t-usage",
-         "--address", f"127.0.0.1:{stack.extproc_ports[0]}"],
-        capture_output=True, text=True, timeout=30, check=True,
+        [
+            sys.executable,
+            "-m",
+            "extproc",
+            "usage",
+            "--tenant",
+            "t-usage",
+            "--address",
+            f"127.0.0.1:{stack.extproc_ports[0]}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
     ).stdout
     assert "t-usage" in table and str(used) in table
     bad = subprocess.run(
-        [sys.executable, "-m", "extproc", "usage", "--key", "sk-nobody",
-         "--address", f"127.0.0.1:{stack.extproc_ports[0]}"],
-        capture_output=True, text=True, timeout=30, check=False,
+        [
+            sys.executable,
+            "-m",
+            "extproc",
+            "usage",
+            "--key",
+            "sk-nobody",
+            "--address",
+            f"127.0.0.1:{stack.extproc_ports[0]}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
     )
     assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr

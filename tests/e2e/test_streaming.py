@@ -83,8 +83,12 @@ def test_lazy_stream_is_cut_cleanly_and_the_upstream_stops(stack: Stack, rds: re
 def test_cut_stream_bytes_end_with_error_event_and_done(stack: Stack, rds: redis.Redis) -> None:
     """On the wire the cut stream ends with one error event and data: [DONE], then a clean close."""
     body = orjson.dumps({"model": "sim-small", "messages": MSG, "max_tokens": 1000, "stream": True})
-    with httpx.stream("POST", f"{stack.base_url}/chat/completions", content=body,
-                      headers={"authorization": "Bearer sk-meta", "content-type": "application/json"}) as r:
+    with httpx.stream(
+        "POST",
+        f"{stack.base_url}/chat/completions",
+        content=body,
+        headers={"authorization": "Bearer sk-meta", "content-type": "application/json"},
+    ) as r:
         assert r.status_code == 200
         raw = b"".join(r.iter_bytes())
     events = [e for e in raw.split(b"\n\n") if e]
@@ -125,10 +129,14 @@ def test_strict_stream_never_exceeds_the_limit_and_uses_it(stack: Stack, rds: re
     assert used == got + PROMPT
 
 
-def test_client_disconnect_mid_stream_charges_what_was_delivered(stack: Stack, rds: redis.Redis) -> None:
+def test_client_disconnect_mid_stream_charges_what_was_delivered(
+    stack: Stack, rds: redis.Redis
+) -> None:
     """A client that walks away is charged for the tokens that passed, and the upstream stops."""
     c = client(stack, "sk-disc")
-    stream = c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=1000, stream=True)
+    stream = c.chat.completions.create(
+        model="sim-small", messages=MSG, max_tokens=1000, stream=True
+    )
     got = 0
     for ch in stream:
         if ch.choices and ch.choices[0].delta.content:
@@ -150,7 +158,9 @@ def test_client_disconnect_mid_stream_charges_what_was_delivered(stack: Stack, r
     assert used - prompt <= rec["tokens_sent"] + 5
 
 
-def test_upstream_reset_mid_stream_charges_what_was_generated(stack: Stack, rds: redis.Redis) -> None:
+def test_upstream_reset_mid_stream_charges_what_was_generated(
+    stack: Stack, rds: redis.Redis
+) -> None:
     """When the upstream dies mid-stream, the tokens it sent are charged, not max_tokens."""
     c = client(stack, "sk-reset")
     got, err = stream_and_count(c, max_tokens=800, extra_headers={"x-sim-disconnect-after": "120"})
@@ -166,9 +176,16 @@ def test_upstream_reset_mid_stream_charges_what_was_generated(stack: Stack, rds:
 def test_upstream_malformed_event_is_forwarded_and_counted(stack: Stack, rds: redis.Redis) -> None:
     """A broken SSE event from the upstream reaches the client unchanged; the stream carries on."""
     body = orjson.dumps({"model": "sim-small", "messages": MSG, "max_tokens": 50, "stream": True})
-    with httpx.stream("POST", f"{stack.base_url}/chat/completions", content=body,
-                      headers={"authorization": "Bearer sk-std", "content-type": "application/json",
-                               "x-sim-malformed-after": "10"}) as r:
+    with httpx.stream(
+        "POST",
+        f"{stack.base_url}/chat/completions",
+        content=body,
+        headers={
+            "authorization": "Bearer sk-std",
+            "content-type": "application/json",
+            "x-sim-malformed-after": "10",
+        },
+    ) as r:
         raw = b"".join(r.iter_bytes())
     assert b"data: {not json" in raw
     assert raw.endswith(b"data: [DONE]\n\n")
@@ -177,8 +194,9 @@ def test_upstream_malformed_event_is_forwarded_and_counted(stack: Stack, rds: re
 async def _astream(c: openai.AsyncOpenAI, max_tokens: int) -> tuple[int, bool]:
     got = 0
     try:
-        stream = await c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=max_tokens,
-                                                 stream=True)  # type: ignore[arg-type]
+        stream = await c.chat.completions.create(
+            model="sim-small", messages=MSG, max_tokens=max_tokens, stream=True
+        )  # type: ignore[arg-type]
         async for ch in stream:
             if ch.choices and ch.choices[0].delta.content:
                 got += 1
@@ -190,8 +208,10 @@ async def _astream(c: openai.AsyncOpenAI, max_tokens: int) -> tuple[int, bool]:
 
 
 async def _concurrent(pair: Stack, key: str, streams: int) -> list[tuple[int, bool]]:
-    clients = [openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key=key, max_retries=0)
-               for p in pair.envoy_ports]
+    clients = [
+        openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key=key, max_retries=0)
+        for p in pair.envoy_ports
+    ]
     tasks = [_astream(clients[i % len(clients)], 400) for i in range(streams)]
     out = await asyncio.gather(*tasks)
     for cl in clients:
@@ -199,8 +219,10 @@ async def _concurrent(pair: Stack, key: str, streams: int) -> list[tuple[int, bo
     return list(out)
 
 
-@pytest.mark.parametrize(("key", "tenant", "strict"), [("sk-conclazy", "t-conclazy", False),
-                                                       ("sk-concstrict", "t-concstrict", True)])
+@pytest.mark.parametrize(
+    ("key", "tenant", "strict"),
+    [("sk-conclazy", "t-conclazy", False), ("sk-concstrict", "t-concstrict", True)],
+)
 async def test_concurrent_streams_through_two_envoys_stay_within_bound(
     pair: Stack, key: str, tenant: str, strict: bool
 ) -> None:
@@ -229,20 +251,37 @@ async def test_concurrent_streams_through_two_envoys_stay_within_bound(
 def test_zero_token_stream_ends_cleanly(stack: Stack, rds: redis.Redis) -> None:
     """A stream with no content tokens still ends with its finish chunk and [DONE], no hang."""
     body = orjson.dumps({"model": "sim-small", "messages": MSG, "max_tokens": 50, "stream": True})
-    with httpx.stream("POST", f"{stack.base_url}/chat/completions", content=body, timeout=20,
-                      headers={"authorization": "Bearer sk-std", "content-type": "application/json",
-                               "x-sim-tokens": "0"}) as r:
+    with httpx.stream(
+        "POST",
+        f"{stack.base_url}/chat/completions",
+        content=body,
+        timeout=20,
+        headers={
+            "authorization": "Bearer sk-std",
+            "content-type": "application/json",
+            "x-sim-tokens": "0",
+        },
+    ) as r:
         assert r.status_code == 200
         raw = b"".join(r.iter_bytes())
     assert raw.endswith(b"data: [DONE]\n\n")
     assert b'"finish_reason":"stop"' in raw
 
 
-def test_upstream_error_status_on_a_stream_is_passed_and_refunded(stack: Stack, rds: redis.Redis) -> None:
+def test_upstream_error_status_on_a_stream_is_passed_and_refunded(
+    stack: Stack, rds: redis.Redis
+) -> None:
     """A streaming request the upstream refuses (503) reaches the client as that error, costs no TPM."""
     c = client(stack, "sk-uperr")
     before = tpm_used(rds, "t-uperr")
     with pytest.raises(openai.InternalServerError):
-        list(c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=20, stream=True,
-                                       extra_headers={"x-sim-status": "503"}))
+        list(
+            c.chat.completions.create(
+                model="sim-small",
+                messages=MSG,
+                max_tokens=20,
+                stream=True,
+                extra_headers={"x-sim-status": "503"},
+            )
+        )
     assert settled(rds, "t-uperr") == before

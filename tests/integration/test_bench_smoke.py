@@ -63,8 +63,10 @@ def test_table_and_json_document() -> None:
     assert doc["rows"][0]["ratio"] == pytest.approx(5.0)
     assert doc["rows"][1]["delta"] == pytest.approx(6.0)
     orjson.dumps(doc)
-    text = summary(t, {"started_at": "2026-01-01T00:00:00+00:00", "cpus": 2, "elapsed_s": 1.0,
-                       "python": "3.11"})
+    text = summary(
+        t,
+        {"started_at": "2026-01-01T00:00:00+00:00", "cpus": 2, "elapsed_s": 1.0, "python": "3.11"},
+    )
     assert "targets: 1 met, 1 missed" in text
 
 
@@ -85,7 +87,12 @@ def test_pyspy_raw_output_is_attributed_to_leaf_functions() -> None:
 
 def test_cli_help_exits_zero() -> None:
     """``python -m extproc.bench --help`` prints usage and exits 0."""
-    out = subprocess.run([sys.executable, "-m", "extproc.bench", "--help"],
-                         capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "extproc.bench", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 0
     assert "--quick" in out.stdout

@@ -14,11 +14,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "extproc", *args], capture_output=True, text=True,
-                          timeout=60, check=False, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "extproc", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=ROOT,
+    )
 
 
-@pytest.mark.parametrize("sub", ["serve", "up", "sim", "load", "check-config", "usage", "envoy-config"])
+@pytest.mark.parametrize(
+    "sub", ["serve", "up", "sim", "load", "check-config", "usage", "envoy-config"]
+)
 def test_every_subcommand_has_help(sub: str) -> None:
     """`ai-quota SUB --help` exits 0 and describes its options."""
     p = run(sub, "--help")
@@ -36,9 +44,12 @@ def test_check_config_accepts_the_demo_rules() -> None:
 def test_check_config_names_file_and_path_of_each_error(tmp_path: Path) -> None:
     """An invalid file exits 1 and every error names the file and the dotted path."""
     bad = tmp_path / "bad.yaml"
-    bad.write_text((ROOT / "config/demo.yaml").read_text()
-                   .replace("max_output_tokens: 1024", "max_output_tokens: 1024\n    colour: blue")
-                   .replace("rpm: 5,", "rpm: -5,"))
+    bad.write_text(
+        (ROOT / "config/demo.yaml")
+        .read_text()
+        .replace("max_output_tokens: 1024", "max_output_tokens: 1024\n    colour: blue")
+        .replace("rpm: 5,", "rpm: -5,")
+    )
     p = run("check-config", str(bad))
     assert p.returncode == 1
     assert f"{bad}: models.sim-small.colour: unknown key" in p.stderr

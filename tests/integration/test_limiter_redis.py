@@ -41,11 +41,18 @@ def buckets(tag: str, rpm_limit: int, tpm_limit: int, amount: int) -> list[Bucke
     ]
 
 
-async def test_admission_charges_every_bucket(limiter: RedisLimiter, redis_server: RedisServer) -> None:
+async def test_admission_charges_every_bucket(
+    limiter: RedisLimiter, redis_server: RedisServer
+) -> None:
     """An admitted request adds 1 to RPM and its cost to TPM, with an expiry on each key."""
     tag = uniq("a")
-    res = await limiter.admit(f"{tag}:req:1", buckets(tag, 5, 100, 40), tpm_charged=40,
-                              count_refused=False, ledger_ttl_ms=TTL)
+    res = await limiter.admit(
+        f"{tag}:req:1",
+        buckets(tag, 5, 100, 40),
+        tpm_charged=40,
+        count_refused=False,
+        ledger_ttl_ms=TTL,
+    )
     assert res.admitted and not res.duplicate
     assert res.values == (1, 40)
     r = redis_server.client()
@@ -54,13 +61,25 @@ async def test_admission_charges_every_bucket(limiter: RedisLimiter, redis_serve
     assert r.hget(f"{tag}:req:1", "state") == "admitted"
 
 
-async def test_admission_is_all_or_nothing(limiter: RedisLimiter, redis_server: RedisServer) -> None:
+async def test_admission_is_all_or_nothing(
+    limiter: RedisLimiter, redis_server: RedisServer
+) -> None:
     """When one bucket would overflow, no bucket is charged."""
     tag = uniq("b")
-    await limiter.admit(f"{tag}:req:1", buckets(tag, 5, 100, 90), tpm_charged=90,
-                        count_refused=False, ledger_ttl_ms=TTL)
-    res = await limiter.admit(f"{tag}:req:2", buckets(tag, 5, 100, 20), tpm_charged=20,
-                              count_refused=False, ledger_ttl_ms=TTL)
+    await limiter.admit(
+        f"{tag}:req:1",
+        buckets(tag, 5, 100, 90),
+        tpm_charged=90,
+        count_refused=False,
+        ledger_ttl_ms=TTL,
+    )
+    res = await limiter.admit(
+        f"{tag}:req:2",
+        buckets(tag, 5, 100, 20),
+        tpm_charged=20,
+        count_refused=False,
+        ledger_ttl_ms=TTL,
+    )
     assert not res.admitted
     assert res.values == (1, 90)
     r = redis_server.client()
@@ -74,10 +93,20 @@ async def test_refused_requests_count_toward_rpm_when_configured(
 ) -> None:
     """count_refused adds the refused request to RPM buckets only."""
     tag = uniq("c")
-    await limiter.admit(f"{tag}:req:1", buckets(tag, 5, 100, 100), tpm_charged=100,
-                        count_refused=True, ledger_ttl_ms=TTL)
-    res = await limiter.admit(f"{tag}:req:2", buckets(tag, 5, 100, 1), tpm_charged=1,
-                              count_refused=True, ledger_ttl_ms=TTL)
+    await limiter.admit(
+        f"{tag}:req:1",
+        buckets(tag, 5, 100, 100),
+        tpm_charged=100,
+        count_refused=True,
+        ledger_ttl_ms=TTL,
+    )
+    res = await limiter.admit(
+        f"{tag}:req:2",
+        buckets(tag, 5, 100, 1),
+        tpm_charged=1,
+        count_refused=True,
+        ledger_ttl_ms=TTL,
+    )
     assert not res.admitted
     assert res.values == (2, 100)
 
@@ -87,10 +116,20 @@ async def test_replayed_request_id_is_not_charged_twice(
 ) -> None:
     """A second admission with the same ledger key is reported as duplicate and costs nothing."""
     tag = uniq("d")
-    await limiter.admit(f"{tag}:req:1", buckets(tag, 5, 100, 30), tpm_charged=30,
-                        count_refused=False, ledger_ttl_ms=TTL)
-    res = await limiter.admit(f"{tag}:req:1", buckets(tag, 5, 100, 30), tpm_charged=30,
-                              count_refused=False, ledger_ttl_ms=TTL)
+    await limiter.admit(
+        f"{tag}:req:1",
+        buckets(tag, 5, 100, 30),
+        tpm_charged=30,
+        count_refused=False,
+        ledger_ttl_ms=TTL,
+    )
+    res = await limiter.admit(
+        f"{tag}:req:1",
+        buckets(tag, 5, 100, 30),
+        tpm_charged=30,
+        count_refused=False,
+        ledger_ttl_ms=TTL,
+    )
     assert res.duplicate and not res.admitted
     assert redis_server.client().get(f"{tag}:tpm") == "30"
 
@@ -101,7 +140,9 @@ async def test_lazy_charge_reports_exhaustion_and_is_idempotent(
     """Lazy charges always apply; a replayed sequence number applies once."""
     tag = uniq("e")
     led = f"{tag}:req:1"
-    await limiter.admit(led, buckets(tag, 5, 100, 50), tpm_charged=50, count_refused=False, ledger_ttl_ms=TTL)
+    await limiter.admit(
+        led, buckets(tag, 5, 100, 50), tpm_charged=50, count_refused=False, ledger_ttl_ms=TTL
+    )
     tpm = [BucketCharge(f"{tag}:tpm", "tpm", 40, 100, far())]
     r1 = await limiter.charge(led, 1, tpm, 40, strict=False, ledger_ttl_ms=TTL)
     assert r1.granted == 40 and not r1.exhausted and r1.values == (90,)
@@ -120,7 +161,9 @@ async def test_strict_lease_grants_only_the_room_left(
     """A strict lease is cut to what every bucket still has, then nothing."""
     tag = uniq("f")
     led = f"{tag}:req:1"
-    await limiter.admit(led, buckets(tag, 5, 100, 80), tpm_charged=80, count_refused=False, ledger_ttl_ms=TTL)
+    await limiter.admit(
+        led, buckets(tag, 5, 100, 80), tpm_charged=80, count_refused=False, ledger_ttl_ms=TTL
+    )
     tpm = [BucketCharge(f"{tag}:tpm", "tpm", 64, 100, far())]
     r1 = await limiter.charge(led, 1, tpm, 64, strict=True, ledger_ttl_ms=TTL)
     assert r1.granted == 20 and r1.exhausted and r1.values == (100,)
@@ -133,12 +176,20 @@ async def test_settlement_applies_once(limiter: RedisLimiter, redis_server: Redi
     """Settlement charges and refunds once; later settles and charges change nothing."""
     tag = uniq("g")
     led = f"{tag}:req:1"
-    await limiter.admit(led, buckets(tag, 5, 1000, 500), tpm_charged=500, count_refused=False, ledger_ttl_ms=TTL)
+    await limiter.admit(
+        led, buckets(tag, 5, 1000, 500), tpm_charged=500, count_refused=False, ledger_ttl_ms=TTL
+    )
     adj = [Adjustment(f"{tag}:tpm", -380, far())]
     assert await limiter.settle(led, adj, ledger_ttl_ms=TTL) is True
     assert await limiter.settle(led, adj, ledger_ttl_ms=TTL) is False
-    late = await limiter.charge(led, 1, [BucketCharge(f"{tag}:tpm", "tpm", 50, 1000, far())], 50,
-                                strict=False, ledger_ttl_ms=TTL)
+    late = await limiter.charge(
+        led,
+        1,
+        [BucketCharge(f"{tag}:tpm", "tpm", 50, 1000, far())],
+        50,
+        strict=False,
+        ledger_ttl_ms=TTL,
+    )
     assert late.granted == 0
     r = redis_server.client()
     assert r.get(f"{tag}:tpm") == "120"
@@ -152,9 +203,15 @@ async def test_refund_never_goes_below_zero_nor_revives_expired_windows(
     tag = uniq("h")
     r = redis_server.client()
     r.set(f"{tag}:tpm", 10, px=60_000)
-    ok = await limiter.settle(f"{tag}:req:1", [Adjustment(f"{tag}:tpm", -50, far()),
-                                                Adjustment(f"{tag}:gone", -50, far()),
-                                                Adjustment(f"{tag}:new", 7, far())], ledger_ttl_ms=TTL)
+    ok = await limiter.settle(
+        f"{tag}:req:1",
+        [
+            Adjustment(f"{tag}:tpm", -50, far()),
+            Adjustment(f"{tag}:gone", -50, far()),
+            Adjustment(f"{tag}:new", 7, far()),
+        ],
+        ledger_ttl_ms=TTL,
+    )
     assert ok
     assert r.get(f"{tag}:tpm") == "0"
     assert 0 < r.pttl(f"{tag}:tpm") <= 60_000
@@ -162,7 +219,9 @@ async def test_refund_never_goes_below_zero_nor_revives_expired_windows(
     assert r.get(f"{tag}:new") == "7"
 
 
-async def test_read_returns_zero_for_missing_keys(limiter: RedisLimiter, redis_server: RedisServer) -> None:
+async def test_read_returns_zero_for_missing_keys(
+    limiter: RedisLimiter, redis_server: RedisServer
+) -> None:
     """Counters that do not exist read as 0."""
     tag = uniq("i")
     redis_server.client().set(f"{tag}:a", 5)
@@ -172,12 +231,18 @@ async def test_read_returns_zero_for_missing_keys(limiter: RedisLimiter, redis_s
 async def test_unreachable_redis_fails_fast_and_breaker_opens() -> None:
     """A dead Redis raises LimiterUnavailable within the timeout; the breaker then skips Redis."""
     clock = FakeClock()
-    lim = RedisLimiter.from_url(f"redis://127.0.0.1:{free_port()}/0", timeout_ms=200,
-                                cooldown_ms=1000, clock=clock)
+    lim = RedisLimiter.from_url(
+        f"redis://127.0.0.1:{free_port()}/0", timeout_ms=200, cooldown_ms=1000, clock=clock
+    )
     t0 = time.monotonic()
     with pytest.raises(LimiterUnavailable):
-        await lim.admit("x:{t}:req:1", [BucketCharge("x:{t}:rpm", "rpm", 1, 5, far())], tpm_charged=0,
-                        count_refused=False, ledger_ttl_ms=TTL)
+        await lim.admit(
+            "x:{t}:req:1",
+            [BucketCharge("x:{t}:rpm", "rpm", 1, 5, far())],
+            tpm_charged=0,
+            count_refused=False,
+            ledger_ttl_ms=TTL,
+        )
     assert time.monotonic() - t0 < 5  # bounded, never a hang (generous: machines are noisy)
     trips = lim.round_trips
     assert lim.breaker_open

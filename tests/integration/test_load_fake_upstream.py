@@ -25,8 +25,9 @@ from extproc.load.report import write_report
 
 pytestmark = pytest.mark.integration
 
-CUT_EVENT = {"error": {"message": "token quota exhausted", "type": "tokens",
-                       "code": "tpm_limit_exceeded"}}
+CUT_EVENT = {
+    "error": {"message": "token quota exhausted", "type": "tokens", "code": "tpm_limit_exceeded"}
+}
 
 
 def behaviour(n: int, stream: bool) -> str:
@@ -60,30 +61,50 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     n = int(rid.rsplit("-", 1)[1])
     stream = bool(body.get("stream"))
     what = behaviour(n, stream)
-    rec: dict[str, Any] = {"client_request_id": rid, "tokens_sent": 0, "ending": "completed",
-                           "started_at": time.time(), "first_token_at": None,
-                           "last_token_at": None, "ended_at": None, "disconnected_at": None,
-                           "tenant": None}
+    rec: dict[str, Any] = {
+        "client_request_id": rid,
+        "tokens_sent": 0,
+        "ending": "completed",
+        "started_at": time.time(),
+        "first_token_at": None,
+        "last_token_at": None,
+        "ended_at": None,
+        "disconnected_at": None,
+        "tenant": None,
+    }
     if what == "refuse":
         code = "rpm_limit_exceeded" if n % 10 == 0 else "tpm_limit_exceeded"
         return web.json_response(
             {"error": {"message": "slow down", "type": "requests", "code": code}},
             status=429,
-            headers={"retry-after": "2", "x-ratelimit-limit-requests": "60",
-                     "x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "2s",
-                     "x-ratelimit-limit-tokens": "1000", "x-ratelimit-remaining-tokens": "0",
-                     "x-ratelimit-reset-tokens": "2s"},
+            headers={
+                "retry-after": "2",
+                "x-ratelimit-limit-requests": "60",
+                "x-ratelimit-remaining-requests": "0",
+                "x-ratelimit-reset-requests": "2s",
+                "x-ratelimit-limit-tokens": "1000",
+                "x-ratelimit-remaining-tokens": "0",
+                "x-ratelimit-reset-tokens": "2s",
+            },
         )
     fake.sim[rid] = rec
     words = int(body.get("max_tokens", 8))
     if not stream:
-        rec.update(tokens_sent=words, first_token_at=time.time(), last_token_at=time.time(),
-                   ended_at=time.time())
-        return web.json_response({
-            "choices": [{"index": 0, "message": {"role": "assistant",
-                                                 "content": " hello" * words}}],
-            "usage": {"prompt_tokens": 20, "completion_tokens": words},
-        }, headers={"x-ratelimit-limit-tokens": "1000", "x-ratelimit-remaining-tokens": "500"})
+        rec.update(
+            tokens_sent=words,
+            first_token_at=time.time(),
+            last_token_at=time.time(),
+            ended_at=time.time(),
+        )
+        return web.json_response(
+            {
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": " hello" * words}}
+                ],
+                "usage": {"prompt_tokens": 20, "completion_tokens": words},
+            },
+            headers={"x-ratelimit-limit-tokens": "1000", "x-ratelimit-remaining-tokens": "500"},
+        )
     resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
     await resp.prepare(request)
     limit = 3 if what in ("cut", "truncate") else words
@@ -139,15 +160,28 @@ def _expected(n_total: int, stream_of: dict[int, bool]) -> dict[str, int]:
     return exp
 
 
-async def test_closed_loop_counts_refusals_and_cuts(fake_upstream: tuple[str, Fake],
-                                                    tmp_path: Path) -> None:
+async def test_closed_loop_counts_refusals_and_cuts(
+    fake_upstream: tuple[str, Fake], tmp_path: Path
+) -> None:
     """A closed-loop run classifies 429s, cut streams and truncated streams exactly."""
     base, fake = fake_upstream
-    cfg = LoadConfig(targets=(f"{base}/v1",), keys=("sk-a", "sk-b"), key_weights=(2.0, 1.0),
-                     models=("m1", "m2"), stream_ratio=0.7, max_tokens=(4, 12),
-                     prompt_tokens=30, concurrency=6, requests=60, duration=60.0,
-                     request_timeout=10.0, window_seconds=5.0,
-                     limits_tpm=(("sk-a", 600),), sim_url=base, run_id="t1")
+    cfg = LoadConfig(
+        targets=(f"{base}/v1",),
+        keys=("sk-a", "sk-b"),
+        key_weights=(2.0, 1.0),
+        models=("m1", "m2"),
+        stream_ratio=0.7,
+        max_tokens=(4, 12),
+        prompt_tokens=30,
+        concurrency=6,
+        requests=60,
+        duration=60.0,
+        request_timeout=10.0,
+        window_seconds=5.0,
+        limits_tpm=(("sk-a", 600),),
+        sim_url=base,
+        run_id="t1",
+    )
     report = await run_load(cfg)
     assert validate_report(report) == []
     t = report.totals
@@ -157,8 +191,9 @@ async def test_closed_loop_counts_refusals_and_cuts(fake_upstream: tuple[str, Fa
     assert t["refused"] == exp["refuse"]
     assert t["cut"] == exp["cut"]
     assert t["failed"] == exp["truncate"]
-    assert t["failed_by_reason"] == ({"stream_ended_without_done": exp["truncate"]}
-                                     if exp["truncate"] else {})
+    assert t["failed_by_reason"] == (
+        {"stream_ended_without_done": exp["truncate"]} if exp["truncate"] else {}
+    )
     assert t["ok"] == exp["ok"]
     assert sum(t["refused_by_code"].values()) == t["refused"]
     assert set(t["refused_by_code"]) <= {"rpm_limit_exceeded", "tpm_limit_exceeded"}
@@ -185,9 +220,18 @@ async def test_closed_loop_counts_refusals_and_cuts(fake_upstream: tuple[str, Fa
 async def test_open_loop_uniform_stops_by_itself(fake_upstream: tuple[str, Fake]) -> None:
     """An open-loop run with a request bound stops and yields a consistent report."""
     base, _ = fake_upstream
-    cfg = LoadConfig(targets=(f"{base}/v1", f"{base}/v1/"), keys=("sk-a",), rate=200.0,
-                     arrival="uniform", max_in_flight=4, requests=25, max_tokens=(5, 5),
-                     stream_ratio=1.0, endpoint="completions", request_timeout=10.0)
+    cfg = LoadConfig(
+        targets=(f"{base}/v1", f"{base}/v1/"),
+        keys=("sk-a",),
+        rate=200.0,
+        arrival="uniform",
+        max_in_flight=4,
+        requests=25,
+        max_tokens=(5, 5),
+        stream_ratio=1.0,
+        endpoint="completions",
+        request_timeout=10.0,
+    )
     report = await run_load(cfg)
     assert validate_report(report) == []
     assert report.totals["total"] == 25
@@ -197,31 +241,59 @@ async def test_open_loop_uniform_stops_by_itself(fake_upstream: tuple[str, Fake]
 
 async def test_unreachable_target_counts_failures() -> None:
     """Connection errors are failures, the run still ends and the report is consistent."""
-    cfg = LoadConfig(targets=("http://127.0.0.1:9/v1",), keys=("sk-a",), requests=5,
-                     concurrency=2, request_timeout=5.0,
-                     sim_url="http://127.0.0.1:9")
+    cfg = LoadConfig(
+        targets=("http://127.0.0.1:9/v1",),
+        keys=("sk-a",),
+        requests=5,
+        concurrency=2,
+        request_timeout=5.0,
+        sim_url="http://127.0.0.1:9",
+    )
     report = await run_load(cfg)
     assert validate_report(report) == []
     assert report.totals["failed"] == 5
     assert report.data["ground_truth"]["available"] is False
 
 
-async def test_cli_writes_report_and_flags_overshoot(fake_upstream: tuple[str, Fake],
-                                                     tmp_path: Path) -> None:
+async def test_cli_writes_report_and_flags_overshoot(
+    fake_upstream: tuple[str, Fake], tmp_path: Path
+) -> None:
     """The CLI entry point writes the report and exits 1 only with --fail-on-overshoot."""
     base, _ = fake_upstream
 
     def argv(extra: list[str], out: Path) -> list[str]:
-        return ["--target", f"{base}/v1", "--key", "sk-a", "--requests", "12",
-                "--concurrency", "3", "--max-tokens", "6", "--no-progress", "--no-plot",
-                "--request-timeout", "10", "--limit-tpm", "sk-a=1", "--out", str(out), *extra]
+        return [
+            "--target",
+            f"{base}/v1",
+            "--key",
+            "sk-a",
+            "--requests",
+            "12",
+            "--concurrency",
+            "3",
+            "--max-tokens",
+            "6",
+            "--no-progress",
+            "--no-plot",
+            "--request-timeout",
+            "10",
+            "--limit-tpm",
+            "sk-a=1",
+            "--out",
+            str(out),
+            *extra,
+        ]
 
     # the CLI runs its own event loop, so it goes to a thread while the fake keeps serving
     assert await asyncio.to_thread(cli_main, argv([], tmp_path / "a")) == 0
     assert await asyncio.to_thread(cli_main, argv(["--fail-on-overshoot"], tmp_path / "b")) == 1
-    assert await asyncio.to_thread(
-        cli_main, argv(["--fail-on-overshoot", "--overshoot-tolerance", "100000%"],
-                       tmp_path / "c")) == 0
+    assert (
+        await asyncio.to_thread(
+            cli_main,
+            argv(["--fail-on-overshoot", "--overshoot-tolerance", "100000%"], tmp_path / "c"),
+        )
+        == 0
+    )
     assert (tmp_path / "a" / "report.json").exists()
     assert not (tmp_path / "a" / "report.png").exists()
     assert await asyncio.to_thread(cli_main, ["--target", "http://10.1.2.3/v1"]) == 2

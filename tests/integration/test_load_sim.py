@@ -25,10 +25,20 @@ async def sim_url() -> AsyncIterator[str]:
 
 async def test_smoke_against_simulator_joins_ground_truth(sim_url: str) -> None:
     """Every request reaches the simulator, completes, and joins its ground-truth record."""
-    cfg = LoadConfig(targets=(f"{sim_url}/v1",), keys=("sk-a", "sk-b"), models=("sim-small",),
-                     stream_ratio=0.5, max_tokens=(8, 24), prompt_tokens=40, concurrency=4,
-                     requests=24, request_timeout=20.0, window_seconds=60.0,
-                     limits_tpm=(("sk-a", 100000),), sim_url=sim_url)
+    cfg = LoadConfig(
+        targets=(f"{sim_url}/v1",),
+        keys=("sk-a", "sk-b"),
+        models=("sim-small",),
+        stream_ratio=0.5,
+        max_tokens=(8, 24),
+        prompt_tokens=40,
+        concurrency=4,
+        requests=24,
+        request_timeout=20.0,
+        window_seconds=60.0,
+        limits_tpm=(("sk-a", 100000),),
+        sim_url=sim_url,
+    )
     report = await run_load(cfg)
     assert validate_report(report) == []
     t = report.totals
@@ -49,13 +59,20 @@ async def test_smoke_against_simulator_joins_ground_truth(sim_url: str) -> None:
 
 async def test_injected_disconnect_counts_as_failed(sim_url: str) -> None:
     """Streams the simulator breaks off mid-way are failures, with upstream tokens joined."""
-    cfg = LoadConfig(targets=(f"{sim_url}/v1",), keys=("sk-a",), stream_ratio=1.0,
-                     max_tokens=(20, 20), concurrency=2, requests=6, request_timeout=20.0,
-                     sim_url=sim_url, extra_headers=(("x-sim-disconnect-after", "3"),))
+    cfg = LoadConfig(
+        targets=(f"{sim_url}/v1",),
+        keys=("sk-a",),
+        stream_ratio=1.0,
+        max_tokens=(20, 20),
+        concurrency=2,
+        requests=6,
+        request_timeout=20.0,
+        sim_url=sim_url,
+        extra_headers=(("x-sim-disconnect-after", "3"),),
+    )
     report = await run_load(cfg)
     assert validate_report(report) == []
     assert report.totals["failed"] == 6
     gt = report.data["ground_truth"]
     assert gt["matched"] == 6
-    assert all(r.upstream_tokens is not None and r.upstream_tokens <= 20
-               for r in report.records)
+    assert all(r.upstream_tokens is not None and r.upstream_tokens <= 20 for r in report.records)

@@ -25,16 +25,27 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_serve_exposes_metrics_and_usage_and_stops_cleanly(redis_server: RedisServer) -> None:
     """Metrics on AIQ_METRICS_PORT, the usage API on the gRPC port, exit 0 on SIGTERM."""
     grpc_port, metrics_port = free_port(), free_port()
-    env = {**os.environ, "AIQ_CONFIG": str(ROOT / "config/demo.yaml"), "AIQ_REDIS_URL": redis_server.url,
-           "AIQ_GRPC_ADDRESS": f"127.0.0.1:{grpc_port}", "AIQ_METRICS_PORT": str(metrics_port)}
-    proc = subprocess.Popen([sys.executable, "-m", "extproc", "serve"], env=env,  # noqa: S603
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    env = {
+        **os.environ,
+        "AIQ_CONFIG": str(ROOT / "config/demo.yaml"),
+        "AIQ_REDIS_URL": redis_server.url,
+        "AIQ_GRPC_ADDRESS": f"127.0.0.1:{grpc_port}",
+        "AIQ_METRICS_PORT": str(metrics_port),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "extproc", "serve"],
+        env=env,  # noqa: S603
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 20
         body = ""
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=1) as r:  # noqa: S310
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{metrics_port}/metrics", timeout=1
+                ) as r:  # noqa: S310
                     body = r.read().decode()
                 break
             except OSError:
@@ -42,7 +53,8 @@ def test_serve_exposes_metrics_and_usage_and_stops_cleanly(redis_server: RedisSe
         assert "aiq_decisions" in body and "aiq_active_streams" in body
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
             resp = usage_pb2_grpc.UsageStub(ch).GetUsage(
-                usage_pb2.GetUsageRequest(api_key="sk-demo-tight"), timeout=10)
+                usage_pb2.GetUsageRequest(api_key="sk-demo-tight"), timeout=10
+            )
         assert resp.tenant == "demo-tight" and resp.plan == "tight"
         assert {(b.metric, b.limit) for b in resp.buckets} == {("rpm", 5), ("tpm", 2000)}
     finally:
@@ -57,7 +69,13 @@ def test_serve_with_an_invalid_config_exits_1(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("models: {}\n")
     env = {**os.environ, "AIQ_CONFIG": str(bad), "AIQ_GRPC_ADDRESS": f"127.0.0.1:{free_port()}"}
-    p = subprocess.run([sys.executable, "-m", "extproc", "serve"], env=env, capture_output=True,
-                       text=True, timeout=60, check=False)
+    p = subprocess.run(
+        [sys.executable, "-m", "extproc", "serve"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert p.returncode == 1
     assert f"{bad}: models" in p.stderr

@@ -201,11 +201,23 @@ def test_all_errors_reported_together() -> None:
 @pytest.mark.parametrize(
     ("path", "value", "where"),
     [
-        (("models", "sim-small", "max_output_tokens"), "lots", "models.sim-small.max_output_tokens"),
+        (
+            ("models", "sim-small", "max_output_tokens"),
+            "lots",
+            "models.sim-small.max_output_tokens",
+        ),
         (("models", "sim-small", "max_output_tokens"), 0, "models.sim-small.max_output_tokens"),
         (("models", "sim-small", "aliases"), "sim", "models.sim-small.aliases"),
-        (("models", "sim-small", "tokenizer", "kind"), "sentencepiece", "models.sim-small.tokenizer.kind"),
-        (("models", "sim-small", "tokenizer", "chars_per_token"), 0, "models.sim-small.tokenizer.chars_per_token"),
+        (
+            ("models", "sim-small", "tokenizer", "kind"),
+            "sentencepiece",
+            "models.sim-small.tokenizer.kind",
+        ),
+        (
+            ("models", "sim-small", "tokenizer", "chars_per_token"),
+            0,
+            "models.sim-small.tokenizer.chars_per_token",
+        ),
         (("plans", "basic", "limits", 0, "rpm"), -1, "plans.basic.limits.0.rpm"),
         (("plans", "basic", "limits", 0, "rpm"), 1.5, "plans.basic.limits.0.rpm"),
         (("plans", "basic", "limits", 0, "per"), "week", "plans.basic.limits.0.per"),

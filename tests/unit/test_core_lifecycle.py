@@ -70,16 +70,30 @@ def test_table_mentions_only_real_members() -> None:
     "path",
     [
         # a streamed, admitted request
-        [Input.REQUEST_HEADERS, Input.REQUEST_BODY, Input.ADMITTED, Input.RESPONSE_HEADERS,
-         Input.STREAM_START, Input.RESPONSE_BODY, Input.RESPONSE_BODY, Input.END],
+        [
+            Input.REQUEST_HEADERS,
+            Input.REQUEST_BODY,
+            Input.ADMITTED,
+            Input.RESPONSE_HEADERS,
+            Input.STREAM_START,
+            Input.RESPONSE_BODY,
+            Input.RESPONSE_BODY,
+            Input.END,
+        ],
         # a refused request
         [Input.REQUEST_HEADERS, Input.REFUSED],
         # a stream cut off by the meter; stray body and end afterwards are tolerated
-        [Input.REQUEST_HEADERS, Input.ADMITTED, Input.RESPONSE_HEADERS, Input.STREAM_START,
-         Input.CUT, Input.RESPONSE_BODY, Input.END],
+        [
+            Input.REQUEST_HEADERS,
+            Input.ADMITTED,
+            Input.RESPONSE_HEADERS,
+            Input.STREAM_START,
+            Input.CUT,
+            Input.RESPONSE_BODY,
+            Input.END,
+        ],
         # an unmetered path
-        [Input.REQUEST_HEADERS, Input.PASS, Input.RESPONSE_HEADERS, Input.RESPONSE_BODY,
-         Input.END],
+        [Input.REQUEST_HEADERS, Input.PASS, Input.RESPONSE_HEADERS, Input.RESPONSE_BODY, Input.END],
     ],
 )
 def test_typical_paths_are_valid(path: list[Input]) -> None:

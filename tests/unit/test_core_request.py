@@ -294,7 +294,9 @@ def test_rewrite_forces_include_usage_for_stream() -> None:
 
 def test_rewrite_forces_include_usage_when_client_said_false() -> None:
     """``include_usage: false`` from the client is overridden to true upstream."""
-    out = rewritten(chat(stream=True, stream_options={"include_usage": False}), force_include_usage=True)
+    out = rewritten(
+        chat(stream=True, stream_options={"include_usage": False}), force_include_usage=True
+    )
     assert out is not None
     assert out["stream_options"]["include_usage"] is True
 

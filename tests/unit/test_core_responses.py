@@ -46,7 +46,13 @@ def quota(retry: float | None, headers: RateLimitHeaders = FULL_HEADERS) -> Quot
         (BadRequest("bad n", param="n"), 400, "invalid_request_error", "invalid_request", "n"),
         (AuthenticationError("no key"), 401, "invalid_request_error", "invalid_api_key", None),
         (UnknownModel("nope"), 404, "invalid_request_error", "model_not_found", "model"),
-        (UnknownModel("nope", status=400), 400, "invalid_request_error", "model_not_found", "model"),
+        (
+            UnknownModel("nope", status=400),
+            400,
+            "invalid_request_error",
+            "model_not_found",
+            "model",
+        ),
         (PathNotAllowed("no"), 404, "invalid_request_error", "unknown_url", None),
         (RequestTooLarge("big"), 413, "invalid_request_error", "request_too_large", None),
         (LimiterUnavailable("down"), 503, "server_error", "quota_backend_unavailable", None),
@@ -101,9 +107,18 @@ def test_quota_headers_complete() -> None:
 
 @pytest.mark.parametrize(
     ("retry", "seconds", "millis"),
-    [(0.0, "1", "1"), (0.0004, "1", "1"), (0.2, "1", "200"), (1.0, "1", "1000"), (1.001, "2", "1001"), (59.5, "60", "59500")],
+    [
+        (0.0, "1", "1"),
+        (0.0004, "1", "1"),
+        (0.2, "1", "200"),
+        (1.0, "1", "1000"),
+        (1.001, "2", "1001"),
+        (59.5, "60", "59500"),
+    ],
 )
-def test_retry_after_integer_at_least_one_rounded_up(retry: float, seconds: str, millis: str) -> None:
+def test_retry_after_integer_at_least_one_rounded_up(
+    retry: float, seconds: str, millis: str
+) -> None:
     """retry-after is whole seconds rounded up (at least 1); retry-after-ms likewise in ms."""
     h = dict(error_headers(quota(retry)))
     assert h["retry-after"] == seconds

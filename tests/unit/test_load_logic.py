@@ -48,9 +48,18 @@ CUT_EVENT = orjson.dumps(
 
 def _rec(n: int = 0, tenant: str = "sk-a", **kw: object) -> RequestRecord:
     base: dict[str, object] = {
-        "n": n, "request_id": f"run-{n}", "tenant": tenant, "model": "m", "stream": True,
-        "target": "http://127.0.0.1:1/v1", "start_wall": 1200.0, "max_tokens": 10,
-        "prompt_tokens_estimate": 5, "status": 200, "outcome": "ok", "duration": 1.0,
+        "n": n,
+        "request_id": f"run-{n}",
+        "tenant": tenant,
+        "model": "m",
+        "stream": True,
+        "target": "http://127.0.0.1:1/v1",
+        "start_wall": 1200.0,
+        "max_tokens": 10,
+        "prompt_tokens_estimate": 5,
+        "status": 200,
+        "outcome": "ok",
+        "duration": 1.0,
     }
     base.update(kw)
     return RequestRecord(**base)  # type: ignore[arg-type]
@@ -151,8 +160,12 @@ def test_window_start_aligned_to_wall_clock() -> None:
 def test_tokens_assigned_to_delta_windows_and_overshoot() -> None:
     """Client deltas land in their own windows; overshoot is max(0, tokens - limit)."""
     # start 1190 (window 1140), deltas at 1195 (window 1140) and 1205, 1210 (window 1200)
-    rec = _rec(start_wall=1190.0, delta_offsets=[5.0, 15.0, 20.0], delta_tokens=[10, 20, 30],
-               usage_prompt_tokens=7)
+    rec = _rec(
+        start_wall=1190.0,
+        delta_offsets=[5.0, 15.0, 20.0],
+        delta_tokens=[10, 20, 30],
+        usage_prompt_tokens=7,
+    )
     rows = tenant_windows([rec], 60.0, {"sk-a": 40})
     r = rows["sk-a"]
     assert [w.start for w in r] == [1140.0, 1200.0]
@@ -188,8 +201,14 @@ def test_prompt_tokens_only_for_2xx() -> None:
 
 def test_ground_truth_surplus_spread_over_upstream_interval() -> None:
     """Tokens the upstream sent beyond the client count are spread after the last delta."""
-    rec = _rec(start_wall=100.0, delta_offsets=[1.0], delta_tokens=[10], upstream_tokens=30,
-               upstream_first_token_at=101.0, upstream_last_token_at=111.0)
+    rec = _rec(
+        start_wall=100.0,
+        delta_offsets=[1.0],
+        delta_tokens=[10],
+        upstream_tokens=30,
+        upstream_first_token_at=101.0,
+        upstream_last_token_at=111.0,
+    )
     ev = output_token_events(rec)
     assert sum(n for _, n in ev) == pytest.approx(30)
     assert all(101.0 <= t <= 111.0 for t, _ in ev)
@@ -215,13 +234,35 @@ def test_ground_truth_without_client_deltas() -> None:
 def _records() -> list[RequestRecord]:
     return [
         _rec(0, "sk-a", delta_offsets=[0.1, 0.2], delta_tokens=[3, 4], ttft=0.1, saw_done=True),
-        _rec(1, "sk-a", outcome="cut", delta_offsets=[0.1], delta_tokens=[2], ttft=0.1,
-             error_code="tpm_limit_exceeded", error_type="tokens"),
-        _rec(2, "sk-b", status=429, outcome="refused", error_code="rpm_limit_exceeded",
-             headers={"retry-after": "3", "x-ratelimit-limit-requests": "10"}),
+        _rec(
+            1,
+            "sk-a",
+            outcome="cut",
+            delta_offsets=[0.1],
+            delta_tokens=[2],
+            ttft=0.1,
+            error_code="tpm_limit_exceeded",
+            error_type="tokens",
+        ),
+        _rec(
+            2,
+            "sk-b",
+            status=429,
+            outcome="refused",
+            error_code="rpm_limit_exceeded",
+            headers={"retry-after": "3", "x-ratelimit-limit-requests": "10"},
+        ),
         _rec(3, "sk-b", status=None, outcome="failed", reason="timeout"),
-        _rec(4, "sk-b", model="m2", stream=False, delta_offsets=[0.5], delta_tokens=[9],
-             usage_prompt_tokens=12, usage_completion_tokens=9),
+        _rec(
+            4,
+            "sk-b",
+            model="m2",
+            stream=False,
+            delta_offsets=[0.5],
+            delta_tokens=[9],
+            usage_prompt_tokens=12,
+            usage_completion_tokens=9,
+        ),
     ]
 
 
@@ -238,7 +279,13 @@ def test_report_counts_and_consistency() -> None:
     t = data["totals"]
     assert isinstance(t, dict)
     assert (t["total"], t["ok"], t["cut"], t["refused"], t["failed"], t["admitted"]) == (
-        5, 2, 1, 1, 1, 3)
+        5,
+        2,
+        1,
+        1,
+        1,
+        3,
+    )
     assert t["refused_by_code"] == {"rpm_limit_exceeded": 1}
     assert t["output_tokens_client"] == 18
     ov = data["overshoot"]
@@ -262,8 +309,9 @@ def test_report_counts_and_consistency() -> None:
         (("overshoot", "max_overshoot"), 1.0, "overshoot.max_overshoot"),
     ],
 )
-def test_validator_catches_inconsistencies(path: tuple[str, ...], value: object,
-                                           needle: str) -> None:
+def test_validator_catches_inconsistencies(
+    path: tuple[str, ...], value: object, needle: str
+) -> None:
     """Tampering with any count makes validate_report report a problem."""
     data = copy.deepcopy(_report())
     node: object = data
@@ -290,11 +338,20 @@ def test_validator_catches_window_mismatch_and_missing_sections() -> None:
 def test_join_ground_truth_by_request_id() -> None:
     """Simulator records attach to client records by x-client-request-id."""
     recs = _records()
-    sims = [SimRecord.from_json({"client_request_id": "run-0", "tokens_sent": 7,
-                                 "ending": "completed", "first_token_at": 1.0}),
-            SimRecord.from_json({"client_request_id": "other-1", "tokens_sent": 1,
-                                 "ending": "completed"}),
-            SimRecord.from_json({"tokens_sent": 1})]
+    sims = [
+        SimRecord.from_json(
+            {
+                "client_request_id": "run-0",
+                "tokens_sent": 7,
+                "ending": "completed",
+                "first_token_at": 1.0,
+            }
+        ),
+        SimRecord.from_json(
+            {"client_request_id": "other-1", "tokens_sent": 1, "ending": "completed"}
+        ),
+        SimRecord.from_json({"tokens_sent": 1}),
+    ]
     stats = join_ground_truth(recs, [s for s in sims if s is not None])
     assert stats["matched"] == 1 and stats["upstream_without_client"] == 1
     assert recs[0].upstream_tokens == 7 and recs[0].upstream_ending == "completed"
@@ -355,7 +412,8 @@ def test_prompt_is_deterministic_and_sized() -> None:
 
 def test_progress_line_format() -> None:
     """The progress line shows the live counters."""
-    c = Counters(started_mono=0.0, done=5, in_flight=2, refused=1, cut=1, failed=0,
-                 output_tokens=100)
+    c = Counters(
+        started_mono=0.0, done=5, in_flight=2, refused=1, cut=1, failed=0, output_tokens=100
+    )
     line = format_line(c, now=10.0)
     assert "done 5" in line and "429 1" in line and "10 tok/s" in line

@@ -34,8 +34,13 @@ class ScriptedLimiter:
     """Admits everything; stream charges answer after a varying number of event-loop turns,
     so some answer between chunks and some are still pending when the stream must wait."""
 
-    def __init__(self, *, grant: int | None = None, exhausted_after: int | None = None,
-                 delays: tuple[int, ...] = (0, 1, 3, 7, 2)) -> None:
+    def __init__(
+        self,
+        *,
+        grant: int | None = None,
+        exhausted_after: int | None = None,
+        delays: tuple[int, ...] = (0, 1, 3, 7, 2),
+    ) -> None:
         self.delays = delays
         self.charges: list[int] = []
         self.settles: list[list[Adjustment]] = []
@@ -45,8 +50,9 @@ class ScriptedLimiter:
     async def admit(self, ledger: str, buckets: list[BucketCharge], **_: Any) -> AdmitResult:
         return AdmitResult(True, False, tuple(b.amount for b in buckets))
 
-    async def charge(self, ledger: str, seq: int, buckets: list[BucketCharge], amount: int,
-                     **_: Any) -> ChargeResult:
+    async def charge(
+        self, ledger: str, seq: int, buckets: list[BucketCharge], amount: int, **_: Any
+    ) -> ChargeResult:
         for _ in range(self.delays[len(self.charges) % len(self.delays)]):
             await asyncio.sleep(0)
         self.charges.append(amount)
@@ -82,18 +88,36 @@ def event(word: str) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-async def start(limiter: ScriptedLimiter, streaming: str = "lazy", tpm: int = 100000) -> RequestProcessor:
+async def start(
+    limiter: ScriptedLimiter, streaming: str = "lazy", tpm: int = 100000
+) -> RequestProcessor:
     cfg = load_config_text(RULES % (streaming, tpm))
     gw = Gateway(config=cfg, limiter=limiter, clock=FakeClock(), metrics=Metrics())  # type: ignore[arg-type]
     proc = RequestProcessor(gw)
-    await proc.handle(pb.ProcessingRequest(request_headers=headers(
-        {":path": "/v1/chat/completions", ":method": "POST", "authorization": "Bearer sk-t",
-         "x-request-id": "r1"})))
-    body = orjson.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
-    [resp] = await proc.handle(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+    await proc.handle(
+        pb.ProcessingRequest(
+            request_headers=headers(
+                {
+                    ":path": "/v1/chat/completions",
+                    ":method": "POST",
+                    "authorization": "Bearer sk-t",
+                    "x-request-id": "r1",
+                }
+            )
+        )
+    )
+    body = orjson.dumps(
+        {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    [resp] = await proc.handle(
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+    )
     assert resp.WhichOneof("response") == "request_body"
-    [resp] = await proc.handle(pb.ProcessingRequest(response_headers=headers(
-        {":status": "200", "content-type": "text/event-stream"})))
+    [resp] = await proc.handle(
+        pb.ProcessingRequest(
+            response_headers=headers({":status": "200", "content-type": "text/event-stream"})
+        )
+    )
     assert resp.mode_override.response_body_mode == 4  # FULL_DUPLEX_STREAMED
     return proc
 
@@ -109,7 +133,9 @@ def forwarded(resps: list[Any]) -> tuple[bytes, bool]:
 
 
 async def feed(proc: RequestProcessor, chunk: bytes, end: bool = False) -> list[Any]:
-    return await proc.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk, end_of_stream=end)))
+    return await proc.handle(
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk, end_of_stream=end))
+    )
 
 
 async def test_lazy_answers_between_chunks_lose_nothing() -> None:
