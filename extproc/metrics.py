@@ -1,8 +1,15 @@
-"""Prometheus metrics, created on an injected registry (tests pass a fresh one)."""
+"""Prometheus metrics, created on an injected registry (tests pass a fresh one).
+
+Labels are low-cardinality only (never a tenant or key: per-tenant usage belongs in the usage
+records, not in metric labels).  ``deploy/`` dashboards and alert rules use these names; a test
+checks that every metric they reference exists here.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 
 class Metrics:
@@ -11,25 +18,102 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # -- admission and limits ------------------------------------------------------------
         self.decisions = Counter(
             "aiq_decisions", "Admission decisions", ["decision", "code"], registry=r
         )
-        self.tokens = Counter(
-            "aiq_tokens_charged", "TPM tokens charged (net, after settlement)", ["kind"], registry=r
-        )
-        self.endings = Counter(
-            "aiq_request_endings", "How admitted requests ended", ["ending"], registry=r
-        )
-        self.limiter_errors = Counter(
-            "aiq_limiter_errors", "Redis calls that failed or timed out", ["op"], registry=r
-        )
-        self.stream_charges = Counter(
-            "aiq_stream_charges", "Redis charges made while streams ran", ["mode"], registry=r
+        self.limit_decisions = Counter(
+            "aiq_limit_decisions",
+            "Per limit kind: requests a limit allowed or refused (shadow: would have refused)",
+            ["kind", "outcome"],
+            registry=r,
         )
         self.admission_seconds = Histogram(
             "aiq_admission_seconds",
             "Time from request body to decision",
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+            buckets=_FAST,
             registry=r,
         )
+        self.tokenize_seconds = Histogram(
+            "aiq_tokenize_seconds",
+            "Time to count a request's input tokens",
+            ["api"],
+            buckets=_FAST,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "aiq_tokens_charged", "TPM tokens charged (net, after settlement)", ["kind"], registry=r
+        )
+        self.model_tokens = Counter(
+            "aiq_model_tokens",
+            "Tokens settled by model and kind (input, cached_input, output, reasoning)",
+            ["model", "kind"],
+            registry=r,
+        )
+        # -- streams and endings -------------------------------------------------------------
+        self.endings = Counter(
+            "aiq_request_endings", "How admitted requests ended", ["ending"], registry=r
+        )
+        self.stream_cuts = Counter(
+            "aiq_stream_cuts", "Streams the gateway cut off, by reason", ["reason"], registry=r
+        )
+        self.stream_charges = Counter(
+            "aiq_stream_charges", "Redis charges made while streams ran", ["mode"], registry=r
+        )
         self.active_streams = Gauge("aiq_active_streams", "Streams being metered", registry=r)
+        self.usage_disagreements = Counter(
+            "aiq_usage_disagreements",
+            "Upstream usage figures outside the bounds the gateway trusts",
+            ["direction"],
+            registry=r,
+        )
+        # -- settlement ----------------------------------------------------------------------
+        self.settlements = Counter(
+            "aiq_settlements", "Settlement calls by outcome", ["outcome"], registry=r
+        )
+        self.settlement_backlog = Gauge(
+            "aiq_settlement_backlog",
+            "Settlements kept in memory until Redis answers again",
+            registry=r,
+        )
+        self.duplicate_hits = Counter(
+            "aiq_idempotent_duplicates",
+            "Limiter calls that found their ledger entry already applied",
+            ["op"],
+            registry=r,
+        )
+        # -- Redis ---------------------------------------------------------------------------
+        self.limiter_errors = Counter(
+            "aiq_limiter_errors", "Redis calls that failed or timed out", ["op"], registry=r
+        )
+        self.redis_seconds = Histogram(
+            "aiq_redis_call_seconds",
+            "Redis script call latency by script and outcome (ok, error, timeout, breaker)",
+            ["script", "outcome"],
+            buckets=_FAST,
+            registry=r,
+        )
+        self.redis_pool_in_use = Gauge(
+            "aiq_redis_pool_in_use", "Redis connections checked out of the pool", registry=r
+        )
+        self.breaker_state = Gauge(
+            "aiq_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", registry=r
+        )
+        # -- configuration -------------------------------------------------------------------
+        self.config_version = Gauge(
+            "aiq_config_version_info",
+            "Always 1; the label is a hash of the effective rules",
+            ["version"],
+            registry=r,
+        )
+        self.config_reloads = Counter(
+            "aiq_config_reloads", "Rules reloads by outcome", ["outcome"], registry=r
+        )
+        self.config_reload_time = Gauge(
+            "aiq_config_last_reload_timestamp_seconds",
+            "Unix time of the last successful rules load",
+            registry=r,
+        )
+        self.tokenizer_load_failures = Counter(
+            "aiq_tokenizer_load_failures", "Tokenizers that failed to load", registry=r
+        )

@@ -44,11 +44,15 @@ class MalformedChunk(ValueError):  # noqa: N818 - name fixed by the core API
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Token usage the upstream reported (the ``usage`` object of a chunk)."""
+    """Token usage the upstream reported, normalised across APIs (``prompt_tokens`` includes cached
+    input, ``completion_tokens`` includes reasoning)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # part of prompt_tokens read from a prompt cache; part of completion_tokens spent reasoning
+    cached_input_tokens: int = 0
+    reasoning_tokens: int = 0
 
 
 @dataclass(slots=True)
