@@ -18,7 +18,7 @@ from extproc.config.runtime import RuntimeConfig
 from extproc.limiter.base import Limiter
 from extproc.limiter.redis import RedisLimiter
 from extproc.metrics import Metrics
-from extproc.server.processor import Gateway
+from extproc.server.gateway import Gateway
 from extproc.server.servicer import ExternalProcessorServicer
 from extproc.settings import Settings
 

@@ -2,7 +2,8 @@
 
 Every error a request can meet is one of these classes; each carries the HTTP status
 and the OpenAI-style ``type``/``code`` it maps to.  They are turned into responses in
-exactly one place: :func:`extproc.core.responses.error_response`.
+one place per API format: ``extproc.core.apis`` (OpenAI shapes in
+:mod:`extproc.core.responses`).
 
 ::
 
@@ -151,6 +152,13 @@ class QuotaExceeded(ClientError):
         self.headers = headers
 
 
+class UnsupportedEncoding(ClientError):
+    """A request body the gateway cannot read (compressed with an encoding it does not take)."""
+
+    status = 415
+    code = "unsupported_content_encoding"
+
+
 class ServerError(GatewayError):
     """The gateway could not decide; not the caller's fault."""
 
@@ -163,6 +171,14 @@ class LimiterUnavailable(ServerError):
     status = 503
     error_type = "server_error"
     code = "quota_backend_unavailable"
+
+
+class UnmeterableResponse(ServerError):
+    """A 2xx upstream response the gateway cannot count (fail-closed plans)."""
+
+    status = 502
+    error_type = "server_error"
+    code = "unmeterable_response"
 
 
 class InternalError(ServerError):
@@ -192,3 +208,17 @@ class ErrorBody:
         }
         err.update(self.extra)
         return {"error": err}
+
+
+class StreamCut(GatewayError):
+    """Why the gateway ended a response stream itself, rendered as the API's in-stream error.
+
+    ``status`` is the HTTP status the same error would have had before the response began
+    (429 for an exhausted quota, 503 when the backend is unavailable or the server stops).
+    """
+
+    def __init__(self, message: str, *, status: int, error_type: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.error_type = error_type
+        self.code = code

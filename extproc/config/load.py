@@ -12,16 +12,8 @@ import yaml
 from pydantic import ValidationError
 
 from extproc.config import schema
-from extproc.config.runtime import (
-    WINDOW_SECONDS,
-    ApiKey,
-    Charging,
-    Limit,
-    Model,
-    Plan,
-    RuntimeConfig,
-    Tenant,
-)
+from extproc.config.runtime import ApiKey, Model, Plan, RuntimeConfig, Tenant
+from extproc.core.rules import WINDOW_SECONDS, Charging, Limit
 from extproc.core.tokens import (
     TokenizerLoadError,
     TokenizerRegistry,
@@ -226,6 +218,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         default_charging=default_charging,
         metered_paths=frozenset(cfg.paths.metered),
         other_paths=cfg.paths.other,
+        allowed_paths=tuple(cfg.paths.allow),
         max_body_bytes=cfg.requests.max_body_bytes,
         max_tokens_ceiling=cfg.requests.max_tokens_ceiling,
         over_model_cap=cfg.requests.over_model_cap,

@@ -10,36 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from extproc.core.rules import Charging, Limit
 from extproc.core.tokens import TokenCounter, TokenizerSpec
-
-ChargingMode = Literal["input_only", "reserve_max", "reserve_refund", "stream_incremental"]
-StreamingMode = Literal["lazy", "strict"]
-
-WINDOW_SECONDS: dict[str, int] = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
-
-
-@dataclass(frozen=True, slots=True)
-class Charging:
-    """Resolved charging settings for one (plan, model) pair."""
-
-    mode: ChargingMode = "stream_incremental"
-    streaming: StreamingMode = "lazy"
-    charge_every_tokens: int = 64
-
-
-@dataclass(frozen=True, slots=True)
-class Limit:
-    """One bucket rule: a metric over a fixed window, for a model (or ``*``) and a scope."""
-
-    metric: Literal["rpm", "tpm"]
-    limit: int
-    window_s: int
-    model: str  # canonical model name, or "*"
-    scope: Literal["tenant", "key"]
-
-    def applies_to(self, model: str) -> bool:
-        """Whether a request for ``model`` is counted in this bucket."""
-        return self.model in ("*", model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +76,7 @@ class RuntimeConfig:
     default_charging: dict[str, Charging]
     metered_paths: frozenset[str]
     other_paths: Literal["passthrough", "reject", "rpm_only"]
+    allowed_paths: tuple[str, ...]
     max_body_bytes: int
     max_tokens_ceiling: int
     over_model_cap: Literal["clamp", "reject"]

@@ -120,10 +120,27 @@ class TenantEntry(Strict):
 
 
 class PathsPolicy(Strict):
-    """What happens to paths other than the metered completions endpoints."""
+    """What happens to paths other than the metered API endpoints.
 
-    other: Literal["passthrough", "reject", "rpm_only"] = "passthrough"
-    metered: list[str] = Field(default_factory=lambda: ["/v1/chat/completions", "/v1/completions"])
+    ``allow`` lists paths that pass unmetered (a trailing ``*`` matches any rest); every other
+    path follows ``other``: ``reject`` (404, the default: an endpoint the gateway does not meter
+    may generate tokens for free), ``rpm_only`` (counted as a request, no tokens) or
+    ``passthrough`` (unmetered, at your own risk).
+    """
+
+    other: Literal["passthrough", "reject", "rpm_only"] = "reject"
+    allow: list[str] = Field(
+        default_factory=lambda: ["/v1/models", "/v1/models/*", "/health", "/ping", "/version"]
+    )
+    metered: list[str] = Field(
+        default_factory=lambda: [
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/responses",
+            "/v1/messages",
+            "/v1/embeddings",
+        ]
+    )
 
 
 class UnknownModelPolicy(Strict):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from extproc.core.keys import WindowedBucket
-from extproc.limiter.base import Adjustment
+from extproc.core.rules import Adjustment
 
 
 @dataclass(slots=True)

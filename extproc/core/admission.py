@@ -1,31 +1,35 @@
 """Admission arithmetic: what a request costs, which buckets it touches, what the answer says.
 
-Pure: the caller supplies the counted input tokens and the clock reading, runs the limiter,
-and hands its result back to :func:`decide`.
+Pure: the caller supplies the parsed request, the resolved model and the counted input
+tokens; :func:`plan_admission` returns an :class:`AdmissionPlan` (budget, clamp, cost).  The
+caller runs the limiter with :func:`admission_charges` and turns a refusal into a 429 with
+:func:`refusal`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal
 
-from extproc.config.runtime import Charging, Limit
 from extproc.core.keys import WindowedBucket, windowed
-from extproc.errors import QuotaExceeded, RateLimitHeaders
-from extproc.limiter.base import BucketCharge
+from extproc.core.rules import BucketCharge, Charging, Limit
+from extproc.errors import BadRequest, QuotaExceeded, RateLimitHeaders, RequestTooLarge
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Cost:
     """TPM cost at admission and how the rest of the request is metered."""
 
     input_tokens: int
-    effective_max_output: int  # all choices together
+    effective_max_output: int  # all sequences together
     reserved_output: int  # output tokens charged at admission
     meter_stream: bool  # count the SSE body
     enforce_stream: bool  # charge every N and cut off when exhausted
     strict: bool
     settle_to_actual: bool  # refund/charge the difference at the end
     every: int
+    requests: int = 1  # RPM units
 
     @property
     def tpm_amount(self) -> int:
@@ -33,25 +37,104 @@ class Cost:
         return self.input_tokens + self.reserved_output
 
 
+RPM_ONLY = Cost(
+    input_tokens=0,
+    effective_max_output=0,
+    reserved_output=0,
+    meter_stream=False,
+    enforce_stream=False,
+    strict=False,
+    settle_to_actual=False,
+    every=1,
+)
+
+
 def compute_cost(
     *, input_tokens: int, per_choice_max: int, n: int, stream: bool, charging: Charging
 ) -> Cost:
-    """The admission cost under ``charging.mode`` (see docs/semantics.md for each mode)."""
+    """The admission cost under ``charging.mode`` (see docs/semantics.md for each mode).
+
+    ``n`` is the number of sequences the upstream may generate, ``per_choice_max`` the
+    budget of each."""
     eff = per_choice_max * n
     every = charging.charge_every_tokens
     strict = charging.streaming == "strict"
     mode = charging.mode
+    meter, enforce, settle = False, False, True
     if mode == "input_only":
-        return Cost(input_tokens, eff, 0, False, False, strict, False, every)
-    if mode == "reserve_max":
-        return Cost(input_tokens, eff, eff, False, False, strict, False, every)
-    if mode == "reserve_refund":
-        return Cost(input_tokens, eff, eff, stream, False, strict, True, every)
-    # stream_incremental
-    if not stream:
-        return Cost(input_tokens, eff, eff, False, False, strict, True, every)
-    reserve = min(every, eff) if strict else 0
-    return Cost(input_tokens, eff, reserve, True, True, strict, True, every)
+        reserve, settle = 0, False
+    elif mode == "reserve_max":
+        reserve, settle = eff, False
+    elif mode == "reserve_refund":
+        reserve, meter = eff, stream
+    elif not stream:  # stream_incremental, a JSON response: reserve, settle to usage
+        reserve = eff
+    else:
+        reserve = min(every, eff) if strict else 0
+        meter = enforce = True
+    return Cost(
+        input_tokens=input_tokens,
+        effective_max_output=eff,
+        reserved_output=reserve,
+        meter_stream=meter,
+        enforce_stream=enforce,
+        strict=strict,
+        settle_to_actual=settle,
+        every=every,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmissionPlan:
+    """What admission decided before asking the limiter."""
+
+    budget: int  # output tokens one sequence may generate (written into the forwarded body)
+    clamped: bool  # the client's budget was above the model's cap and was lowered
+    cost: Cost
+
+
+def plan_admission(
+    *,
+    declared_max_output: int | None,
+    sequences: int,
+    stream: bool,
+    input_tokens: int,
+    model_name: str,
+    model_cap: int,
+    max_input_tokens: int | None,
+    over_cap: Literal["clamp", "reject"],
+    budget_param: str,
+    charging: Charging,
+) -> AdmissionPlan:
+    """The output budget, whether it was clamped, and the cost (raises 400/413 on limits)."""
+    if max_input_tokens is not None and input_tokens > max_input_tokens:
+        raise RequestTooLarge(
+            f"The prompt has {input_tokens} tokens; model {model_name} accepts at most "
+            f"{max_input_tokens}."
+        )
+    clamped = False
+    if declared_max_output is not None and declared_max_output > model_cap:
+        if over_cap == "reject":
+            raise BadRequest(
+                f"{budget_param} is {declared_max_output}; model {model_name} generates at most "
+                f"{model_cap} tokens.",
+                param=budget_param,
+            )
+        clamped = True
+    budget = model_cap if declared_max_output is None else min(declared_max_output, model_cap)
+    cost = compute_cost(
+        input_tokens=input_tokens,
+        per_choice_max=budget,
+        n=sequences,
+        stream=stream,
+        charging=charging,
+    )
+    return AdmissionPlan(budget=budget, clamped=clamped, cost=cost)
+
+
+def retry_seconds(reset_s: float) -> int:
+    """Whole seconds a client waits: the one rounding used by messages and headers alike."""
+    return max(1, math.ceil(reset_s))
 
 
 def buckets_for(
@@ -69,7 +152,7 @@ def admission_charges(buckets: list[WindowedBucket], cost: Cost) -> list[BucketC
         BucketCharge(
             key=b.key,
             kind=b.metric,
-            amount=1 if b.metric == "rpm" else cost.tpm_amount,
+            amount=cost.requests if b.metric == "rpm" else cost.tpm_amount,
             limit=b.limit.limit,
             expire_at_ms=b.expire_at_ms,
         )
@@ -135,7 +218,7 @@ def refusal(
     if b.metric == "rpm":
         msg = (
             f"Rate limit reached for requests per {per} on tenant {tenant} ({scope}): "
-            f"limit {b.limit.limit}, used {used}. Try again in {retry:.0f}s."
+            f"limit {b.limit.limit}, used {used}. Try again in {retry_seconds(retry)}s."
         )
         return QuotaExceeded(msg, metric="rpm", retry_after_s=retry, headers=headers)
     too_large = [fb for fb, _ in failing if fb.metric == "tpm" and cost.tpm_amount > fb.limit.limit]
@@ -151,7 +234,7 @@ def refusal(
         return QuotaExceeded(msg, metric="tpm", retry_after_s=None, headers=headers)
     msg = (
         f"Rate limit reached for tokens per {per} on tenant {tenant} ({scope}): limit "
-        f"{b.limit.limit}, used {used}, requested {cost.tpm_amount}. Try again in {retry:.0f}s."
+        f"{b.limit.limit}, used {used}, requested {cost.tpm_amount}. Try again in {retry_seconds(retry)}s."
     )
     _ = model
     return QuotaExceeded(msg, metric="tpm", retry_after_s=retry, headers=headers)

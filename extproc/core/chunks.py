@@ -31,6 +31,7 @@ __all__ = [
     "OutputTokenCounter",
     "StreamChunk",
     "Usage",
+    "detail",
     "parse_event_data",
 ]
 
@@ -84,7 +85,20 @@ def _usage(value: object) -> Usage | None:
     total = value.get("total_tokens")
     if not (isinstance(total, int) and _is_int(total)):
         total = prompt + completion
-    return Usage(prompt, completion, total)
+    return Usage(
+        prompt,
+        completion,
+        total,
+        cached_input_tokens=detail(value, "prompt_tokens_details", "cached_tokens"),
+        reasoning_tokens=detail(value, "completion_tokens_details", "reasoning_tokens"),
+    )
+
+
+def detail(usage: dict[str, Any], group: str, name: str) -> int:
+    """``usage[group][name]`` when it is a non-negative int, else 0."""
+    g = usage.get(group)
+    v = g.get(name) if isinstance(g, dict) else None
+    return v if isinstance(v, int) and _is_int(v) and v >= 0 else 0
 
 
 def _add_text(texts: list[tuple[int, str]], index: int, value: object) -> None:

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from extproc.config.runtime import Limit
+from extproc.core.rules import Limit
 
 EXPIRY_SLACK_MS = 2_000
 _SAFE_ID = re.compile(r"[^A-Za-z0-9._:-]")

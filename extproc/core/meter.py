@@ -10,7 +10,10 @@ Two ways to charge output (``strict`` flag):
 
 * **lazy** — forward every complete event at once; each time N uncharged tokens have passed,
   ask for a charge of them.  When a charge leaves a bucket over its limit, the next chunk is
-  not forwarded: the stream is cut.  Overshoot: at most N (+ one chunk) per concurrent stream.
+  not forwarded: the stream is cut.  Uncharged tokens never exceed 2N: an event that would
+  take them past 2N (a merged chunk of many tokens, or Redis falling a batch behind) is held
+  and charged *before* it is forwarded, and dropped (the stream cut) if that charge finds the
+  quota gone.  Overshoot: at most 2N per concurrent stream, N in the common case.
 * **strict** — forward only what a lease covers.  The lease (initially what admission
   reserved) is renewed early, when less than half of N is left, so the stream rarely waits;
   an event that does not fit is held until the renewal answers.  A renewal granting nothing
@@ -23,8 +26,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from extproc.core.chunks import MalformedChunk, Usage, parse_event_data
+from extproc.core.chunks import MalformedChunk, StreamChunk, Usage, parse_event_data
+from extproc.core.lifecycle import CutReason
 from extproc.core.sse import SSEDecoder, SSEEvent, SSEEventTooLarge
+
+
+def _openai_read(event: str | None, data: str) -> StreamChunk:
+    return parse_event_data(data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +43,7 @@ class Step:
     end_stream: bool = False
     charge: int = 0
     blocked: bool = False
-    cut_reason: str | None = None
+    cut_reason: CutReason | None = None
 
 
 EMPTY = Step()
@@ -54,8 +62,10 @@ class StreamMeter:
         initial_lease: int = 0,
         strip_usage: bool = False,
         max_event_bytes: int = 1 << 20,
+        read: Callable[[str | None, str], StreamChunk] = _openai_read,
     ) -> None:
         self._count = count
+        self._read = read
         self.every = every
         # Lazy batch size: N, shrunk to N/4 once a charge reports less than 16N left, so
         # streams near the limit learn about exhaustion sooner (a few more Redis calls, only
@@ -70,6 +80,7 @@ class StreamMeter:
         self._held: deque[tuple[bytes, int]] = deque()
         self._held_tokens = 0
         self._charge_in_flight = 0
+        self._held_precharged = 0  # held tokens the in-flight (lazy) charge already covers
         self._new_charge = 0
         self.uncharged = 0
         self.charged = 0
@@ -82,7 +93,7 @@ class StreamMeter:
         self.finished = False
         self.usage: Usage | None = None
         self.upstream_error: dict[str, object] | None = None
-        self.cut_reason: str | None = None
+        self.cut_reason: CutReason | None = None
 
     # -- feeding ---------------------------------------------------------------------------
 
@@ -93,7 +104,7 @@ class StreamMeter:
         if data is None:
             return 0, True
         try:
-            chunk = parse_event_data(data)
+            chunk = self._read(ev.event, data)
         except MalformedChunk:
             # Forward unchanged (we are not the client's parser) but never undercharge it.
             self.malformed_events += 1
@@ -117,13 +128,13 @@ class StreamMeter:
         if self.finished:
             return EMPTY
         if self.enforce and not self.strict and self.exhausted:
-            return self._cut_step("quota exhausted")
+            return self._cut_step(CutReason.QUOTA_EXHAUSTED)
         try:
             events = self._decoder.feed(chunk) if chunk else []
             if end:
                 events += self._decoder.flush()
         except SSEEventTooLarge:
-            return self._cut_step("upstream event too large")
+            return self._cut_step(CutReason.EVENT_TOO_LARGE)
         out = bytearray()
         for ev in events:
             k, fwd = self._inspect(ev)
@@ -154,9 +165,7 @@ class StreamMeter:
         keeps lazy overshoot under 2N per stream even when Redis is slow."""
         if self.strict:
             return tokens > self.lease
-        return (
-            self._charge_in_flight != 0 and self.uncharged + tokens > 2 * self.every and tokens > 0
-        )
+        return tokens > 0 and self.uncharged + tokens > 2 * self.every
 
     def _after(self, out: bytes) -> Step:
         charge = 0
@@ -171,6 +180,12 @@ class StreamMeter:
                     charge = self.every
         elif self.enforce:
             blocked = bool(self._held)
+            if blocked and self._charge_in_flight == 0:
+                # Charge what passed and the held events before they go out.
+                self._held_precharged = self._held_tokens
+                charge = self.uncharged + self._held_tokens
+                self._charge_in_flight = charge
+                return Step(forward=out, charge=charge, blocked=True)
             if (
                 self._charge_in_flight == 0
                 and self.uncharged >= self.batch
@@ -201,18 +216,24 @@ class StreamMeter:
             self.charged += granted
             return EMPTY
         if not self.strict:
+            pre, self._held_precharged = self._held_precharged, 0
             self.charged += granted
-            self.uncharged -= asked
+            self.uncharged -= asked - pre
             if exhausted:
                 self.exhausted = True
                 if self.enforce and self._held:
-                    return self._cut_step("quota exhausted")
+                    return self._cut_step(CutReason.QUOTA_EXHAUSTED)
+            if not pre and self.uncharged + self._held_tokens > 2 * self.every:
+                # Held behind a batch charge, but too many to release uncharged: charge first.
+                return self._after(b"")
             out = bytearray()
             while self._held:
                 raw, k = self._held.popleft()
                 self._held_tokens -= k
                 self.delivered += k
-                self.uncharged += k
+                covered = min(pre, k)
+                pre -= covered
+                self.uncharged += k - covered
                 out += raw
             return self._after(bytes(out))
         self.charged += granted
@@ -228,13 +249,13 @@ class StreamMeter:
             self.delivered += k
             out += raw
         if self._held and granted == 0:
-            return self._cut_step("quota exhausted", prefix=bytes(out))
+            return self._cut_step(CutReason.QUOTA_EXHAUSTED, prefix=bytes(out))
         return self._after(bytes(out))
 
     def stop_enforcing(self) -> Step:
         """Fail-open: meter no more; release whatever was held and let the rest through."""
         self.enforce = False
-        self._charge_in_flight = self._new_charge = 0
+        self._charge_in_flight = self._new_charge = self._held_precharged = 0
         out = bytearray()
         while self._held:
             raw, k = self._held.popleft()
@@ -248,9 +269,9 @@ class StreamMeter:
 
     def on_charge_failed(self) -> None:
         """The limiter could not answer; the caller decides (fail open/closed)."""
-        self._charge_in_flight = 0
+        self._charge_in_flight = self._held_precharged = 0
 
-    def fail(self, reason: str) -> Step:
+    def fail(self, reason: CutReason) -> Step:
         """Fail closed: stop forwarding; the caller ends the stream with :meth:`cut`."""
         return self._cut_step(reason)
 
@@ -261,20 +282,20 @@ class StreamMeter:
 
     # -- ending ----------------------------------------------------------------------------
 
-    def _cut_step(self, reason: str, prefix: bytes = b"") -> Step:
+    def _cut_step(self, reason: CutReason, prefix: bytes = b"") -> Step:
         self.cut_reason = reason
         self._held.clear()
         self._held_tokens = 0
         return Step(forward=prefix, cut_reason=reason)
 
-    def cut(self, error_event: bytes) -> bytes:
-        """Finish the stream with ``error_event`` (already framed) and ``[DONE]``."""
+    def cut(self, final_events: bytes) -> bytes:
+        """Finish the stream with ``final_events`` (the API's error event and terminator)."""
         self.finished = True
         if self.cut_reason is None:
-            self.cut_reason = "quota exhausted"
+            self.cut_reason = CutReason.QUOTA_EXHAUSTED
         self._held.clear()
         self._held_tokens = 0
-        return error_event + b"data: [DONE]\n\n"
+        return final_events
 
     @property
     def unused_lease(self) -> int:

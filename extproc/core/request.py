@@ -7,46 +7,14 @@ the field that is wrong.  Token budgets are validated here and clamped by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
 
+from extproc.core.apis.base import ParsedRequest
 from extproc.errors import BadRequest
 
 Endpoint = Literal["chat", "completions"]
-
-ENDPOINTS: dict[str, Endpoint] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/chat/completions": "chat",
-    "/completions": "completions",
-}
-
-
-@dataclass(slots=True)
-class ParsedRequest:
-    """What admission needs to know about a request body."""
-
-    endpoint: Endpoint
-    model: str
-    stream: bool
-    client_include_usage: bool
-    n: int
-    declared_max_output: int | None
-    body: dict[str, Any]
-
-
-def endpoint_for_path(path: str) -> Endpoint | None:
-    """The endpoint kind for a ``:path`` (query string ignored), or None if not metered."""
-    bare = path.split("?", 1)[0].split("#", 1)[0]
-    # Envoy merges slashes and normalises the path before us (see envoy_config); a trailing
-    # slash must not turn a metered endpoint into an unmetered one either.
-    while "//" in bare:
-        bare = bare.replace("//", "/")
-    if len(bare) > 1:
-        bare = bare.rstrip("/")
-    return ENDPOINTS.get(bare.lower())
 
 
 def _int_field(body: dict[str, Any], name: str, *, minimum: int, ceiling: int) -> int | None:
@@ -101,13 +69,24 @@ def parse_request(
     if so is not None:
         if not isinstance(so, dict):
             raise BadRequest("'stream_options' must be an object", param="stream_options")
-        iu = so.get("include_usage", False)
+        iu = so.get("include_usage")
+        if iu is None:  # null means absent, as for every other nullable field
+            iu = False
         if not isinstance(iu, bool):
             raise BadRequest(
                 "'stream_options.include_usage' must be a boolean", param="stream_options"
             )
         include_usage = iu
+    # Integral floats (``10.0``) are accepted and forwarded as integers.
+    normalised = any(
+        isinstance(body.get(f), float)
+        for f in ("n", "best_of", "max_tokens", "max_completion_tokens")
+    )
     n = _int_field(body, "n", minimum=1, ceiling=max_n) or 1
+    sequences = n
+    if endpoint == "completions":
+        best_of = _int_field(body, "best_of", minimum=1, ceiling=max_n) or 1
+        sequences = max(n, best_of) * _prompt_count(body["prompt"])
     budgets = [
         b
         for b in (
@@ -118,14 +97,26 @@ def parse_request(
     ]
     declared = max(budgets) if budgets else None
     return ParsedRequest(
-        endpoint=endpoint,
+        api=endpoint,
         model=model,
         stream=stream,
-        client_include_usage=include_usage,
-        n=n,
+        sequences=sequences,
         declared_max_output=declared,
         body=body,
+        client_include_usage=include_usage,
+        budget_fields=("max_tokens", "max_completion_tokens")
+        if endpoint == "chat"
+        else ("max_tokens",),
+        notes={"normalised": True} if normalised else {},
     )
+
+
+def _prompt_count(prompt: Any) -> int:
+    """How many prompts a completions ``prompt`` holds: a list of strings or of token-id
+    lists is a batch; a string or one token-id list is one prompt."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        return len(prompt)
+    return 1
 
 
 def effective_output_budget(declared: int | None, model_cap: int) -> int:
@@ -138,26 +129,32 @@ def effective_output_budget(declared: int | None, model_cap: int) -> int:
 def rewrite_body(
     req: ParsedRequest,
     *,
-    clamp_to: int | None,
+    budget: int | None,
     force_include_usage: bool,
     canonical_model: str | None = None,
 ) -> bytes | None:
     """The mutated body to send upstream, or None when nothing needs to change.
 
-    ``clamp_to`` replaces both budget fields when the declared budget exceeds the model's cap;
-    ``force_include_usage`` asks a streaming upstream for the final usage chunk;
-    ``canonical_model`` replaces an alias with the model's real name.
+    ``budget`` is the per-sequence output budget admission reserved: every budget field the
+    client set above it is lowered to it, and when the client set none, the first budget field
+    is added with it (an upstream whose default is "the rest of the context" must not generate
+    more than was reserved).  ``force_include_usage`` asks a streaming upstream for the final
+    usage chunk; ``canonical_model`` replaces an alias with the model's real name.
     """
-    changed = False
+    changed = bool(req.notes.get("normalised"))
     body = req.body
     if canonical_model is not None and body.get("model") != canonical_model:
         body["model"] = canonical_model
         changed = True
-    if clamp_to is not None:
-        for name in ("max_tokens", "max_completion_tokens"):
-            if isinstance(body.get(name), int) and body[name] > clamp_to:
-                body[name] = clamp_to
+    if budget is not None:
+        present = [f for f in req.budget_fields if isinstance(body.get(f), int)]
+        for name in present:
+            if body[name] > budget:
+                body[name] = budget
                 changed = True
+        if not present and req.budget_fields:
+            body[req.budget_fields[0]] = budget
+            changed = True
     if force_include_usage and req.stream and not req.client_include_usage:
         so = body.get("stream_options")
         so = dict(so) if isinstance(so, dict) else {}

@@ -9,7 +9,8 @@ import math
 
 import orjson
 
-from extproc.errors import ErrorBody, GatewayError, QuotaExceeded
+from extproc.core.admission import retry_seconds
+from extproc.errors import ErrorBody, GatewayError, QuotaExceeded, StreamCut
 
 
 def error_body(err: GatewayError) -> bytes:
@@ -22,7 +23,7 @@ def error_headers(err: GatewayError) -> list[tuple[str, str]]:
     out = [("content-type", "application/json")]
     if isinstance(err, QuotaExceeded):
         if err.retry_after_s is not None:
-            out.append(("retry-after", str(max(1, math.ceil(err.retry_after_s)))))
+            out.append(("retry-after", str(retry_seconds(err.retry_after_s))))
             out.append(("retry-after-ms", str(max(1, math.ceil(err.retry_after_s * 1000)))))
         out += err.headers.as_pairs()
     elif err.status == 503:
@@ -34,3 +35,43 @@ def sse_error_event(message: str, *, error_type: str, code: str) -> bytes:
     """One SSE event carrying an OpenAI error object (what the SDKs raise as ``APIError``)."""
     body = ErrorBody(message, error_type, code).as_dict()
     return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+def quota_cut_message(
+    *,
+    tenant: str,
+    per: str,
+    scope: str,
+    limit: int,
+    used: int,
+    delivered: int,
+    reset_s: float,
+) -> str:
+    """What a client reads when its stream is cut because a token quota ran out."""
+    return (
+        f"Rate limit reached for tokens per {per} on tenant {tenant} ({scope}): limit {limit}, "
+        f"used {used}. The stream was stopped after {delivered} output tokens; the limit resets "
+        f"in {retry_seconds(reset_s)}s."
+    )
+
+
+def cut_error(reason: str, message: str | None = None) -> StreamCut:
+    """The error a stream cut for ``reason`` (a ``CutReason`` value) carries to the client."""
+    if reason == "quota_exhausted":
+        return StreamCut(
+            message or "Rate limit reached for tokens; the stream was stopped.",
+            status=429,
+            error_type="tokens",
+            code="tpm_limit_exceeded",
+        )
+    if reason == "quota_backend_unavailable":
+        text = "The quota backend is unavailable; the stream was stopped. Retry shortly."
+        return StreamCut(text, status=503, error_type="server_error", code=reason)
+    if reason == "upstream_event_too_large":
+        text = "The upstream sent an SSE event larger than the gateway accepts; the stream was stopped."
+        return StreamCut(text, status=502, error_type="server_error", code=reason)
+    if reason == "server_shutdown":
+        text = "The gateway is restarting; the stream was stopped. Retry the request."
+        return StreamCut(text, status=503, error_type="server_error", code=reason)
+    text = message or "The upstream response could not be metered; the stream was stopped."
+    return StreamCut(text, status=502, error_type="server_error", code=reason)

@@ -7,27 +7,9 @@ round trip; every method is idempotent for a given ledger key (and sequence numb
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
-
-@dataclass(frozen=True, slots=True)
-class BucketCharge:
-    """A bucket touched by a call: its key, the amount to add, its limit and expiry."""
-
-    key: str
-    kind: Literal["rpm", "tpm"]
-    amount: int
-    limit: int
-    expire_at_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class Adjustment:
-    """A signed correction applied at settlement."""
-
-    key: str
-    amount: int
-    expire_at_ms: int
+from extproc.core.rules import Adjustment, BucketCharge
 
 
 @dataclass(frozen=True, slots=True)

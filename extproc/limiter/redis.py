@@ -18,8 +18,9 @@ import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
 
 from extproc.clock import Clock, SystemClock
+from extproc.core.rules import Adjustment, BucketCharge
 from extproc.errors import LimiterUnavailable
-from extproc.limiter.base import Adjustment, AdmitResult, BucketCharge, ChargeResult
+from extproc.limiter.base import AdmitResult, ChargeResult
 
 T = TypeVar("T")
 

@@ -1,8 +1,8 @@
 """The ext_proc gRPC servicer: runs the stream loop, nothing else.
 
-One gRPC stream per HTTP request.  Messages go to a :class:`RequestProcessor`; whatever ends
-the stream (normal end, Envoy cancelling it, the client going away, shutdown), ``finally``
-settles the request exactly once.
+One gRPC stream per HTTP request.  Messages go to a :class:`RequestProcessor`; however the
+stream ends (Envoy half-closing it, Envoy cancelling it, an error, shutdown), ``finally`` tells
+the processor how, and the processor's lifecycle names the ending and settles once.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import grpc
 import structlog
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from extproc.server.processor import Gateway, RequestProcessor
+from extproc.core.lifecycle import Closed
+from extproc.server.gateway import Gateway
+from extproc.server.processor import RequestProcessor
 
 log = structlog.get_logger("extproc")
 
@@ -34,41 +36,39 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
         that a cancelled stream raises ``CancelledError`` here and ``finally`` always runs.
         """
         proc = RequestProcessor(self.gw)
+        proc.writer = context
         self.gw.active.add(proc)
         structlog.contextvars.clear_contextvars()
-        ending = "client_disconnected"
+        how = Closed.CANCELLED
+        lock = proc.write_lock
         try:
             while True:
                 req = await context.read()
                 if req is grpc.aio.EOF:
                     break
                 resps = await proc.handle(req)
-                if len(resps) == 1:
-                    await context.write(resps[0])
-                else:
+                async with lock:
                     for resp in resps:
                         await context.write(resp)
-            ending = "upstream_reset"
+            how = Closed.EOF
         except asyncio.CancelledError:
-            ending = "cancelled"
             raise
         except Exception:
-            log.exception("stream_failed", request_id=proc.request_id)
-            ending = "internal_error"
-            raise
+            if _peer_gone(context):
+                how = Closed.CANCELLED  # a write after Envoy reset the stream: not our error
+            else:
+                log.exception("stream_failed", request_id=proc.request_id)
+                how = Closed.ERROR
+                raise
         finally:
             self.gw.active.discard(proc)
-            if not proc.settled:
-                # A separate task: the cancellation ending this stream must not stop settlement.
-                final = "shutdown" if self.gw.draining else _ending_for(proc, ending)
-                self.gw.track(asyncio.ensure_future(proc.finish(final)))
+            if self.gw.draining and how is not Closed.EOF:
+                how = Closed.SHUTDOWN
+            proc.close(how)
 
 
-def _ending_for(proc: RequestProcessor, loop_ending: str) -> str:
-    """Name the ending of a stream that closed before its response completed."""
-    if proc.meter is not None or proc.json_body is not None:
-        # The response was under way: the client left, or Envoy reset the upstream.
-        return "client_disconnected" if loop_ending == "cancelled" else "upstream_reset"
-    if proc.status is not None:
-        return "completed"
-    return "client_disconnected"
+def _peer_gone(context: Any) -> bool:
+    try:
+        return bool(context.cancelled() or context.done())
+    except Exception:  # noqa: BLE001 - older grpcio without done()
+        return False

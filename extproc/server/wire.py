@@ -78,13 +78,14 @@ def continue_request_body(new_body: bytes | None) -> ProcessingResponse:
 def continue_response_headers(
     set_headers: Iterable[tuple[str, str]] = (),
     *,
+    remove: Iterable[str] = (),
     mode: Mode | None = None,
     metadata: Mapping[str, object] | None = None,
 ) -> ProcessingResponse:
     """CONTINUE at response headers, adding ``x-ratelimit-*`` and maybe switching body mode."""
     r = _PR(
         response_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(header_mutation=_mutation(set_headers))
+            response=pb.CommonResponse(header_mutation=_mutation(set_headers, remove))
         )
     )
     if mode is not None:
@@ -153,10 +154,14 @@ def continue_request_trailers() -> ProcessingResponse:
 
 
 def immediate(
-    status: int, headers: Iterable[tuple[str, str]], body: bytes, details: str
+    status: int,
+    headers: Iterable[tuple[str, str]],
+    body: bytes,
+    details: str,
+    metadata: Mapping[str, object] | None = None,
 ) -> ProcessingResponse:
     """Answer the client now (401, 400, 429, 503...) without reaching the upstream."""
-    return _PR(
+    r = _PR(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
             headers=_mutation(headers),
@@ -164,6 +169,9 @@ def immediate(
             details=details,
         )
     )
+    if metadata:
+        r.dynamic_metadata.CopyFrom(dynamic_metadata(metadata))
+    return r
 
 
 def dynamic_metadata(values: Mapping[str, object]) -> Any:

@@ -10,7 +10,7 @@ from extproc._gen.aiquota.v1 import usage_pb2, usage_pb2_grpc
 from extproc.config.load import key_digest
 from extproc.core.keys import windowed
 from extproc.errors import LimiterUnavailable
-from extproc.server.processor import Gateway
+from extproc.server.gateway import Gateway
 
 
 class UsageServicer(usage_pb2_grpc.UsageServicer):

@@ -33,7 +33,7 @@ def fstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "max_output_tokens": 256,
             "tokenizer": {"kind": "estimate", "chars_per_token": 3.0, "safety_factor": 1.25},
         },
-        paths={"other": "rpm_only"},
+        paths={"other": "rpm_only", "allow": []},
     )
     s = make_stack(
         Path(tmp_path_factory.mktemp("fail")),

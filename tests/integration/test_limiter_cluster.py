@@ -13,9 +13,8 @@ import pytest
 import redis
 
 from extproc.clock import FakeClock
-from extproc.config.runtime import Limit
 from extproc.core.keys import ledger_key, windowed
-from extproc.limiter.base import Adjustment, BucketCharge
+from extproc.core.rules import Adjustment, BucketCharge, Limit
 from extproc.limiter.redis import RedisLimiter
 from extproc.stack import free_port
 

@@ -8,8 +8,8 @@ import uuid
 import pytest
 
 from extproc.clock import FakeClock
+from extproc.core.rules import Adjustment, BucketCharge
 from extproc.errors import LimiterUnavailable
-from extproc.limiter.base import Adjustment, BucketCharge
 from extproc.limiter.redis import RedisLimiter
 from extproc.stack import free_port
 from tests.helpers import RedisServer

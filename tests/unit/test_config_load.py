@@ -12,7 +12,8 @@ import yaml
 
 from extproc.config import ConfigError, load_config, load_config_text
 from extproc.config.load import key_digest
-from extproc.config.runtime import ApiKey, Charging, Limit, RuntimeConfig
+from extproc.config.runtime import ApiKey, RuntimeConfig
+from extproc.core.rules import Charging, Limit
 
 pytestmark = pytest.mark.unit
 
@@ -122,8 +123,9 @@ def test_minimal_fixture_defaults() -> None:
     """A minimal file gets the documented defaults for everything it omits."""
     cfg = load_config(DATA / "minimal.yaml")
     assert cfg.charging_for("basic", "sim-small") == Charging()
-    assert cfg.metered_paths == frozenset({"/v1/chat/completions", "/v1/completions"})
-    assert cfg.other_paths == "passthrough"
+    assert "/v1/chat/completions" in cfg.metered_paths
+    assert cfg.other_paths == "reject"
+    assert "/v1/models" in cfg.allowed_paths
     assert cfg.max_body_bytes == 1_048_576
     assert cfg.over_model_cap == "clamp"
     assert cfg.force_include_usage is True

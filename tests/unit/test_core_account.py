@@ -6,10 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.config.runtime import Limit
 from extproc.core.account import RequestAccount
 from extproc.core.keys import WindowedBucket, windowed
-from extproc.limiter.base import Adjustment
+from extproc.core.rules import Adjustment, Limit
 
 pytestmark = pytest.mark.unit
 

@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from extproc.config.runtime import Charging, Limit
 from extproc.core import admission
 from extproc.core.admission import Cost, compute_cost, rate_limit_headers, refusal
 from extproc.core.keys import WindowedBucket
+from extproc.core.rules import Charging, Limit
 from extproc.errors import QuotaExceeded
 
 pytestmark = pytest.mark.unit

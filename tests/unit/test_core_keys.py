@@ -6,7 +6,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.config.runtime import Limit
 from extproc.core.keys import (
     EXPIRY_SLACK_MS,
     bucket_key,
@@ -15,6 +14,7 @@ from extproc.core.keys import (
     tenant_tag,
     windowed,
 )
+from extproc.core.rules import Limit
 
 pytestmark = pytest.mark.unit
 

@@ -17,9 +17,7 @@ ALL_PAIRS = list(itertools.product(State, Input))
 
 def at(state: State) -> Lifecycle:
     """A lifecycle placed in ``state``."""
-    life = Lifecycle()
-    life.state = state
-    return life
+    return Lifecycle(state)
 
 
 def test_starts_awaiting_headers() -> None:

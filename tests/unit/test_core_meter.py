@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.core.chunks import Usage
+from extproc.core.lifecycle import CutReason
 from extproc.core.meter import EMPTY, Step, StreamMeter
 from extproc.core.responses import sse_error_event
 from extproc.core.tokens import TokenizerSpec, load_counter
@@ -110,7 +111,7 @@ def test_lazy_cuts_held_events_when_the_charge_says_exhausted() -> None:
     m.feed(ev("g h i j"), end=False)
     assert m.feed(ev("k l"), end=False).blocked
     step = m.on_charge(6, exhausted=True)
-    assert step.cut_reason == "quota exhausted" and step.forward == b""
+    assert step.cut_reason == CutReason.QUOTA_EXHAUSTED and step.forward == b""
     assert m.delivered == 10
 
 
@@ -121,8 +122,8 @@ def test_lazy_cuts_on_feed_after_exhausted_charge() -> None:
     assert m.on_charge(2, exhausted=True) == EMPTY
     step = m.feed(ev("c d"), end=False)
     assert step.forward == b""
-    assert step.cut_reason == "quota exhausted"
-    assert m.cut_reason == "quota exhausted"
+    assert step.cut_reason == CutReason.QUOTA_EXHAUSTED
+    assert m.cut_reason == CutReason.QUOTA_EXHAUSTED
     assert m.delivered == 2
 
 
@@ -243,7 +244,7 @@ def test_strict_cuts_when_renewal_grants_zero_with_events_held() -> None:
     m = strict(every=10, lease=1)
     m.feed(ev("a b c"), end=False)
     step = m.on_charge(0, exhausted=True)
-    assert step.cut_reason == "quota exhausted"
+    assert step.cut_reason == CutReason.QUOTA_EXHAUSTED
     assert step.forward == b""
     assert m.delivered == 0
     assert m.unused_lease == 1
@@ -257,7 +258,7 @@ def test_strict_held_behind_early_renewal_cut_on_zero_grant() -> None:
     assert step.blocked
     assert step.charge == 0
     step = m.on_charge(0, exhausted=True)
-    assert step.cut_reason == "quota exhausted"
+    assert step.cut_reason == CutReason.QUOTA_EXHAUSTED
     assert step.forward == b""
     assert m.delivered == 6
     assert m.unused_lease == 4
@@ -276,7 +277,7 @@ def test_strict_zero_grant_without_held_does_not_cut() -> None:
     step = m.feed(ev("k"), end=False)
     assert step.blocked
     assert step.charge == 10  # a held event still asks
-    assert m.on_charge(0, exhausted=True).cut_reason == "quota exhausted"
+    assert m.on_charge(0, exhausted=True).cut_reason == CutReason.QUOTA_EXHAUSTED
 
 
 def test_strict_tokens_delivered_never_exceed_leased() -> None:
@@ -425,10 +426,10 @@ def test_cut_returns_error_event_then_done() -> None:
     m = strict(every=10, lease=1)
     m.feed(ev("a b c"), end=False)
     err = sse_error_event("quota gone", error_type="tokens", code="tpm_limit_exceeded")
-    out = m.cut(err)
+    out = m.cut(err + DONE)
     assert out == err + DONE
     assert m.finished
-    assert m.cut_reason == "quota exhausted"
+    assert m.cut_reason == CutReason.QUOTA_EXHAUSTED
     assert m.feed(ev("more"), end=False) == EMPTY
     assert m.delivered == 0
 
@@ -438,17 +439,17 @@ def test_cut_keeps_existing_reason() -> None:
     m = lazy(every=1)
     m.feed(ev("a"), end=False)
     m.on_charge(1, exhausted=True)
-    assert m.feed(ev("b"), end=False).cut_reason == "quota exhausted"
-    m.cut_reason = "upstream event too large"
+    assert m.feed(ev("b"), end=False).cut_reason == CutReason.QUOTA_EXHAUSTED
+    m.cut_reason = CutReason.EVENT_TOO_LARGE
     m.cut(b"data: {}\n\n")
-    assert m.cut_reason == "upstream event too large"
+    assert m.cut_reason == CutReason.EVENT_TOO_LARGE
 
 
 def test_event_too_large_cuts() -> None:
     """An upstream event beyond max_event_bytes cuts the stream."""
     m = StreamMeter(count=words, every=10, strict=False, max_event_bytes=64)
     step = m.feed(ev("x " * 100), end=False)
-    assert step.cut_reason == "upstream event too large"
+    assert step.cut_reason == CutReason.EVENT_TOO_LARGE
     assert step.forward == b""
 
 

@@ -7,10 +7,10 @@ from typing import Any
 import orjson
 import pytest
 
+from extproc.core.apis.registry import api_for_path
 from extproc.core.request import (
     ParsedRequest,
     effective_output_budget,
-    endpoint_for_path,
     parse_request,
     rewrite_body,
 )
@@ -49,7 +49,7 @@ def bad(raw: bytes, endpoint: Any = "chat") -> BadRequest:
 def test_minimal_chat_defaults() -> None:
     """A minimal chat body parses with stream off, n=1 and no declared budget."""
     req = parse(chat())
-    assert (req.endpoint, req.model, req.stream, req.client_include_usage, req.n) == (
+    assert (req.api, req.model, req.stream, req.client_include_usage, req.sequences) == (
         "chat",
         "m",
         False,
@@ -63,7 +63,7 @@ def test_minimal_chat_defaults() -> None:
 def test_completions_with_prompt() -> None:
     """A completions body with a prompt parses (no messages needed)."""
     req = parse(orjson.dumps({"model": "m", "prompt": "once upon"}), "completions")
-    assert req.endpoint == "completions"
+    assert req.api == "completions"
     assert req.model == "m"
 
 
@@ -86,8 +86,8 @@ def test_stream_options_without_include_usage() -> None:
 
 def test_n_read() -> None:
     """A valid ``n`` (up to max_n) is kept."""
-    assert parse(chat(n=3)).n == 3
-    assert parse(chat(n=MAX_N)).n == MAX_N
+    assert parse(chat(n=3)).sequences == 3
+    assert parse(chat(n=MAX_N)).sequences == MAX_N
 
 
 def test_null_budget_fields_ignored() -> None:
@@ -180,7 +180,7 @@ def test_stream_options_wrong_type(value: Any) -> None:
     assert bad(chat(stream=True, stream_options=value)).param == "stream_options"
 
 
-@pytest.mark.parametrize("value", ["true", 1, None, []])
+@pytest.mark.parametrize("value", ["true", 1, []])
 def test_include_usage_non_bool(value: Any) -> None:
     """A non-boolean ``include_usage`` is a 400 with param 'stream_options'."""
     err = bad(chat(stream=True, stream_options={"include_usage": value}))
@@ -239,7 +239,7 @@ def test_effective_output_budget(declared: int | None, cap: int, expected: int) 
 def rewritten(raw: bytes, **kw: Any) -> dict[str, Any] | None:
     """Parse ``raw``, rewrite it and decode the result (None if unchanged)."""
     req = parse(raw)
-    kw.setdefault("clamp_to", None)
+    kw.setdefault("budget", None)
     kw.setdefault("force_include_usage", False)
     out = rewrite_body(req, **kw)
     return None if out is None else orjson.loads(out)
@@ -247,17 +247,17 @@ def rewritten(raw: bytes, **kw: Any) -> dict[str, Any] | None:
 
 def test_rewrite_nothing_to_change_returns_none() -> None:
     """No clamp, no forced usage and the canonical name already used → None."""
-    assert rewritten(chat(max_tokens=10), clamp_to=None, canonical_model="m") is None
+    assert rewritten(chat(max_tokens=10), budget=None, canonical_model="m") is None
 
 
 def test_rewrite_clamp_below_cap_returns_none() -> None:
     """A budget already within the clamp is left alone."""
-    assert rewritten(chat(max_tokens=10, max_completion_tokens=20), clamp_to=20) is None
+    assert rewritten(chat(max_tokens=10, max_completion_tokens=20), budget=20) is None
 
 
 def test_rewrite_clamps_both_fields() -> None:
     """Both budget fields above the clamp are replaced by it."""
-    out = rewritten(chat(max_tokens=5000, max_completion_tokens=3000), clamp_to=1024)
+    out = rewritten(chat(max_tokens=5000, max_completion_tokens=3000), budget=1024)
     assert out is not None
     assert out["max_tokens"] == 1024
     assert out["max_completion_tokens"] == 1024
@@ -266,21 +266,21 @@ def test_rewrite_clamps_both_fields() -> None:
 
 def test_rewrite_clamps_only_field_over_cap() -> None:
     """A field below the clamp keeps its value while the other is clamped."""
-    out = rewritten(chat(max_tokens=100, max_completion_tokens=3000), clamp_to=1024)
+    out = rewritten(chat(max_tokens=100, max_completion_tokens=3000), budget=1024)
     assert out is not None
     assert (out["max_tokens"], out["max_completion_tokens"]) == (100, 1024)
 
 
 def test_rewrite_does_not_add_absent_budget_field() -> None:
     """Clamping does not invent the field the client did not send."""
-    out = rewritten(chat(max_tokens=5000), clamp_to=1024)
+    out = rewritten(chat(max_tokens=5000), budget=1024)
     assert out is not None
     assert "max_completion_tokens" not in out
 
 
 def test_rewrite_clamps_integral_float_budget() -> None:
     """A float budget accepted by parse_request (5000.0) is clamped like an int."""
-    out = rewritten(chat(max_tokens=5000.0), clamp_to=1024)
+    out = rewritten(chat(max_tokens=5000.0), budget=1024)
     assert out is not None
     assert out["max_tokens"] == 1024
 
@@ -337,7 +337,7 @@ def test_rewrite_all_changes_together() -> None:
     """Alias, clamp and forced usage are applied in one rewrite."""
     out = rewritten(
         chat(stream=True, max_tokens=9999),
-        clamp_to=100,
+        budget=100,
         force_include_usage=True,
         canonical_model="real",
     )
@@ -369,4 +369,11 @@ def test_rewrite_all_changes_together() -> None:
 )
 def test_endpoint_for_path(path: str, endpoint: str | None) -> None:
     """Metered endpoints are recognised with or without a query string; others are None."""
-    assert endpoint_for_path(path) == endpoint
+    api = api_for_path(path)
+    assert (api.name if api else None) == endpoint
+
+
+def test_include_usage_null_means_absent() -> None:
+    """``include_usage: null`` is treated like other nullable fields: absent (False)."""
+    req = parse(chat(stream=True, stream_options={"include_usage": None}))
+    assert req.client_include_usage is False

@@ -13,9 +13,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.clock import FakeClock
 from extproc.config import load_config_text
+from extproc.core.lifecycle import Closed, Ending
 from extproc.limiter.base import Adjustment, AdmitResult, BucketCharge, ChargeResult
 from extproc.metrics import Metrics
-from extproc.server.processor import Gateway, RequestProcessor
+from extproc.server.gateway import Gateway
+from extproc.server.processor import RequestProcessor
 
 pytestmark = pytest.mark.unit
 
@@ -155,7 +157,8 @@ async def test_lazy_answers_between_chunks_lose_nothing() -> None:
     data, eos = forwarded(got)
     assert data == sent + b"data: [DONE]\n\n"
     assert eos
-    assert sum(lim.charges) <= proc.meter.delivered  # type: ignore[union-attr]
+    assert proc.driver is not None
+    assert sum(lim.charges) <= proc.driver.meter.delivered
 
 
 async def test_strict_holds_then_releases_in_order() -> None:
@@ -185,15 +188,16 @@ async def test_strict_refused_renewal_cuts_with_error_event() -> None:
     tail = data.rsplit(b"\n\n", 3)
     assert data.endswith(b"data: [DONE]\n\n")
     assert b'"code":"tpm_limit_exceeded"' in tail[-3]
-    assert proc.meter is not None and proc.meter.delivered <= 8
+    assert proc.driver is not None and proc.driver.meter.delivered <= 8
 
 
 async def test_settlement_happens_once() -> None:
-    """finish() twice settles once."""
+    """A stream closed twice (Envoy cancels, then the servicer's finally) settles once."""
     lim = ScriptedLimiter()
     proc = await start(lim)
     await feed(proc, event(" a") + event(" b"))
-    await proc.finish("client_disconnected")
-    await proc.finish("client_disconnected")
+    proc.close(Closed.CANCELLED)
+    proc.close(Closed.EOF)
+    await asyncio.gather(*proc.gw.pending)
     assert len(lim.settles) == 1
-    assert proc.ending == "client_disconnected"
+    assert proc.life.ending is Ending.CLIENT_DISCONNECTED

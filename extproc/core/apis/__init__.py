@@ -1,5 +1,5 @@
 """One module per client-facing API format (chat, completions, responses, messages, embeddings).
 
-Each exposes an :class:`~extproc.core.apis.base.ApiFormat`; :func:`api_for_path` picks it
-from the request path.  Pure: no grpc or redis imports.
+Each exposes an :class:`~extproc.core.apis.base.ApiFormat`; :mod:`extproc.core.apis.registry`
+picks one from the request path.  Pure: no grpc or redis imports.
 """

@@ -28,8 +28,8 @@ class RequestLimits:
 class ParsedRequest:
     """What admission needs to know about a request body, whatever the API.
 
-    ``sequences`` is how many outputs the upstream may generate for it: ``n`` × the number of
-    prompts (× ``best_of`` where that is larger than ``n``); ``declared_max_output`` is the
+    ``sequences`` is how many outputs the upstream may generate for it: ``n`` times the number of
+    prompts (times ``best_of`` where that is larger than ``n``); ``declared_max_output`` is the
     client's budget for one of them, None when the client gave none.
     """
 

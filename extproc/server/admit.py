@@ -1,0 +1,192 @@
+"""Request body: parse, count input tokens, plan the cost, run the one admission call.
+
+Counting of large prompts runs in worker threads (tiktoken releases the GIL), at most
+``Gateway.count_slots`` at a time, so a burst of huge prompts queues instead of slowing every other
+tenant's chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from extproc.core import admission
+from extproc.core.admission import Cost
+from extproc.core.apis.base import RequestLimits
+from extproc.core.keys import WindowedBucket, ledger_key
+from extproc.core.tokens import PromptShapeError, PromptTooLarge
+from extproc.errors import BadRequest, LimiterUnavailable, RequestTooLarge, UnknownModel
+from extproc.limiter.base import AdmitResult
+from extproc.server.context import RequestContext
+from extproc.server.gateway import Gateway
+
+log = structlog.get_logger("extproc")
+
+# Bodies longer than this (bytes) are counted in a worker thread.
+OFFLOAD_BYTES = 16_384
+
+
+def buckets_at(gw: Gateway, ctx: RequestContext, now_ms: int) -> list[WindowedBucket]:
+    """The request's buckets in the windows containing ``now_ms``."""
+    assert ctx.tenant is not None and ctx.key is not None and ctx.model is not None
+    model_key = ctx.model.name if ctx.model.known else (ctx.req.model if ctx.req else "*")
+    return admission.buckets_for(
+        prefix=gw.key_prefix,
+        tenant=ctx.tenant.id,
+        key_name=ctx.key.name,
+        model=model_key,
+        limits=ctx.tenant.limits,
+        now_ms=now_ms,
+    )
+
+
+async def admit_body(gw: Gateway, ctx: RequestContext, raw: bytes) -> bytes | None:
+    """Admit the request (raise a :class:`GatewayError` when not); the body to forward."""
+    cfg = ctx.cfg
+    api = ctx.api
+    assert api is not None and ctx.tenant is not None and ctx.key is not None
+    if len(raw) > cfg.max_body_bytes:
+        raise RequestTooLarge(
+            f"the request body is {len(raw)} bytes; the limit is {cfg.max_body_bytes}"
+        )
+    limits = RequestLimits(max_tokens_ceiling=cfg.max_tokens_ceiling, max_n=cfg.max_n)
+    try:
+        req = api.parse(raw, limits)
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
+    ctx.req = req
+    model = cfg.resolve_model(req.model)
+    if model is None:
+        if cfg.unknown_model_action == "reject":
+            raise UnknownModel(
+                f"The model '{req.model[:100]}' does not exist or you do not have access to it.",
+                status=cfg.unknown_model_status,
+            )
+        model = cfg.unknown_model
+    ctx.model = model
+    structlog.contextvars.bind_contextvars(tenant=ctx.tenant.id, model=model.name)
+    input_tokens = await _count_input(gw, ctx, len(raw))
+    charging = cfg.charging_for(ctx.tenant.plan, model.name)
+    budget_param = req.budget_fields[0] if req.budget_fields else "max_tokens"
+    plan = admission.plan_admission(
+        declared_max_output=req.declared_max_output,
+        sequences=req.sequences,
+        stream=req.stream and api.can_stream,
+        input_tokens=input_tokens,
+        model_name=model.name,
+        model_cap=model.max_output_tokens,
+        max_input_tokens=model.max_input_tokens,
+        over_cap=cfg.over_model_cap,
+        budget_param=budget_param,
+        charging=charging,
+    )
+    cost = plan.cost
+    now = gw.clock.now_ms()
+    ctx.buckets = buckets_at(gw, ctx, now)
+    ctx.ledger = ledger_key(gw.key_prefix, ctx.tenant.id, gw.ledger_id(ctx.request_id))
+    res = await limiter_admit(gw, ctx, ctx.buckets, cost)
+    if res is None:  # fail-open: Redis is down and the plan lets traffic through unmetered
+        decision = "admitted_unmetered"
+    elif not res.admitted and not res.duplicate:
+        raise admission.refusal(
+            ctx.buckets, res.values, cost, now, tenant=ctx.tenant.id, model=model.name
+        )
+    else:
+        # A duplicate can only be our own retried call (ledger ids are unique per HTTP
+        # request): the first execution charged, so the request is admitted and metered.
+        decision = "admitted"
+        ctx.cost = cost
+        ctx.admitted_at_ms = now
+        ctx.account.record(ctx.buckets, cost.tpm_amount)
+        ctx.headers_out = admission.rate_limit_headers(ctx.buckets, res.values, now).as_pairs()
+    gw.metrics.decisions.labels("admitted", "ok").inc()
+    gw.metrics.admission_seconds.observe(time.perf_counter() - ctx.started)
+    log.info(
+        "decision",
+        tenant=ctx.tenant.id,
+        key=ctx.key.name,
+        model=model.name,
+        api=api.name,
+        input_tokens=input_tokens,
+        reserved_output=cost.reserved_output,
+        stream=req.stream,
+        decision=decision,
+        mode=charging.mode,
+        streaming=charging.streaming,
+        latency_ms=ctx.latency_ms(),
+    )
+    return api.rewrite(
+        req,
+        budget=plan.budget,
+        force_usage=cfg.force_include_usage and cost.meter_stream,
+        model=model.name if model.known else None,
+    )
+
+
+async def _count_input(gw: Gateway, ctx: RequestContext, size: int) -> int:
+    api, req, model = ctx.api, ctx.req, ctx.model
+    assert api is not None and req is not None and model is not None
+
+    def count() -> int:
+        return api.count_input(req, model.counter, model.tokenizer)
+
+    t0 = time.perf_counter()
+    try:
+        if size > OFFLOAD_BYTES:
+            async with gw.count_slots:
+                n = await asyncio.to_thread(count)
+        else:
+            n = count()
+    except PromptTooLarge as exc:
+        raise RequestTooLarge(str(exc)) from None
+    except PromptShapeError as exc:
+        raise BadRequest(str(exc)) from None
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
+    gw.metrics.tokenize_seconds.labels(api.name).observe(time.perf_counter() - t0)
+    return n
+
+
+async def admit_rpm_only(gw: Gateway, ctx: RequestContext) -> None:
+    """An unmetered path under ``paths.other: rpm_only``: one request on the RPM buckets."""
+    assert ctx.tenant is not None and ctx.key is not None
+    now = gw.clock.now_ms()
+    limits = tuple(lim for lim in ctx.tenant.limits if lim.metric == "rpm" and lim.model == "*")
+    buckets = admission.buckets_for(
+        prefix=gw.key_prefix,
+        tenant=ctx.tenant.id,
+        key_name=ctx.key.name,
+        model="*",
+        limits=limits,
+        now_ms=now,
+    )
+    if not buckets:
+        return
+    ctx.ledger = ledger_key(gw.key_prefix, ctx.tenant.id, gw.ledger_id(ctx.request_id))
+    res = await limiter_admit(gw, ctx, buckets, admission.RPM_ONLY)
+    if res is not None and not res.admitted and not res.duplicate:
+        raise admission.refusal(
+            buckets, res.values, admission.RPM_ONLY, now, tenant=ctx.tenant.id, model="*"
+        )
+
+
+async def limiter_admit(
+    gw: Gateway, ctx: RequestContext, buckets: list[WindowedBucket], cost: Cost
+) -> AdmitResult | None:
+    """Run admission; None means Redis failed and the plan's policy is fail-open."""
+    try:
+        return await gw.limiter.admit(
+            ctx.ledger,
+            admission.admission_charges(buckets, cost),
+            tpm_charged=cost.tpm_amount,
+            count_refused=ctx.cfg.count_refused_requests,
+            ledger_ttl_ms=ctx.cfg.ledger_ttl_seconds * 1000,
+        )
+    except LimiterUnavailable:
+        gw.metrics.limiter_errors.labels("admit").inc()
+        if ctx.cfg.failure_mode_for(ctx.plan) == "open":
+            log.warning("limiter_unavailable_fail_open", request_id=ctx.request_id)
+            return None
+        raise

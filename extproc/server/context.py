@@ -1,0 +1,49 @@
+"""One request's data as the phases fill it in (its *state* lives in the lifecycle)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from extproc.config.runtime import ApiKey, Model, RuntimeConfig, Tenant
+from extproc.core.account import RequestAccount
+from extproc.core.admission import Cost
+from extproc.core.apis.base import ApiFormat, ParsedRequest
+from extproc.core.keys import WindowedBucket
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """Identity, request, cost and charges of one HTTP request."""
+
+    cfg: RuntimeConfig
+    started: float = field(default_factory=time.perf_counter)
+    request_id: str = ""
+    path: str = ""
+    api: ApiFormat | None = None
+    key: ApiKey | None = None
+    tenant: Tenant | None = None
+    model: Model | None = None
+    req: ParsedRequest | None = None
+    cost: Cost | None = None  # set only once admitted and metered
+    admitted_at_ms: int = 0
+    buckets: list[WindowedBucket] = field(default_factory=list)
+    ledger: str = ""
+    account: RequestAccount = field(default_factory=RequestAccount)
+    headers_out: list[tuple[str, str]] = field(default_factory=list)
+    status: int | None = None
+    usage_output: int | None = None  # a JSON response's usage, within bounds
+
+    @property
+    def metered(self) -> bool:
+        """Admitted with counters to settle (not refused, not fail-open, not unmetered)."""
+        return self.cost is not None
+
+    @property
+    def plan(self) -> str:
+        """The tenant's plan name ('' before identification)."""
+        return self.tenant.plan if self.tenant else ""
+
+    def latency_ms(self) -> float:
+        """Milliseconds since the request headers arrived."""
+        return round((time.perf_counter() - self.started) * 1000, 3)

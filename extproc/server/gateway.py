@@ -1,0 +1,84 @@
+"""What every request processor of one process shares: the rules (swappable on reload), the
+limiter, the clock, metrics, the set of open requests and the background tasks to drain."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from extproc.clock import Clock
+from extproc.config.runtime import RuntimeConfig
+from extproc.limiter.base import Limiter
+from extproc.metrics import Metrics
+
+if TYPE_CHECKING:
+    from extproc.server.processor import RequestProcessor
+    from extproc.server.settle import SettlementQueue
+
+log = structlog.get_logger("extproc")
+
+
+@dataclass
+class Gateway:
+    """Shared state of one processor process."""
+
+    config: RuntimeConfig
+    limiter: Limiter
+    clock: Clock
+    metrics: Metrics
+    key_prefix: str = "aiq"
+    draining: bool = False
+    pending: set[asyncio.Task[Any]] = field(default_factory=set)
+    active: set[RequestProcessor] = field(default_factory=set)
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # Large prompts are counted in worker threads, this many at a time.
+    count_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))
+    _serial: itertools.count[int] = field(default_factory=itertools.count)
+    _settlements: SettlementQueue | None = None
+
+    def ledger_id(self, request_id: str) -> str:
+        """A ledger id unique to one HTTP request: Envoy's request id, this process, a serial.
+
+        A client that sends its own ``x-request-id`` twice makes two requests, charged twice;
+        only this process's own retries of one call can meet the same ledger.
+        """
+        return f"{request_id}.{self.instance}.{next(self._serial)}"
+
+    @property
+    def settlements(self) -> SettlementQueue:
+        """Settlements that failed, kept until Redis answers again."""
+        if self._settlements is None:
+            from extproc.server.settle import SettlementQueue
+
+            self._settlements = SettlementQueue(self)
+        return self._settlements
+
+    def track(self, task: asyncio.Task[Any]) -> None:
+        """Keep a background task alive until it ends (settlements are drained on shutdown)."""
+        self.pending.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self.pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background_task_failed", error=repr(task.exception()))
+
+    async def cut_streams_for_shutdown(self) -> int:
+        """End every stream still open with a well-formed ``server_shutdown`` error; how many."""
+        n = 0
+        for proc in list(self.active):
+            if await proc.cut_for_shutdown():
+                n += 1
+        return n
+
+    async def drain_settlements(self, grace_s: float) -> None:
+        """Wait for in-flight settlements, then retry the kept ones once more."""
+        if self.pending:
+            await asyncio.wait(list(self.pending), timeout=grace_s)
+        if self._settlements is not None:
+            await self._settlements.flush(grace_s)

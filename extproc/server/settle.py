@@ -1,0 +1,220 @@
+"""Settlement: once per request, whatever its ending, charge what was generated and refund the
+rest; settlements Redis could not take are kept and retried until it answers.
+
+What "generated" means per ending (docs/semantics.md):
+
+* a stream: the upstream's usage when the stream completed and the figure is within bounds,
+  otherwise the tokens the meter counted (delivered tokens when the gateway cut it);
+* a JSON response: its usage within bounds; the reservation when it carries none;
+* a non-2xx response: nothing (input included);
+* a request abandoned before its response (client gone, Envoy reset, the processor stopping):
+  input plus what the upstream could have generated while it ran, at
+  ``ABANDONED_TOKENS_PER_SECOND`` per sequence, never more than was reserved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import structlog
+
+from extproc.core.lifecycle import Ending, Lifecycle
+from extproc.core.rules import Adjustment
+from extproc.errors import LimiterUnavailable
+from extproc.server.admit import buckets_at
+from extproc.server.context import RequestContext
+from extproc.server.gateway import Gateway
+
+log = structlog.get_logger("extproc")
+
+# Usage below the counted output by more than this share (plus a few tokens) is not trusted.
+USAGE_TOLERANCE = 0.02
+USAGE_SLACK_TOKENS = 8
+ABANDONED_TOKENS_PER_SECOND = 200
+MAX_KEPT_SETTLEMENTS = 10_000
+
+
+def bounded_usage(gw: Gateway, ctx: RequestContext, reported: int, counted: int) -> int:
+    """The upstream's output figure, trusted within [counted - tolerance, what could be made]."""
+    low = max(0, math.floor(counted * (1 - USAGE_TOLERANCE)) - USAGE_SLACK_TOKENS)
+    high = ctx.cost.effective_max_output if ctx.cost else reported
+    if reported < low or reported > high:
+        direction = "low" if reported < low else "high"
+        gw.metrics.usage_disagreements.labels(direction).inc()
+        log.warning(
+            "usage_disagreement",
+            request_id=ctx.request_id,
+            tenant=ctx.tenant.id if ctx.tenant else None,
+            reported=reported,
+            counted=counted,
+            bound=low if direction == "low" else high,
+        )
+        return max(counted, low) if direction == "low" else high
+    return reported
+
+
+def abandoned_output(gw: Gateway, ctx: RequestContext) -> int:
+    """Output an upstream could have generated for a request abandoned before its response."""
+    cost, req = ctx.cost, ctx.req
+    assert cost is not None
+    seconds = max(0, gw.clock.now_ms() - ctx.admitted_at_ms) / 1000.0
+    sequences = max(1, req.sequences if req else 1)
+    return min(cost.reserved_output, math.ceil(seconds * ABANDONED_TOKENS_PER_SECOND * sequences))
+
+
+def final_total(
+    gw: Gateway, ctx: RequestContext, life: Lifecycle, stream_output: int | None
+) -> tuple[int | None, int | None]:
+    """(TPM total to charge, output tokens) for the ending; (None, None) keeps the charge."""
+    cost = ctx.cost
+    assert cost is not None
+    if ctx.status is not None and not 200 <= ctx.status < 300:
+        return 0, 0
+    if not cost.settle_to_actual:
+        return None, None
+    if stream_output is not None:
+        out: int | None = stream_output
+    elif ctx.usage_output is not None:
+        out = ctx.usage_output
+    elif life.ending in (
+        Ending.CLIENT_DISCONNECTED,
+        Ending.UPSTREAM_RESET,
+        Ending.SHUTDOWN,
+        Ending.INTERNAL_ERROR,
+    ):
+        out = abandoned_output(gw, ctx)
+    else:
+        out = None  # a JSON response without usage: the reservation stands
+    if out is None:
+        return None, None
+    return cost.input_tokens + out, out
+
+
+async def settle(
+    gw: Gateway, ctx: RequestContext, life: Lifecycle, stream_output: int | None
+) -> None:
+    """Settle; the caller calls this once per request (``Lifecycle.begin_settlement``)."""
+    ending = life.ending or Ending.COMPLETED
+    gw.metrics.endings.labels(ending.value).inc()
+    if ctx.cost is None or ctx.tenant is None:
+        return
+    total, output = final_total(gw, ctx, life, stream_output)
+    if total is None:
+        _log_settled(ctx, ending, ctx.account.total, 0, output)
+        return
+    current = buckets_at(gw, ctx, gw.clock.now_ms())
+    adjustments = ctx.account.adjustments(total, current)
+    delta = total - ctx.account.total
+    if adjustments:
+        ttl = ctx.cfg.ledger_ttl_seconds * 1000
+        try:
+            await gw.limiter.settle(ctx.ledger, adjustments, ledger_ttl_ms=ttl)
+            gw.metrics.settlements.labels("applied").inc()
+        except LimiterUnavailable:
+            gw.metrics.limiter_errors.labels("settle").inc()
+            gw.settlements.keep(Kept(ctx.ledger, adjustments, ttl, ctx.request_id))
+            log.warning("settlement_deferred", request_id=ctx.request_id, delta=delta)
+    gw.metrics.tokens.labels("net").inc(max(0, total))
+    if ctx.model is not None:
+        gw.metrics.model_tokens.labels(ctx.model.name, "input").inc(ctx.cost.input_tokens)
+        if output:
+            gw.metrics.model_tokens.labels(ctx.model.name, "output").inc(output)
+    _log_settled(ctx, ending, total, delta, output)
+
+
+def _log_settled(
+    ctx: RequestContext, ending: Ending, total: int, delta: int, output: int | None
+) -> None:
+    log.info(
+        "settled",
+        request_id=ctx.request_id,
+        tenant=ctx.tenant.id if ctx.tenant else None,
+        model=ctx.model.name if ctx.model else None,
+        ending=ending.value,
+        input_tokens=ctx.cost.input_tokens if ctx.cost else None,
+        output_tokens=output,
+        charged_total=total,
+        correction=delta,
+        status=ctx.status,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """A settlement Redis did not take; applying it twice is harmless (keyed by ledger)."""
+
+    ledger: str
+    adjustments: list[Adjustment]
+    ttl_ms: int
+    request_id: str
+
+
+class SettlementQueue:
+    """Deferred settlements, bounded, retried with backoff until Redis takes them."""
+
+    def __init__(self, gw: Gateway, *, max_kept: int = MAX_KEPT_SETTLEMENTS) -> None:
+        self.gw = gw
+        self.kept: deque[Kept] = deque()
+        self.max_kept = max_kept
+        self.dropped = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self.kept)
+
+    def keep(self, item: Kept) -> None:
+        """Keep ``item`` (the oldest is dropped, and logged, when the queue is full)."""
+        if len(self.kept) >= self.max_kept:
+            lost = self.kept.popleft()
+            self.dropped += 1
+            self.gw.metrics.settlements.labels("dropped").inc()
+            log.error("settlement_dropped", request_id=lost.request_id, ledger=lost.ledger)
+        self.kept.append(item)
+        self.gw.metrics.settlements.labels("deferred").inc()
+        self.gw.metrics.settlement_backlog.set(len(self.kept))
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._retry_loop())
+
+    async def _retry_once(self) -> bool:
+        """Apply kept settlements in order; False at the first one Redis refuses."""
+        while self.kept:
+            item = self.kept[0]
+            try:
+                await self.gw.limiter.settle(
+                    item.ledger, item.adjustments, ledger_ttl_ms=item.ttl_ms
+                )
+            except LimiterUnavailable:
+                return False
+            self.kept.popleft()
+            self.gw.metrics.settlements.labels("applied_late").inc()
+            self.gw.metrics.settlement_backlog.set(len(self.kept))
+        return True
+
+    async def _retry_loop(self) -> None:
+        delay = 0.2
+        while self.kept:
+            await asyncio.sleep(delay)
+            if await self._retry_once():
+                log.info("settlements_recovered")
+                return
+            delay = min(delay * 2, 5.0)
+
+    async def flush(self, grace_s: float) -> None:
+        """On shutdown: try for ``grace_s`` seconds; log what could not be applied."""
+        try:
+            async with asyncio.timeout(grace_s):
+                while self.kept and not await self._retry_once():  # noqa: ASYNC110
+                    await asyncio.sleep(0.2)
+        except TimeoutError:
+            pass
+        if self.kept:
+            log.error(
+                "settlements_lost_on_shutdown",
+                count=len(self.kept),
+                ledgers=[k.ledger for k in list(self.kept)[:20]],
+            )
+        if self._task is not None:
+            self._task.cancel()

@@ -1,0 +1,262 @@
+"""A metered response stream: the meter, the charge (lazy) or lease (strict) task, the cut.
+
+The driver feeds upstream bytes to the sans-IO :class:`StreamMeter`, forwards what it releases,
+starts one charge at a time in the background and applies its answer before the next chunk
+(or waits for it when the meter holds events).  When the quota, the backend or the server ends
+the stream, it renders the API's own error event and moves the lifecycle to CUT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from typing import Any
+
+import structlog
+
+from extproc.core import admission
+from extproc.core.encoding import BodyDecoder
+from extproc.core.keys import WindowedBucket
+from extproc.core.lifecycle import CutReason, Input, Lifecycle
+from extproc.core.meter import Step, StreamMeter
+from extproc.core.responses import cut_error, quota_cut_message
+from extproc.errors import LimiterUnavailable
+from extproc.limiter.base import ChargeResult
+from extproc.server import wire
+from extproc.server.admit import buckets_at
+from extproc.server.context import RequestContext
+from extproc.server.gateway import Gateway
+
+log = structlog.get_logger("extproc")
+
+
+class StreamDriver:
+    """Owns one stream's meter and its pending charge."""
+
+    def __init__(
+        self,
+        gw: Gateway,
+        ctx: RequestContext,
+        life: Lifecycle,
+        decoder: BodyDecoder | None = None,
+    ) -> None:
+        cost, model, req, api = ctx.cost, ctx.model, ctx.req, ctx.api
+        assert cost is not None and model is not None and req is not None and api is not None
+        self.gw, self.ctx, self.life = gw, ctx, life
+        self.decoder = decoder
+        self.meter = StreamMeter(
+            count=model.stream_counter(),
+            every=cost.every,
+            strict=cost.strict,
+            enforce=cost.enforce_stream,
+            initial_lease=cost.reserved_output,
+            strip_usage=ctx.cfg.force_include_usage and not req.client_include_usage,
+            read=api.stream_reader().read,
+        )
+        self._task: asyncio.Task[ChargeResult] | None = None
+        self._charge_buckets: list[WindowedBucket] = []
+        self._seq = 0
+        self._last: tuple[list[WindowedBucket], tuple[int, ...]] = ([], ())
+
+    # -- feeding ---------------------------------------------------------------------------
+
+    async def body(self, data: bytes, end: bool) -> list[wire.ProcessingResponse]:
+        """Responses for one upstream body chunk."""
+        meter = self.meter
+        if meter.finished:
+            return []
+        if self.decoder is not None:
+            try:
+                data = self.decoder.feed(data) + (self.decoder.flush() if end else b"")
+            except zlib.error:
+                return self.cut(
+                    CutReason.UNMETERABLE, "The upstream sent a corrupt compressed body."
+                )
+        out: list[wire.ProcessingResponse] = []
+        task = self._task
+        if task is not None and task.done():
+            # A charge answered since the last chunk: it may release held events, ask for the
+            # next charge, or cut the stream. None of that may be dropped.
+            answered = self._take_answer()
+            if (
+                answered.forward
+                or answered.charge
+                or answered.blocked
+                or answered.cut_reason
+                or answered.end_stream
+            ):
+                out += await self._apply(answered)
+                if meter.finished:
+                    return out
+        step = meter.feed(data, end)
+        if not (step.charge or step.blocked or step.cut_reason or step.end_stream):
+            # The common case: forward what completed, no Redis, no await.
+            if step.forward:
+                out.append(wire.streamed_body(step.forward, False))
+            return out
+        out += await self._apply(step)
+        return out
+
+    def trailers(self) -> list[wire.ProcessingResponse]:
+        """Upstream trailers: flush what the meter holds before they pass."""
+        if self.meter.finished:
+            return []
+        step = self.meter.feed(b"", False)
+        return [wire.streamed_body(step.forward, False)] if step.forward else []
+
+    async def _apply(self, step: Step) -> list[wire.ProcessingResponse]:
+        """Forward what the meter released, start charges, wait when events are held."""
+        meter = self.meter
+        out: list[wire.ProcessingResponse] = []
+        while True:
+            if step.cut_reason is not None:
+                if step.forward:
+                    out.append(wire.streamed_body(step.forward, False))
+                out += self.cut(step.cut_reason)
+                return out
+            if step.forward or step.end_stream:
+                meta = self.final_metadata() if step.end_stream else None
+                if step.end_stream:
+                    self.life.advance(Input.END)
+                out.append(wire.streamed_body(step.forward, step.end_stream, meta))
+            if step.charge:
+                self._start_charge(step.charge)
+            if not step.blocked:
+                return out
+            answered = await self.collect(wait=True)
+            if answered is None:  # nothing in flight: cannot happen, but never stall a stream
+                log.error("blocked_without_charge", request_id=self.ctx.request_id)
+                answered = meter.stop_enforcing()
+            step = answered
+
+    def final_metadata(self) -> dict[str, object]:
+        """Dynamic metadata for the stream's last response."""
+        return metadata(self.ctx, self.life, output_tokens=self.output_tokens())
+
+    def output_tokens(self) -> int:
+        """Output tokens to settle: the upstream's usage within bounds, else what was counted."""
+        from extproc.server.settle import bounded_usage
+
+        m = self.meter
+        if m.cut_reason is None and m.usage is not None and m.upstream_done:
+            return bounded_usage(self.gw, self.ctx, m.usage.completion_tokens, m.counted)
+        return m.delivered
+
+    # -- charges ---------------------------------------------------------------------------
+
+    def _start_charge(self, amount: int) -> None:
+        ctx = self.ctx
+        # TPM buckets only, in the order the limiter returns their values.
+        self._charge_buckets = [
+            b for b in buckets_at(self.gw, ctx, self.gw.clock.now_ms()) if b.metric == "tpm"
+        ]
+        self._seq += 1
+        self.gw.metrics.stream_charges.labels("strict" if self.meter.strict else "lazy").inc()
+        self._task = asyncio.ensure_future(
+            self.gw.limiter.charge(
+                ctx.ledger,
+                self._seq,
+                admission.tpm_charges(self._charge_buckets, amount),
+                amount,
+                strict=self.meter.strict,
+                ledger_ttl_ms=ctx.cfg.ledger_ttl_seconds * 1000,
+            )
+        )
+
+    @property
+    def charge_pending(self) -> bool:
+        """A charge was started and its answer not yet applied."""
+        return self._task is not None
+
+    async def collect(self, *, wait: bool) -> Step | None:
+        """Apply a finished (or, with ``wait``, the pending) charge's answer to the meter."""
+        task = self._task
+        if task is None or (not wait and not task.done()):
+            return None
+        if not task.done():
+            await asyncio.wait([task])
+        return self._take_answer()
+
+    def _take_answer(self) -> Step:
+        task = self._task
+        assert task is not None and task.done()
+        self._task = None
+        meter = self.meter
+        try:
+            res = task.result()
+        except LimiterUnavailable:
+            self.gw.metrics.limiter_errors.labels("charge").inc()
+            meter.on_charge_failed()
+            if self.ctx.cfg.failure_mode_for(self.ctx.plan) == "open":
+                log.warning("limiter_unavailable_stream_unmetered", request_id=self.ctx.request_id)
+                return meter.stop_enforcing()
+            return meter.fail(CutReason.BACKEND_UNAVAILABLE)
+        self.ctx.account.record(self._charge_buckets, res.granted)
+        self._last = (self._charge_buckets, res.values)
+        room = min(
+            (b.limit.limit - v for b, v in zip(self._charge_buckets, res.values, strict=True)),
+            default=None,
+        )
+        return meter.on_charge(res.granted, res.exhausted, room)
+
+    # -- cutting ---------------------------------------------------------------------------
+
+    def cut(self, reason: CutReason, message: str | None = None) -> list[wire.ProcessingResponse]:
+        """End the stream now with the API's error event for ``reason``."""
+        ctx, meter = self.ctx, self.meter
+        assert ctx.api is not None
+        if meter.finished:
+            return []
+        self.life.cut(reason)
+        if reason is CutReason.QUOTA_EXHAUSTED:
+            message = self._quota_message()
+        err = cut_error(reason.value, message)
+        data = meter.cut(ctx.api.cut_events(err))
+        self.gw.metrics.stream_cuts.labels(reason.value).inc()
+        log.info(
+            "stream_cut",
+            tenant=ctx.tenant.id if ctx.tenant else None,
+            reason=reason.value,
+            delivered_tokens=meter.delivered,
+            charged=ctx.account.total,
+        )
+        return [wire.streamed_body(data, True, self.final_metadata())]
+
+    def _quota_message(self) -> str:
+        ctx = self.ctx
+        assert ctx.tenant is not None
+        now = self.gw.clock.now_ms()
+        buckets, values = self._last
+        tpm = [(b, v) for b, v in zip(buckets, values, strict=True) if b.metric == "tpm"]
+        if not tpm:
+            tpm = [(b, 0) for b in ctx.buckets if b.metric == "tpm"]
+        if not tpm:
+            return "Rate limit reached for tokens; the stream was stopped."
+        b, v = max(tpm, key=lambda bv: bv[1] - bv[0].limit.limit)
+        return quota_cut_message(
+            tenant=ctx.tenant.id,
+            per=admission.per_name(b.limit.window_s),
+            scope=admission.scope_label(b.limit),
+            limit=b.limit.limit,
+            used=v if v else b.limit.limit,
+            delivered=self.meter.delivered,
+            reset_s=b.reset_s(now),
+        )
+
+
+def metadata(
+    ctx: RequestContext, life: Lifecycle, *, output_tokens: int | None = None
+) -> dict[str, Any]:
+    """The ``ai_quota`` dynamic metadata the access log prints."""
+    ending = life.ending
+    out: dict[str, Any] = {
+        "tenant": ctx.tenant.id if ctx.tenant else "",
+        "key": ctx.key.name if ctx.key else "",
+        "model": ctx.model.name if ctx.model else "",
+        "api": ctx.api.name if ctx.api else "",
+        "input_tokens": ctx.cost.input_tokens if ctx.cost else 0,
+        "ending": ending.value if ending else "in_progress",
+    }
+    if output_tokens is not None:
+        out["output_tokens"] = output_tokens
+    return out
