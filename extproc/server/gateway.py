@@ -15,10 +15,10 @@ from extproc.clock import Clock
 from extproc.config.runtime import RuntimeConfig
 from extproc.limiter.base import Limiter
 from extproc.metrics import Metrics
+from extproc.server.kept import SettlementQueue
 
 if TYPE_CHECKING:
     from extproc.server.processor import RequestProcessor
-    from extproc.server.settle import SettlementQueue
 
 log = structlog.get_logger("extproc")
 
@@ -53,9 +53,7 @@ class Gateway:
     def settlements(self) -> SettlementQueue:
         """Settlements that failed, kept until Redis answers again."""
         if self._settlements is None:
-            from extproc.server.settle import SettlementQueue
-
-            self._settlements = SettlementQueue(self)
+            self._settlements = SettlementQueue(self.limiter, self.metrics)
         return self._settlements
 
     def track(self, task: asyncio.Task[Any]) -> None:

@@ -121,3 +121,127 @@ def test_cut_is_terminal_for_streaming() -> None:
         with pytest.raises(LifecycleError):
             life.advance(inp)
     assert life.advance(Input.END) is State.CUT
+
+
+# -- the machine as a whole: random message orders, every ending ----------------------------
+
+from extproc.core.lifecycle import Closed, CutReason, Ending  # noqa: E402
+
+OPS = st.one_of(
+    st.sampled_from(Input).map(lambda i: ("advance", i)),
+    st.sampled_from([Ending.REFUSED, Ending.REJECTED]).map(lambda e: ("refuse", e)),
+    st.sampled_from(CutReason).map(lambda r: ("cut", r)),
+    st.sampled_from(Ending).map(lambda e: ("name", e)),
+)
+
+
+@given(ops=st.lists(OPS, max_size=25), how=st.sampled_from(Closed))
+def test_any_message_order_ends_exactly_once(ops: list[tuple[str, object]], how: Closed) -> None:
+    """Whatever Envoy sends in whatever order, the machine either follows the table or
+    raises; once named, an ending never changes; closing always yields one; settlement
+    begins exactly once."""
+    life = Lifecycle()
+    first_ending: Ending | None = None
+    for op, arg in ops:
+        before = life.state
+        try:
+            if op == "advance":
+                assert isinstance(arg, Input)
+                expected = TRANSITIONS.get((before, arg))
+                if expected is None:
+                    with pytest.raises(LifecycleError):
+                        life.advance(arg)
+                    assert life.state is before
+                else:
+                    assert life.advance(arg) is expected
+            elif op == "refuse":
+                assert isinstance(arg, Ending)
+                life.refuse(arg)
+                assert life.state is State.DONE
+            elif op == "cut":
+                assert isinstance(arg, CutReason)
+                if (before, Input.CUT) in TRANSITIONS:
+                    life.cut(arg)
+                    assert life.state is State.CUT and life.cut_reason is not None
+                else:
+                    with pytest.raises(LifecycleError):
+                        life.cut(arg)
+            else:
+                assert isinstance(arg, Ending)
+                life.name_ending(arg)
+        except LifecycleError:
+            assert op in ("advance", "cut")
+        if first_ending is None:
+            first_ending = life.ending
+        assert life.ending is first_ending or first_ending is None
+    ending = life.close(how)
+    assert isinstance(ending, Ending)
+    assert first_ending is None or ending is first_ending
+    assert life.close(Closed.ERROR) is ending
+    assert life.begin_settlement() is True
+    assert life.begin_settlement() is False
+
+
+@pytest.mark.parametrize(
+    ("path", "how", "ending"),
+    [
+        ([Input.REQUEST_HEADERS], Closed.CANCELLED, Ending.CLIENT_DISCONNECTED),
+        (
+            [Input.REQUEST_HEADERS, Input.REQUEST_BODY, Input.ADMITTED],
+            Closed.EOF,
+            Ending.CLIENT_DISCONNECTED,
+        ),
+        (
+            [Input.REQUEST_HEADERS, Input.ADMITTED, Input.RESPONSE_HEADERS, Input.STREAM_START],
+            Closed.CANCELLED,
+            Ending.CLIENT_DISCONNECTED,
+        ),
+        (
+            [Input.REQUEST_HEADERS, Input.ADMITTED, Input.RESPONSE_HEADERS, Input.STREAM_START],
+            Closed.EOF,
+            Ending.UPSTREAM_RESET,
+        ),
+        (
+            [Input.REQUEST_HEADERS, Input.ADMITTED, Input.RESPONSE_HEADERS, Input.READ_BODY],
+            Closed.CANCELLED,
+            Ending.CLIENT_DISCONNECTED,
+        ),
+        (
+            [
+                Input.REQUEST_HEADERS,
+                Input.ADMITTED,
+                Input.RESPONSE_HEADERS,
+                Input.STREAM_START,
+                Input.END,
+            ],
+            Closed.CANCELLED,
+            Ending.COMPLETED,
+        ),
+        (
+            [
+                Input.REQUEST_HEADERS,
+                Input.ADMITTED,
+                Input.RESPONSE_HEADERS,
+                Input.STREAM_START,
+                Input.CUT,
+            ],
+            Closed.EOF,
+            Ending.CUT,
+        ),
+        ([Input.REQUEST_HEADERS, Input.PASS], Closed.EOF, Ending.PASSTHROUGH),
+        (
+            [Input.REQUEST_HEADERS, Input.ADMITTED, Input.RESPONSE_HEADERS, Input.STREAM_START],
+            Closed.SHUTDOWN,
+            Ending.SHUTDOWN,
+        ),
+        ([Input.REQUEST_HEADERS, Input.ADMITTED], Closed.ERROR, Ending.INTERNAL_ERROR),
+    ],
+)
+def test_close_names_the_ending_from_the_phase(
+    path: list[Input], how: Closed, ending: Ending
+) -> None:
+    """The servicer never infers an ending: the machine names it from where it was."""
+    life = Lifecycle()
+    for inp in path:
+        life.advance(inp)
+    assert life.close(how) is ending
