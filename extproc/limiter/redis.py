@@ -2,16 +2,31 @@
 
 Works with a single Redis server or Redis Cluster (every key of a call shares the tenant's
 hash tag, so each script runs on one slot).  Any Redis failure becomes
-:class:`extproc.errors.LimiterUnavailable` within ``timeout_ms``; after a failure the breaker
-stays open for ``cooldown_ms`` so a dead Redis costs each request nothing but a fast error.
+:class:`extproc.errors.LimiterUnavailable`; how long that can take:
+
+- each attempt is bounded by ``timeout_ms`` (waiting for a pooled connection included: the
+  single-server pool is a ``BlockingConnectionPool`` of ``max_connections``, so a burst beyond
+  it queues for a free connection instead of failing);
+- a call that *timed out* (Redis stalled, e.g. a slow command or a fork) is tried again
+  ``stall_retries`` times (default once) while the breaker stays closed: every script is
+  idempotent by ledger (and sequence number), so a first attempt that ran after all is not
+  charged twice.  A 0.3-0.5 s stall is ridden out within ``2 x timeout_ms``; a refused
+  connection (Redis down) is not retried and fails at once;
+- the :class:`extproc.limiter.breaker.CircuitBreaker` opens on a failure *rate* over a short
+  rolling window (never on one slow call), then fails calls at once for ``cooldown_ms`` and
+  probes Redis with a few half-open calls before closing.
+
+Timeouts, the pool and the breaker can be changed on a live limiter (:meth:`RedisLimiter.configure`,
+called on SIGHUP reload).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import time
+from collections.abc import Awaitable, Callable
 from importlib import resources
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -21,6 +36,10 @@ from extproc.clock import Clock, SystemClock
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import AdmitResult, ChargeResult
+from extproc.limiter.breaker import BreakerSettings, BreakerState, CircuitBreaker
+
+if TYPE_CHECKING:
+    from extproc.metrics import Metrics
 
 T = TypeVar("T")
 
@@ -32,10 +51,17 @@ _ERRORS = (
     asyncio.TimeoutError,
 )
 
+#: Connections per process to a single Redis server; more concurrent calls queue for one.
+DEFAULT_MAX_CONNECTIONS = 128
+
 
 def load_script(name: str) -> str:
     """The text of a packaged ``.lua`` script."""
     return resources.files("extproc.limiter").joinpath(f"lua/{name}.lua").read_text("utf-8")
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    return isinstance(exc, TimeoutError | asyncio.TimeoutError | redis.exceptions.TimeoutError)
 
 
 class RedisLimiter:
@@ -48,22 +74,43 @@ class RedisLimiter:
         timeout_ms: int = 250,
         cooldown_ms: int = 1000,
         clock: Clock | None = None,
+        breaker: BreakerSettings | None = None,
+        stall_retries: int = 1,
+        metrics: Metrics | None = None,
     ) -> None:
         self._client = client
-        self._timeout = timeout_ms / 1000.0
-        self._cooldown = cooldown_ms / 1000.0
         self._clock = clock or SystemClock()
-        self._open_until = 0.0
+        self._timeout = timeout_ms / 1000.0
+        base = breaker or BreakerSettings()
+        self.breaker = CircuitBreaker(
+            self._clock, _with_open_s(base, cooldown_ms) if breaker is None else base
+        )
+        self.stall_retries = stall_retries
+        self.metrics = metrics
         self.round_trips = 0
         self._admit = client.register_script(load_script("admit"))
         self._charge = client.register_script(load_script("charge"))
         self._settle = client.register_script(load_script("settle"))
+        self._export_state()
 
     @classmethod
     def from_url(
-        cls, url: str, *, timeout_ms: int = 250, cooldown_ms: int = 1000, clock: Clock | None = None
+        cls,
+        url: str,
+        *,
+        timeout_ms: int = 250,
+        cooldown_ms: int = 1000,
+        clock: Clock | None = None,
+        breaker: BreakerSettings | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        metrics: Metrics | None = None,
     ) -> RedisLimiter:
-        """Connect to ``redis://host:port/db`` or ``redis+cluster://host:port`` (lazily)."""
+        """Connect to ``redis://host:port/db`` or ``redis+cluster://host:port`` (lazily).
+
+        A single server gets a ``BlockingConnectionPool`` of ``max_connections``: a call that
+        finds every connection busy waits for one (within its ``timeout_ms``) instead of
+        failing with "Too many connections".
+        """
         t = timeout_ms / 1000.0
         client: Any
         if url.startswith("redis+cluster://"):
@@ -71,32 +118,119 @@ class RedisLimiter:
                 "redis://" + url.removeprefix("redis+cluster://"),
                 socket_timeout=t,
                 socket_connect_timeout=t,
+                max_connections=max_connections,
             )
         else:
-            client = aioredis.Redis.from_url(
-                url, socket_timeout=t, socket_connect_timeout=t, max_connections=256
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url,
+                socket_timeout=t,
+                socket_connect_timeout=t,
+                max_connections=max_connections,
+                timeout=t,
             )
-        return cls(client, timeout_ms=timeout_ms, cooldown_ms=cooldown_ms, clock=clock)
+            client = aioredis.Redis(connection_pool=pool)
+        return cls(
+            client,
+            timeout_ms=timeout_ms,
+            cooldown_ms=cooldown_ms,
+            clock=clock,
+            breaker=breaker,
+            metrics=metrics,
+        )
+
+    # -- live settings -----------------------------------------------------------------------
+
+    @property
+    def timeout_ms(self) -> int:
+        """The per-attempt bound in milliseconds."""
+        return round(self._timeout * 1000)
+
+    def configure(
+        self,
+        *,
+        timeout_ms: int | None = None,
+        cooldown_ms: int | None = None,
+        breaker: BreakerSettings | None = None,
+    ) -> None:
+        """Apply failure settings to the running limiter (SIGHUP reload).
+
+        The per-attempt bound applies to the next call, and so do the pool's wait for a free
+        connection and the sockets' own timeouts (pooled connections are updated in place).
+        """
+        if timeout_ms is not None:
+            self._timeout = timeout_ms / 1000.0
+            pool = getattr(self._client, "connection_pool", None)
+            if isinstance(pool, aioredis.BlockingConnectionPool):
+                pool.timeout = self._timeout
+                kwargs = pool.connection_kwargs
+                kwargs["socket_timeout"] = self._timeout
+                kwargs["socket_connect_timeout"] = self._timeout
+                for conn in [*pool._available_connections, *pool._in_use_connections]:
+                    conn.socket_timeout = self._timeout
+                    conn.socket_connect_timeout = self._timeout
+        settings = breaker or self.breaker.settings
+        if cooldown_ms is not None and breaker is None:
+            settings = _with_open_s(settings, cooldown_ms)
+        if settings != self.breaker.settings:
+            self.breaker.configure(settings)
+
+    # -- state -------------------------------------------------------------------------------
 
     @property
     def breaker_open(self) -> bool:
-        """True while failing fast after a recent Redis failure."""
-        return self._clock.monotonic() < self._open_until
+        """True while calls fail fast (open, or half-open with every probe slot taken)."""
+        return self.breaker.state is BreakerState.OPEN
 
-    async def _call(self, what: str, aw: Awaitable[T]) -> T:
-        if self.breaker_open:
-            if asyncio.iscoroutine(aw):
-                aw.close()
-            raise LimiterUnavailable("the quota backend (Redis) is unavailable; retry shortly")
-        self.round_trips += 1
-        try:
-            async with asyncio.timeout(self._timeout):
-                return await aw
-        except _ERRORS as exc:
-            self._open_until = self._clock.monotonic() + self._cooldown
-            raise LimiterUnavailable(
-                f"the quota backend (Redis) did not answer {what} in time: {type(exc).__name__}"
-            ) from exc
+    def pool_in_use(self) -> int:
+        """Connections checked out of the single-server pool now (0 for Cluster)."""
+        pool = getattr(self._client, "connection_pool", None)
+        in_use = getattr(pool, "_in_use_connections", None)
+        return len(in_use) if in_use is not None else 0
+
+    def _export_state(self) -> None:
+        m = self.metrics
+        if m is not None:
+            m.breaker_state.set(int(self.breaker.state))
+            m.redis_pool_in_use.set(self.pool_in_use())
+
+    def _observe(self, script: str, outcome: str, started: float) -> None:
+        m = self.metrics
+        if m is not None:
+            m.redis_seconds.labels(script, outcome).observe(time.perf_counter() - started)
+
+    # -- calls -------------------------------------------------------------------------------
+
+    async def _call(self, what: str, script: str, make: Callable[[], Awaitable[T]]) -> T:
+        """Run ``make()`` against Redis under the timeout, the stall retry and the breaker."""
+        attempt = 0
+        while True:
+            started = time.perf_counter()
+            if not self.breaker.allow():
+                self._observe(script, "breaker", started)
+                self._export_state()
+                raise LimiterUnavailable("the quota backend (Redis) is unavailable; retry shortly")
+            self.round_trips += 1
+            try:
+                async with asyncio.timeout(self._timeout):
+                    result = await make()
+            except asyncio.CancelledError:
+                self.breaker.abandon()
+                raise
+            except _ERRORS as exc:
+                timed_out = _is_timeout(exc)
+                self._observe(script, "timeout" if timed_out else "error", started)
+                self.breaker.record(False)
+                self._export_state()
+                if timed_out and attempt < self.stall_retries:
+                    attempt += 1
+                    continue
+                raise LimiterUnavailable(
+                    f"the quota backend (Redis) did not answer {what} in time: {type(exc).__name__}"
+                ) from exc
+            self._observe(script, "ok", started)
+            self.breaker.record(True)
+            self._export_state()
+            return result
 
     async def admit(
         self,
@@ -111,9 +245,8 @@ class RedisLimiter:
         args: list[Any] = [ledger_ttl_ms, "1" if count_refused else "0", tpm_charged]
         for b in buckets:
             args += ["r" if b.kind == "rpm" else "t", b.amount, b.limit, b.expire_at_ms]
-        res = await self._call(
-            "admission", self._admit(keys=[ledger] + [b.key for b in buckets], args=args)
-        )
+        keys = [ledger] + [b.key for b in buckets]
+        res = await self._call("admission", "admit", lambda: self._admit(keys=keys, args=args))
         status = int(res[0])
         return AdmitResult(
             admitted=status == 1,
@@ -135,8 +268,9 @@ class RedisLimiter:
         args: list[Any] = [seq, amount, "1" if strict else "0", ledger_ttl_ms]
         for b in buckets:
             args += [b.limit, b.expire_at_ms]
+        keys = [ledger] + [b.key for b in buckets]
         res = await self._call(
-            "a stream charge", self._charge(keys=[ledger] + [b.key for b in buckets], args=args)
+            "a stream charge", "charge", lambda: self._charge(keys=keys, args=args)
         )
         return ChargeResult(
             granted=int(res[0]), exhausted=bool(int(res[1])), values=tuple(int(v) for v in res[2])
@@ -149,16 +283,15 @@ class RedisLimiter:
         args: list[Any] = [ledger_ttl_ms]
         for a in adjustments:
             args += [a.amount, a.expire_at_ms]
-        res = await self._call(
-            "settlement", self._settle(keys=[ledger] + [a.key for a in adjustments], args=args)
-        )
+        keys = [ledger] + [a.key for a in adjustments]
+        res = await self._call("settlement", "settle", lambda: self._settle(keys=keys, args=args))
         return bool(int(res))
 
     async def read(self, keys: list[str]) -> list[int]:
         """MGET the counters (one slot: all keys share a tenant's hash tag)."""
         if not keys:
             return []
-        vals = await self._call("a read", self._client.mget(keys))
+        vals = await self._call("a read", "read", lambda: self._client.mget(keys))
         return [int(v) if v is not None else 0 for v in vals]
 
     async def ping(self) -> bool:
@@ -172,3 +305,9 @@ class RedisLimiter:
     async def close(self) -> None:
         """Close the connection pool."""
         await self._client.aclose()
+
+
+def _with_open_s(settings: BreakerSettings, cooldown_ms: int) -> BreakerSettings:
+    from dataclasses import replace
+
+    return replace(settings, open_s=cooldown_ms / 1000.0)

@@ -1,0 +1,208 @@
+"""Redis stalls and bursts against the real limiter and a real redis-server (its own, since the
+tests freeze it): a short stall is ridden out, a burst queues for connections, a dead Redis
+opens the breaker on its failure rate and half-open probes close it when Redis is back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from extproc.core.rules import BucketCharge
+from extproc.errors import LimiterUnavailable
+from extproc.limiter.breaker import BreakerSettings, BreakerState
+from extproc.limiter.redis import RedisLimiter
+from extproc.metrics import Metrics
+from tests.helpers import RedisServer
+
+pytestmark = pytest.mark.faults
+
+TTL = 60_000
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "redis", extra=["--enable-debug-command", "yes"])
+    yield server
+    server.stop()
+
+
+def far() -> int:
+    return int(time.time() * 1000) + 120_000
+
+
+def tag() -> str:
+    return f"f:{{{uuid.uuid4().hex[:10]}}}"
+
+
+def buckets(t: str, amount: int) -> list[BucketCharge]:
+    return [
+        BucketCharge(f"{t}:rpm", "rpm", 1, 1_000_000, far()),
+        BucketCharge(f"{t}:tpm", "tpm", amount, 1_000_000_000, far()),
+    ]
+
+
+def stall_in_thread(port: int, command: list[str], delay: float) -> threading.Thread:
+    """Send a blocking command (DEBUG SLEEP / CLIENT PAUSE) after ``delay`` seconds."""
+
+    def run() -> None:
+        time.sleep(delay)
+        c = redis.Redis(port=port, socket_timeout=5)
+        c.execute_command(*command)
+        c.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+async def test_streams_ride_out_a_04s_stall(own_redis: RedisServer) -> None:
+    """16 streams charging every 20 ms and new admissions through DEBUG SLEEP 0.4: no call
+    fails, the breaker never opens, every charge lands exactly once."""
+    metrics = Metrics()
+    lim = RedisLimiter.from_url(own_redis.url, timeout_ms=250, metrics=metrics)
+    streams = [tag() for _ in range(16)]
+    for t in streams:
+        res = await lim.admit(
+            f"{t}:req", buckets(t, 10), tpm_charged=10, count_refused=False, ledger_ttl_ms=TTL
+        )
+        assert res.admitted
+    failures: list[str] = []
+    states: set[BreakerState] = set()
+    charged = dict.fromkeys(streams, 10)
+    stop_at = time.monotonic() + 1.5
+
+    async def stream(t: str) -> None:
+        seq = 0
+        while time.monotonic() < stop_at:
+            seq += 1
+            try:
+                await lim.charge(
+                    f"{t}:req",
+                    seq,
+                    buckets(t, 0)[1:],
+                    16,
+                    strict=False,
+                    ledger_ttl_ms=TTL,
+                )
+                charged[t] += 16
+            except LimiterUnavailable as exc:
+                failures.append(str(exc))
+            states.add(lim.breaker.state)
+            await asyncio.sleep(0.02)
+
+    async def admissions() -> None:
+        while time.monotonic() < stop_at:
+            t = tag()
+            try:
+                await lim.admit(
+                    f"{t}:req", buckets(t, 5), tpm_charged=5, count_refused=False, ledger_ttl_ms=TTL
+                )
+            except LimiterUnavailable as exc:
+                failures.append(str(exc))
+            await asyncio.sleep(0.01)
+
+    stall = stall_in_thread(own_redis.port, ["DEBUG", "SLEEP", "0.4"], 0.3)
+    await asyncio.gather(*(stream(t) for t in streams), admissions(), admissions())
+    stall.join()
+    assert failures == []
+    assert states == {BreakerState.CLOSED}
+    timeouts = metrics.registry.get_sample_value(
+        "aiq_redis_call_seconds_count", {"script": "charge", "outcome": "timeout"}
+    )
+    assert timeouts and timeouts > 0  # the stall really hit calls in flight
+    r = own_redis.client()
+    for t in streams:
+        assert int(r.get(f"{t}:tpm") or 0) == charged[t]
+    await lim.close()
+
+
+async def test_400_concurrent_calls_queue_for_the_pool(own_redis: RedisServer) -> None:
+    """400 concurrent admissions over a 64-connection pool through a 120 ms CLIENT PAUSE all
+    succeed: the burst waits for connections instead of overflowing the pool."""
+    metrics = Metrics()
+    lim = RedisLimiter.from_url(own_redis.url, timeout_ms=250, max_connections=64, metrics=metrics)
+    await lim.read([f"{tag()}:x"])  # one connection made before the burst
+    stall = stall_in_thread(own_redis.port, ["CLIENT", "PAUSE", "120", "ALL"], 0.0)
+    await asyncio.sleep(0.03)
+    tags = [tag() for _ in range(400)]
+    results = await asyncio.gather(
+        *(
+            lim.admit(
+                f"{t}:req", buckets(t, 1), tpm_charged=1, count_refused=False, ledger_ttl_ms=TTL
+            )
+            for t in tags
+        ),
+        return_exceptions=True,
+    )
+    stall.join()
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert errors == []
+    assert lim.pool_in_use() == 0
+    assert len(lim._client.connection_pool._available_connections) <= 64
+    assert lim.breaker.state is BreakerState.CLOSED
+    await lim.close()
+
+
+async def test_dead_redis_opens_on_rate_and_probes_close_it(own_redis: RedisServer) -> None:
+    """Redis killed under load: the breaker opens once the failure rate is reached (not on the
+    first failure), fails calls without touching Redis, and closes through half-open probes
+    once Redis is back."""
+    metrics = Metrics()
+    settings = BreakerSettings(min_calls=10, open_s=0.3, probes=2)
+    lim = RedisLimiter.from_url(own_redis.url, timeout_ms=250, breaker=settings, metrics=metrics)
+    t = tag()
+    assert (await lim.read([f"{t}:x"])) == [0]
+    os.kill(own_redis.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(LimiterUnavailable):
+            await lim.read([f"{t}:x"])  # alone: two timed-out attempts, the breaker stays closed
+        assert lim.breaker.state is BreakerState.CLOSED
+        results = await asyncio.gather(
+            *(lim.read([f"{t}:x"]) for _ in range(10)), return_exceptions=True
+        )
+        assert all(isinstance(r, LimiterUnavailable) for r in results)
+        assert lim.breaker.state is BreakerState.OPEN
+        assert metrics.registry.get_sample_value("aiq_breaker_state") == 2
+        trips = lim.round_trips
+        with pytest.raises(LimiterUnavailable):
+            await lim.read([f"{t}:x"])
+        assert lim.round_trips == trips
+    finally:
+        os.kill(own_redis.proc.pid, signal.SIGCONT)
+    await asyncio.sleep(0.35)
+    assert lim.breaker.state is BreakerState.HALF_OPEN
+    assert await lim.read([f"{t}:x"]) == [0]
+    assert await lim.read([f"{t}:x"]) == [0]
+    assert lim.breaker.state is BreakerState.CLOSED
+    assert metrics.registry.get_sample_value("aiq_breaker_state") == 0
+    await lim.close()
+
+
+async def test_configure_changes_the_timeout_of_a_live_limiter(own_redis: RedisServer) -> None:
+    """A reload's timeout applies to the next call: with 2 s, a 0.6 s stall is ridden out in
+    one attempt."""
+    lim = RedisLimiter.from_url(own_redis.url, timeout_ms=100)
+    lim.stall_retries = 0
+    t = tag()
+    await lim.read([f"{t}:x"])
+    stall = stall_in_thread(own_redis.port, ["DEBUG", "SLEEP", "0.6"], 0.0)
+    await asyncio.sleep(0.05)
+    with pytest.raises(LimiterUnavailable):
+        await lim.read([f"{t}:x"])
+    stall.join()
+    lim.configure(timeout_ms=2000)
+    assert lim.timeout_ms == 2000
+    stall = stall_in_thread(own_redis.port, ["DEBUG", "SLEEP", "0.6"], 0.0)
+    await asyncio.sleep(0.05)
+    assert await lim.read([f"{t}:x"]) == [0]
+    stall.join()
+    await lim.close()
