@@ -104,15 +104,16 @@ async def settle(
     current = buckets_at(gw, ctx, gw.clock.now_ms())
     adjustments = ctx.account.adjustments(total, current)
     delta = total - ctx.account.total
-    if adjustments:
-        ttl = ctx.cfg.ledger_ttl_seconds * 1000
-        try:
-            await gw.limiter.settle(ctx.ledger, adjustments, ledger_ttl_ms=ttl)
-            gw.metrics.settlements.labels("applied").inc()
-        except LimiterUnavailable:
-            gw.metrics.limiter_errors.labels("settle").inc()
-            gw.settlements.keep(Kept(ctx.ledger, adjustments, ttl, ctx.request_id))
-            log.warning("settlement_deferred", request_id=ctx.request_id, delta=delta)
+    # Called even with nothing to correct: the ledger is marked settled, so it is never
+    # reclaimed as abandoned and a replay is a no-op.
+    ttl = ctx.cfg.ledger_ttl_seconds * 1000
+    try:
+        await gw.limiter.settle(ctx.ledger, adjustments, ledger_ttl_ms=ttl)
+        gw.metrics.settlements.labels("applied").inc()
+    except LimiterUnavailable:
+        gw.metrics.limiter_errors.labels("settle").inc()
+        gw.settlements.keep(Kept(ctx.ledger, adjustments, ttl, ctx.request_id))
+        log.warning("settlement_deferred", request_id=ctx.request_id, delta=delta)
     gw.metrics.tokens.labels("net").inc(max(0, total))
     if ctx.model is not None:
         gw.metrics.model_tokens.labels(ctx.model.name, "input").inc(ctx.cost.input_tokens)

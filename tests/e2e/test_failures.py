@@ -180,18 +180,16 @@ def test_redis_gone_mid_stream_cuts_closed_and_continues_open(fstack: Stack) -> 
 def test_redis_gone_fails_closed_with_503_within_bounded_time(fstack: Stack) -> None:
     """With Redis down, a fail-closed tenant gets a 503 OpenAI error quickly, never a hang."""
     fstack.kill("redis")
-    t0 = time.monotonic()
     r = httpx.post(
         f"{fstack.base_url}/chat/completions",
         headers={"authorization": "Bearer sk-closed", "content-type": "application/json"},
         content=orjson.dumps({"model": "sim-small", "messages": MSG, "max_tokens": 5}),
-        timeout=30,
+        timeout=5,  # a hang would raise here: the answer is bounded by the Redis timeout
     )
     assert r.status_code == 503
     err = r.json()["error"]
     assert err["code"] == "quota_backend_unavailable" and err["type"] == "server_error"
     assert r.headers["retry-after"] == "1"
-    assert time.monotonic() - t0 < 5  # bounded by the Redis timeout (250 ms), generously
 
 
 def test_redis_gone_fails_open_for_plans_that_choose_it(fstack: Stack) -> None:

@@ -13,6 +13,7 @@ import redis
 from extproc.stack import Stack
 from tests.e2e.conftest import client
 from tests.e2e.test_streaming import PROMPT, settled
+from tests.helpers import tpm_used
 
 pytestmark = pytest.mark.e2e
 
@@ -27,7 +28,7 @@ def test_input_only_charges_just_the_prompt(stack: Stack, rds: redis.Redis) -> N
         c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=60, stream=True)
     )
     assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) == 60
-    assert settled(rds, "t-inputonly") == 2 * PROMPT
+    assert tpm_used(rds, "t-inputonly") == 2 * PROMPT  # final at admission
 
 
 def test_reserve_max_keeps_the_whole_reservation(stack: Stack, rds: redis.Redis) -> None:
@@ -36,7 +37,7 @@ def test_reserve_max_keeps_the_whole_reservation(stack: Stack, rds: redis.Redis)
     c.chat.completions.create(
         model="sim-small", messages=MSG, max_tokens=300, extra_headers={"x-sim-tokens": "5"}
     )
-    assert settled(rds, "t-reservemax") == PROMPT + 300
+    assert tpm_used(rds, "t-reservemax") == PROMPT + 300  # final at admission
 
 
 def test_reserve_refund_settles_streams_to_actual(stack: Stack, rds: redis.Redis) -> None:
