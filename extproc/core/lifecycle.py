@@ -86,6 +86,9 @@ S, In = State, Input
 TRANSITIONS: dict[tuple[State, Input], State] = {
     (S.AWAIT_HEADERS, In.REQUEST_HEADERS): S.AWAIT_BODY,
     (S.AWAIT_HEADERS, In.REFUSED): S.DONE,
+    # Envoy rejected the request itself (a path it will not normalise, a bad upgrade ...):
+    # its local reply is all we see.
+    (S.AWAIT_HEADERS, In.RESPONSE_HEADERS): S.RESPONDING,
     (S.AWAIT_BODY, In.REQUEST_BODY): S.AWAIT_BODY,
     (S.AWAIT_BODY, In.ADMITTED): S.ADMITTED,
     (S.AWAIT_BODY, In.REFUSED): S.DONE,

@@ -183,7 +183,7 @@ class RequestProcessor:
             ctx.status = int(h.get(":status", "0"))
         except ValueError:
             ctx.status = 0
-        if before is State.AWAIT_BODY:
+        if before in (State.AWAIT_HEADERS, State.AWAIT_BODY):
             # Envoy's own local reply (413 before the body reached us, 400, 503 ...).
             self.life.name_ending(Ending.LOCAL_REPLY)
             return wire.continue_response_headers()

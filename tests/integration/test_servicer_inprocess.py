@@ -438,3 +438,12 @@ async def test_envoy_local_reply_passes_unchanged(srv: Served) -> None:
     await c.send(req_headers())
     [r] = await c.send(resp_headers(status=413, ctype="text/plain"))
     assert r.WhichOneof("response") == "response_headers"
+
+
+async def test_envoy_reply_without_request_headers_passes(srv: Served) -> None:
+    """Envoy answered a request it rejected itself (e.g. %2F in the path): its reply passes."""
+    c = Call(srv.stub)
+    [r] = await c.send(resp_headers(status=400, ctype="text/plain"))
+    assert r.WhichOneof("response") == "response_headers"
+    [b] = await c.send(resp_body(b"Bad Request", end=True))
+    assert b.WhichOneof("response") == "response_body"
