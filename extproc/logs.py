@@ -6,16 +6,22 @@ import logging
 import sys
 from typing import Literal
 
+import orjson
 import structlog
 
 
 def configure_logging(fmt: Literal["json", "console"] = "json", level: str = "info") -> None:
     """Configure structlog once per process."""
     renderer: structlog.typing.Processor
+    factory: structlog.typing.WrappedLogger
     if fmt == "console":
         renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        factory = structlog.PrintLoggerFactory(file=sys.stderr)
     else:
-        renderer = structlog.processors.JSONRenderer()
+        # orjson renders straight to bytes (about 5x faster than the stdlib encoder); one
+        # write per line, no str round trip.
+        renderer = structlog.processors.JSONRenderer(serializer=orjson.dumps)
+        factory = structlog.BytesLoggerFactory(file=sys.stderr.buffer)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -27,6 +33,6 @@ def configure_logging(fmt: Literal["json", "console"] = "json", level: str = "in
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=factory,
         cache_logger_on_first_use=True,
     )
