@@ -1,19 +1,46 @@
-"""Composition root: config, Redis limiter, metrics, the gRPC server, graceful shutdown."""
+"""Composition root: config, Redis limiter, metrics, the gRPC server, health, graceful shutdown.
+
+Health (``grpc.health.v1``, checked by Envoy's active health check on the ext_proc cluster):
+the overall service ``""`` and ``envoy.service.ext_proc.v3.ExternalProcessor`` report
+NOT_SERVING until the rules are loaded and Redis has answered once, then SERVING.  A later Redis
+outage does not flip them (every replica shares Redis: the plans' ``failure_mode`` decides).
+
+Shutdown (SIGTERM/SIGINT), in order:
+
+1. health NOT_SERVING, while every stream, new ones included, is still served for
+   ``drain_notice_s`` (Envoy's health check notices and sends new requests elsewhere);
+2. the server stops accepting streams (new ones are refused, and Envoy retries them on another
+   replica) and the open ones run on, up to ``shutdown_grace_s``;
+3. streams still open then are ended with the ``server_shutdown`` cut event and settled;
+4. in-flight and kept settlements are flushed, the Redis pool is closed, the process exits.
+
+SIGHUP reloads the rules and applies the failure settings (``failure.timeout_ms``,
+``failure.breaker_cooldown_ms``) to the live limiter; nothing in the rules file needs a restart.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import hashlib
+import json
 import signal
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
 import structlog
+import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 
 from extproc.clock import Clock, SystemClock
 from extproc.config import load_config
+from extproc.config.load import load_config_text
 from extproc.config.runtime import RuntimeConfig
 from extproc.limiter.base import Limiter
 from extproc.limiter.redis import RedisLimiter
@@ -25,6 +52,48 @@ from extproc.settings import Settings
 log = structlog.get_logger("extproc")
 
 
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+_HEALTH_NAMES = ("", EXT_PROC_SERVICE)
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def config_version(text: str) -> str:
+    """A short hash of the effective rules: the parsed document, so comments, key order and
+    whitespace do not change it."""
+    try:
+        doc: Any = yaml.safe_load(text)
+    except yaml.YAMLError:
+        doc = text
+    canon = json.dumps(doc, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()[:12]
+
+
+def load_rules(path: str) -> tuple[RuntimeConfig, str]:
+    """Load the rules file once; the config and its version hash come from the same text."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return load_config(path), ""  # load_config raises the usual ConfigError
+    cfg = load_config_text(text, source=str(p), base_dir=p.parent)
+    return cfg, config_version(text)
+
+
+def publish_config_version(metrics: Metrics, version: str) -> None:
+    """``aiq_config_version_info{version}`` = 1 for the rules in force (only that label)."""
+    metrics.config_version.clear()
+    metrics.config_version.labels(version or "unknown").set(1)
+    metrics.config_reload_time.set(time.time())
+
+
+def apply_failure_settings(limiter: Limiter, cfg: RuntimeConfig) -> None:
+    """Give a live Redis limiter the rules' timeout and breaker cool-down (no-op otherwise)."""
+    configure = getattr(limiter, "configure", None)
+    if configure is not None:
+        configure(timeout_ms=cfg.redis_timeout_ms, cooldown_ms=cfg.breaker_cooldown_ms)
+
+
 @dataclass
 class Running:
     """A started server and what it needs to stop cleanly."""
@@ -32,13 +101,49 @@ class Running:
     server: Any
     gateway: Gateway
     port: int
+    health: health_aio.HealthServicer = field(default_factory=health_aio.HealthServicer)
+    ready_task: asyncio.Task[None] | None = None
+    stopping: bool = False
 
-    async def stop(self, grace: float = 10.0) -> None:
-        """Stop accepting streams, let in-flight ones end, settle every request, close Redis."""
+    async def set_serving(self, serving: bool) -> None:
+        """Report SERVING or NOT_SERVING on every health name we answer for."""
+        for name in _HEALTH_NAMES:
+            await self.health.set(name, _SERVING if serving else _NOT_SERVING)
+
+    async def wait_ready(self, interval_s: float = 0.5) -> None:
+        """NOT_SERVING until Redis answers a PING, then SERVING (runs as a task)."""
+        ping = getattr(self.gateway.limiter, "ping", None)
+        while not self.stopping:
+            if ping is None or await ping():
+                await self.set_serving(True)
+                log.info("health_serving")
+                return
+            log.warning("redis_not_answering_yet", retry_in_s=interval_s)
+            await asyncio.sleep(interval_s)
+
+    async def stop(self, grace: float = 10.0, *, notice: float = 0.0) -> None:
+        """Drain: NOT_SERVING for ``notice`` s while serving on, stop accepting, let in-flight
+        streams end within ``grace``, cut the rest with a well-formed event, settle, close."""
+        self.stopping = True
+        if self.ready_task is not None:
+            self.ready_task.cancel()
+        await self.health.enter_graceful_shutdown()
+        if notice > 0:
+            log.info("draining", notice_s=notice, in_flight=len(self.gateway.active))
+            await asyncio.sleep(notice)
         self.gateway.draining = True
-        await self.server.stop(grace)
-        if self.gateway.pending:
-            await asyncio.wait(list(self.gateway.pending), timeout=grace)
+        loop = asyncio.get_running_loop()
+        # The server's own grace is longer than ours: streams still open at our deadline are
+        # cut by us (an error event the client can read), not cancelled by grpc.
+        stopping = asyncio.create_task(self.server.stop(grace + 2.0))
+        deadline = loop.time() + grace
+        while self.gateway.active and loop.time() < deadline:  # noqa: ASYNC110 - polls a set
+            await asyncio.sleep(0.05)
+        if self.gateway.active:
+            cut = await self.gateway.cut_streams_for_shutdown()
+            log.warning("streams_cut_at_shutdown", count=cut)
+        await stopping
+        await self.gateway.drain_settlements(grace)
         await self.gateway.limiter.close()
 
 
@@ -62,25 +167,36 @@ async def start(
     metrics: Metrics | None = None,
 ) -> Running:
     """Build everything and start serving on ``settings.grpc_address`` (port 0: pick one)."""
-    cfg = config or load_config(settings.config)
+    version = ""
+    if config is None:
+        cfg, version = load_rules(settings.config)
+    else:
+        cfg = config
     clk = clock or SystemClock()
+    mets = metrics or Metrics()
     lim = limiter or RedisLimiter.from_url(
         settings.redis_url,
         timeout_ms=cfg.redis_timeout_ms,
         cooldown_ms=cfg.breaker_cooldown_ms,
         clock=clk,
+        metrics=mets,
     )
     gw = Gateway(
         config=cfg,
         limiter=lim,
         clock=clk,
-        metrics=metrics or Metrics(),
+        metrics=mets,
         key_prefix=settings.key_prefix,
     )
+    publish_config_version(mets, version)
     options = [("grpc.so_reuseport", 1 if settings.workers > 1 or settings.reuse_port else 0)]
     server = grpc.aio.server(options=options)
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessorServicer(gw), server)
     _add_usage_service(server, gw)
+    health = health_aio.HealthServicer()
+    for name in _HEALTH_NAMES:
+        await health.set(name, _NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port(settings.grpc_address)
     if port == 0:
         raise OSError(f"cannot listen on {settings.grpc_address} (address in use?)")
@@ -103,7 +219,9 @@ async def start(
         log.warning(
             "plaintext_keys_in_config", count=cfg.plaintext_keys, note="for local demos only"
         )
-    return Running(server=server, gateway=gw, port=port)
+    running = Running(server=server, gateway=gw, port=port, health=health)
+    running.ready_task = asyncio.create_task(running.wait_ready())
+    return running
 
 
 def _redact(url: str) -> str:
@@ -113,8 +231,33 @@ def _redact(url: str) -> str:
     return url
 
 
+def reload_rules(running: Running, path: str) -> bool:
+    """SIGHUP: load the rules file again and swap it in, failure settings included; a file
+    that does not load leaves the running rules untouched.  Whether it worked."""
+    metrics = running.gateway.metrics
+    try:
+        cfg, version = load_rules(path)
+    except Exception as exc:
+        metrics.config_reloads.labels("error").inc()
+        log.error("config_reload_failed", error=str(exc))
+        return False
+    running.gateway.config = cfg
+    apply_failure_settings(running.gateway.limiter, cfg)
+    publish_config_version(metrics, version)
+    metrics.config_reloads.labels("ok").inc()
+    log.info(
+        "config_reloaded",
+        config=path,
+        version=version,
+        redis_timeout_ms=cfg.redis_timeout_ms,
+        breaker_cooldown_ms=cfg.breaker_cooldown_ms,
+    )
+    return True
+
+
 async def serve_forever(settings: Settings) -> int:
-    """Run until SIGINT/SIGTERM; reload the rules on SIGHUP without dropping streams."""
+    """Run until SIGINT/SIGTERM (then drain); reload the rules on SIGHUP without dropping
+    streams."""
     running = await start(settings)
     if settings.metrics_port:
         from prometheus_client import start_http_server
@@ -126,17 +269,11 @@ async def serve_forever(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-
-    def reload() -> None:
-        try:
-            running.gateway.config = load_config(settings.config)
-            log.info("config_reloaded", config=settings.config)
-        except Exception as exc:
-            log.error("config_reload_failed", error=str(exc))
-
-    loop.add_signal_handler(signal.SIGHUP, reload)
+    loop.add_signal_handler(signal.SIGHUP, lambda: reload_rules(running, settings.config))
     await stop.wait()
     log.info("shutting_down", in_flight=len(running.gateway.active))
-    await running.stop(settings.shutdown_grace_s)
+    with contextlib.suppress(NotImplementedError):
+        loop.remove_signal_handler(signal.SIGHUP)
+    await running.stop(settings.shutdown_grace_s, notice=settings.drain_notice_s)
     log.info("stopped")
     return 0

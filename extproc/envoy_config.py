@@ -4,6 +4,20 @@ The processing mode follows what was measured on Envoy 1.40 (see docs/envoy.md):
 headers SEND, request body BUFFERED (the listener buffer limit turns bigger bodies into 413),
 response headers SEND, response body NONE with ``allow_mode_override`` so SSE responses can
 switch to FULL_DUPLEX_STREAMED, ``failure_mode_allow: false``.
+
+Availability of the ext_proc cluster (rolling restarts without failed requests, see
+docs/operations.md):
+
+- an active ``grpc.health.v1`` health check every ``health_interval_ms`` (a replica that reports
+  NOT_SERVING, i.e. one that is draining, leaves the rotation after one failed check and is back
+  after one good one); ``no_traffic_interval`` is as short, so an idle Envoy notices too;
+- outlier detection on local-origin failures (connect refused, resets), so a replica that was
+  SIGKILLed is ejected before its next health check;
+- a retry policy on the filter's ``grpc_service``: an ext_proc stream that could not start (connect
+  failure, refused stream, reset or UNAVAILABLE before the processor answered anything) is
+  retried on another replica (``previous_hosts`` predicate).  Envoy buffers the stream's messages
+  for that (``setBufferBodyForRetry``); once the processor has answered, a failure is not
+  retried (the request may already be admitted).
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ class EnvoyPorts:
     extprocs: tuple[tuple[str, int], ...] = (("127.0.0.1", 50051),)
     max_body_bytes: int = 1_048_576
     message_timeout_ms: int = 1000
+    health_interval_ms: int = 500
     with_baseline_listener: int = 0  # a second listener without the filter (benchmarks)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -64,7 +79,24 @@ def _hcm(name: str, with_filter: bool, p: EnvoyPorts) -> dict[str, Any]:
                 "name": "envoy.filters.http.ext_proc",
                 "typed_config": {
                     "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-                    "grpc_service": {"envoy_grpc": {"cluster_name": "extproc"}, "timeout": "5s"},
+                    "grpc_service": {
+                        "envoy_grpc": {"cluster_name": "extproc"},
+                        "timeout": "5s",
+                        "retry_policy": {
+                            "retry_on": "connect-failure,refused-stream,reset,unavailable",
+                            "num_retries": 3,
+                            "retry_back_off": {"base_interval": "0.02s", "max_interval": "0.2s"},
+                            "retry_host_predicate": [
+                                {
+                                    "name": "envoy.retry_host_predicates.previous_hosts",
+                                    "typed_config": {
+                                        "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                                    },
+                                }
+                            ],
+                            "host_selection_retry_max_attempts": 5,
+                        },
+                    },
                     "failure_mode_allow": False,
                     "status_on_error": {"code": 503},
                     "processing_mode": {
@@ -180,9 +212,21 @@ def render(p: EnvoyPorts) -> dict[str, Any]:
                         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
                             "explicit_http_config": {
-                                "http2_protocol_options": {"max_concurrent_streams": 100000}
+                                "http2_protocol_options": {
+                                    "max_concurrent_streams": 100000,
+                                    "connection_keepalive": {"interval": "10s", "timeout": "2s"},
+                                }
                             },
                         }
+                    },
+                    "health_checks": [_grpc_health_check(p)],
+                    "outlier_detection": {
+                        "split_external_local_origin_errors": True,
+                        "consecutive_local_origin_failure": 2,
+                        "consecutive_gateway_failure": 2,
+                        "interval": "1s",
+                        "base_ejection_time": "5s",
+                        "max_ejection_percent": 50,
                     },
                     "load_assignment": {
                         "cluster_name": "extproc",
@@ -194,7 +238,29 @@ def render(p: EnvoyPorts) -> dict[str, Any]:
     }
 
 
+def _grpc_health_check(p: EnvoyPorts) -> dict[str, Any]:
+    interval = f"{p.health_interval_ms / 1000:g}s"
+    return {
+        "timeout": f"{max(p.health_interval_ms // 2, 100) / 1000:g}s",
+        "interval": interval,
+        "no_traffic_interval": interval,
+        "unhealthy_interval": interval,
+        "interval_jitter": "0.05s",
+        "unhealthy_threshold": 1,
+        "healthy_threshold": 1,
+        "reuse_connection": True,
+        "grpc_health_check": {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"},
+    }
+
+
+class _NoAliasDumper(yaml.SafeDumper):
+    """A safe dumper that writes every repeated object out again (no ``&id001`` anchors)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def render_yaml(p: EnvoyPorts, *, header: str = "") -> str:
-    """The bootstrap as YAML text."""
-    body = yaml.safe_dump(render(p), sort_keys=False, width=120)
+    """The bootstrap as YAML text (no anchors or aliases: Envoy users read and copy it)."""
+    body = yaml.dump(render(p), Dumper=_NoAliasDumper, sort_keys=False, width=120)
     return (header + body) if header else body

@@ -23,12 +23,16 @@ class Settings:
     reuse_port: bool = False
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     shutdown_grace_s: float = 10.0
+    # SIGTERM: seconds the health service reports NOT_SERVING while still serving every stream,
+    # so Envoy's active health check moves new requests away before the listener closes.
+    drain_notice_s: float = 1.5
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> Settings:
         """Read ``AIQ_CONFIG``, ``AIQ_REDIS_URL``, ``AIQ_GRPC_ADDRESS``, ``AIQ_KEY_PREFIX``,
         ``AIQ_LOG_FORMAT``, ``AIQ_LOG_LEVEL``, ``AIQ_METRICS_PORT``, ``AIQ_WORKERS``,
-        ``AIQ_REUSEPORT``, ``AIQ_EVENT_LOOP`` (uvloop|asyncio), ``AIQ_SHUTDOWN_GRACE_S``; explicit ``overrides`` (from CLI flags) win."""
+        ``AIQ_REUSEPORT``, ``AIQ_EVENT_LOOP`` (uvloop|asyncio), ``AIQ_SHUTDOWN_GRACE_S``,
+        ``AIQ_DRAIN_NOTICE_S``; explicit ``overrides`` (from CLI flags) win."""
         e = os.environ if env is None else env
         base = cls()
         fmt = e.get("AIQ_LOG_FORMAT", base.log_format)
@@ -44,6 +48,7 @@ class Settings:
             "reuse_port": e.get("AIQ_REUSEPORT", "0") == "1",
             "event_loop": "asyncio" if e.get("AIQ_EVENT_LOOP") == "asyncio" else "uvloop",
             "shutdown_grace_s": float(e.get("AIQ_SHUTDOWN_GRACE_S", base.shutdown_grace_s)),
+            "drain_notice_s": float(e.get("AIQ_DRAIN_NOTICE_S", base.drain_notice_s)),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

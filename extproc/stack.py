@@ -1,10 +1,27 @@
 """Start and stop the whole local stack: Redis, the upstream simulator, the ext_proc service(s)
 and Envoy(s).  ``ai-quota up`` (what ``scripts/run`` calls) and the end-to-end tests use it.
+
+Redis runs with AOF persistence (``appendonly yes``, ``appendfsync everysec``) in the workdir,
+like compose/, so restarting it keeps every tenant's windows (at most ~1 s of writes lost).
+
+Once every part answers, the stack writes ``<workdir>/stack.json`` (:data:`STACK_FILE`) so other
+commands (``ai-quota usage``) can find it.  Its keys:
+
+- ``envoy_url``: the OpenAI base URL of the first Envoy (``http://127.0.0.1:10000/v1``);
+- ``envoy_urls``: the same for every Envoy; ``envoy_admin``: the first Envoy's admin URL;
+- ``extproc``: the first ext_proc gRPC address (``127.0.0.1:50051``), which also serves the
+  usage API; ``extprocs``: every replica's address; ``usage``: the usage API address;
+- ``redis_url``: the Redis every replica uses; ``sim_url``: the simulator;
+- ``metrics_port``: the first replica's Prometheus port (0 when not served);
+- ``workdir``, ``config`` (absolute path of the rules), ``pid`` (the process that started it).
+
+The file is removed when the stack stops.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -19,6 +36,8 @@ from pathlib import Path
 from typing import IO
 
 from extproc.envoy_config import EnvoyPorts, render_yaml
+
+STACK_FILE = "stack.json"
 
 
 class StackError(RuntimeError):
@@ -72,6 +91,8 @@ class Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path | None
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -94,6 +115,8 @@ class Stack:
     # Benchmarks: run this command instead of ``python -m extproc serve`` for each processor
     # (it reads the same AIQ_* environment, e.g. a do-nothing processor or ``serve --workers 2``).
     extproc_argv: Sequence[str] = ()
+    # Prometheus port of the first processor (replica i serves ``metrics_port + i``); 0: none.
+    metrics_port: int = 0
 
     @property
     def envoy_ports(self) -> list[int]:
@@ -137,6 +160,29 @@ class Stack:
                 + " (stop what uses it or pick other ports)"
             )
 
+    @property
+    def state_file(self) -> Path:
+        """``<workdir>/stack.json``: where the running stack's addresses are written."""
+        return self.workdir / STACK_FILE
+
+    def describe(self) -> dict[str, object]:
+        """The addresses :data:`STACK_FILE` holds (see the module docstring for the keys)."""
+        extprocs = [f"127.0.0.1:{p}" for p in self.extproc_ports]
+        return {
+            "envoy_url": self.base_url,
+            "envoy_urls": [f"http://127.0.0.1:{p}/v1" for p in self.envoy_ports],
+            "envoy_admin": f"http://127.0.0.1:{self.ports.envoy_admin}",
+            "extproc": extprocs[0],
+            "extprocs": extprocs,
+            "usage": extprocs[0],
+            "redis_url": self.effective_redis_url,
+            "sim_url": self.sim_url,
+            "metrics_port": self.metrics_port,
+            "workdir": str(self.workdir),
+            "config": str(Path(self.config).resolve()),
+            "pid": os.getpid(),
+        }
+
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
         out: IO[bytes] | int | None
         log_path: Path | None = None
@@ -155,7 +201,7 @@ class Stack:
             start_new_session=True,
             cwd=str(self.workdir),
         )
-        proc = Proc(name, popen, log_path)
+        proc = Proc(name, popen, log_path, list(argv), dict(env or {}))
         self.procs.append(proc)
         return proc
 
@@ -192,7 +238,9 @@ class Stack:
                         "--save",
                         "",
                         "--appendonly",
-                        "no",
+                        "yes",
+                        "--appendfsync",
+                        "everysec",
                         "--dir",
                         str(self.workdir),
                     ],
@@ -217,6 +265,11 @@ class Stack:
                     "AIQ_REDIS_URL": self.effective_redis_url,
                     "AIQ_GRPC_ADDRESS": f"127.0.0.1:{port}",
                     "AIQ_LOG_FORMAT": self.log_format,
+                    **(
+                        {"AIQ_METRICS_PORT": str(self.metrics_port + i)}
+                        if self.metrics_port
+                        else {}
+                    ),
                     **self.extproc_env,
                 }
                 argv = list(self.extproc_argv) or [py, "-m", "extproc", "serve"]
@@ -258,12 +311,43 @@ class Stack:
                         f"http://127.0.0.1:{self.ports.envoy_admin + i}/ready"
                     ),
                 )
+                self.wait_extprocs_healthy(i)
+            self.state_file.write_text(json.dumps(self.describe(), indent=2) + "\n")
         except BaseException:
             self.stop()
             raise
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def extproc_health(self, envoy: int = 0) -> dict[int, bool]:
+        """Whether Envoy ``envoy`` sees each processor port as healthy (its admin /clusters)."""
+        url = f"http://127.0.0.1:{self.ports.envoy_admin + envoy}/clusters"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:  # noqa: S310 - loopback URL
+                text = r.read().decode()
+        except OSError:
+            return {}
+        out: dict[int, bool] = {}
+        for line in text.splitlines():
+            parts = line.split("::")
+            if len(parts) >= 4 and parts[0] == "extproc" and parts[2] == "health_flags":
+                port = int(parts[1].rsplit(":", 1)[1])
+                out[port] = parts[3] == "healthy"
+        return out
+
+    def wait_extprocs_healthy(
+        self, envoy: int = 0, ports: Sequence[int] | None = None, timeout: float = 20.0
+    ) -> None:
+        """Wait until Envoy ``envoy`` has every processor (or ``ports``) in rotation."""
+        want = list(ports or self.extproc_ports)
+        self._wait(
+            f"envoy {envoy} health checks of ext_proc",
+            lambda: all(self.extproc_health(envoy).get(p) for p in want),
+            timeout,
+        )
+
+    def stop(self, timeout: float = 15.0) -> None:
         """Stop every process we started (processors get SIGTERM and drain), newest first."""
+        with contextlib.suppress(OSError):
+            self.state_file.unlink()
         for p in reversed(self.procs):
             if p.popen.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -284,6 +368,27 @@ class Stack:
             if p.name == name and p.popen.poll() is None:
                 p.popen.terminate()
                 p.popen.wait(10)
+
+    def proc(self, name: str) -> Proc:
+        """The newest process started under ``name``."""
+        for p in reversed(self.procs):
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send ``sig`` to one part (SIGTERM: drain, SIGKILL: crash, SIGSTOP: freeze)."""
+        p = self.proc(name)
+        if p.popen.poll() is None:
+            p.popen.send_signal(sig)
+
+    def restart(self, name: str) -> Proc:
+        """Start a part that has exited again, with the same command line and environment."""
+        old = self.proc(name)
+        if old.popen.poll() is None:
+            raise StackError(f"{name} is still running")
+        self.procs.remove(old)
+        return self._spawn(name, old.argv, old.env)
 
 
 def _tcp_ok(port: int) -> bool:
