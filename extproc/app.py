@@ -81,9 +81,13 @@ def load_rules(path: str) -> tuple[RuntimeConfig, str]:
 
 
 def publish_config_version(metrics: Metrics, version: str) -> None:
-    """``aiq_config_version_info{version}`` = 1 for the rules in force (only that label)."""
-    metrics.config_version.clear()
-    metrics.config_version.labels(version or "unknown").set(1)
+    """``aiq_config_version_info{version}`` = 1 for the rules in force (only that label; in
+    Prometheus multi-process mode the previous version stays exported with 0)."""
+    gauge = metrics.config_version
+    for (old,) in list(gauge._metrics):
+        gauge.labels(old).set(0)
+    gauge.clear()
+    gauge.labels(version or "unknown").set(1)
     metrics.config_reload_time.set(time.time())
 
 

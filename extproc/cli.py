@@ -40,7 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     configure_logging(settings.log_format, settings.log_level)
     if settings.workers > 1:
-        return _serve_workers(settings)
+        return _serve_workers(settings, port_per_worker=bool(args.port_per_worker))
     if settings.event_loop == "uvloop":
         _use_uvloop()
     try:
@@ -53,36 +53,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
 
 
-def _serve_workers(settings: Any) -> int:
-    """N processes sharing the port with SO_REUSEPORT; the parent forwards signals."""
-    import subprocess
+def _serve_workers(settings: Any, *, port_per_worker: bool = False) -> int:
+    """N supervised worker processes (see :mod:`extproc.supervisor`)."""
+    from extproc.supervisor import Supervisor
 
-    env_common = {
-        "AIQ_CONFIG": settings.config,
-        "AIQ_REDIS_URL": settings.redis_url,
-        "AIQ_GRPC_ADDRESS": settings.grpc_address,
-        "AIQ_LOG_FORMAT": settings.log_format,
-        "AIQ_WORKERS": "1",
-        "AIQ_REUSEPORT": "1",
-    }
-    import os
-
-    children = [
-        subprocess.Popen(
-            [sys.executable, "-m", "extproc", "serve"],
-            env={**os.environ, **env_common, "AIQ_WORKER_INDEX": str(i)},
-        )
-        for i in range(settings.workers)
-    ]
-
-    def forward(signum: int, _frame: object) -> None:
-        for c in children:
-            if c.poll() is None:
-                c.send_signal(signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    return max((c.wait() for c in children), default=0)
+    return Supervisor(settings, port_per_worker=port_per_worker).run()
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -243,8 +218,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--log-format", choices=["json", "console"], help="log output (env AIQ_LOG_FORMAT)"
     )
-    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
-    s.add_argument("--workers", type=int, help="processes sharing the port (SO_REUSEPORT)")
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on 127.0.0.1:PORT (with --workers: merged over workers)",
+    )
+    s.add_argument(
+        "--workers",
+        type=int,
+        help="N supervised worker processes: restarted when they die, SIGHUP/SIGTERM forwarded "
+        "(env AIQ_WORKERS); they share the port with SO_REUSEPORT unless --port-per-worker",
+    )
+    s.add_argument(
+        "--port-per-worker",
+        action="store_true",
+        help="with --workers N: worker i listens on PORT+i (list each as an Envoy endpoint)",
+    )
     s.set_defaults(func=cmd_serve)
 
     u = sub.add_parser(
