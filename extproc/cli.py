@@ -107,13 +107,81 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     return 0
 
 
+_DECISION_FIELDS = (
+    "tenant",
+    "key",
+    "model",
+    "input_tokens",
+    "reserved_output",
+    "stream",
+    "status",
+    "code",
+)
+
+
+def format_log_line(line: str) -> str | None:
+    """One terminal line for an ext_proc JSON log line worth showing in ``ai-quota up``: every
+    admission decision, stream cut and settlement, and any warning or error; None otherwise."""
+    import orjson
+
+    try:
+        rec = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return line.rstrip() or None
+    if not isinstance(rec, dict):
+        return None
+    event, level = rec.get("event"), rec.get("level", "info")
+    stamp = str(rec.get("timestamp", ""))[11:19]
+    if event == "decision":
+        fields = " ".join(f"{k}={rec[k]}" for k in _DECISION_FIELDS if rec.get(k) is not None)
+        return f"{stamp} {rec.get('decision', '?'):<9} {fields}"
+    if event in ("stream_cut", "settled"):
+        skip = {"event", "level", "timestamp", "logger"}
+        return f"{stamp} {event:<9} " + " ".join(
+            f"{k}={v}" for k, v in rec.items() if k not in skip
+        )
+    if level in ("warning", "error", "critical"):
+        skip = {"event", "level", "timestamp", "logger"}
+        rest = " ".join(f"{k}={v}" for k, v in rec.items() if k not in skip)
+        return f"{stamp} {level.upper()} {event} {rest}".rstrip()
+    return None
+
+
+class _LogFollower:
+    """Reads what was appended to a log file since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0
+        self._partial = ""
+
+    def new_lines(self) -> list[str]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        text = self._partial + data.decode(errors="replace")
+        lines = text.split("\n")
+        self._partial = lines.pop()
+        return lines
+
+
 def cmd_up(args: argparse.Namespace) -> int:
-    """Run Redis, the simulator, the ext_proc service and Envoy in the foreground."""
+    """Run Redis, the simulator, the ext_proc service and Envoy in the foreground.
+
+    The terminal shows the banner with the URLs, then one line per decision (and any warning);
+    each process's own output (the Redis banner, Envoy's access log, ...) goes to
+    ``<workdir>/<name>.log``, and the stack's addresses to ``<workdir>/stack.json``.
+    """
     from extproc.stack import Stack, StackError, StackPorts
 
+    workdir = Path(args.workdir).resolve()
     stack = Stack(
         config=args.config,
-        workdir=Path(args.workdir).resolve(),
+        workdir=workdir,
         ports=StackPorts(
             envoy=args.port,
             envoy_admin=args.admin_port,
@@ -122,9 +190,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             redis=args.redis_port,
         ),
         redis_url=args.redis_url,
-        log_format="console",
-        inherit_output=True,
-        sim_args=["--log-format", "console"],
+        log_format="json",
+        inherit_output=False,
+        metrics_port=args.metrics_port or 0,
     )
     stop = {"flag": False}
 
@@ -133,12 +201,16 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    workdir.mkdir(parents=True, exist_ok=True)
+    followers = [_LogFollower(workdir / "extproc0.log")]
+    print("starting Redis, the simulator, ext_proc and Envoy ...", flush=True)
     try:
         stack.start()
     except StackError as exc:
         print(f"ai-quota up: {exc}", file=sys.stderr)
         return 1
     base = stack.base_url
+    metrics = f"http://127.0.0.1:{stack.metrics_port}/metrics" if stack.metrics_port else "off"
     print(
         f"""
 ai-quota is up.
@@ -146,7 +218,10 @@ ai-quota is up.
   Envoy admin        : http://127.0.0.1:{args.admin_port}
   ext_proc (gRPC)    : 127.0.0.1:{args.extproc_port}   rules: {args.config}
   simulator          : {stack.sim_url}   (ground truth: {stack.sim_url}/sim/requests)
-  redis              : {stack.effective_redis_url}
+  redis              : {stack.effective_redis_url}   (AOF in {workdir})
+  metrics            : {metrics}
+  logs               : {workdir}/*.log (Envoy's access log: envoy0.log)
+  addresses          : {stack.state_file}
 
 Try it (demo keys: sk-demo-standard, sk-demo-tight = 5 RPM / 2,000 TPM, sk-demo-strict):
   curl -s {base}/chat/completions -H 'Authorization: Bearer sk-demo-tight' \\
@@ -157,16 +232,22 @@ Try it (demo keys: sk-demo-standard, sk-demo-tight = 5 RPM / 2,000 TPM, sk-demo-
 model='sim-small', messages=[{{'role':'user','content':'hi'}}], max_tokens=1000, stream=True) if x.choices]"
   ai-quota usage --key sk-demo-tight --address 127.0.0.1:{args.extproc_port}
 
-Ctrl-C stops everything.
+Ctrl-C stops everything. Decisions:
 """,
         flush=True,
     )
     try:
         while not stop["flag"]:
+            for f in followers:
+                for line in f.new_lines():
+                    shown = format_log_line(line)
+                    if shown:
+                        print(shown, flush=True)
             for p in stack.procs:
                 if p.popen.poll() is not None:
                     print(
-                        f"ai-quota up: {p.name} exited with status {p.popen.returncode}; stopping",
+                        f"ai-quota up: {p.name} exited with status {p.popen.returncode}; "
+                        f"stopping (its log: {p.log_path})",
                         file=sys.stderr,
                     )
                     stop["flag"] = True
@@ -253,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--redis-port", type=int, default=6379, help="Redis to start (default %(default)s)"
     )
     u.add_argument("--redis-url", help="use this Redis instead of starting one")
+    u.add_argument(
+        "--metrics-port", type=int, help="serve the processor's Prometheus metrics on this port"
+    )
     u.add_argument(
         "--workdir", default=".run", help="logs and generated files (default %(default)s)"
     )
