@@ -24,6 +24,17 @@ from extproc.core.tokens import (
 UNKNOWN_MODEL_NAME = "(unknown)"
 
 
+#: Ledgers live at least this long: more than the longest stream plus the time kept settlements
+#: wait for Redis.  A file's ``ledger_ttl_seconds`` must also cover its longest window (up to
+#: an hour), so a request's refund always finds its ledger while its window's counters exist.
+LEDGER_TTL_FLOOR_S = 300
+
+
+def ledger_ttl_minimum(longest_window_s: int) -> int:
+    """The smallest ``ledger_ttl_seconds`` accepted for rules whose longest window is this."""
+    return max(LEDGER_TTL_FLOOR_S, min(longest_window_s, 3600))
+
+
 class ConfigError(ValueError):
     """The rules file is invalid. ``str()`` names the file and every offending path."""
 
@@ -194,6 +205,13 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
             if digest in keys:
                 errors.append(f"{source}: tenants.{tid}.keys[{i}]: this key is already assigned")
             keys[digest] = ApiKey(name=k.name, tenant=tid)
+    longest = max((lim.window_s for t in tenants.values() for lim in t.limits), default=60)
+    if cfg.ledger_ttl_seconds < ledger_ttl_minimum(longest):
+        errors.append(
+            f"{source}: ledger_ttl_seconds: {cfg.ledger_ttl_seconds} is below the safe minimum "
+            f"{ledger_ttl_minimum(longest)} (the longest window in use, {longest} s, capped at "
+            f"3600, and never under {LEDGER_TTL_FLOOR_S})"
+        )
     if errors:
         raise ConfigError("\n".join(errors))
 

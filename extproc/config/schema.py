@@ -187,4 +187,6 @@ class ConfigFile(Strict):
     paths: PathsPolicy = Field(default_factory=PathsPolicy)
     requests: RequestsPolicy = Field(default_factory=RequestsPolicy)
     failure: FailurePolicy = Field(default_factory=FailurePolicy)
-    ledger_ttl_seconds: int = Field(default=3600, ge=60)
+    # How long a request's ledger lives in Redis; load.py also requires at least the longest
+    # window in use (capped at an hour), see LEDGER_TTL_FLOOR_S there and docs/operations.md.
+    ledger_ttl_seconds: int = Field(default=3600, ge=300)
