@@ -246,6 +246,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         failure_mode=cfg.failure.mode,
         redis_timeout_ms=cfg.failure.timeout_ms,
         breaker_cooldown_ms=cfg.failure.breaker_cooldown_ms,
+        reservation_lease_ms=cfg.failure.reservation_lease_seconds * 1000,
         ledger_ttl_seconds=cfg.ledger_ttl_seconds,
         plaintext_keys=plaintext,
         plan_failure_modes={n: p.failure_mode for n, p in cfg.plans.items() if p.failure_mode},

@@ -87,6 +87,7 @@ class RuntimeConfig:
     redis_timeout_ms: int
     breaker_cooldown_ms: int
     ledger_ttl_seconds: int
+    reservation_lease_ms: int = 15_000
     plaintext_keys: int = 0
     plan_failure_modes: dict[str, Literal["closed", "open"]] = field(default_factory=dict)
 

@@ -173,6 +173,10 @@ class FailurePolicy(Strict):
     mode: FailureMode = "closed"
     timeout_ms: int = Field(default=250, ge=10, le=10_000)
     breaker_cooldown_ms: int = Field(default=1000, ge=0)
+    # An admitted request's reservation is leased this long and renewed while it runs; a
+    # processor killed without settling leaks its reservations for at most this long (they
+    # are refunded by the tenant's next admission after it).
+    reservation_lease_seconds: int = Field(default=15, ge=3, le=3600)
 
 
 class ConfigFile(Strict):

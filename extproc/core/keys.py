@@ -56,6 +56,11 @@ def ledger_key(prefix: str, tenant: str, request_id: str) -> str:
     return f"{tenant_tag(prefix, tenant)}:req:{sanitize_request_id(request_id)}"
 
 
+def open_key(ledger: str) -> str:
+    """The sorted set of a tenant's open reservations, next to its ledgers (same hash tag)."""
+    return ledger.rsplit(":req:", 1)[0] + ":open"
+
+
 def sanitize_request_id(request_id: str) -> str:
     """A request id safe to embed in a key (no braces, bounded length)."""
     return _SAFE_ID.sub("_", request_id)[:128] or "_"

@@ -41,8 +41,15 @@ class Limiter(Protocol):
         tpm_charged: int,
         count_refused: bool,
         ledger_ttl_ms: int,
+        now_ms: int = 0,
+        lease_until_ms: int = 0,
+        refundable: int = 0,
     ) -> AdmitResult:
-        """Check every bucket and charge all of them, or none."""
+        """Check every bucket and charge all of them, or none.
+
+        With a lease (``lease_until_ms``), the reservation is open until settled; when its
+        lease runs out unrenewed (the processor died), the next admission of the tenant
+        refunds its ``refundable`` part."""
         ...
 
     async def charge(
@@ -62,6 +69,10 @@ class Limiter(Protocol):
         self, ledger: str, adjustments: list[Adjustment], *, ledger_ttl_ms: int
     ) -> bool:
         """Apply the final corrections once; False when already settled."""
+        ...
+
+    async def renew(self, ledgers: list[str], until_ms: int) -> None:
+        """Extend the leases of these open reservations to ``until_ms``."""
         ...
 
     async def read(self, keys: list[str]) -> list[int]:

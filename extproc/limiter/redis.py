@@ -33,6 +33,7 @@ import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
 
 from extproc.clock import Clock, SystemClock
+from extproc.core.keys import open_key
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import AdmitResult, ChargeResult
@@ -240,12 +241,16 @@ class RedisLimiter:
         tpm_charged: int,
         count_refused: bool,
         ledger_ttl_ms: int,
+        now_ms: int = 0,
+        lease_until_ms: int = 0,
+        refundable: int = 0,
     ) -> AdmitResult:
-        """Run ``admit.lua`` over every bucket."""
+        """Run ``admit.lua`` over every bucket (reclaiming the tenant's dead reservations)."""
         args: list[Any] = [ledger_ttl_ms, "1" if count_refused else "0", tpm_charged]
         for b in buckets:
             args += ["r" if b.kind == "rpm" else "t", b.amount, b.limit, b.expire_at_ms]
-        keys = [ledger] + [b.key for b in buckets]
+        args += [now_ms, lease_until_ms, refundable]
+        keys = [ledger] + [b.key for b in buckets] + [open_key(ledger)]
         res = await self._call("admission", "admit", lambda: self._admit(keys=keys, args=args))
         status = int(res[0])
         return AdmitResult(
@@ -283,9 +288,22 @@ class RedisLimiter:
         args: list[Any] = [ledger_ttl_ms]
         for a in adjustments:
             args += [a.amount, a.expire_at_ms]
-        keys = [ledger] + [a.key for a in adjustments]
+        keys = [ledger] + [a.key for a in adjustments] + [open_key(ledger)]
         res = await self._call("settlement", "settle", lambda: self._settle(keys=keys, args=args))
         return bool(int(res))
+
+    async def renew(self, ledgers: list[str], until_ms: int) -> None:
+        """Extend the leases of open reservations (ZADD XX: a settled one is not re-added)."""
+        if not ledgers:
+            return
+
+        async def run() -> Any:
+            pipe = self._client.pipeline(transaction=False)
+            for led in ledgers:
+                pipe.zadd(open_key(led), {led: until_ms}, xx=True)
+            return await pipe.execute()
+
+        await self._call("a lease renewal", "renew", run)
 
     async def read(self, keys: list[str]) -> list[int]:
         """MGET the counters (one slot: all keys share a tenant's hash tag)."""

@@ -86,7 +86,16 @@ async def admit_body(gw: Gateway, ctx: RequestContext, raw: bytes) -> bytes | No
     now = gw.clock.now_ms()
     ctx.buckets = buckets_at(gw, ctx, now)
     ctx.ledger = ledger_key(gw.key_prefix, ctx.tenant.id, gw.ledger_id(ctx.request_id))
-    res = await limiter_admit(gw, ctx, ctx.buckets, cost)
+    lease = ctx.cfg.reservation_lease_ms if cost.settle_to_actual else 0
+    res = await limiter_admit(
+        gw,
+        ctx,
+        ctx.buckets,
+        cost,
+        now_ms=now,
+        lease_until_ms=now + lease if lease else 0,
+        refundable=cost.reserved_output,
+    )
     if res is None:  # fail-open: Redis is down and the plan lets traffic through unmetered
         decision = "admitted_unmetered"
     elif not res.admitted and not res.duplicate:
@@ -101,6 +110,8 @@ async def admit_body(gw: Gateway, ctx: RequestContext, raw: bytes) -> bytes | No
         ctx.admitted_at_ms = now
         ctx.account.record(ctx.buckets, cost.tpm_amount)
         ctx.headers_out = admission.rate_limit_headers(ctx.buckets, res.values, now).as_pairs()
+        if lease:
+            gw.keep_leases()
     gw.metrics.decisions.labels("admitted", "ok").inc()
     gw.metrics.admission_seconds.observe(time.perf_counter() - ctx.started)
     log.info(
@@ -173,7 +184,14 @@ async def admit_rpm_only(gw: Gateway, ctx: RequestContext) -> None:
 
 
 async def limiter_admit(
-    gw: Gateway, ctx: RequestContext, buckets: list[WindowedBucket], cost: Cost
+    gw: Gateway,
+    ctx: RequestContext,
+    buckets: list[WindowedBucket],
+    cost: Cost,
+    *,
+    now_ms: int = 0,
+    lease_until_ms: int = 0,
+    refundable: int = 0,
 ) -> AdmitResult | None:
     """Run admission; None means Redis failed and the plan's policy is fail-open."""
     try:
@@ -183,6 +201,9 @@ async def limiter_admit(
             tpm_charged=cost.tpm_amount,
             count_refused=ctx.cfg.count_refused_requests,
             ledger_ttl_ms=ctx.cfg.ledger_ttl_seconds * 1000,
+            now_ms=now_ms,
+            lease_until_ms=lease_until_ms,
+            refundable=refundable,
         )
     except LimiterUnavailable:
         gw.metrics.limiter_errors.labels("admit").inc()

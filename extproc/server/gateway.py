@@ -13,6 +13,7 @@ import structlog
 
 from extproc.clock import Clock
 from extproc.config.runtime import RuntimeConfig
+from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import Limiter
 from extproc.metrics import Metrics
 from extproc.server.kept import SettlementQueue
@@ -40,6 +41,10 @@ class Gateway:
     count_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))
     _serial: itertools.count[int] = field(default_factory=itertools.count)
     _settlements: SettlementQueue | None = None
+    # Open reservations are leased (``failure.reservation_lease_seconds``) and renewed every
+    # third of it while their request runs; a processor that dies stops renewing, and the
+    # tenant's next admission refunds what it had reserved (the bound on what a SIGKILL leaks).
+    _leases: asyncio.Task[None] | None = None
 
     def ledger_id(self, request_id: str) -> str:
         """A ledger id unique to one HTTP request: Envoy's request id, this process, a serial.
@@ -65,6 +70,31 @@ class Gateway:
         self.pending.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("background_task_failed", error=repr(task.exception()))
+
+    def keep_leases(self) -> None:
+        """Start renewing open reservations' leases (once per process)."""
+        if self._leases is None or self._leases.done():
+            self._leases = asyncio.ensure_future(self._renew_loop())
+
+    def open_ledgers(self) -> list[str]:
+        """Ledgers of requests admitted here and not yet settled."""
+        return [
+            p.ctx.ledger
+            for p in list(self.active)
+            if p.ctx.metered and p.ctx.ledger and not p.life.settling
+        ]
+
+    async def _renew_loop(self) -> None:
+        while True:
+            lease_ms = self.config.reservation_lease_ms
+            await asyncio.sleep(lease_ms / 3000)
+            ledgers = self.open_ledgers()
+            if not ledgers:
+                continue
+            try:
+                await self.limiter.renew(ledgers, self.clock.now_ms() + lease_ms)
+            except LimiterUnavailable:
+                log.warning("lease_renewal_failed", open=len(ledgers))
 
     async def cut_streams_for_shutdown(self) -> int:
         """End every stream still open with a well-formed ``server_shutdown`` error; how many."""

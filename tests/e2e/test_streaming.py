@@ -36,7 +36,7 @@ def settled(rds: redis.Redis, tenant: str, *, expect: int = 1) -> int:
     deadline = time.monotonic() + 15
     while True:
         states = [rds.hget(k, "state") for k in rds.scan_iter(f"aiq:{{{tenant}}}:req:*")]
-        done = sum(1 for s in states if s in (b"settled", "settled"))
+        done = sum(1 for s in states if s in (b"settled", "settled", b"reclaimed", "reclaimed"))
         if done >= expect and done == len(states):
             return tpm_used(rds, tenant)
         if time.monotonic() > deadline:

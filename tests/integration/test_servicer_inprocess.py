@@ -74,6 +74,9 @@ class RecordingLimiter:
         self.settles.append(adjustments)
         return True
 
+    async def renew(self, ledgers: list[str], until_ms: int) -> None:
+        return None
+
     async def read(self, keys: list[str]) -> list[int]:
         return [0] * len(keys)
 

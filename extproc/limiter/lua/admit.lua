@@ -2,14 +2,47 @@
 --
 -- KEYS[1]        the request's ledger (hash); its existence makes a replayed request id a no-op
 -- KEYS[2..n+1]   bucket counters (one fixed window each), all sharing one hash tag
+-- KEYS[n+2]      the tenant's open reservations (sorted set: ledger -> lease deadline, ms)
 -- ARGV[1]        ledger TTL in ms
 -- ARGV[2]        "1" to count a refused request in its RPM buckets anyway, else "0"
 -- ARGV[3]        TPM tokens this admission charges (recorded in the ledger)
 -- ARGV[4..]      per bucket, 4 values: kind ("r" or "t"), amount, limit, expire-at (unix ms)
+-- then           now (unix ms), lease deadline (unix ms; 0 = no lease), refundable tokens
+--
+-- Reclaim: before deciding, up to 8 reservations of this tenant whose lease ran out (their
+-- processor died without settling) are settled: the refundable part of their admission
+-- charge (the reserved output) goes back to the buckets that still exist. Every key touched
+-- shares the tenant's hash tag, so this stays in one Cluster slot.
 --
 -- Returns {status, {value per bucket}}: status 1 admitted (values after charging),
 -- 0 refused (values as found), 2 duplicate request id (nothing charged; values as found).
-local n = #KEYS - 1
+local n = #KEYS - 2
+local open = KEYS[n + 2]
+local tail = 4 + n * 4
+local now = tonumber(ARGV[tail] or '0')
+local lease_until = tonumber(ARGV[tail + 1] or '0')
+local refundable = tonumber(ARGV[tail + 2] or '0')
+if now > 0 then
+  local dead = redis.call('ZRANGEBYSCORE', open, '-inf', now, 'LIMIT', 0, 8)
+  for _, led in ipairs(dead) do
+    redis.call('ZREM', open, led)
+    if redis.call('HGET', led, 'state') == 'admitted' then
+      local fields = redis.call('HGETALL', led)
+      for j = 1, #fields, 2 do
+        if string.sub(fields[j], 1, 2) == 'r:' then
+          local key = string.sub(fields[j], 3)
+          local amt = tonumber(fields[j + 1])
+          if amt > 0 and redis.call('EXISTS', key) == 1 then
+            if redis.call('DECRBY', key, amt) < 0 then
+              redis.call('SET', key, 0, 'KEEPTTL')
+            end
+          end
+        end
+      end
+      redis.call('HSET', led, 'state', 'reclaimed')
+    end
+  end
+end
 local vals = {}
 for i = 1, n do
   vals[i] = tonumber(redis.call('GET', KEYS[i + 1]) or '0')
@@ -36,6 +69,16 @@ if ok then
     end
   end
   redis.call('HSET', KEYS[1], 'state', 'admitted', 'seq', 0, 'charged', ARGV[3])
+  if lease_until > 0 then
+    for i = 1, n do
+      local base = 4 + (i - 1) * 4
+      if ARGV[base] == 't' and refundable > 0 then
+        redis.call('HSET', KEYS[1], 'r:' .. KEYS[i + 1], refundable)
+      end
+    end
+    redis.call('ZADD', open, lease_until, KEYS[1])
+    redis.call('PEXPIRE', open, ARGV[1])
+  end
   redis.call('PEXPIRE', KEYS[1], ARGV[1])
   return {1, vals}
 end

@@ -2,15 +2,29 @@
 --
 -- KEYS[1]        the request's ledger; state "settled" makes every later call a no-op
 -- KEYS[2..n+1]   bucket counters to correct
+-- KEYS[n+2]      the tenant's open reservations (the ledger leaves it)
 -- ARGV[1]        ledger TTL in ms (the settled marker is kept this long to catch duplicates)
 -- ARGV[2..]      per key, 2 values: signed amount, expire-at (unix ms)
 --
 -- A refund only touches a counter that still exists (its window has not ended) and never
 -- takes it below zero. Returns 1 when applied, 0 when the request was already settled.
-if redis.call('HGET', KEYS[1], 'state') == 'settled' then
+local n = #KEYS - 2
+redis.call('ZREM', KEYS[n + 2], KEYS[1])
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'settled' then
   return 0
 end
-local n = #KEYS - 1
+if state == 'reclaimed' then
+  -- Reclaimed as abandoned, but its processor was alive (a lease renewal was lost): put the
+  -- refunded reservation back, then apply the corrections as computed.
+  local fields = redis.call('HGETALL', KEYS[1])
+  for j = 1, #fields, 2 do
+    local key = string.sub(fields[j], 3)
+    if string.sub(fields[j], 1, 2) == 'r:' and redis.call('EXISTS', key) == 1 then
+      redis.call('INCRBY', key, tonumber(fields[j + 1]))
+    end
+  end
+end
 local net = 0
 for i = 1, n do
   local amount = tonumber(ARGV[2 + (i - 1) * 2])
