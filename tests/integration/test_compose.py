@@ -221,3 +221,36 @@ def test_local_envoy_yaml_equals_the_renderer_default() -> None:
 def test_local_envoy_yaml_passes_envoy_validate() -> None:
     """envoy --mode validate accepts the local default envoy/envoy.yaml."""
     _validate(LOCAL_ENVOY)
+
+
+@pytest.mark.parametrize("path", [LOCAL_ENVOY, COMPOSE_ENVOY], ids=["local", "compose"])
+def test_extproc_cluster_is_health_checked_ejected_and_retried(path: Path) -> None:
+    """The ext_proc cluster has an active grpc.health.v1 check, outlier detection, and the
+    filter's grpc_service retries streams that could not start on another replica."""
+    cfg = yaml.safe_load(path.read_text())
+    ext = _clusters(cfg)["extproc"]
+    (hc,) = ext["health_checks"]
+    assert hc["grpc_health_check"]["service_name"] == "envoy.service.ext_proc.v3.ExternalProcessor"
+    assert hc["unhealthy_threshold"] == 1 and hc["no_traffic_interval"] == hc["interval"]
+    assert ext["outlier_detection"]["consecutive_local_origin_failure"] >= 1
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    ext_proc = next(
+        f for f in hcm["typed_config"]["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"
+    )
+    retry = ext_proc["typed_config"]["grpc_service"]["retry_policy"]
+    assert {"connect-failure", "refused-stream", "reset"} <= set(retry["retry_on"].split(","))
+    assert retry["retry_host_predicate"][0]["name"].endswith("previous_hosts")
+
+
+def test_envoy_config_output_has_no_yaml_anchors() -> None:
+    """`ai-quota envoy-config` prints every repeated block in full (no &id001 / *id001)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "extproc", "envoy-config", "--extproc", "a:1", "--extproc", "b:2"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert "&id" not in out and "*id" not in out
+    assert not re.search(r"^\s*[-\w]+: [&*]\w+", out, flags=re.M)
+    assert "health_checks" in out
