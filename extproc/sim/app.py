@@ -1,4 +1,4 @@
-"""aiohttp application of the upstream simulator: OpenAI endpoints, fault injection, ground truth.
+"""aiohttp application of the upstream simulator: generation APIs, fault injection, ground truth.
 
 Disconnect detection: ``start_sim`` (and the CLI) run the app with aiohttp's
 ``handler_cancellation=True``, so when the peer goes away the handler task is cancelled at once and
@@ -10,12 +10,17 @@ so the disconnect is noticed at the next token at the latest.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
+import gzip
+import math
+import random
 import socket
 import struct
 import time
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -25,32 +30,63 @@ from aiohttp import web
 from extproc.sim.config import SimConfig
 from extproc.sim.records import RecordStore, SimRecord
 from extproc.sim.request import (
+    EmbeddingsRequest,
     GenerationRequest,
     Plan,
     RequestError,
     SimControls,
     parse_controls,
+    parse_embeddings,
     parse_generation,
+    parse_messages,
+    parse_responses,
     plan_answer,
 )
+from extproc.sim.script import (
+    END_ABORT,
+    END_ERROR_EVENT,
+    Gzip,
+    Script,
+    Triggers,
+    UsageFunc,
+    build_stream,
+    burst,
+)
 from extproc.sim.text import generate_pieces, vocabulary
+from extproc.sim.wire import (
+    CONTENT,
+    DONE_EVENT,
+    ENCODERS,
+    MALFORMED_DATA,
+    REASONING,
+    TOOL,
+    TOOL_NAME,
+    ChoiceOutput,
+    Encoder,
+    Unit,
+    WireContext,
+    anthropic_error,
+    openai_error,
+    tool_json_overhead,
+    tool_json_units,
+)
 
 log = structlog.get_logger(__name__)
 
-MALFORMED_EVENT = b"data: {not json\n\n"
-DONE_EVENT = b"data: [DONE]\n\n"
-TOOL_NAME = "sim_tool"
+MALFORMED_EVENT = MALFORMED_DATA
+__all__ = [
+    "DONE_EVENT",
+    "MALFORMED_EVENT",
+    "STATE_KEY",
+    "TOOL_NAME",
+    "SimState",
+    "error_body",
+    "make_app",
+    "start_sim",
+]
 
-_ERROR_TYPES: dict[int, tuple[str, str | None]] = {
-    400: ("invalid_request_error", None),
-    401: ("authentication_error", "invalid_api_key"),
-    403: ("permission_error", None),
-    404: ("invalid_request_error", "model_not_found"),
-    408: ("timeout", None),
-    409: ("conflict_error", None),
-    422: ("invalid_request_error", None),
-    429: ("requests", "rate_limit_exceeded"),
-}
+#: the choice-index offset of the separately generated Anthropic tool-input text
+_TOOL_TEXT_CHOICE = 1_000_000
 
 
 @dataclass(slots=True)
@@ -68,59 +104,67 @@ def error_body(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> bytes:
     """OpenAI-style error JSON for ``status``."""
-    err_type, default_code = _ERROR_TYPES.get(
-        status, ("server_error", None) if status >= 500 else ("invalid_request_error", None)
-    )
-    payload = {
-        "error": {
-            "message": message,
-            "type": err_type,
-            "param": param,
-            "code": code if code is not None else default_code,
-        }
-    }
-    return bytes(orjson.dumps(payload))
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + bytes(orjson.dumps(obj)) + b"\n\n"
+    return bytes(orjson.dumps(openai_error(status, message, param, code)))
 
 
 class PeerGoneError(ConnectionResetError):
     """The client (or proxy) closed the connection."""
 
 
-@dataclass(slots=True)
-class _Choice:
-    index: int
-    pieces: list[str]
-    reasoning: int
-    pos: int = 0
-    tool_started: bool = False
+class _SimResponse(web.StreamResponse):
+    """A StreamResponse that can be sent without any Content-Type header (x-sim-content-type)."""
+
+    drop_content_type = False
+
+    async def _write_headers(self) -> None:
+        if self.drop_content_type:
+            self.headers.popall("Content-Type", None)
+        await super()._write_headers()
 
 
 @dataclass(slots=True)
-class _Triggers:
-    malformed: int | None
-    error_event: int | None
-    disconnect: int | None
-    fired: set[str] = field(default_factory=set)
+class _Delivery:
+    """How the bytes go out: content type, gzip, content length, burst."""
 
-    def next_cap(self, sent: int) -> int | None:
-        caps = [
-            t - sent
-            for name, t in (
-                ("malformed", self.malformed),
-                ("error_event", self.error_event),
-                ("disconnect", self.disconnect),
-            )
-            if t is not None and name not in self.fired and t > sent
-        ]
-        return min(caps) if caps else None
+    content_type: str | None
+    gzip: bool
+    content_length: bool
+    burst: bool
+
+    @classmethod
+    def choose(
+        cls, controls: SimControls, headers: dict[str, str], default_type: str, stream: bool
+    ) -> _Delivery:
+        accept = headers.get("accept-encoding", "").lower()
+        use_gzip = controls.gzip or (controls.honour_accept_encoding and "gzip" in accept)
+        ctype: str | None = default_type
+        if controls.content_type is not None:
+            ctype = None if controls.content_type.lower() == "none" else controls.content_type
+        return cls(
+            content_type=ctype,
+            gzip=use_gzip,
+            content_length=controls.content_length and stream,
+            burst=controls.burst_tokens is not None and stream,
+        )
+
+    def response(self, status: int, extra: dict[str, str]) -> _SimResponse:
+        headers = dict(extra)
+        if self.content_type is not None:
+            headers["Content-Type"] = self.content_type
+        if self.gzip:
+            headers["Content-Encoding"] = "gzip"
+        resp = _SimResponse(status=status, headers=headers)
+        resp.drop_content_type = self.content_type is None
+        return resp
+
+    def record(self, rec: SimRecord) -> None:
+        rec.content_type = self.content_type
+        rec.content_encoding = "gzip" if self.gzip else None
+        rec.burst = self.burst
 
 
 class _Generation:
-    """One generation request being answered (streaming or not)."""
+    """One generation request being answered (streaming or not), for any generation API."""
 
     def __init__(
         self,
@@ -128,33 +172,60 @@ class _Generation:
         *,
         state: SimState,
         rec: SimRecord,
+        api: str,
         req: GenerationRequest,
         controls: SimControls,
         plan: Plan,
-        chat: bool,
+        delivery: _Delivery,
     ) -> None:
         cfg = state.config
         self.request = request
         self.state = state
         self.rec = rec
+        self.api = api
         self.req = req
         self.controls = controls
         self.plan = plan
-        self.chat = chat
+        self.delivery = delivery
         self.loop = asyncio.get_running_loop()
         self.ttft = (controls.ttft_ms if controls.ttft_ms is not None else cfg.ttft_ms) / 1000.0
         self.itl = (controls.itl_ms if controls.itl_ms is not None else cfg.itl_ms) / 1000.0
-        self.per_chunk = controls.tokens_per_chunk or cfg.tokens_per_chunk
-        seed = controls.seed if controls.seed is not None else cfg.seed
-        reasoning = min(controls.reasoning, plan.tokens_per_choice) if chat else 0
-        self.tool = controls.tool_call and chat
-        self.choices = [
-            _Choice(i, generate_pieces(cfg.text_mode, seed, i, plan.tokens_per_choice), reasoning)
-            for i in range(req.n)
-        ]
+        self.per_chunk = controls.per_chunk or cfg.tokens_per_chunk
+        self.tool = controls.tool_call and api != "completions"
+        self.choices = [self._units(i) for i in range(req.choices)]
         self.created = int(time.time())
-        self.response_id = ("chatcmpl-" if chat else "cmpl-") + rec.sim_id
         self.resp: web.StreamResponse | None = None
+        rec.chunk_tokens = self.per_chunk
+        rec.tokens_planned = sum(u.tokens for units in self.choices for u in units)
+
+    def _units(self, index: int) -> list[Unit]:
+        cfg = self.state.config
+        seed = self.controls.seed if self.controls.seed is not None else cfg.seed
+        count = self.plan.tokens_per_choice
+        pieces = generate_pieces(cfg.text_mode, seed, index, count)
+        reasoning = 0 if self.api == "completions" else min(self.controls.reasoning, count)
+        units = [Unit(p, 1, REASONING) for p in pieces[:reasoning]]
+        if self.tool and self.api == "messages":
+            # Anthropic tool input must be JSON; its text starts fresh so it cannot merge
+            inner = max(0, count - reasoning - tool_json_overhead())
+            text = generate_pieces(cfg.text_mode, seed, _TOOL_TEXT_CHOICE + index, inner)
+            return units + tool_json_units(text)
+        kind = TOOL if self.tool else CONTENT
+        return units + [Unit(p, 1, kind) for p in pieces[reasoning:]]
+
+    def _encoder(self) -> Encoder:
+        ctx = WireContext(
+            sim_id=self.rec.sim_id,
+            model=self.req.model,
+            created=self.created,
+            prompt_tokens=self.req.prompt_tokens,
+            include_usage=self.req.include_usage,
+            finish_reason=self.plan.finish_reason,
+            choices=self.req.choices,
+            tool=self.tool,
+            max_output_tokens=self.req.requested_max_tokens,
+        )
+        return ENCODERS[self.api](ctx)
 
     # -- transport helpers -------------------------------------------------------------------
 
@@ -174,18 +245,6 @@ class _Generation:
         assert self.resp is not None
         self._check_peer()
         await self.resp.write(data)
-
-    def _usage(self, completion: int) -> dict[str, Any]:
-        usage: dict[str, Any] = {
-            "prompt_tokens": self.req.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": self.req.prompt_tokens + completion,
-        }
-        if self.chat:
-            usage["completion_tokens_details"] = {
-                "reasoning_tokens": sum(min(c.reasoning, c.pos) for c in self.choices)
-            }
-        return usage
 
     def _headers(self) -> dict[str, str]:
         return {"x-sim-id": self.rec.sim_id}
@@ -246,82 +305,6 @@ class _Generation:
             )
         transport.abort()
 
-    # -- non-streaming -------------------------------------------------------------------------
-
-    async def _unary(self) -> None:
-        longest = self.plan.tokens_per_choice
-        start = self.loop.time()
-        await self._sleep_until(start + self.ttft + self.itl * max(0, longest - 1))
-        for choice in self.choices:
-            choice.pos = len(choice.pieces)
-        total = sum(len(c.pieces) for c in self.choices)
-        body = bytes(orjson.dumps(self._unary_body(total)))
-        self._check_peer()
-        self.rec.status = 200
-        if self.controls.disconnect_after is not None:
-            partial = web.StreamResponse(status=200, headers=self._headers())
-            partial.content_type = "application/json"
-            partial.content_length = len(body)
-            self.resp = partial
-            await partial.prepare(self.request)
-            await partial.write(body[: len(body) // 2])
-            await self._abort()
-            return
-        resp = web.Response(body=body, content_type="application/json", headers=self._headers())
-        self.resp = resp
-        await resp.prepare(self.request)
-        await resp.write_eof()
-        now = time.time()
-        self.state.store.add_tokens(self.rec, total, now)
-        self._complete(now)
-
-    def _unary_body(self, total: int) -> dict[str, Any]:
-        choices: list[dict[str, Any]] = []
-        for c in self.choices:
-            if self.chat:
-                reasoning_text = "".join(c.pieces[: c.reasoning])
-                answer = "".join(c.pieces[c.reasoning :])
-                message: dict[str, Any] = {"role": "assistant", "content": None, "refusal": None}
-                if self.tool:
-                    message["tool_calls"] = [self._tool_call_full(c.index, answer)]
-                else:
-                    message["content"] = answer
-                if c.reasoning:
-                    message["reasoning_content"] = reasoning_text
-                choices.append(
-                    {
-                        "index": c.index,
-                        "message": message,
-                        "logprobs": None,
-                        "finish_reason": self.plan.finish_reason,
-                    }
-                )
-            else:
-                choices.append(
-                    {
-                        "index": c.index,
-                        "text": "".join(c.pieces),
-                        "logprobs": None,
-                        "finish_reason": self.plan.finish_reason,
-                    }
-                )
-        return {
-            "id": self.response_id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.req.model,
-            "system_fingerprint": "ai-quota-sim",
-            "choices": choices,
-            "usage": self._usage(total),
-        }
-
-    def _tool_call_full(self, index: int, arguments: str) -> dict[str, Any]:
-        return {
-            "id": f"call_{self.rec.sim_id}_{index}",
-            "type": "function",
-            "function": {"name": TOOL_NAME, "arguments": arguments},
-        }
-
     def _complete(self, now: float) -> None:
         if self.state.store.finish(self.rec, "completed", now):
             log.debug(
@@ -331,152 +314,116 @@ class _Generation:
                 tokens_sent=self.rec.tokens_sent,
             )
 
+    # -- non-streaming -------------------------------------------------------------------------
+
+    async def _unary(self) -> None:
+        longest = max((sum(u.tokens for u in units) for units in self.choices), default=0)
+        start = self.loop.time()
+        await self._sleep_until(start + self.ttft + self.itl * max(0, longest - 1))
+        total = sum(u.tokens for units in self.choices for u in units)
+        outputs = [
+            ChoiceOutput(
+                index=i,
+                reasoning="".join(u.text for u in units if u.kind == REASONING),
+                answer="".join(u.text for u in units if u.kind != REASONING),
+            )
+            for i, units in enumerate(self.choices)
+        ]
+        reasoning = sum(u.tokens for units in self.choices for u in units if u.kind == REASONING)
+        usage = UsageFunc(self.controls.usage)(total, reasoning)
+        body = bytes(orjson.dumps(self._encoder().body(outputs, usage)))
+        if self.delivery.gzip:
+            body = gzip.compress(body, mtime=0)
+        self._check_peer()
+        self.rec.status = 200
+        resp = self.delivery.response(200, self._headers())
+        resp.content_length = len(body)
+        self.resp = resp
+        await resp.prepare(self.request)
+        if self.controls.disconnect_after is not None:
+            await resp.write(body[: len(body) // 2])
+            await self._abort()
+            return
+        await resp.write(body)
+        await resp.write_eof()
+        now = time.time()
+        self.state.store.add_tokens(self.rec, total, now)
+        self.rec.usage_reported = usage.output
+        self._complete(now)
+
     # -- streaming -----------------------------------------------------------------------------
 
-    def _chunk(
-        self, index: int, delta: dict[str, Any] | None, text: str | None, finish: str | None
-    ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index}
-        if self.chat:
-            choice["delta"] = delta if delta is not None else {}
-        else:
-            choice["text"] = text if text is not None else ""
-        choice["logprobs"] = None
-        choice["finish_reason"] = finish
-        obj: dict[str, Any] = {
-            "id": self.response_id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.req.model,
-            "system_fingerprint": "ai-quota-sim",
-            "choices": [choice],
-        }
-        if self.req.include_usage:
-            obj["usage"] = None
-        return obj
-
-    def _content_delta(self, c: _Choice, text: str, reasoning: bool) -> dict[str, Any]:
-        if reasoning:
-            return {"reasoning_content": text}
-        if not self.tool:
-            return {"content": text}
-        if not c.tool_started:
-            c.tool_started = True
-            call: dict[str, Any] = {
-                "index": 0,
-                "id": f"call_{self.rec.sim_id}_{c.index}",
-                "type": "function",
-                "function": {"name": TOOL_NAME, "arguments": text},
-            }
-        else:
-            call = {"index": 0, "function": {"arguments": text}}
-        return {"tool_calls": [call]}
-
-    async def _fire_triggers(self, triggers: _Triggers, end_of_content: bool) -> bool:
-        """Emit due injections; returns True when the stream must stop here."""
-        sent = self.rec.tokens_sent
-
-        def due(name: str, at: int | None) -> bool:
-            return at is not None and name not in triggers.fired and (sent >= at or end_of_content)
-
-        if due("malformed", triggers.malformed):
-            triggers.fired.add("malformed")
-            await self._write(MALFORMED_EVENT)
-            log.info("sim_injected_malformed", sim_id=self.rec.sim_id, tokens_sent=sent)
-        if due("error_event", triggers.error_event):
-            triggers.fired.add("error_event")
-            event = {
-                "error": {
-                    "message": "injected in-stream error (x-sim-error-event-after)",
-                    "type": "server_error",
-                    "param": None,
-                    "code": "sim_injected_error",
-                }
-            }
-            await self._write(_sse(event))
-            assert self.resp is not None
-            await self.resp.write_eof()
-            now = time.time()
-            if self.state.store.finish(self.rec, "error_status", now):
-                self.rec.error = "injected_error_event"
-                log.info("sim_injected_error_event", sim_id=self.rec.sim_id, tokens_sent=sent)
-            return True
-        if due("disconnect", triggers.disconnect):
-            triggers.fired.add("disconnect")
-            await self._abort()
-            return True
-        return False
+    def _script(self, triggers: Triggers) -> Script:
+        return build_stream(
+            self._encoder(),
+            self.choices,
+            per_chunk=self.per_chunk,
+            interval=self.itl * self.per_chunk,
+            triggers=triggers,
+            usage_for=UsageFunc(self.controls.usage),
+        )
 
     async def _stream(self) -> None:
-        resp = web.StreamResponse(
-            status=200,
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                **self._headers(),
-            },
+        controls = self.controls
+        script = self._script(
+            Triggers(
+                malformed=controls.malformed_after,
+                error_event=controls.error_event_after,
+                disconnect=controls.disconnect_after,
+            )
         )
+        frames = burst(script.frames) if self.delivery.burst else script.frames
+        zipper = Gzip() if self.delivery.gzip else None
+        encoded = [zipper.chunk(f.data) if zipper else f.data for f in frames]
+        tail = zipper.finish() if zipper is not None and script.end != END_ABORT else b""
+        resp = self.delivery.response(200, {"Cache-Control": "no-cache", **self._headers()})
+        if self.delivery.content_length:
+            length = sum(map(len, encoded)) + len(tail)
+            if script.end == END_ABORT:
+                # the length of the stream as it would have been without the reset
+                full = self._script(
+                    Triggers(
+                        malformed=controls.malformed_after, error_event=controls.error_event_after
+                    )
+                )
+                full_zip = Gzip() if self.delivery.gzip else None
+                parts = [full_zip.chunk(f.data) if full_zip else f.data for f in full.frames]
+                length = sum(map(len, parts)) + (len(full_zip.finish()) if full_zip else 0)
+            resp.content_length = length
+            self.rec.content_length = length
         self.resp = resp
         self._check_peer()
         await resp.prepare(self.request)
         self.rec.status = 200
-        triggers = _Triggers(
-            malformed=self.controls.malformed_after,
-            error_event=self.controls.error_event_after,
-            disconnect=self.controls.disconnect_after,
-        )
+        store = self.state.store
         start = self.loop.time() + self.ttft
         await self._sleep_until(start)
-        if self.chat:
-            for c in self.choices:
-                await self._write(
-                    _sse(self._chunk(c.index, {"role": "assistant", "content": ""}, None, None))
+        for frame, data in zip(frames, encoded, strict=True):
+            if frame.at > 0:
+                await self._sleep_until(start + frame.at)
+            await self._write(data)
+            if frame.tokens:
+                store.add_tokens(self.rec, frame.tokens, time.time())
+            if frame.usage_reported is not None:
+                self.rec.usage_reported = frame.usage_reported
+            if frame.note:
+                log.info(
+                    "sim_injected_" + frame.note.replace(",", "_"),
+                    sim_id=self.rec.sim_id,
+                    tokens_sent=self.rec.tokens_sent,
                 )
-        if await self._fire_triggers(triggers, end_of_content=False):
+        if script.end == END_ABORT:
+            await self._abort()
             return
-        store = self.state.store
-        interval = self.itl * self.per_chunk
-        step = 0
-        while any(c.pos < len(c.pieces) for c in self.choices):
-            if step:
-                await self._sleep_until(start + step * interval)
-            step += 1
-            for c in self.choices:
-                remaining = len(c.pieces) - c.pos
-                if remaining <= 0:
-                    continue
-                take = min(self.per_chunk, remaining)
-                in_reasoning = c.pos < c.reasoning
-                if in_reasoning:
-                    take = min(take, c.reasoning - c.pos)
-                cap = triggers.next_cap(self.rec.tokens_sent)
-                if cap is not None:
-                    take = min(take, cap)
-                text = "".join(c.pieces[c.pos : c.pos + take])
-                delta = self._content_delta(c, text, in_reasoning) if self.chat else None
-                await self._write(_sse(self._chunk(c.index, delta, text, None)))
-                c.pos += take
-                store.add_tokens(self.rec, take, time.time())
-                if await self._fire_triggers(triggers, end_of_content=False):
-                    return
-        if await self._fire_triggers(triggers, end_of_content=True):
-            return
-        for c in self.choices:
-            await self._write(_sse(self._chunk(c.index, {}, "", self.plan.finish_reason)))
-        if self.req.include_usage:
-            usage_chunk: dict[str, Any] = {
-                "id": self.response_id,
-                "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created,
-                "model": self.req.model,
-                "system_fingerprint": "ai-quota-sim",
-                "choices": [],
-                "usage": self._usage(self.rec.tokens_sent),
-            }
-            await self._write(_sse(usage_chunk))
-        await self._write(DONE_EVENT)
+        if tail:
+            await self._write(tail)
         await resp.write_eof()
-        self._complete(time.time())
+        now = time.time()
+        if script.end == END_ERROR_EVENT:
+            if self.state.store.finish(self.rec, "error_status", now):
+                self.rec.error = "injected_error_event"
+            return
+        self._complete(now)
 
 
 # -- handlers ----------------------------------------------------------------------------------
@@ -501,18 +448,44 @@ async def _error_response(
         status=err.status,
         message=err.message,
     )
+    if rec.api == "messages":
+        body = bytes(orjson.dumps(anthropic_error(err.status, err.message)))
+    else:
+        body = error_body(err.status, err.message, err.param, err.code)
     return web.Response(
-        body=error_body(err.status, err.message, err.param, err.code),
+        body=body,
         status=err.status,
         content_type="application/json",
         headers={"x-sim-id": rec.sim_id},
     )
 
 
-async def _handle_generation(request: web.Request, chat: bool) -> web.StreamResponse:
+def _parse_generation(api: str, body: Any, config: SimConfig) -> GenerationRequest:
+    if api == "responses":
+        return parse_responses(body, config=config)
+    if api == "messages":
+        return parse_messages(body, config=config)
+    return parse_generation(body, chat=api == "chat", config=config)
+
+
+async def _before_answer(controls: SimControls) -> None:
+    """Injected slow start and error status (both apply before anything is generated)."""
+    if controls.slow_start_ms:
+        await asyncio.sleep(controls.slow_start_ms / 1000.0)
+    if controls.status is not None:
+        raise RequestError(
+            controls.status, f"injected error status {controls.status} (x-sim-status)"
+        )
+
+
+_Answer = Callable[[SimRecord, dict[str, str], Any], Awaitable[web.StreamResponse]]
+
+
+async def _handle(request: web.Request, api: str, answer: _Answer) -> web.StreamResponse:
+    """Common frame of every API handler: record, parse, reject, answer."""
     state = request.app[STATE_KEY]
-    cfg = state.config
     rec = state.store.new(request.path, time.time())
+    rec.api = api
     headers = {k.lower(): v for k, v in request.headers.items()}
     rec.request_id = headers.get("x-request-id")
     rec.client_request_id = headers.get("x-client-request-id")
@@ -523,24 +496,7 @@ async def _handle_generation(request: web.Request, chat: bool) -> web.StreamResp
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError:
             raise RequestError(400, "We could not parse the JSON body of your request.") from None
-        req = parse_generation(body, chat=chat, config=cfg)
-        rec.model = req.model
-        rec.stream = req.stream
-        rec.n = req.n
-        rec.include_usage = req.include_usage
-        rec.prompt_tokens = req.prompt_tokens
-        controls = parse_controls(headers)
-        if not chat:  # reasoning and tool calls only exist in the chat format
-            controls = dataclasses.replace(controls, reasoning=0, tool_call=False)
-        plan = plan_answer(req, controls, cfg)
-        rec.max_tokens = plan.limit
-        rec.tokens_planned = plan.tokens_per_choice * req.n
-        if controls.slow_start_ms:
-            await asyncio.sleep(controls.slow_start_ms / 1000.0)
-        if controls.status is not None:
-            raise RequestError(
-                controls.status, f"injected error status {controls.status} (x-sim-status)"
-            )
+        return await answer(rec, headers, body)
     except RequestError as err:
         return await _error_response(request, state, rec, err)
     except (asyncio.CancelledError, ConnectionError):
@@ -551,23 +507,127 @@ async def _handle_generation(request: web.Request, chat: bool) -> web.StreamResp
                 "sim_client_disconnected",
                 sim_id=rec.sim_id,
                 request_id=rec.request_id,
-                tokens_sent=0,
+                tokens_sent=rec.tokens_sent,
             )
         raise
-    gen = _Generation(
-        request, state=state, rec=rec, req=req, controls=controls, plan=plan, chat=chat
-    )
-    return await gen.run()
+
+
+async def _handle_generation(request: web.Request, api: str) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    cfg = state.config
+
+    async def answer(rec: SimRecord, headers: dict[str, str], body: Any) -> web.StreamResponse:
+        req = _parse_generation(api, body, cfg)
+        rec.model = req.model
+        rec.stream = req.stream
+        rec.n = req.n
+        rec.prompts = req.prompts
+        rec.choices = req.choices
+        rec.include_usage = req.include_usage
+        rec.prompt_tokens = req.prompt_tokens
+        rec.max_tokens_seen = req.requested_max_tokens
+        controls = parse_controls(headers)
+        if api == "completions":  # reasoning and tool calls do not exist in this format
+            controls = dataclasses.replace(controls, reasoning=0, tool_call=False)
+        if controls.usage is not None:
+            rec.usage_lie = headers.get("x-sim-usage")
+        plan = plan_answer(req, controls, cfg)
+        rec.max_tokens = plan.limit
+        rec.tokens_planned = plan.tokens_per_choice * req.choices
+        await _before_answer(controls)
+        default_type = "text/event-stream" if req.stream else "application/json"
+        delivery = _Delivery.choose(controls, headers, default_type, req.stream)
+        delivery.record(rec)
+        gen = _Generation(
+            request,
+            state=state,
+            rec=rec,
+            api=api,
+            req=req,
+            controls=controls,
+            plan=plan,
+            delivery=delivery,
+        )
+        return await gen.run()
+
+    return await _handle(request, api, answer)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
-    return await _handle_generation(request, chat=True)
+    return await _handle_generation(request, "chat")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions."""
-    return await _handle_generation(request, chat=False)
+    return await _handle_generation(request, "completions")
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses (OpenAI Responses API)."""
+    return await _handle_generation(request, "responses")
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """POST /v1/messages (Anthropic Messages API)."""
+    return await _handle_generation(request, "messages")
+
+
+def embedding_vector(model: str, key: str, dims: int) -> list[float]:
+    """Deterministic unit-length vector for one input (same model, input, size: same vector)."""
+    rng = random.Random(f"ai-quota-sim:embedding:{model}:{key}")
+    values = [rng.gauss(0.0, 1.0) for _ in range(dims)]
+    norm = math.sqrt(sum(v * v for v in values)) or 1.0
+    return [v / norm for v in values]
+
+
+def _embeddings_body(req: EmbeddingsRequest) -> dict[str, Any]:
+    data: list[dict[str, Any]] = []
+    for index, key in enumerate(req.input_keys):
+        vector = embedding_vector(req.model, key, req.dimensions)
+        encoded: Any = vector
+        if req.encoding_format == "base64":
+            raw = struct.pack(f"<{len(vector)}f", *vector)
+            encoded = base64.b64encode(raw).decode("ascii")
+        data.append({"object": "embedding", "index": index, "embedding": encoded})
+    return {
+        "object": "list",
+        "data": data,
+        "model": req.model,
+        "usage": {"prompt_tokens": req.prompt_tokens, "total_tokens": req.prompt_tokens},
+    }
+
+
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    """POST /v1/embeddings: small deterministic vectors; input tokens are recorded."""
+    state = request.app[STATE_KEY]
+    cfg = state.config
+
+    async def answer(rec: SimRecord, headers: dict[str, str], body: Any) -> web.StreamResponse:
+        req = parse_embeddings(body, config=cfg)
+        rec.model = req.model
+        rec.prompts = len(req.input_keys)
+        rec.choices = len(req.input_keys)
+        rec.prompt_tokens = req.prompt_tokens
+        controls = parse_controls(headers)
+        await _before_answer(controls)
+        ttft = controls.ttft_ms if controls.ttft_ms is not None else cfg.ttft_ms
+        await asyncio.sleep(ttft / 1000.0)
+        delivery = _Delivery.choose(controls, headers, "application/json", stream=False)
+        delivery.record(rec)
+        payload = bytes(orjson.dumps(_embeddings_body(req)))
+        if delivery.gzip:
+            payload = gzip.compress(payload, mtime=0)
+        resp = delivery.response(200, {"x-sim-id": rec.sim_id})
+        resp.content_length = len(payload)
+        rec.status = 200
+        await resp.prepare(request)
+        await resp.write(payload)
+        await resp.write_eof()
+        state.store.finish(rec, "completed", time.time())
+        return resp
+
+    return await _handle(request, "embeddings", answer)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -580,7 +640,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    """GET /healthz."""
+    """GET /healthz and GET /health."""
     return _json({"status": "ok"})
 
 
@@ -621,8 +681,12 @@ def make_app(config: SimConfig) -> web.Application:
     app[STATE_KEY] = SimState(config=config, store=RecordStore(config.max_records))
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/health", healthz)
     app.router.add_get("/sim/requests", list_records)
     app.router.add_delete("/sim/requests", clear_records)
     app.router.add_get("/sim/requests/{sim_id}", get_record)

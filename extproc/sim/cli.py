@@ -19,8 +19,9 @@ from extproc.sim.config import TEXT_MODES, SimConfig
 log = structlog.get_logger(__name__)
 
 _DESCRIPTION = """\
-OpenAI-compatible upstream simulator. Serves /v1/chat/completions, /v1/completions and
-/v1/models with deterministic, token-exact text (every piece is one cl100k_base token), injects
+OpenAI-compatible upstream simulator. Serves /v1/chat/completions, /v1/completions,
+/v1/responses, /v1/messages (Anthropic), /v1/embeddings and /v1/models with deterministic,
+token-exact text (every piece is one cl100k_base token), injects
 latency and faults per request via x-sim-* headers, and records per-request ground truth
 (tokens actually written, how the request ended) under /sim/requests and /sim/stats.
 Command-line flags override values from --config. See docs/simulator.md.
@@ -29,7 +30,9 @@ Command-line flags override values from --config. See docs/simulator.md.
 _EPILOG = """\
 per-request headers: x-sim-tokens, x-sim-seed, x-sim-ttft-ms, x-sim-itl-ms,
 x-sim-tokens-per-chunk, x-sim-reasoning, x-sim-tool-call, x-sim-status, x-sim-slow-start-ms,
-x-sim-disconnect-after, x-sim-malformed-after, x-sim-error-event-after
+x-sim-disconnect-after, x-sim-malformed-after, x-sim-error-event-after,
+x-sim-chunk-tokens, x-sim-burst-tokens, x-sim-gzip, x-sim-honour-accept-encoding,
+x-sim-content-type, x-sim-usage, x-sim-ignore-max-tokens, x-sim-content-length
 """
 
 
@@ -86,6 +89,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help=f"ground-truth ring buffer size (default {defaults.max_records})",
     )
     parser.add_argument(
+        "--context-tokens",
+        type=int,
+        help="context window; with x-sim-ignore-max-tokens a request without max_tokens runs"
+        f" to its end (default {defaults.context_tokens})",
+    )
+    parser.add_argument(
         "--log-format", choices=("console", "json"), default="console", help="log output format"
     )
     parser.add_argument(
@@ -108,6 +117,7 @@ _OVERRIDES = (
     "seed",
     "text_mode",
     "max_records",
+    "context_tokens",
 )
 
 

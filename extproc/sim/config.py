@@ -27,6 +27,7 @@ class SimConfig:
     seed: int = 0
     text_mode: str = "mixed"
     max_records: int = 10000
+    context_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -44,6 +45,8 @@ class SimConfig:
             raise ValueError("max_tokens_cap must be >= 1")
         if not 0 <= self.default_tokens <= self.max_tokens_cap:
             raise ValueError("default_tokens must be between 0 and max_tokens_cap")
+        if self.context_tokens < 1:
+            raise ValueError("context_tokens must be >= 1")
         if self.max_records < 1:
             raise ValueError("max_records must be >= 1")
 

@@ -42,6 +42,27 @@ class SimRecord:
     include_usage: bool = False
     headers_seen: dict[str, str] = field(default_factory=dict)
     error: str | None = None
+    #: which API: chat | completions | responses | messages | embeddings
+    api: str | None = None
+    #: the output budget as written in the request body (None = the request had none)
+    max_tokens_seen: int | None = None
+    #: completions: prompts in the batch; choices = prompts x n
+    prompts: int = 1
+    choices: int = 1
+    #: output-token count the simulator put in the usage it sent (None = no usage sent)
+    usage_reported: int | None = None
+    #: the x-sim-usage header when usage was falsified, else None
+    usage_lie: str | None = None
+    #: "gzip" when the body was gzip-encoded, else None
+    content_encoding: str | None = None
+    #: the Content-Type header value sent (None = no header)
+    content_type: str | None = None
+    #: the Content-Length header sent on a streamed body, else None
+    content_length: int | None = None
+    #: tokens per streamed event (before trigger/reasoning boundaries shorten a chunk)
+    chunk_tokens: int = 1
+    #: whether the stream was sent in one write (x-sim-burst-tokens)
+    burst: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready copy of the record."""
