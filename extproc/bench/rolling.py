@@ -11,7 +11,7 @@ import asyncio
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import aiohttp
 import orjson
@@ -190,3 +190,35 @@ async def rolling_restart(
         stop.set()
         await load
     return res
+
+
+async def bench_section(bench: Any, stack: Stack, key: str) -> None:
+    """The ``rolling`` bench section: failed requests while one of two replicas is drained and
+    restarted, then killed and restarted (``bench`` is an ``extproc.bench.runner.Bench``)."""
+    from extproc.bench.report import Row
+
+    raw: dict[str, Any] = {}
+    cases: tuple[tuple[Literal["term", "kill"], str], ...] = (
+        ("term", "extproc1"),
+        ("kill", "extproc0"),
+    )
+    for how, replica in cases:
+        res = await rolling_restart(stack, key=key, replica=replica, how=how, concurrency=30)
+        s = res.summary()
+        raw[how] = s
+        bench.table.add(
+            Row(
+                "8 rolling",
+                f"failed requests, one of 2 replicas {'drained' if how == 'term' else 'killed'}"
+                " and restarted",
+                "requests",
+                float(len(res.failed)),
+                target="0" if how == "term" else f"<= in flight on it ({res.in_flight_at_fault})",
+                met=(len(res.failed) == 0)
+                if how == "term"
+                else all(o.started < res.gone_at for o in res.failed),
+                note=f"{s['requests']} requests, 30 clients; drain {s['drain_s']} s, "
+                f"back in rotation {s['back_s']} s after exit",
+            )
+        )
+    bench.raw["rolling"] = raw

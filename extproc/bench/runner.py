@@ -817,7 +817,16 @@ async def profile(b: Bench, main: Stack) -> None:
 
 # -- the whole run ---------------------------------------------------------------------------
 
-SECTIONS = ("admission", "streaming", "redis", "tokenizer", "accuracy", "workers", "profile")
+SECTIONS = (
+    "admission",
+    "streaming",
+    "redis",
+    "tokenizer",
+    "accuracy",
+    "workers",
+    "profile",
+    "rolling",
+)
 
 
 async def run(b: Bench) -> None:
@@ -909,6 +918,17 @@ async def run(b: Bench) -> None:
             for s in variants.values():
                 await batch(s.base_url, KEY, Shape(), count=20, concurrency=4)
             await workers(b, variants)
+        if "rolling" in want:
+            from extproc.bench.rolling import bench_section
+
+            b.log("starting the rolling-restart stack (1 Envoy x 2 processors)")
+            roll = started(
+                await asyncio.to_thread(
+                    system.start_stack, b.workdir / "rolling", rules, extprocs=2
+                )
+            )
+            await bench_section(b, roll, KEY)
+            roll.stop()
     finally:
         for s in reversed(stacks):
             with contextlib.suppress(Exception):
