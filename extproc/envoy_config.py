@@ -54,10 +54,27 @@ class EnvoyPorts:
     upstreams: tuple[tuple[str, int], ...] = (("127.0.0.1", 18080),)
     extprocs: tuple[tuple[str, int], ...] = (("127.0.0.1", 50051),)
     max_body_bytes: int = 1_048_576
-    message_timeout_ms: int = 1000
+    # Above the processor's own deadline for counting a prompt (requests.count_deadline_ms,
+    # 4 s) so a slow count gets the gateway's JSON 503, never Envoy's empty 504.
+    message_timeout_ms: int = 5000
     health_interval_ms: int = 500
     with_baseline_listener: int = 0  # a second listener without the filter (benchmarks)
     extra: dict[str, Any] = field(default_factory=dict)
+    # Identity from a JWT: Envoy's jwt_authn verifies it against a local JWKS file and puts the
+    # payload in metadata, which ext_proc forwards to the processor (docs/identity.md).
+    jwt: JwtAuth | None = None
+
+
+@dataclass(frozen=True)
+class JwtAuth:
+    """A JWT provider for ``envoy.filters.http.jwt_authn``."""
+
+    issuer: str
+    jwks_path: str
+    audiences: tuple[str, ...] = ()
+    # False: a request without a valid token passes without a payload, so the processor's
+    # other identity sources (the gateway's own API keys, sent in the same header) decide.
+    required: bool = True
 
 
 def _endpoints(addrs: tuple[tuple[str, int], ...]) -> list[dict[str, Any]]:
@@ -71,8 +88,60 @@ def _cluster_type(addrs: tuple[tuple[str, int], ...]) -> str:
     return "STATIC" if all(h.replace(".", "").isdigit() for h, _ in addrs) else "STRICT_DNS"
 
 
+def _jwt_filter(j: JwtAuth) -> dict[str, Any]:
+    provider: dict[str, Any] = {
+        "issuer": j.issuer,
+        "local_jwks": {"filename": j.jwks_path},
+        "payload_in_metadata": "jwt_payload",
+        "forward": False,
+    }
+    if j.audiences:
+        provider["audiences"] = list(j.audiences)
+    requires: dict[str, Any] = {"provider_name": "main"}
+    if not j.required:
+        requires = {"requires_any": {"requirements": [requires, {"allow_missing_or_failed": {}}]}}
+    return {
+        "name": "envoy.filters.http.jwt_authn",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
+            "providers": {"main": provider},
+            "rules": [{"match": {"prefix": "/"}, "requires": requires}],
+        },
+    }
+
+
+def _decompressor(direction: str) -> dict[str, Any]:
+    """gzip decoding for one direction: requests before ext_proc reads them, responses
+    before it meters them (the processor still decodes what slips past, see core/encoding)."""
+    on = {"common_config": {"enabled": {"default_value": True, "runtime_key": f"aiq_{direction}"}}}
+    off = {
+        "common_config": {"enabled": {"default_value": False, "runtime_key": f"aiq_no_{direction}"}}
+    }
+    return {
+        "name": f"envoy.filters.http.decompressor.{direction}",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.decompressor.v3.Decompressor",
+            "decompressor_library": {
+                "name": "gzip",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.compression.gzip.decompressor.v3.Gzip"
+                },
+            },
+            "request_direction_config": {
+                **(on if direction == "request" else off),
+                "advertise_accept_encoding": False,
+            },
+            "response_direction_config": on if direction == "response" else off,
+        },
+    }
+
+
 def _hcm(name: str, with_filter: bool, p: EnvoyPorts) -> dict[str, Any]:
     filters: list[dict[str, Any]] = []
+    if with_filter and p.jwt is not None:
+        filters.append(_jwt_filter(p.jwt))
+    if with_filter:
+        filters.append(_decompressor("request"))
     if with_filter:
         filters.append(
             {
@@ -110,10 +179,19 @@ def _hcm(name: str, with_filter: bool, p: EnvoyPorts) -> dict[str, Any]:
                     "allow_mode_override": True,
                     "message_timeout": f"{p.message_timeout_ms / 1000:g}s",
                     "max_message_timeout": "10s",
-                    "metadata_options": {"receiving_namespaces": {"untyped": ["ai_quota"]}},
+                    "metadata_options": {
+                        "receiving_namespaces": {"untyped": ["ai_quota"]},
+                        **(
+                            {"forwarding_namespaces": {"untyped": ["envoy.filters.http.jwt_authn"]}}
+                            if p.jwt is not None
+                            else {}
+                        ),
+                    },
                 },
             }
         )
+        # After ext_proc in the list, so on the response path it runs before it.
+        filters.append(_decompressor("response"))
     filters.append(
         {
             "name": "envoy.filters.http.router",

@@ -53,6 +53,14 @@ class AuthenticationError(ClientError):
     code = "invalid_api_key"
 
 
+class PermissionDenied(ClientError):
+    """A verified identity the gateway has no tenant for."""
+
+    status = 403
+    error_type = "invalid_request_error"
+    code = "permission_denied"
+
+
 class BadRequest(ClientError):
     """Malformed JSON, wrong field types, negative or non-integer token budgets."""
 
@@ -171,6 +179,14 @@ class LimiterUnavailable(ServerError):
     status = 503
     error_type = "server_error"
     code = "quota_backend_unavailable"
+
+
+class GatewayBusy(ServerError):
+    """The gateway could not count the prompt in time (a burst of very large prompts)."""
+
+    status = 503
+    error_type = "server_error"
+    code = "gateway_busy"
 
 
 class UnmeterableResponse(ServerError):

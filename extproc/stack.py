@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from extproc.envoy_config import EnvoyPorts, render_yaml
+from extproc.envoy_config import EnvoyPorts, JwtAuth, render_yaml
 
 STACK_FILE = "stack.json"
 
@@ -112,6 +112,8 @@ class Stack:
     procs: list[Proc] = field(default_factory=list)
     # Benchmarks: Envoy i also listens on ``baseline_port + i`` without the ext_proc filter.
     baseline_port: int = 0
+    # Envoy verifies JWTs with this provider (identity from jwt_authn metadata).
+    envoy_jwt: JwtAuth | None = None
     # Benchmarks: run this command instead of ``python -m extproc serve`` for each processor
     # (it reads the same AIQ_* environment, e.g. a do-nothing processor or ``serve --workers 2``).
     extproc_argv: Sequence[str] = ()
@@ -284,6 +286,7 @@ class Stack:
                     upstreams=(("127.0.0.1", self.ports.sim),),
                     extprocs=tuple(("127.0.0.1", p) for p in self.extproc_ports),
                     with_baseline_listener=self.baseline_port + i if self.baseline_port else 0,
+                    jwt=self.envoy_jwt,
                 )
                 path = self.workdir / f"envoy{i}.yaml"
                 path.write_text(render_yaml(cfg))

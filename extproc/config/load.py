@@ -205,6 +205,11 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
             if digest in keys:
                 errors.append(f"{source}: tenants.{tid}.keys[{i}]: this key is already assigned")
             keys[digest] = ApiKey(name=k.name, tenant=tid)
+    for claim_value, tid in cfg.identity.jwt.tenant_map.items():
+        if tid not in tenants:
+            errors.append(
+                f"{source}: identity.jwt.tenant_map.{claim_value}: unknown tenant {tid!r}"
+            )
     longest = max((lim.window_s for t in tenants.values() for lim in t.limits), default=60)
     if cfg.ledger_ttl_seconds < ledger_ttl_minimum(longest):
         errors.append(
@@ -238,6 +243,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         other_paths=cfg.paths.other,
         allowed_paths=tuple(cfg.paths.allow),
         max_body_bytes=cfg.requests.max_body_bytes,
+        count_deadline_ms=cfg.requests.count_deadline_ms,
         max_tokens_ceiling=cfg.requests.max_tokens_ceiling,
         over_model_cap=cfg.requests.over_model_cap,
         max_n=cfg.requests.max_n,
@@ -247,6 +253,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         redis_timeout_ms=cfg.failure.timeout_ms,
         breaker_cooldown_ms=cfg.failure.breaker_cooldown_ms,
         reservation_lease_ms=cfg.failure.reservation_lease_seconds * 1000,
+        identity=cfg.identity,
         ledger_ttl_seconds=cfg.ledger_ttl_seconds,
         plaintext_keys=plaintext,
         plan_failure_modes={n: p.failure_mode for n, p in cfg.plans.items() if p.failure_mode},

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from extproc.config.schema import IdentityPolicy
 from extproc.core.rules import Charging, Limit
 from extproc.core.tokens import TokenCounter, TokenizerSpec
 
@@ -88,6 +89,8 @@ class RuntimeConfig:
     breaker_cooldown_ms: int
     ledger_ttl_seconds: int
     reservation_lease_ms: int = 15_000
+    count_deadline_ms: int = 4000
+    identity: IdentityPolicy = field(default_factory=IdentityPolicy)
     plaintext_keys: int = 0
     plan_failure_modes: dict[str, Literal["closed", "open"]] = field(default_factory=dict)
 

@@ -115,7 +115,7 @@ class TenantEntry(Strict):
     """A tenant: its plan, its keys, and limits that override the plan's."""
 
     plan: str
-    keys: list[KeyEntry] = Field(min_length=1)
+    keys: list[KeyEntry] = Field(default_factory=list)  # none: identified by JWT or header
     limits: list[LimitEntry] = Field(default_factory=list)
 
 
@@ -165,6 +165,9 @@ class RequestsPolicy(Strict):
     max_n: int = Field(default=16, ge=1, le=128)
     count_refused_requests: bool = False
     force_include_usage: bool = True
+    # Counting a prompt (queue for a counting thread included) is given up after this, with a
+    # JSON 503 to retry; keep it below Envoy's ext_proc message_timeout (5 s in envoy-config).
+    count_deadline_ms: int = Field(default=4000, ge=100, le=60_000)
 
 
 class FailurePolicy(Strict):
@@ -179,6 +182,42 @@ class FailurePolicy(Strict):
     reservation_lease_seconds: int = Field(default=15, ge=3, le=3600)
 
 
+class JwtIdentity(Strict):
+    """The caller from a JWT Envoy's ``jwt_authn`` filter verified (``payload_in_metadata``),
+    forwarded to the processor with ext_proc's ``metadata_options``."""
+
+    metadata_namespace: str = "envoy.filters.http.jwt_authn"
+    payload_key: str = "jwt_payload"
+    # dotted path of the claim naming the tenant, and of the one naming the key/user (per-key
+    # limits apply to it); tenant_map maps claim values to tenant ids (empty: the value is one)
+    tenant_claim: str = "tenant"
+    key_claim: str | None = "sub"
+    tenant_map: dict[str, str] = Field(default_factory=dict)
+
+
+class HeaderIdentity(Strict):
+    """The caller from headers an earlier Envoy filter (ext_authz, Lua) set after removing any
+    the client sent; never enable this without that removal (docs/identity.md)."""
+
+    tenant_header: str = "x-authenticated-tenant"
+    key_header: str | None = "x-authenticated-user"
+
+
+IdentitySource = Literal["api_key", "jwt", "header"]
+
+
+def _api_key_only() -> list[IdentitySource]:
+    return ["api_key"]
+
+
+class IdentityPolicy(Strict):
+    """Where the caller's identity comes from, tried in order; none found is a 401."""
+
+    sources: list[IdentitySource] = Field(default_factory=_api_key_only, min_length=1)
+    jwt: JwtIdentity = Field(default_factory=JwtIdentity)
+    header: HeaderIdentity = Field(default_factory=HeaderIdentity)
+
+
 class ConfigFile(Strict):
     """The whole rules file."""
 
@@ -191,6 +230,7 @@ class ConfigFile(Strict):
     paths: PathsPolicy = Field(default_factory=PathsPolicy)
     requests: RequestsPolicy = Field(default_factory=RequestsPolicy)
     failure: FailurePolicy = Field(default_factory=FailurePolicy)
+    identity: IdentityPolicy = Field(default_factory=IdentityPolicy)
     # How long a request's ledger lives in Redis; load.py also requires at least the longest
     # window in use (capped at an hour), see LEDGER_TTL_FLOOR_S there and docs/operations.md.
     ledger_ttl_seconds: int = Field(default=3600, ge=300)

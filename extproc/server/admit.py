@@ -17,7 +17,13 @@ from extproc.core.admission import Cost
 from extproc.core.apis.base import RequestLimits
 from extproc.core.keys import WindowedBucket, ledger_key
 from extproc.core.tokens import PromptShapeError, PromptTooLarge
-from extproc.errors import BadRequest, LimiterUnavailable, RequestTooLarge, UnknownModel
+from extproc.errors import (
+    BadRequest,
+    GatewayBusy,
+    LimiterUnavailable,
+    RequestTooLarge,
+    UnknownModel,
+)
 from extproc.limiter.base import AdmitResult
 from extproc.server.context import RequestContext
 from extproc.server.gateway import Gateway
@@ -146,10 +152,14 @@ async def _count_input(gw: Gateway, ctx: RequestContext, size: int) -> int:
     t0 = time.perf_counter()
     try:
         if size > OFFLOAD_BYTES:
-            async with gw.count_slots:
+            async with asyncio.timeout(ctx.cfg.count_deadline_ms / 1000), gw.count_slots:
                 n = await asyncio.to_thread(count)
         else:
             n = count()
+    except TimeoutError:
+        raise GatewayBusy(
+            "The gateway is busy counting other large prompts; retry in a second."
+        ) from None
     except PromptTooLarge as exc:
         raise RequestTooLarge(str(exc)) from None
     except PromptShapeError as exc:

@@ -84,7 +84,7 @@ class RequestProcessor:
         which = req.WhichOneof("request")
         try:
             if which == "request_headers":
-                return [await self.on_request_headers(req.request_headers)]
+                return [await self.on_request_headers(req.request_headers, req)]
             if which == "request_body":
                 return [await self.on_request_body(req.request_body)]
             if which == "response_headers":
@@ -131,7 +131,7 @@ class RequestProcessor:
 
     # -- request ---------------------------------------------------------------------------
 
-    async def on_request_headers(self, hh: Any) -> wire.ProcessingResponse:
+    async def on_request_headers(self, hh: Any, req: Any = None) -> wire.ProcessingResponse:
         """Identify the caller; decide how the path is handled."""
         self.life.advance(Input.REQUEST_HEADERS)
         ctx = self.ctx
@@ -140,7 +140,8 @@ class RequestProcessor:
         ctx.path = h.get(":path", "")
         ctx.api = api_for_path(ctx.path)  # errors from here on speak the API's own shape
         structlog.contextvars.bind_contextvars(request_id=ctx.request_id)
-        caller = identify(ctx.cfg, h)
+        meta = wire.metadata_of(req) if ctx.cfg.identity.sources != ["api_key"] else None
+        caller = identify(ctx.cfg, h, meta)
         ctx.key, ctx.tenant = caller.key, caller.tenant
         kind, api = route(ctx.cfg, ctx.path, h.get(":method", "POST"))
         if kind != "metered":

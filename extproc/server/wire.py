@@ -12,7 +12,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import json_format, struct_pb2
 
 # The generated classes are untyped for mypy; these aliases keep signatures readable.
 ProcessingRequest: TypeAlias = Any
@@ -35,6 +35,14 @@ def headers_of(hh: Any) -> dict[str, str]:
         v = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
         out[h.key.lower()] = v
     return out
+
+
+def metadata_of(req: Any) -> dict[str, Any]:
+    """The dynamic metadata Envoy forwarded (``metadata_options``), namespace -> plain dict."""
+    if req is None or not req.HasField("metadata_context"):
+        return {}
+    fm = req.metadata_context.filter_metadata
+    return {ns: json_format.MessageToDict(fm[ns]) for ns in fm}
 
 
 def _mutation(set_headers: Iterable[tuple[str, str]] = (), remove: Iterable[str] = ()) -> Any:

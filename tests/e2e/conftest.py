@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -23,6 +24,7 @@ def make_stack(
     rules: dict | None = None,
     redis_url: str | None = None,
     sim_args: list[str] | None = None,
+    **stack_kw: Any,
 ) -> Stack:
     """Start a stack whose processes all listen on free loopback ports."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -49,6 +51,7 @@ def make_stack(
         extprocs=extprocs,
         redis_url=redis_url,
         sim_args=SIM_ARGS + (sim_args or []),
+        **stack_kw,
     )
     stack.start()
     return stack

@@ -99,10 +99,10 @@ class Served:
             await asyncio.gather(*list(self.gw.pending))
 
 
-async def serve(other: str = "reject") -> AsyncIterator[Served]:
+async def serve(other: str = "reject", rules: str | None = None) -> AsyncIterator[Served]:
     lim = RecordingLimiter()
     gw = Gateway(
-        config=load_config_text(RULES % other),
+        config=load_config_text(rules or RULES % other),
         limiter=lim,  # type: ignore[arg-type]
         clock=FakeClock(),
         metrics=Metrics(),
@@ -450,3 +450,20 @@ async def test_envoy_reply_without_request_headers_passes(srv: Served) -> None:
     assert r.WhichOneof("response") == "response_headers"
     [b] = await c.send(resp_body(b"Bad Request", end=True))
     assert b.WhichOneof("response") == "response_body"
+
+
+async def test_counting_queue_past_its_deadline_is_a_json_503() -> None:
+    """Large prompts wait for a counting thread; past requests.count_deadline_ms the client
+    gets the gateway's JSON 503 (never Envoy's empty 504)."""
+    rules = (RULES % "reject").replace(
+        "paths: {other: reject}", "paths: {other: reject}\nrequests: {count_deadline_ms: 100}"
+    )
+    async for s in serve(rules=rules):
+        for _ in range(2):  # every counting slot busy
+            await s.gw.count_slots.acquire()
+        c = Call(s.stub)
+        await c.send(req_headers())
+        [r] = await c.send(req_body(messages=[{"role": "user", "content": "word " * 20_000}]))
+        status, body, headers = immediate(r)
+        assert status == 503 and body["error"]["code"] == "gateway_busy"
+        assert headers["retry-after"] == "1"
