@@ -178,6 +178,11 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
     keys: dict[str, ApiKey] = {}
     plaintext = 0
     for tid, t in cfg.tenants.items():
+        if not t.keys and cfg.identity.sources == ["api_key"]:
+            errors.append(
+                f"{source}: tenants.{tid}.keys: a tenant needs at least one key while "
+                "identity.sources is [api_key] (add jwt or header to identify it otherwise)"
+            )
         if t.plan not in plans:
             if t.plan in cfg.plans:
                 continue  # the plan itself had errors, reported above
