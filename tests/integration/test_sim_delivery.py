@@ -449,3 +449,47 @@ async def test_completions_batch_prompts_generate_per_prompt(sim_port: int, stre
     rec = await record_for(sim_port, crid)
     assert (rec["prompts"], rec["n"], rec["choices"]) == (3, 2, 6)
     assert rec["tokens_planned"] == rec["tokens_sent"] == 36
+
+
+# -- injections on the typed-event APIs ------------------------------------------------------------
+
+
+async def test_injections_on_responses_and_messages(sim_port: int) -> None:
+    """Error event, malformed event and reset work on the typed-event streams too."""
+    crid = _crid()
+    raw = await post(
+        sim_port,
+        "/v1/messages",
+        _body("messages"),
+        {"x-sim-error-event-after": "3", "x-client-request-id": crid},
+    )
+    evs = events(raw.body)
+    assert evs[-1][0] == "error" and evs[-1][1]["error"]["type"] == "api_error"
+    assert count_tokens("".join(content_deltas("messages", evs))) == 3
+    rec = await record_for(sim_port, crid)
+    assert (rec["ending"], rec["tokens_sent"], rec["error"]) == (
+        "error_status",
+        3,
+        "injected_error_event",
+    )
+
+    raw = await post(sim_port, "/v1/responses", _body("responses"), {"x-sim-malformed-after": "2"})
+    assert b"event: response.output_text.delta\ndata: {not json\n\n" in raw.body
+    assert raw.body.rstrip().endswith(b"}")
+
+    crid = _crid()
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with http.post(
+                f"http://127.0.0.1:{sim_port}/v1/responses",
+                json=_body("responses"),
+                headers={"x-sim-disconnect-after": "4", "x-client-request-id": crid},
+            ) as resp:
+                async for _ in resp.content.iter_any():
+                    pass
+    rec = await record_for(sim_port, crid)
+    assert (rec["ending"], rec["tokens_sent"], rec["api"]) == (
+        "injected_disconnect",
+        4,
+        "responses",
+    )
