@@ -1,0 +1,128 @@
+"""Small pieces the Responses, Messages and Embeddings formats share: reading the body, integer
+budget fields, the forwarded-body rewrite and compact JSON for counting definitions.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from extproc.core.apis.base import ParsedRequest
+from extproc.errors import BadRequest
+
+__all__ = [
+    "NORMALISED",
+    "int_field",
+    "json_object",
+    "json_text",
+    "optional_bool",
+    "require_model",
+    "rewrite_fields",
+]
+
+#: ``ParsedRequest.notes`` key set when parsing changed the body (an integral float made an int).
+NORMALISED = "normalised"
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or ``BadRequest`` (empty, not JSON, not an object)."""
+    if not raw:
+        raise BadRequest("the request body is empty; expected a JSON object")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def require_model(body: Mapping[str, Any]) -> str:
+    """``model``: a non-empty string."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    return model
+
+
+def optional_bool(body: Mapping[str, Any], name: str) -> bool:
+    """A boolean field where absent and null mean false."""
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be a boolean", param=name)
+    return value
+
+
+def int_field(
+    body: dict[str, Any],
+    name: str,
+    *,
+    minimum: int,
+    ceiling: int,
+    notes: dict[str, Any],
+    required: bool = False,
+) -> int | None:
+    """An integer field in ``[minimum, ceiling]``; absent or null gives None (or ``BadRequest``
+    when ``required``).
+
+    An integral float (``10.0``) is accepted and written back into ``body`` as an int, so the
+    upstream gets an integer; ``notes[NORMALISED]`` records that the body changed."""
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise BadRequest(f"'{name}' is required and must be an integer", param=name)
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+            body[name] = value
+            notes[NORMALISED] = True
+        else:
+            raise BadRequest(
+                f"'{name}' must be an integer, got {type(value).__name__} {value!r}"[:200],
+                param=name,
+            )
+    if value < minimum:
+        raise BadRequest(f"'{name}' must be at least {minimum}, got {value}", param=name)
+    if value > ceiling:
+        raise BadRequest(f"'{name}' must be at most {ceiling}, got {value}", param=name)
+    return value
+
+
+def rewrite_fields(req: ParsedRequest, *, budget: int | None, model: str | None) -> bytes | None:
+    """The body to forward with the canonical ``model`` and the output ``budget`` applied to
+    ``req.budget_fields`` (lowered when larger; the first one added when none is set), or None
+    when nothing changed."""
+    body = req.body
+    changed = bool(req.notes.get(NORMALISED))
+    if model is not None and body.get("model") != model:
+        body["model"] = model
+        changed = True
+    if budget is not None and req.budget_fields:
+        present = [
+            f
+            for f in req.budget_fields
+            if isinstance(body.get(f), int) and not isinstance(body.get(f), bool)
+        ]
+        for name in present:
+            if body[name] > budget:
+                body[name] = budget
+                changed = True
+        if not present:
+            body[req.budget_fields[0]] = budget
+            changed = True
+    return orjson.dumps(body) if changed else None
+
+
+def json_text(value: Any) -> str:
+    """Compact JSON of ``value``: the form tool definitions and tool inputs are counted in."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    except TypeError:
+        return str(value)
