@@ -190,8 +190,9 @@ def _hcm(name: str, with_filter: bool, p: EnvoyPorts) -> dict[str, Any]:
                 },
             }
         )
-        # After ext_proc in the list, so on the response path it runs before it.
-        filters.append(_decompressor("response"))
+        # No response decompressor: Envoy 1.40's decompressor in front of a FULL_DUPLEX_STREAMED
+        # ext_proc never delivered the stream's end (measured: the client hangs); the
+        # processor decodes gzip/deflate responses itself (core/encoding.py).
     filters.append(
         {
             "name": "envoy.filters.http.router",

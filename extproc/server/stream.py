@@ -115,9 +115,9 @@ class StreamDriver:
                 out += self.cut(step.cut_reason)
                 return out
             if step.forward or step.end_stream:
-                meta = self.final_metadata() if step.end_stream else None
                 if step.end_stream:
                     self.life.advance(Input.END)
+                meta = self.final_metadata() if step.end_stream else None
                 out.append(wire.streamed_body(step.forward, step.end_stream, meta))
             if step.charge:
                 self._start_charge(step.charge)
