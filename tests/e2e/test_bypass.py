@@ -8,6 +8,7 @@ Ground truth is the simulator's per-request record (``/sim/requests``)."""
 from __future__ import annotations
 
 import gzip
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -277,3 +278,25 @@ def test_float_max_tokens_is_forwarded_as_an_integer(bstack: Stack) -> None:
     r = post(bstack, "gzip", chat(10.0, stream=False))  # type: ignore[arg-type]
     assert r.status_code == 200, r.text
     assert record(bstack, "b-gzip")["max_tokens_seen"] == 10
+
+
+def test_access_log_has_final_figures_for_every_request(bstack: Stack, rds: redis.Redis) -> None:
+    """Non-streams and streams whose client closes right after [DONE] both log their ending and
+    output tokens (the final figures ride on the last response, before settlement)."""
+    for stream in (False, True):
+        r = post(bstack, "clen", chat(25, stream=stream), headers={"x-request-id": f"al-{stream}"})
+        assert r.status_code == 200
+    settled(rds, "b-clen")
+    deadline = time.monotonic() + 10  # Envoy flushes its access log file periodically
+    lines: list[dict[str, Any]] = []
+    while len(lines) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        lines = [
+            orjson.loads(x)
+            for x in (bstack.workdir / "envoy0.log").read_text(errors="replace").splitlines()
+            if x.startswith("{") and '"al-' in x
+        ]
+    assert len(lines) == 2, lines
+    for line in lines:
+        assert line["ending"] == "completed", line
+        assert line["output_tokens"] == 25, line
