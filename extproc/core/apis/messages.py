@@ -4,7 +4,8 @@
 Anthropic's error shape; an integer from 1 to the ceiling, ``10.0`` read as 10 and forwarded
 as an int); ``system`` (a string or text blocks); ``messages`` (a non-empty list of ``role`` +
 ``content``, a string or blocks); ``tools``; ``stream``.  One output sequence per request.
-The API key arrives in ``x-api-key`` (not ``authorization: Bearer``).
+The API documents the key in ``x-api-key``; the anthropic Python SDK 2.x sends it as
+``authorization: Bearer`` instead, so both must be accepted.
 
 **Counting** with the model's tokenizer and the spec's chat framing figures (the same small,
 documented overhead as chat completions: ``tokens_per_message`` per message and for a system
