@@ -28,16 +28,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from extproc.app import serve_forever
     from extproc.config import ConfigError
     from extproc.logs import configure_logging
-    from extproc.settings import Settings
+    from extproc.settings import Settings, SettingsError
 
-    settings = Settings.from_env(
-        config=args.config,
-        redis_url=args.redis_url,
-        grpc_address=args.grpc_address,
-        log_format=args.log_format,
-        metrics_port=args.metrics_port,
-        workers=args.workers,
-    )
+    try:
+        settings = Settings.from_env(
+            config=args.config,
+            redis_url=args.redis_url,
+            grpc_address=args.grpc_address,
+            log_format=args.log_format,
+            metrics_port=args.metrics_port,
+            workers=args.workers,
+        )
+    except SettingsError as exc:
+        print(f"ai-quota serve: {exc}", file=sys.stderr)
+        return 2
     configure_logging(settings.log_format, settings.log_level)
     if settings.workers > 1:
         return _serve_workers(settings, port_per_worker=bool(args.port_per_worker))

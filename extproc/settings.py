@@ -1,54 +1,139 @@
-"""Process settings from the environment (``AIQ_*``), read once at start-up, never at import."""
+"""Process settings from the environment (``AIQ_*``), read once at start-up, never at import.
+
+Parsing is pydantic-settings': each field is read from ``AIQ_<FIELD>`` (``reuse_port`` from
+``AIQ_REUSEPORT``) and validated by its type, so ``AIQ_LOG_FORMAT=jsn`` or ``AIQ_WORKERS=x`` is
+a :class:`SettingsError` naming the variable instead of a silent fallback or a traceback.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+ENV_PREFIX = "AIQ_"
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """How this process runs (the rules live in the YAML file named by ``config``)."""
+class SettingsError(ValueError):
+    """One or more ``AIQ_*`` variables (or flags) hold a value the field cannot take; the message
+    names each variable, the value it held and what was expected, one per line."""
+
+
+class Settings(BaseSettings):
+    """How this process runs (the rules live in the YAML file named by ``config``).
+
+    ``Settings(...)`` takes values only from its arguments (defaults otherwise); the environment
+    is read by :meth:`from_env`, which is what the CLI calls."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        frozen=True,
+        extra="forbid",
+        validate_by_name=True,
+        validate_default=True,
+        env_ignore_empty=True,
+    )
 
     config: str = "config/demo.yaml"
     redis_url: str = "redis://127.0.0.1:6379/0"
     grpc_address: str = "127.0.0.1:50051"
     key_prefix: str = "aiq"
     log_format: Literal["json", "console"] = "json"
-    log_level: str = "info"
-    metrics_port: int = 0
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+    metrics_port: int = Field(default=0, ge=0, le=65535)
     usage_address: str = ""
-    workers: int = 1
-    reuse_port: bool = False
+    workers: int = Field(default=1, ge=1)
+    reuse_port: bool = Field(default=False, validation_alias="AIQ_REUSEPORT")
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
-    shutdown_grace_s: float = 10.0
+    shutdown_grace_s: float = Field(default=10.0, ge=0)
     # SIGTERM: seconds the health service reports NOT_SERVING while still serving every stream,
     # so Envoy's active health check moves new requests away before the listener closes.
-    drain_notice_s: float = 1.5
+    drain_notice_s: float = Field(default=1.5, ge=0)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_any_case(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> Settings:
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Only constructor arguments: the environment enters through ``from_env`` (which may be
+        # given a mapping other than ``os.environ``), never implicitly, and no .env/secret files.
+        return (init_settings,)
+
+    @classmethod
+    def env_name(cls, field: str) -> str:
+        """The environment variable a field is read from (``workers`` -> ``AIQ_WORKERS``)."""
+        alias = cls.model_fields[field].validation_alias
+        return alias if isinstance(alias, str) else ENV_PREFIX + field.upper()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
         """Read ``AIQ_CONFIG``, ``AIQ_REDIS_URL``, ``AIQ_GRPC_ADDRESS``, ``AIQ_KEY_PREFIX``,
-        ``AIQ_LOG_FORMAT``, ``AIQ_LOG_LEVEL``, ``AIQ_METRICS_PORT``, ``AIQ_WORKERS``,
-        ``AIQ_REUSEPORT``, ``AIQ_EVENT_LOOP`` (uvloop|asyncio), ``AIQ_SHUTDOWN_GRACE_S``,
-        ``AIQ_DRAIN_NOTICE_S``; explicit ``overrides`` (from CLI flags) win."""
-        e = os.environ if env is None else env
-        base = cls()
-        fmt = e.get("AIQ_LOG_FORMAT", base.log_format)
-        values: dict[str, object] = {
-            "config": e.get("AIQ_CONFIG", base.config),
-            "redis_url": e.get("AIQ_REDIS_URL", base.redis_url),
-            "grpc_address": e.get("AIQ_GRPC_ADDRESS", base.grpc_address),
-            "key_prefix": e.get("AIQ_KEY_PREFIX", base.key_prefix),
-            "log_format": "console" if fmt == "console" else "json",
-            "log_level": e.get("AIQ_LOG_LEVEL", base.log_level),
-            "metrics_port": int(e.get("AIQ_METRICS_PORT", base.metrics_port)),
-            "workers": int(e.get("AIQ_WORKERS", base.workers)),
-            "reuse_port": e.get("AIQ_REUSEPORT", "0") == "1",
-            "event_loop": "asyncio" if e.get("AIQ_EVENT_LOOP") == "asyncio" else "uvloop",
-            "shutdown_grace_s": float(e.get("AIQ_SHUTDOWN_GRACE_S", base.shutdown_grace_s)),
-            "drain_notice_s": float(e.get("AIQ_DRAIN_NOTICE_S", base.drain_notice_s)),
-        }
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)  # type: ignore[arg-type]
+        ``AIQ_LOG_FORMAT`` (json|console), ``AIQ_LOG_LEVEL``, ``AIQ_METRICS_PORT``,
+        ``AIQ_USAGE_ADDRESS``, ``AIQ_WORKERS``, ``AIQ_REUSEPORT`` (1|0|true|false),
+        ``AIQ_EVENT_LOOP`` (uvloop|asyncio), ``AIQ_SHUTDOWN_GRACE_S``, ``AIQ_DRAIN_NOTICE_S`` from
+        ``env`` (default ``os.environ``); explicit non-None ``overrides`` (CLI flags) win.
+
+        Raises :class:`SettingsError` naming every variable whose value is invalid."""
+        source = _MappingEnvSource(cls, os.environ if env is None else env)
+        from_environment = {_field_of(cls, key): value for key, value in source().items()}
+        given = {k: v for k, v in overrides.items() if v is not None}
+        try:
+            return cls(**{**from_environment, **given})
+        except ValidationError as exc:
+            raise SettingsError(_describe(cls, exc, set(given))) from None
+
+
+class _MappingEnvSource(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping instead of ``os.environ``."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = dict(environ)
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        # Case-insensitive names (the source lower-cases what it looks up); an empty variable
+        # counts as unset, like ``env_ignore_empty`` does for ``os.environ``.
+        return {k.lower(): v for k, v in self._environ.items() if v != ""}
+
+
+def _field_of(cls: type[Settings], key: str) -> str:
+    """The field a source key stands for (sources key aliased fields by their alias)."""
+    if key in cls.model_fields:
+        return key
+    for name, info in cls.model_fields.items():
+        if info.validation_alias == key:
+            return name
+    return key
+
+
+def _describe(cls: type[Settings], exc: ValidationError, from_flags: set[str]) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = str(err["loc"][0]) if err["loc"] else ""
+        field = _field_of(cls, loc)
+        value: Any = err.get("input")
+        if field in from_flags:
+            where = f"--{field.replace('_', '-')}={value}"
+        elif field in cls.model_fields:
+            where = f"{cls.env_name(field)}={value!r}"
+        else:
+            where = field
+        lines.append(f"{where}: {err['msg']}")
+    return "invalid settings:\n  " + "\n  ".join(lines)
