@@ -76,6 +76,18 @@ class Metrics:
             "Settlements kept in memory until Redis answers again",
             registry=r,
         )
+        # -- usage records (docs/usage-records.md) ------------------------------------------
+        self.usage_records = Counter(
+            "aiq_usage_records",
+            "Usage records by outcome (written, retried: written after a failed attempt, dropped)",
+            ["outcome"],
+            registry=r,
+        )
+        self.usage_record_backlog = Gauge(
+            "aiq_usage_record_backlog",
+            "Usage records kept in memory until Redis takes them",
+            registry=r,
+        )
         self.duplicate_hits = Counter(
             "aiq_idempotent_duplicates",
             "Limiter calls that found their ledger entry already applied",

@@ -12,8 +12,8 @@ from extproc._gen.aiquota.v1 import usage_pb2, usage_pb2_grpc
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``ai-quota usage``."""
-    who = parser.add_mutually_exclusive_group(required=True)
+    """Flags of ``ai-quota usage`` (and its ``export`` / ``consume`` subcommands)."""
+    who = parser.add_mutually_exclusive_group()  # one is required unless a subcommand is given
     who.add_argument("--key", help="an API key (sent to the service, never logged)")
     who.add_argument("--tenant", help="a tenant id")
     parser.add_argument("--model", default="", help="only buckets that apply to this model")
@@ -21,10 +21,18 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--address", default="127.0.0.1:50051", help="ext_proc gRPC address (default %(default)s)"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    from extproc.records.export import add_subcommands
+
+    add_subcommands(parser)
+    parser.set_defaults(usage_parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Query the usage service and print the buckets."""
+    """Query the usage service and print the buckets (or run ``export`` / ``consume``)."""
+    if getattr(args, "usage_run", None) is not None:
+        return int(args.usage_run(args))
+    if not (args.key or args.tenant):
+        args.usage_parser.error("one of the arguments --key --tenant is required")
     with grpc.insecure_channel(args.address) as ch:
         stub = usage_pb2_grpc.UsageStub(ch)
         try:

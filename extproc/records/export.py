@@ -1,0 +1,370 @@
+"""Reading usage records back: ``ai-quota usage export`` (a time range, JSONL or CSV) and
+``ai-quota usage consume`` (a consumer-group reader that acknowledges a record only after its
+line was flushed).  Synchronous: these are command-line tools, not the request path.
+
+Stream entry ids start with the unix time in milliseconds at which Redis appended the record,
+so a time range is an ``XRANGE`` between two ids: ``--since`` inclusive, ``--until`` exclusive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from typing import IO, Any
+
+import orjson
+import redis
+import redis.cluster
+import redis.exceptions
+
+from extproc.records.model import FIELDS, RecordFormatError, UsageRecord
+
+#: Stream entries read per XRANGE / XREADGROUP call.
+PAGE = 1000
+_NUMBER = re.compile(r"^\d+(\.\d+)?$")
+
+
+def parse_time(text: str) -> int:
+    """Unix milliseconds from unix seconds (``1717171717``, ``1717171717.5``) or ISO 8601
+    (``2024-05-31``, ``2024-05-31T16:08:37Z``, ``...+02:00``; no offset means UTC)."""
+    s = text.strip()
+    if _NUMBER.match(s):
+        return round(float(s) * 1000)
+    try:
+        when = datetime.fromisoformat(s)
+    except ValueError as exc:
+        raise ValueError(
+            f"{text!r} is neither unix seconds nor an ISO 8601 time (2024-05-31T16:08:37Z)"
+        ) from exc
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return round(when.timestamp() * 1000)
+
+
+def entry_time_ms(entry_id: str) -> int:
+    """The unix milliseconds at which Redis appended the entry (the id's first part)."""
+    return int(entry_id.split("-", 1)[0])
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes | bytearray) else str(value)
+
+
+def sync_client(url: str, *, timeout_s: float = 5.0) -> Any:
+    """A blocking client for ``redis://...`` or ``redis+cluster://...``."""
+    if url.startswith("redis+cluster://"):
+        return redis.cluster.RedisCluster.from_url(
+            "redis://" + url.removeprefix("redis+cluster://"),
+            socket_connect_timeout=timeout_s,
+        )
+    return redis.Redis.from_url(url, socket_connect_timeout=timeout_s)
+
+
+# -- export ------------------------------------------------------------------------------------
+
+
+def read_range(
+    client: Any, stream: str, since_ms: int | None, until_ms: int | None, *, page: int = PAGE
+) -> Iterator[tuple[str, UsageRecord]]:
+    """(entry id, record) for every record appended in ``[since_ms, until_ms)``, oldest first.
+    Entries that are not usage records are skipped."""
+    start = "-" if since_ms is None else f"{since_ms}-0"
+    if until_ms is not None and until_ms <= (since_ms or 0):
+        return
+    end = "+" if until_ms is None else f"{until_ms - 1}"  # an id without a sequence: all of it
+    while True:
+        entries = client.xrange(stream, min=start, max=end, count=page)
+        for raw_id, fields in entries:
+            entry_id = _text(raw_id)
+            try:
+                yield entry_id, UsageRecord.from_fields(fields)
+            except RecordFormatError:
+                continue
+        if len(entries) < page:
+            return
+        start = "(" + _text(entries[-1][0])
+
+
+class Renderer:
+    """Writes records as JSONL or CSV (each line carries the entry ``id`` first)."""
+
+    def __init__(self, out: IO[str], fmt: str) -> None:
+        if fmt not in ("jsonl", "csv"):
+            raise ValueError(f"unknown format {fmt!r} (jsonl or csv)")
+        self.out = out
+        self.fmt = fmt
+        self._csv = csv.writer(out, lineterminator="\n") if fmt == "csv" else None
+        self._header = False
+
+    def write(self, entry_id: str, rec: UsageRecord) -> None:
+        """Write one record (the CSV header before the first)."""
+        if self._csv is not None:
+            if not self._header:
+                self._csv.writerow(["id", *FIELDS])
+                self._header = True
+            self._csv.writerow([entry_id, *rec.to_row()])
+        else:
+            line = orjson.dumps({"id": entry_id, **rec.to_json()})
+            self.out.write(line.decode() + "\n")
+
+    def finish(self) -> None:
+        """A CSV export with no records still gets its header."""
+        if self._csv is not None and not self._header:
+            self._csv.writerow(["id", *FIELDS])
+            self._header = True
+
+
+def render(records: list[tuple[str, UsageRecord]], fmt: str) -> str:
+    """Records as JSONL or CSV text."""
+    buf = io.StringIO()
+    r = Renderer(buf, fmt)
+    for entry_id, rec in records:
+        r.write(entry_id, rec)
+    r.finish()
+    return buf.getvalue()
+
+
+def export(
+    client: Any,
+    stream: str,
+    out: IO[str],
+    *,
+    since_ms: int | None,
+    until_ms: int | None,
+    fmt: str = "jsonl",
+) -> int:
+    """Write the records of ``[since_ms, until_ms)`` to ``out``; how many."""
+    r = Renderer(out, fmt)
+    n = 0
+    for entry_id, rec in read_range(client, stream, since_ms, until_ms):
+        r.write(entry_id, rec)
+        n += 1
+    r.finish()
+    out.flush()
+    return n
+
+
+# -- consumer group ----------------------------------------------------------------------------
+
+
+def ensure_group(client: Any, stream: str, group: str, start: str = "0") -> bool:
+    """Create ``group`` on ``stream`` (and the stream) unless it exists; whether it was made.
+    ``start`` ``0`` reads every record still in the stream, ``$`` only new ones."""
+    try:
+        client.xgroup_create(stream, group, id=start, mkstream=True)
+    except redis.exceptions.ResponseError as exc:
+        if "BUSYGROUP" in str(exc):
+            return False
+        raise
+    return True
+
+
+def consume(
+    client: Any,
+    stream: str,
+    group: str,
+    consumer: str,
+    handle: Callable[[str, UsageRecord], None],
+    *,
+    count: int = 100,
+    block_ms: int = 5000,
+    claim_idle_ms: int = 60_000,
+    max_records: int | None = None,
+    stop: Callable[[], bool] = lambda: False,
+) -> int:
+    """Deliver records to ``handle`` and acknowledge each once ``handle`` returned.
+
+    At least once: the consumer's own unacknowledged records are delivered first (a restart
+    after a crash between ``handle`` and ``XACK``), then those other consumers of the group left
+    unacknowledged for ``claim_idle_ms`` (XAUTOCLAIM; 0 disables), then new records.  A record
+    trimmed from the stream before it was read is gone: size ``MAXLEN`` for the longest pause a
+    consumer may take.  Returns after ``max_records`` records, or when ``stop()`` is true after a
+    read (a read waits at most ``block_ms``).  Entries that are not usage records are acknowledged
+    and skipped."""
+    ensure_group(client, stream, group)
+    done = 0
+
+    def deliver(entries: list[Any]) -> None:
+        nonlocal done
+        for raw_id, fields in entries:
+            if max_records is not None and done >= max_records:
+                return
+            entry_id = _text(raw_id)
+            if fields:  # a pending entry trimmed away comes back with no fields
+                try:
+                    rec = UsageRecord.from_fields(fields)
+                except RecordFormatError:
+                    rec = None
+                if rec is not None:
+                    handle(entry_id, rec)
+                    done += 1
+            client.xack(stream, group, entry_id)
+
+    # 1. what this consumer was given and never acknowledged
+    last = "0"
+    while max_records is None or done < max_records:
+        resp = client.xreadgroup(group, consumer, {stream: last}, count=count)
+        entries = resp[0][1] if resp else []
+        if not entries:
+            break
+        deliver(entries)
+        last = _text(entries[-1][0])
+    # 2. then the others' stale deliveries and new records
+    while max_records is None or done < max_records:
+        if claim_idle_ms > 0:
+            claimed = client.xautoclaim(
+                stream, group, consumer, min_idle_time=claim_idle_ms, start_id="0-0", count=count
+            )
+            if claimed[1]:
+                deliver(claimed[1])
+                continue
+        resp = client.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
+        if resp and resp[0][1]:
+            deliver(resp[0][1])
+        if stop():
+            break
+    return done
+
+
+# -- the command line (``ai-quota usage export`` / ``ai-quota usage consume``) ---------------
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="Redis URL (default $AIQ_REDIS_URL, else redis://127.0.0.1:6379/0)",
+    )
+    p.add_argument(
+        "--stream", default=None, help="stream key (default $AIQ_USAGE_STREAM, else aiq:usage)"
+    )
+
+
+def configure_export_parser(p: argparse.ArgumentParser) -> None:
+    """Flags of ``ai-quota usage export``."""
+    _common(p)
+    p.add_argument("--since", help="from this time, inclusive (ISO 8601 or unix seconds)")
+    p.add_argument("--until", help="to this time, exclusive (ISO 8601 or unix seconds)")
+    p.add_argument("--format", choices=("jsonl", "csv"), default="jsonl")
+    p.add_argument("--out", help="write to this file instead of stdout")
+
+
+def configure_consume_parser(p: argparse.ArgumentParser) -> None:
+    """Flags of ``ai-quota usage consume``."""
+    _common(p)
+    p.add_argument("--group", required=True, help="consumer group (created at the stream's start)")
+    p.add_argument("--consumer", required=True, help="this reader's name, stable across restarts")
+    p.add_argument("--count", type=int, default=100, help="records per read")
+    p.add_argument("--block-ms", type=int, default=5000, help="wait for new records this long")
+    p.add_argument(
+        "--claim-idle-ms",
+        type=int,
+        default=60_000,
+        help="take over records other consumers left unacknowledged this long (0: never)",
+    )
+    p.add_argument("--max", type=int, default=None, help="stop after this many records")
+    p.add_argument(
+        "--exit-when-idle", action="store_true", help="stop when a read finds nothing new"
+    )
+
+
+def _target(args: argparse.Namespace) -> tuple[str, str]:
+    url = args.redis_url or os.environ.get("AIQ_REDIS_URL") or "redis://127.0.0.1:6379/0"
+    stream = args.stream or os.environ.get("AIQ_USAGE_STREAM") or "aiq:usage"
+    return url, stream
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """``ai-quota usage export``."""
+    try:
+        since = parse_time(args.since) if args.since else None
+        until = parse_time(args.until) if args.until else None
+    except ValueError as exc:
+        print(f"ai-quota usage export: {exc}", file=sys.stderr)
+        return 2
+    url, stream = _target(args)
+    client = sync_client(url)
+    try:
+        if args.out:
+            with open(args.out, "w", encoding="utf-8", newline="") as f:
+                n = export(client, stream, f, since_ms=since, until_ms=until, fmt=args.format)
+        else:
+            n = export(client, stream, sys.stdout, since_ms=since, until_ms=until, fmt=args.format)
+    except redis.exceptions.RedisError as exc:
+        print(f"ai-quota usage export: {stream} at {url}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(f"{n} records", file=sys.stderr)
+    return 0
+
+
+def run_consume(args: argparse.Namespace) -> int:
+    """``ai-quota usage consume``: JSONL on stdout, each record acknowledged after its line was
+    flushed."""
+    url, stream = _target(args)
+    client = sync_client(url)
+    out = sys.stdout
+    idle = {"seen": 0}
+
+    def handle(entry_id: str, rec: UsageRecord) -> None:
+        out.write(orjson.dumps({"id": entry_id, **rec.to_json()}).decode() + "\n")
+        out.flush()
+        idle["seen"] += 1
+
+    def stop() -> bool:
+        if not args.exit_when_idle:
+            return False
+        seen, idle["seen"] = idle["seen"], 0
+        return seen == 0
+
+    try:
+        consume(
+            client,
+            stream,
+            args.group,
+            args.consumer,
+            handle,
+            count=args.count,
+            block_ms=args.block_ms,
+            claim_idle_ms=args.claim_idle_ms,
+            max_records=args.max,
+            stop=stop,
+        )
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:
+        return 1
+    except redis.exceptions.RedisError as exc:
+        print(f"ai-quota usage consume: {stream} at {url}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return 0
+
+
+def add_subcommands(parser: argparse.ArgumentParser) -> None:
+    """Add ``export`` and ``consume`` under ``ai-quota usage`` (``args.usage_run`` runs the one
+    given; without one, ``ai-quota usage --key/--tenant`` works as before)."""
+    sub = parser.add_subparsers(dest="usage_command", metavar="{export,consume}")
+    ex = sub.add_parser(
+        "export",
+        help="print the usage records of a time range (JSONL or CSV)",
+        description="Usage records appended in [--since, --until), from the Redis Stream.",
+    )
+    configure_export_parser(ex)
+    ex.set_defaults(usage_run=run_export)
+    co = sub.add_parser(
+        "consume",
+        help="read usage records as a consumer group member (JSONL, acknowledged once written)",
+        description="A consumer-group reader: each record is printed as a JSON line, flushed, "
+        "then acknowledged (XACK); unacknowledged records are delivered again.",
+    )
+    configure_consume_parser(co)
+    co.set_defaults(usage_run=run_consume)

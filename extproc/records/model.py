@@ -1,0 +1,125 @@
+"""The usage record: one per finished request, the unit an operator bills from.
+
+Pure data (no IO): how a record becomes the flat string fields of a Redis Stream entry and back,
+and the column order that CSV and JSONL exports share.  A field added later gets a default, so
+``from_fields`` reads entries written by older and newer versions alike (unknown fields are
+ignored); ``v`` in the stream entry is the schema version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+SCHEMA_VERSION = "1"
+
+#: The record's fields in export order (CSV columns; JSONL keys follow the same order).
+FIELDS: tuple[str, ...] = (
+    "record_id",
+    "request_id",
+    "tenant",
+    "key",
+    "model",
+    "api",
+    "input_tokens",
+    "cached_input_tokens",
+    "output_tokens",
+    "reasoning_tokens",
+    "cost",
+    "ending",
+    "status",
+    "admitted_at_ms",
+    "finished_at_ms",
+)
+
+_INTS = (
+    "input_tokens",
+    "cached_input_tokens",
+    "output_tokens",
+    "reasoning_tokens",
+    "admitted_at_ms",
+    "finished_at_ms",
+)
+
+
+class RecordFormatError(ValueError):
+    """A stream entry that is not a usage record."""
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    """What one finished request used.
+
+    ``record_id`` identifies the record itself (the recorder fills it in when empty): unlike
+    ``request_id`` (Envoy's ``x-request-id``, which a client may choose and repeat) it is unique,
+    so it is the key to deduplicate on downstream.  ``key`` is the API key's *name*, never the
+    secret.  ``cached_input_tokens`` are part of ``input_tokens`` and ``reasoning_tokens`` part of
+    ``output_tokens`` (the OpenAI convention).  ``cost`` is None until the model is priced.
+    ``status`` is the upstream's HTTP status, None when the request ended before one arrived.
+    """
+
+    request_id: str
+    tenant: str
+    key: str
+    model: str
+    api: str
+    input_tokens: int
+    output_tokens: int
+    ending: str
+    admitted_at_ms: int
+    finished_at_ms: int
+    cached_input_tokens: int = 0
+    reasoning_tokens: int = 0
+    cost: Decimal | None = None
+    status: int | None = None
+    record_id: str = ""
+
+    def to_fields(self) -> dict[str, str]:
+        """The flat string fields of the stream entry (None is written as an empty string)."""
+        out = {"v": SCHEMA_VERSION}
+        for name in FIELDS:
+            value = getattr(self, name)
+            out[name] = "" if value is None else str(value)
+        return out
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[Any, Any]) -> UsageRecord:
+        """Read a stream entry's fields (bytes or str keys and values)."""
+        f = {_text(k): _text(v) for k, v in fields.items()}
+        try:
+            ints = {name: int(f.get(name) or 0) for name in _INTS}
+            status = f.get("status") or ""
+            cost = f.get("cost") or ""
+            return cls(
+                record_id=f.get("record_id", ""),
+                request_id=f["request_id"],
+                tenant=f["tenant"],
+                key=f.get("key", ""),
+                model=f.get("model", ""),
+                api=f.get("api", ""),
+                ending=f.get("ending", ""),
+                status=int(status) if status else None,
+                cost=Decimal(cost) if cost else None,
+                **ints,
+            )
+        except (KeyError, ValueError, InvalidOperation) as exc:
+            raise RecordFormatError(f"not a usage record: {exc!r}") from exc
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict in ``FIELDS`` order (``cost`` as a decimal string: money is never
+        a binary float)."""
+        out: dict[str, Any] = {}
+        for name in FIELDS:
+            value = getattr(self, name)
+            out[name] = str(value) if isinstance(value, Decimal) else value
+        return out
+
+    def to_row(self) -> list[str]:
+        """The CSV row in ``FIELDS`` order (None as an empty cell)."""
+        return ["" if (v := getattr(self, name)) is None else str(v) for name in FIELDS]
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes | bytearray) else str(value)
