@@ -57,6 +57,16 @@ class Settings(BaseSettings):
     # SIGTERM: seconds the health service reports NOT_SERVING while still serving every stream,
     # so Envoy's active health check moves new requests away before the listener closes.
     drain_notice_s: float = Field(default=1.5, ge=0)
+    # Usage records (docs/usage-records.md): the Redis Stream they are appended to
+    # (AIQ_USAGE_STREAM=off disables them) and its approximate bound (XADD MAXLEN ~).
+    usage_stream: str = "aiq:usage"
+    usage_stream_maxlen: int = Field(default=1_000_000, ge=1)
+
+    @field_validator("usage_stream", mode="before")
+    @classmethod
+    def _usage_stream_off(cls, value: object) -> object:
+        off = isinstance(value, str) and value.strip().lower() in ("", "off", "none", "false", "0")
+        return "" if off else value
 
     @field_validator("log_level", mode="before")
     @classmethod
