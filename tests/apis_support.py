@@ -19,7 +19,7 @@ CL100K = TokenizerSpec(kind="tiktoken", encoding="cl100k_base")
 @functools.cache
 def cl100k() -> TokenCounter:
     """The bundled cl100k_base counter (the one place the tests load it)."""
-    from extproc.core.tokens import load_counter
+    from extproc.tokenizers import load_counter
 
     return load_counter(CL100K)
 

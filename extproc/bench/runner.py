@@ -384,7 +384,8 @@ async def round_trips(b: Bench, main: Stack) -> None:
 
 def tokenizer_inprocess(b: Bench) -> dict[str, float]:
     """Median time of ``count_chat_request`` with the cl100k counter at 1k and 32k tokens."""
-    from extproc.core.tokens import TokenizerSpec, count_chat_request, load_counter
+    from extproc.core.tokens import TokenizerSpec, count_chat_request
+    from extproc.tokenizers import load_counter
 
     spec = TokenizerSpec(kind="tiktoken", encoding="cl100k_base")
     counter = load_counter(spec)

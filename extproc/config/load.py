@@ -14,12 +14,8 @@ from pydantic import ValidationError
 from extproc.config import schema
 from extproc.config.runtime import ApiKey, Model, Plan, RuntimeConfig, Tenant
 from extproc.core.rules import WINDOW_SECONDS, Charging, Limit
-from extproc.core.tokens import (
-    TokenizerLoadError,
-    TokenizerRegistry,
-    TokenizerSpec,
-    delta_counter,
-)
+from extproc.core.tokens import TokenizerSpec, delta_counter
+from extproc.tokenizers import TokenizerLoadError, TokenizerRegistry
 
 UNKNOWN_MODEL_NAME = "(unknown)"
 

