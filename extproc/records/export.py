@@ -176,25 +176,26 @@ def consume(
     block_ms: int = 5000,
     claim_idle_ms: int = 60_000,
     max_records: int | None = None,
-    stop: Callable[[], bool] = lambda: False,
+    exit_when_idle: bool = False,
 ) -> int:
-    """Deliver records to ``handle`` and acknowledge each once ``handle`` returned.
+    """Deliver records to ``handle`` and acknowledge each once ``handle`` returned; how many.
 
     At least once: the consumer's own unacknowledged records are delivered first (a restart
     after a crash between ``handle`` and ``XACK``), then those other consumers of the group left
     unacknowledged for ``claim_idle_ms`` (XAUTOCLAIM; 0 disables), then new records.  A record
     trimmed from the stream before it was read is gone: size ``MAXLEN`` for the longest pause a
-    consumer may take.  Returns after ``max_records`` records, or when ``stop()`` is true after a
-    read (a read waits at most ``block_ms``).  Entries that are not usage records are acknowledged
-    and skipped."""
+    consumer may take.  Runs until ``max_records`` were handled, or (``exit_when_idle``) until a
+    read waited ``block_ms`` for nothing.  Entries that are not usage records are acknowledged
+    and skipped; an exception from ``handle`` propagates and leaves its record unacknowledged."""
     ensure_group(client, stream, group)
     done = 0
+
+    def room() -> int:
+        return count if max_records is None else min(count, max_records - done)
 
     def deliver(entries: list[Any]) -> None:
         nonlocal done
         for raw_id, fields in entries:
-            if max_records is not None and done >= max_records:
-                return
             entry_id = _text(raw_id)
             if fields:  # a pending entry trimmed away comes back with no fields
                 try:
@@ -208,26 +209,27 @@ def consume(
 
     # 1. what this consumer was given and never acknowledged
     last = "0"
-    while max_records is None or done < max_records:
-        resp = client.xreadgroup(group, consumer, {stream: last}, count=count)
-        entries = resp[0][1] if resp else []
-        if not entries:
+    while room() > 0:
+        resp = client.xreadgroup(group, consumer, {stream: last}, count=room())
+        pending = resp[0][1] if resp else []
+        if not pending:
             break
-        deliver(entries)
-        last = _text(entries[-1][0])
-    # 2. then the others' stale deliveries and new records
-    while max_records is None or done < max_records:
+        deliver(pending)
+        last = _text(pending[-1][0])
+    # 2. then the others' stale deliveries, and new records
+    while room() > 0:
         if claim_idle_ms > 0:
             claimed = client.xautoclaim(
-                stream, group, consumer, min_idle_time=claim_idle_ms, start_id="0-0", count=count
+                stream, group, consumer, min_idle_time=claim_idle_ms, start_id="0-0", count=room()
             )
             if claimed[1]:
                 deliver(claimed[1])
                 continue
-        resp = client.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
-        if resp and resp[0][1]:
-            deliver(resp[0][1])
-        if stop():
+        resp = client.xreadgroup(group, consumer, {stream: ">"}, count=room(), block=block_ms)
+        fresh = resp[0][1] if resp else []
+        if fresh:
+            deliver(fresh)
+        elif exit_when_idle:
             break
     return done
 
@@ -311,18 +313,10 @@ def run_consume(args: argparse.Namespace) -> int:
     url, stream = _target(args)
     client = sync_client(url)
     out = sys.stdout
-    idle = {"seen": 0}
 
     def handle(entry_id: str, rec: UsageRecord) -> None:
         out.write(orjson.dumps({"id": entry_id, **rec.to_json()}).decode() + "\n")
         out.flush()
-        idle["seen"] += 1
-
-    def stop() -> bool:
-        if not args.exit_when_idle:
-            return False
-        seen, idle["seen"] = idle["seen"], 0
-        return seen == 0
 
     try:
         consume(
@@ -335,7 +329,7 @@ def run_consume(args: argparse.Namespace) -> int:
             block_ms=args.block_ms,
             claim_idle_ms=args.claim_idle_ms,
             max_records=args.max,
-            stop=stop,
+            exit_when_idle=args.exit_when_idle,
         )
     except KeyboardInterrupt:
         return 0

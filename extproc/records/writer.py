@@ -83,12 +83,15 @@ def marker_prefix(stream: str) -> str:
     """The prefix of the per-record markers, in the stream's hash slot on Redis Cluster.
 
     A key without a hash tag hashes as a whole, so ``{aiq:usage}:rec:...`` lands in the slot of
-    ``aiq:usage``; a stream key that has a tag (``aiq:{usage}``) lends it to its markers."""
+    ``aiq:usage``; a stream key that has a tag (``aiq:{usage}``) lends it to its markers.  A
+    key with a ``}`` but no tag (``a{}b``) has no such prefix: ValueError."""
     start = stream.find("{")
     if start >= 0:
         end = stream.find("}", start + 1)
         if end > start + 1:
             return f"{stream}:rec:"
+    if "}" in stream:
+        raise ValueError(f"usage stream key {stream!r}: a '}}' without a hash tag before it")
     return f"{{{stream}}}:rec:"
 
 
