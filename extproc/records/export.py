@@ -110,14 +110,17 @@ class Renderer:
                 self._header = True
             self._csv.writerow([entry_id, *rec.to_row()])
         else:
-            line = orjson.dumps({"id": entry_id, **rec.to_json()})
-            self.out.write(line.decode() + "\n")
+            self.out.write(_jsonl(entry_id, rec))
 
     def finish(self) -> None:
         """A CSV export with no records still gets its header."""
         if self._csv is not None and not self._header:
             self._csv.writerow(["id", *FIELDS])
             self._header = True
+
+
+def _jsonl(entry_id: str, rec: UsageRecord) -> str:
+    return orjson.dumps({"id": entry_id, **rec.to_json()}).decode() + "\n"
 
 
 def render(records: list[tuple[str, UsageRecord]], fmt: str) -> str:
@@ -165,6 +168,9 @@ def ensure_group(client: Any, stream: str, group: str, start: str = "0") -> bool
     return True
 
 
+Batch = list[tuple[str, UsageRecord]]
+
+
 def consume(
     client: Any,
     stream: str,
@@ -178,7 +184,8 @@ def consume(
     max_records: int | None = None,
     exit_when_idle: bool = False,
 ) -> int:
-    """Deliver records to ``handle`` and acknowledge each once ``handle`` returned; how many.
+    """Deliver records one by one to ``handle`` and acknowledge each as soon as ``handle``
+    returned; how many were handled.
 
     At least once: the consumer's own unacknowledged records are delivered first (a restart
     after a crash between ``handle`` and ``XACK``), then those other consumers of the group left
@@ -186,26 +193,105 @@ def consume(
     trimmed from the stream before it was read is gone: size ``MAXLEN`` for the longest pause a
     consumer may take.  Runs until ``max_records`` were handled, or (``exit_when_idle``) until a
     read waited ``block_ms`` for nothing.  Entries that are not usage records are acknowledged
-    and skipped; an exception from ``handle`` propagates and leaves its record unacknowledged."""
+    and skipped; an exception from ``handle`` propagates and leaves its record (and the rest of
+    its read) unacknowledged."""
+
+    def one_by_one(batch: Batch, ids: list[str]) -> int:
+        done = 0
+        handled = {entry_id for entry_id, _ in batch}
+        records = dict(batch)
+        for entry_id in ids:
+            if entry_id in handled:
+                handle(entry_id, records[entry_id])
+                done += 1
+            client.xack(stream, group, entry_id)
+        return done
+
+    return _read_group(
+        client,
+        stream,
+        group,
+        consumer,
+        one_by_one,
+        count=count,
+        block_ms=block_ms,
+        claim_idle_ms=claim_idle_ms,
+        max_records=max_records,
+        exit_when_idle=exit_when_idle,
+    )
+
+
+def consume_batches(
+    client: Any,
+    stream: str,
+    group: str,
+    consumer: str,
+    handle_batch: Callable[[Batch], None],
+    *,
+    count: int = 1000,
+    block_ms: int = 5000,
+    claim_idle_ms: int = 60_000,
+    max_records: int | None = None,
+    exit_when_idle: bool = False,
+) -> int:
+    """Like :func:`consume`, a read at a time: ``handle_batch`` gets up to ``count`` records
+    (an insert into a warehouse) and all of them are acknowledged, in one XACK, once it
+    returned.  If it raises, none of them is, and they are delivered again."""
+
+    def whole(batch: Batch, ids: list[str]) -> int:
+        if batch:
+            handle_batch(batch)
+        if ids:
+            client.xack(stream, group, *ids)
+        return len(batch)
+
+    return _read_group(
+        client,
+        stream,
+        group,
+        consumer,
+        whole,
+        count=count,
+        block_ms=block_ms,
+        claim_idle_ms=claim_idle_ms,
+        max_records=max_records,
+        exit_when_idle=exit_when_idle,
+    )
+
+
+def _read_group(
+    client: Any,
+    stream: str,
+    group: str,
+    consumer: str,
+    deliver: Callable[[Batch, list[str]], int],
+    *,
+    count: int,
+    block_ms: int,
+    claim_idle_ms: int,
+    max_records: int | None,
+    exit_when_idle: bool,
+) -> int:
     ensure_group(client, stream, group)
     done = 0
 
     def room() -> int:
         return count if max_records is None else min(count, max_records - done)
 
-    def deliver(entries: list[Any]) -> None:
+    def take(entries: list[Any]) -> None:
         nonlocal done
+        batch: Batch = []
+        ids: list[str] = []
         for raw_id, fields in entries:
             entry_id = _text(raw_id)
-            if fields:  # a pending entry trimmed away comes back with no fields
-                try:
-                    rec = UsageRecord.from_fields(fields)
-                except RecordFormatError:
-                    rec = None
-                if rec is not None:
-                    handle(entry_id, rec)
-                    done += 1
-            client.xack(stream, group, entry_id)
+            ids.append(entry_id)
+            if not fields:  # a pending entry trimmed away comes back without fields
+                continue
+            try:
+                batch.append((entry_id, UsageRecord.from_fields(fields)))
+            except RecordFormatError:
+                continue
+        done += deliver(batch, ids)
 
     # 1. what this consumer was given and never acknowledged
     last = "0"
@@ -214,7 +300,7 @@ def consume(
         pending = resp[0][1] if resp else []
         if not pending:
             break
-        deliver(pending)
+        take(pending)
         last = _text(pending[-1][0])
     # 2. then the others' stale deliveries, and new records
     while room() > 0:
@@ -223,12 +309,12 @@ def consume(
                 stream, group, consumer, min_idle_time=claim_idle_ms, start_id="0-0", count=room()
             )
             if claimed[1]:
-                deliver(claimed[1])
+                take(claimed[1])
                 continue
         resp = client.xreadgroup(group, consumer, {stream: ">"}, count=room(), block=block_ms)
         fresh = resp[0][1] if resp else []
         if fresh:
-            deliver(fresh)
+            take(fresh)
         elif exit_when_idle:
             break
     return done
@@ -314,12 +400,12 @@ def run_consume(args: argparse.Namespace) -> int:
     client = sync_client(url)
     out = sys.stdout
 
-    def handle(entry_id: str, rec: UsageRecord) -> None:
-        out.write(orjson.dumps({"id": entry_id, **rec.to_json()}).decode() + "\n")
+    def handle(batch: Batch) -> None:
+        out.write("".join(_jsonl(i, r) for i, r in batch))
         out.flush()
 
     try:
-        consume(
+        consume_batches(
             client,
             stream,
             args.group,

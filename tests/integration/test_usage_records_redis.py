@@ -21,7 +21,7 @@ import redis
 
 from extproc.cli import main
 from extproc.metrics import Metrics
-from extproc.records.export import consume, read_range
+from extproc.records.export import consume, consume_batches, read_range
 from extproc.records.model import UsageRecord
 from extproc.records.writer import UsageRecorder
 from extproc.stack import free_port
@@ -411,3 +411,24 @@ def test_consume_command(redis_server: RedisServer, capsys: Any) -> None:
     assert [x["request_id"] for x in lines] == ["req-0", "req-1", "req-2"]
     assert lines[0]["id"] == "1700000000000-0"
     assert client.xpending(stream, "billing")["pending"] == 0
+
+
+def test_batches_acknowledged_only_after_the_insert(redis_server: RedisServer) -> None:
+    """A batch whose insert fails is acknowledged not at all and comes back whole; one that
+    succeeds is acknowledged in full."""
+    client, stream = redis_server.client(), stream_key()
+    seed_at(client, stream, 1_700_000_000_000, 5)
+    calls: list[list[str]] = []
+
+    def insert(batch: list[tuple[str, UsageRecord]]) -> None:
+        calls.append([r.request_id for _, r in batch])
+        if len(calls) == 1:
+            raise ConnectionError("warehouse down")
+
+    with pytest.raises(ConnectionError):
+        consume_batches(client, stream, "wh", "w1", insert, count=10, block_ms=50)
+    assert client.xpending(stream, "wh")["pending"] == 6  # 5 records and the foreign entry
+    n = consume_batches(client, stream, "wh", "w1", insert, block_ms=50, exit_when_idle=True)
+    assert n == 5
+    assert calls == [[f"req-{i}" for i in range(5)]] * 2
+    assert client.xpending(stream, "wh")["pending"] == 0
