@@ -17,7 +17,7 @@ import orjson
 
 from extproc.bench import runner
 from extproc.bench.report import Table, document
-from extproc.bench.runner import SECTIONS, Bench, Plan
+from extproc.bench.runner import SECTIONS, Bench, BenchPlan
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +56,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def meta(plan: Plan, sections: frozenset[str], started: float, elapsed: float) -> dict[str, Any]:
+def meta(
+    plan: BenchPlan, sections: frozenset[str], started: float, elapsed: float
+) -> dict[str, Any]:
     """Where and how the run happened."""
     try:
         load = os.getloadavg()
@@ -76,9 +78,9 @@ def meta(plan: Plan, sections: frozenset[str], started: float, elapsed: float) -
 
 def run(args: argparse.Namespace) -> int:
     """Run the suite; print the table; write the JSON."""
-    plan = Plan.quick() if args.quick else Plan()
+    plan = BenchPlan.quick() if args.quick else BenchPlan()
     if args.rounds:
-        plan = Plan(**{**plan.__dict__, "rounds": args.rounds})
+        plan = BenchPlan(**{**plan.__dict__, "rounds": args.rounds})
     sections = frozenset(args.only or SECTIONS) - frozenset(args.skip or ())
     workdir = runner.new_workdir()
     bench = Bench(plan=plan, workdir=workdir, sections=sections)

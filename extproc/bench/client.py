@@ -1,9 +1,10 @@
 """A lean aiohttp client for the benchmarks: one request, timed, with minimal parsing.
 
-The openai SDK costs far more CPU per event than what is measured here, so streams are read
-as raw bytes: an event carries content when it has a non-empty ``"content":"..."`` (the
-simulator writes exactly one token per content event), a quota cut is an event with an
-``"error"`` object, and ``data: [DONE]`` ends the stream.
+The openai SDK costs far more CPU per event than what is measured here, so events (split by the
+gateway's own :class:`~extproc.core.sse.SSEDecoder`, any line ending) are not parsed as JSON:
+an event carries content when it has a non-empty ``"content":"..."`` (the simulator writes
+exactly one token per content event), a quota cut is an event with an ``"error"`` object, and
+``data: [DONE]`` ends the stream.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import Any
 import aiohttp
 import orjson
 
+from extproc.core.sse import SSEDecoder, SSEEvent
 from extproc.load.prompt import base_prompt
+from extproc.load.sse import DONE, MAX_EVENT_BYTES
 
 _CONTENT = re.compile(rb'"content":\s?"(?!")')
 
@@ -115,25 +118,29 @@ async def send(
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, res: Result, t0: float) -> None:
-    buf = b""
+    decoder = SSEDecoder(max_event_bytes=MAX_EVENT_BYTES)
     async for piece in resp.content.iter_any():
         now = time.perf_counter()
-        buf += piece
-        if b"\n\n" not in buf:
-            continue
-        *events, buf = buf.split(b"\n\n")
-        for ev in events:
-            if ev.startswith(b"data: [DONE]"):
-                res.done = True
-            elif _CONTENT.search(ev):
-                res.tokens += 1
-                if res.first_chunk_at is None:
-                    res.first_chunk_at = now
-                    res.ttft = now - t0
-                res.last_chunk_at = now
-            elif b'"error"' in ev:
-                res.cut = True
-                res.cut_wall = time.time()
+        for ev in decoder.feed(piece):
+            _on_event(ev, res, now, t0)
+    for ev in decoder.flush():
+        _on_event(ev, res, time.perf_counter(), t0)
+
+
+def _on_event(ev: SSEEvent, res: Result, now: float, t0: float) -> None:
+    if ev.data is None:
+        return
+    if ev.data == DONE:
+        res.done = True
+    elif _CONTENT.search(ev.raw):
+        res.tokens += 1
+        if res.first_chunk_at is None:
+            res.first_chunk_at = now
+            res.ttft = now - t0
+        res.last_chunk_at = now
+    elif b'"error"' in ev.raw:
+        res.cut = True
+        res.cut_wall = time.time()
 
 
 def connector(limit: int) -> aiohttp.TCPConnector:

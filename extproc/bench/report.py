@@ -5,32 +5,10 @@ synthetic numbers.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 SCHEMA = "ai-quota-bench/1"
-
-
-def median(values: Iterable[float]) -> float | None:
-    """Median of the values (None when empty)."""
-    xs = sorted(values)
-    if not xs:
-        return None
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile ``q`` in 0..100 (None when empty)."""
-    xs = sorted(values)
-    if not xs:
-        return None
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def ratio(value: float | None, base: float | None) -> float | None:

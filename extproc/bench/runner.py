@@ -32,8 +32,11 @@ import orjson
 
 from extproc.bench import system
 from extproc.bench.client import Result, Shape, connector, send
-from extproc.bench.report import Row, Table, median, per_unit_split, percentile
+from extproc.bench.report import Row, Table, per_unit_split
+from extproc.load.records import sim_record_from_json
+from extproc.sim.records import SimRecord
 from extproc.stack import Stack
+from extproc.stats import median, percentile
 
 T = TypeVar("T")
 MS = 1000.0
@@ -41,7 +44,7 @@ US = 1_000_000.0
 
 
 @dataclass(frozen=True)
-class Plan:
+class BenchPlan:
     """How much to measure (``quick`` shrinks every count)."""
 
     rounds: int = 5
@@ -61,7 +64,7 @@ class Plan:
     profile_seconds: float = 5.0
 
     @classmethod
-    def quick(cls) -> Plan:
+    def quick(cls) -> BenchPlan:
         """About one minute in all."""
         return cls(
             rounds=3,
@@ -81,7 +84,7 @@ class Plan:
 class Bench:
     """One run: the plan, the table being filled and the raw figures behind it."""
 
-    plan: Plan
+    plan: BenchPlan
     workdir: Path
     sections: frozenset[str]
     table: Table = field(default_factory=Table)
@@ -454,10 +457,10 @@ async def tokenizer(b: Bench, main: Stack, baseline_url: str) -> None:
 # -- 5 + 6. accuracy under load and upstream stop latency ----------------------------------
 
 
-def _sim_records(sim_url: str) -> list[dict[str, Any]]:
+def _sim_records(sim_url: str) -> list[SimRecord]:
     with urllib.request.urlopen(f"{sim_url}/sim/requests", timeout=5) as r:  # noqa: S310
-        recs: list[dict[str, Any]] = orjson.loads(r.read())["requests"]
-    return recs
+        raw: list[dict[str, Any]] = orjson.loads(r.read())["requests"]
+    return [rec for rec in map(sim_record_from_json, raw) if rec is not None]
 
 
 async def _wait_window(b: Bench, seconds: float = 45.0) -> None:
@@ -521,21 +524,23 @@ async def accuracy(b: Bench, stack: Stack) -> None:
         elapsed = time.monotonic() - started
         # Ground truth: wait for the simulator to finish every record of this run.
         ids = {r.client_request_id for r, _ in results}
-        recs: dict[str, dict[str, Any]] = {}
+        recs: dict[str, SimRecord] = {}
         for _ in range(30):
             recs = {
-                x["client_request_id"]: x
+                x.client_request_id: x
                 for x in _sim_records(stack.sim_url)
-                if x.get("client_request_id") in ids
+                if x.client_request_id in ids
             }
-            if all(x["ending"] != "in_progress" for x in recs.values()):
+            if all(x.finished for x in recs.values()):
                 break
             await asyncio.sleep(0.2)
         admitted = [(r, p) for r, p in results if r.status == 200]
         prompt_total = sum(p for _, p in admitted)
         delivered = sum(r.tokens for r, _ in admitted)
         upstream = sum(
-            int(recs.get(r.client_request_id, {}).get("tokens_sent", 0)) for r, _ in admitted
+            recs[r.client_request_id].tokens_sent
+            for r, _ in admitted
+            if r.client_request_id in recs
         )
         same_window = int(time.time() // 3600) == window
         used_client = prompt_total + delivered
@@ -546,10 +551,10 @@ async def accuracy(b: Bench, stack: Stack) -> None:
         cut = [r for r, _ in admitted if r.cut]
         for r in cut:
             rec = recs.get(r.client_request_id)
-            if rec and rec.get("disconnected_at") and r.cut_wall:
-                stops.append((rec["disconnected_at"] - r.cut_wall) * MS)
-                if rec.get("last_token_at"):
-                    gaps.append((rec["disconnected_at"] - rec["last_token_at"]) * MS)
+            if rec and rec.disconnected_at and r.cut_wall:
+                stops.append((rec.disconnected_at - r.cut_wall) * MS)
+                if rec.last_token_at:
+                    gaps.append((rec.disconnected_at - rec.last_token_at) * MS)
         raw[mode] = {
             "limit": limit,
             "requests": len(results),
@@ -569,7 +574,7 @@ async def accuracy(b: Bench, stack: Stack) -> None:
             "utilisation": used_client / limit,
             "elapsed_s": elapsed,
             "same_window": same_window,
-            "endings": dict(Counter(x["ending"] for x in recs.values())),
+            "endings": dict(Counter(x.ending for x in recs.values())),
         }
         # Both modes are judged on what reached clients (what the counters charge); the
         # upstream figure also counts tokens generated after the cut and never delivered.

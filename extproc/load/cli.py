@@ -15,12 +15,8 @@ from extproc.load.config import (
     parse_max_tokens,
     parse_weights,
 )
-from extproc.load.report import (
-    overshoot_violations,
-    parse_tolerance,
-    validate_report,
-    write_report,
-)
+from extproc.load.output import write_report
+from extproc.load.report import overshoot_violations, parse_tolerance, validate_report
 from extproc.load.runner import run_load
 
 EXIT_OK = 0

@@ -1,10 +1,14 @@
-"""Per-request records collected by the load harness and the simulator's ground-truth records."""
+"""Per-request records collected by the load harness, joined with the simulator's ground truth
+(its own :class:`~extproc.sim.records.SimRecord` schema, read back from ``GET /sim/requests``)."""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
+
+from extproc.sim.records import SimRecord
 
 Outcome = Literal["ok", "refused", "cut", "failed"]
 OUTCOMES: tuple[Outcome, ...] = ("ok", "refused", "cut", "failed")
@@ -106,44 +110,21 @@ class RequestRecord:
         }
 
 
-@dataclass(frozen=True)
-class SimRecord:
-    """One record from the simulator's ``GET /sim/requests`` endpoint."""
+_SIM_FIELDS = frozenset(f.name for f in fields(SimRecord))
 
-    client_request_id: str
-    tokens_sent: int
-    ending: str
-    started_at: float | None
-    first_token_at: float | None
-    last_token_at: float | None
-    ended_at: float | None
-    disconnected_at: float | None
-    tenant: str | None
 
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> SimRecord | None:
-        """Parse one record; ``None`` when it has no usable ``client_request_id``."""
-        rid = raw.get("client_request_id")
-        if not isinstance(rid, str) or not rid:
-            return None
-
-        def _f(key: str) -> float | None:
-            v = raw.get(key)
-            return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
-
-        tokens = raw.get("tokens_sent")
-        tenant = raw.get("tenant")
-        return cls(
-            client_request_id=rid,
-            tokens_sent=int(tokens) if isinstance(tokens, int | float) else 0,
-            ending=str(raw.get("ending", "unknown")),
-            started_at=_f("started_at"),
-            first_token_at=_f("first_token_at"),
-            last_token_at=_f("last_token_at"),
-            ended_at=_f("ended_at"),
-            disconnected_at=_f("disconnected_at"),
-            tenant=tenant if isinstance(tenant, str) else None,
-        )
+def sim_record_from_json(raw: Mapping[str, Any]) -> SimRecord | None:
+    """One record of the simulator's ``GET /sim/requests`` (its ``SimRecord.to_dict()``) as a
+    :class:`~extproc.sim.records.SimRecord`; ``None`` without a ``client_request_id`` (not a
+    request of ours). Keys the simulator's schema does not have are ignored."""
+    rid = raw.get("client_request_id")
+    if not isinstance(rid, str) or not rid:
+        return None
+    known = {k: v for k, v in raw.items() if k in _SIM_FIELDS}
+    known.setdefault("sim_id", "")
+    known.setdefault("path", "")
+    known.setdefault("started_at", 0.0)
+    return SimRecord(**known)
 
 
 def join_ground_truth(records: list[RequestRecord], sim: list[SimRecord]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Build, validate, summarise and write the load report (pure logic except ``write_report``).
+"""Build, validate and summarise the load report (pure logic; :mod:`extproc.load.output` writes it).
 
 The report is a plain JSON-able dict (``LoadReport.data``); ``validate_report`` checks its
 internal consistency: ``admitted + refused + failed == total``, ``ok + cut == admitted``,
@@ -12,20 +12,17 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import orjson
 
 from extproc.load.config import LoadConfig
 from extproc.load.records import RATE_LIMIT_HEADERS, RequestRecord
-from extproc.load.stats import summarize
 from extproc.load.windows import (
     WindowRow,
     overshoot_summary,
     prompt_tokens_charged,
     tenant_windows,
 )
+from extproc.stats import summarize
 
 SCHEMA = "ai-quota-load-report/1"
 COUNT_KEYS: tuple[str, ...] = ("total", "admitted", "ok", "cut", "refused", "failed")
@@ -474,36 +471,12 @@ def summary_text(data: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_report(report: LoadReport, out_dir: Path, *, plot: bool = True) -> list[Path]:
-    """Write ``report.json``, ``requests.jsonl`` and (optionally) ``report.png`` to ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-    jpath = out_dir / "report.json"
-    jpath.write_bytes(
-        orjson.dumps(report.data, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS)
-    )
-    written.append(jpath)
-    rpath = out_dir / "requests.jsonl"
-    with rpath.open("wb") as fh:
-        for rec in report.records:
-            fh.write(orjson.dumps(rec.to_json()) + b"\n")
-    written.append(rpath)
-    if plot:
-        from extproc.load.plot import plot_report  # noqa: PLC0415 - matplotlib is optional
-
-        ppath = out_dir / "report.png"
-        plot_report(report, ppath)
-        written.append(ppath)
-    return written
-
-
 __all__ = [
     "LoadReport",
     "build_report",
     "count_records",
     "summary_text",
     "validate_report",
-    "write_report",
 ]
 
 

@@ -1,7 +1,7 @@
 """The I/O side of the harness: aiohttp clients, closed/open-loop scheduling, ground truth.
 
 Everything that touches sockets lives here; parsing, statistics and reporting are in the
-sans-IO modules (``sse``, ``stats``, ``windows``, ``report``).
+sans-IO modules (``sse``, ``windows``, ``report``, and ``extproc.stats``).
 """
 
 from __future__ import annotations
@@ -18,12 +18,26 @@ import aiohttp
 import orjson
 import structlog
 
+from extproc.core.sse import SSEDecoder, SSEEventTooLarge
 from extproc.load.config import LoadConfig
 from extproc.load.progress import Counters, ProgressLine
 from extproc.load.prompt import build_prompt, count_tokens
-from extproc.load.records import RATE_LIMIT_HEADERS, RequestRecord, SimRecord, join_ground_truth
+from extproc.load.records import (
+    RATE_LIMIT_HEADERS,
+    RequestRecord,
+    join_ground_truth,
+    sim_record_from_json,
+)
 from extproc.load.report import LoadReport, build_report
-from extproc.load.sse import SSEParser, StreamState, extract_content, extract_usage, parse_error
+from extproc.load.sse import (
+    MAX_EVENT_BYTES,
+    StreamState,
+    data_payloads,
+    extract_content,
+    extract_usage,
+    parse_error,
+)
+from extproc.sim.records import SimRecord
 
 log = structlog.get_logger(__name__)
 
@@ -31,7 +45,7 @@ GROUND_TRUTH_SETTLE_S = 3.0
 
 
 @dataclass(frozen=True)
-class Plan:
+class RequestPlan:
     """What request ``n`` will be: tenant, model, streaming or not, size and target."""
 
     n: int
@@ -51,7 +65,7 @@ class Planner:
         self._rng = random.Random(config.seed)
         self._weights = list(config.key_weights) if config.key_weights else None
 
-    def plan(self, n: int) -> Plan:
+    def plan(self, n: int) -> RequestPlan:
         """The plan for request ``n`` (targets are used round-robin)."""
         c = self.config
         tenant = self._rng.choices(c.keys, weights=self._weights)[0]
@@ -59,7 +73,7 @@ class Planner:
         stream = self._rng.random() < c.stream_ratio
         lo, hi = c.max_tokens
         max_tokens = self._rng.randint(lo, hi)
-        return Plan(n, tenant, model, stream, max_tokens, c.targets[n % len(c.targets)])
+        return RequestPlan(n, tenant, model, stream, max_tokens, c.targets[n % len(c.targets)])
 
 
 def new_run_id() -> str:
@@ -112,7 +126,7 @@ class Runner:
         tasks: set[asyncio.Task[None]] = set()
         next_at = time.monotonic()
 
-        async def one(plan: Plan) -> None:
+        async def one(plan: RequestPlan) -> None:
             try:
                 await self.send(plan)
             finally:
@@ -138,7 +152,7 @@ class Runner:
         if tasks:
             await asyncio.gather(*tasks)
 
-    def _request_body(self, plan: Plan, prompt: str) -> dict[str, Any]:
+    def _request_body(self, plan: RequestPlan, prompt: str) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": plan.model,
             "max_tokens": plan.max_tokens,
@@ -152,7 +166,7 @@ class Runner:
             body["stream_options"] = {"include_usage": True}
         return body
 
-    async def send(self, plan: Plan) -> None:
+    async def send(self, plan: RequestPlan) -> None:
         """Send one request, record what happened and update the live counters."""
         c = self.config
         chat = c.endpoint == "chat"
@@ -190,6 +204,8 @@ class Runner:
             rec.outcome, rec.reason = "failed", f"connection_error:{type(exc).__name__}"
         except OSError as exc:
             rec.outcome, rec.reason = "failed", f"os_error:{type(exc).__name__}"
+        except SSEEventTooLarge as exc:
+            rec.outcome, rec.reason = "failed", f"sse_event_too_large:{exc.size}"
         finally:
             rec.duration = time.monotonic() - t0
             self.counters.in_flight -= 1
@@ -235,18 +251,18 @@ class Runner:
     async def _read_stream(
         self, resp: aiohttp.ClientResponse, rec: RequestRecord, t0: float
     ) -> None:
-        parser = SSEParser()
+        decoder = SSEDecoder(max_event_bytes=MAX_EVENT_BYTES)
         state = StreamState()
         async for chunk in resp.content.iter_any():
             at = time.monotonic() - t0
-            for payload in parser.feed(chunk):
+            for payload in data_payloads(decoder.feed(chunk)):
                 text = state.on_event(payload)
                 if text:
                     self._add_delta(rec, text, at)
             if state.done:
                 break
         if not state.done:
-            for payload in parser.flush():
+            for payload in data_payloads(decoder.flush()):
                 text = state.on_event(payload)
                 if text:
                     self._add_delta(rec, text, time.monotonic() - t0)
@@ -301,8 +317,8 @@ async def fetch_ground_truth(
         raw = body.get("requests", []) if isinstance(body, dict) else []
         recs = [
             s
-            for s in (SimRecord.from_json(r) for r in raw if isinstance(r, dict))
-            if s is not None and s.client_request_id.startswith(prefix)
+            for s in (sim_record_from_json(r) for r in raw if isinstance(r, dict))
+            if s is not None and (s.client_request_id or "").startswith(prefix)
         ]
         if all(s.ending != "in_progress" for s in recs) or time.monotonic() >= deadline:
             return recs

@@ -1,61 +1,29 @@
-"""Minimal, incremental Server-Sent-Events parsing for OpenAI-style streams (sans-IO).
+"""What a load client makes of an OpenAI-style stream (sans-IO).
 
-Only ``data:`` lines matter: events are separated by blank lines, the payload of an event is
-its ``data:`` lines joined by newlines. Each payload is either ``[DONE]`` or a JSON chunk that
+Bytes become events with the gateway's own decoder (:class:`extproc.core.sse.SSEDecoder`);
+only an event's ``data`` matters here. Each payload is either ``[DONE]`` or a JSON chunk that
 carries content, usage, or an in-band error (how the gateway cuts a stream).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from extproc.core.sse import SSEEvent
 from extproc.load.records import Outcome
 
 DONE = "[DONE]"
+#: Largest stream event a load client accepts (the gateway's own limit is lower).
+MAX_EVENT_BYTES = 16 << 20
 
 
-class SSEParser:
-    """Split a byte stream into SSE event payloads (the joined ``data:`` lines)."""
-
-    def __init__(self) -> None:
-        """Start with an empty buffer."""
-        self._buf = b""
-
-    def feed(self, chunk: bytes) -> list[str]:
-        """Add bytes and return the payloads of every event completed by them."""
-        self._buf += chunk
-        if b"\r" in self._buf:
-            self._buf = self._buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        out: list[str] = []
-        while True:
-            idx = self._buf.find(b"\n\n")
-            if idx < 0:
-                break
-            block, self._buf = self._buf[:idx], self._buf[idx + 2 :]
-            payload = _payload(block)
-            if payload is not None:
-                out.append(payload)
-        return out
-
-    def flush(self) -> list[str]:
-        """Return the payload of a final event not terminated by a blank line, if any."""
-        block, self._buf = self._buf, b""
-        payload = _payload(block.rstrip(b"\n"))
-        return [payload] if payload is not None else []
-
-
-def _payload(block: bytes) -> str | None:
-    lines: list[str] = []
-    for raw in block.split(b"\n"):
-        if raw.startswith(b"data:"):
-            value = raw[5:]
-            if value.startswith(b" "):
-                value = value[1:]
-            lines.append(value.decode("utf-8", errors="replace"))
-    return "\n".join(lines) if lines else None
+def data_payloads(events: Iterable[SSEEvent]) -> list[str]:
+    """The ``data`` of each event that has one (comment-only and data-less events dropped)."""
+    return [ev.data for ev in events if ev.data is not None]
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 
 from extproc.bench.report import document
-from extproc.bench.runner import SECTIONS, Bench, Plan, run
+from extproc.bench.runner import SECTIONS, Bench, BenchPlan, run
 
 pytestmark = pytest.mark.benchmark
 
 
 async def test_quick_suite_produces_every_section(tmp_path: Path) -> None:
     """Every section fills its rows and raw figures; the counted invariants hold."""
-    bench = Bench(plan=Plan.quick(), workdir=tmp_path, sections=frozenset(SECTIONS))
+    bench = Bench(plan=BenchPlan.quick(), workdir=tmp_path, sections=frozenset(SECTIONS))
     await run(bench)
     doc = document(bench.table, {}, bench.raw)
     sections = {r["section"].split()[1] for r in doc["rows"]}
@@ -36,7 +36,7 @@ async def test_quick_suite_produces_every_section(tmp_path: Path) -> None:
 
 async def test_floor_processor_streams_through_envoy(tmp_path: Path) -> None:
     """The do-nothing processor forwards a whole stream (the floor's message pattern works)."""
-    bench = Bench(plan=Plan.quick(), workdir=tmp_path, sections=frozenset({"streaming"}))
+    bench = Bench(plan=BenchPlan.quick(), workdir=tmp_path, sections=frozenset({"streaming"}))
     await run(bench)
     incomplete = bench.raw["streaming"]["latency_50"]["incomplete"]
     assert incomplete == {"baseline": 0, "gateway": 0, "floor": 0}

@@ -15,12 +15,11 @@ from extproc.bench.report import (
     Table,
     diff,
     document,
-    median,
     per_unit_split,
-    percentile,
     ratio,
 )
 from extproc.bench.runner import parse_pyspy_raw
+from extproc.stats import median, percentile
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from extproc.load import LoadConfig, run_load, validate_report
 from extproc.load.cli import main as cli_main
-from extproc.load.report import write_report
+from extproc.load.output import write_report
 
 pytestmark = pytest.mark.integration
 

@@ -7,6 +7,7 @@ import copy
 import orjson
 import pytest
 
+from extproc.core.sse import SSEDecoder
 from extproc.load.config import (
     LoadConfig,
     LoadConfigError,
@@ -17,15 +18,14 @@ from extproc.load.config import (
 )
 from extproc.load.progress import Counters, format_line
 from extproc.load.prompt import build_prompt, count_tokens
-from extproc.load.records import RequestRecord, SimRecord, join_ground_truth
+from extproc.load.records import RequestRecord, join_ground_truth, sim_record_from_json
 from extproc.load.report import (
     build_report,
     overshoot_violations,
     summary_text,
     validate_report,
 )
-from extproc.load.sse import SSEParser, classify_stream, parse_error
-from extproc.load.stats import percentile, summarize
+from extproc.load.sse import classify_stream, data_payloads, parse_error
 from extproc.load.windows import (
     output_token_events,
     prompt_tokens_charged,
@@ -33,6 +33,7 @@ from extproc.load.windows import (
     tenant_windows,
     window_start,
 )
+from extproc.stats import percentile, summarize
 
 pytestmark = pytest.mark.unit
 
@@ -71,18 +72,18 @@ def _rec(n: int = 0, tenant: str = "sk-a", **kw: object) -> RequestRecord:
 def test_sse_parser_splits_events_across_chunks() -> None:
     """Events split over arbitrary chunk boundaries and CRLF line ends are reassembled."""
     raw = f"data: {_chunk('a')}\r\n\r\ndata: {_chunk('b')}\n\n: comment\n\ndata: [DONE]\n\n"
-    parser = SSEParser()
+    decoder = SSEDecoder()
     out: list[str] = []
     data = raw.encode()
     for i in range(0, len(data), 7):
-        out.extend(parser.feed(data[i : i + 7]))
-    out.extend(parser.flush())
+        out.extend(data_payloads(decoder.feed(data[i : i + 7])))
+    out.extend(data_payloads(decoder.flush()))
     assert out == [_chunk("a"), _chunk("b"), "[DONE]"]
 
 
 def test_sse_multiline_data_joined() -> None:
     """Several data: lines of one event are joined with newlines."""
-    assert SSEParser().feed(b"data: x\ndata:y\nevent: e\n\n") == ["x\ny"]
+    assert data_payloads(SSEDecoder().feed(b"data: x\ndata:y\nevent: e\n\n")) == ["x\ny"]
 
 
 def test_classify_normal_end() -> None:
@@ -339,7 +340,7 @@ def test_join_ground_truth_by_request_id() -> None:
     """Simulator records attach to client records by x-client-request-id."""
     recs = _records()
     sims = [
-        SimRecord.from_json(
+        sim_record_from_json(
             {
                 "client_request_id": "run-0",
                 "tokens_sent": 7,
@@ -347,10 +348,10 @@ def test_join_ground_truth_by_request_id() -> None:
                 "first_token_at": 1.0,
             }
         ),
-        SimRecord.from_json(
+        sim_record_from_json(
             {"client_request_id": "other-1", "tokens_sent": 1, "ending": "completed"}
         ),
-        SimRecord.from_json({"tokens_sent": 1}),
+        sim_record_from_json({"tokens_sent": 1}),
     ]
     stats = join_ground_truth(recs, [s for s in sims if s is not None])
     assert stats["matched"] == 1 and stats["upstream_without_client"] == 1

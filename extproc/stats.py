@@ -1,10 +1,19 @@
-"""Small, dependency-free statistics used by the load report (sans-IO)."""
+"""Small, dependency-free statistics shared by the side tools (load report, benchmarks)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+
+def median(values: Iterable[float]) -> float | None:
+    """Median of the values (None when empty)."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
