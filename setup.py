@@ -39,6 +39,12 @@ class BuildPyWithProtos(build_py):
 
     def run(self) -> None:
         compile_protos()
+        # The generated packages did not exist when packages were discovered: list them, or
+        # setuptools warns that their files "would be ignored".
+        generated = sorted(
+            ".".join(init.parent.relative_to(ROOT).parts) for init in OUT.rglob("__init__.py")
+        )
+        self.packages = [*self.packages, *(p for p in generated if p not in self.packages)]
         super().run()
 
 

@@ -273,8 +273,13 @@ def _delegate(module: str, parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=mod.run)
 
 
+_EXTRAS = {"extproc.sim.cli": "sim", "extproc.load.cli": "load", "extproc.bench.cli": "bench"}
+
+
 def _missing(module: str, exc: Exception) -> int:
-    print(f"ai-quota: {module} is unavailable: {exc}", file=sys.stderr)
+    extra = _EXTRAS.get(module)
+    hint = f" (pip install 'ai-quota[{extra}]')" if extra else ""
+    print(f"ai-quota: {module} is unavailable: {exc}{hint}", file=sys.stderr)
     return 1
 
 
