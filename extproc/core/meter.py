@@ -109,12 +109,13 @@ class StreamMeter:
             # Forward unchanged (we are not the client's parser) but never undercharge it.
             self.malformed_events += 1
             return self._count(data), True
-        if chunk.done:
-            return 0, True
+        # Usage and errors first: the Responses API's final event is both "done" and usage.
         if chunk.error is not None:
             self.upstream_error = chunk.error
         if chunk.usage is not None:
             self.usage = chunk.usage
+        if chunk.done:
+            return 0, True
         tokens = 0
         for _, text in chunk.texts:
             if text:

@@ -13,6 +13,7 @@ import structlog
 
 from extproc.clock import Clock
 from extproc.config.runtime import RuntimeConfig
+from extproc.core.apis.base import ApiFormat
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import Limiter
 from extproc.metrics import Metrics
@@ -45,6 +46,17 @@ class Gateway:
     # third of it while their request runs; a processor that dies stops renewing, and the
     # tenant's next admission refunds what it had reserved (the bound on what a SIGKILL leaks).
     _leases: asyncio.Task[None] | None = None
+    _bound: dict[str, ApiFormat] = field(default_factory=dict)
+
+    def bind(self, api: ApiFormat) -> ApiFormat:
+        """``api`` reading this gateway's clock where it renders times (Anthropic's
+        ``*-reset`` headers are timestamps), made once per API."""
+        bound = self._bound.get(api.name)
+        if bound is None:
+            with_clock = getattr(api, "with_clock", None)
+            bound = with_clock(self.clock) if with_clock is not None else api
+            self._bound[api.name] = bound
+        return bound
 
     def ledger_id(self, request_id: str) -> str:
         """A ledger id unique to one HTTP request: Envoy's request id, this process, a serial.

@@ -138,7 +138,8 @@ class RequestProcessor:
         h = wire.headers_of(hh)
         ctx.request_id = h.get("x-request-id", "") or f"gen-{id(self):x}-{time.time_ns()}"
         ctx.path = h.get(":path", "")
-        ctx.api = api_for_path(ctx.path)  # errors from here on speak the API's own shape
+        found = api_for_path(ctx.path)
+        ctx.api = self.gw.bind(found) if found else None  # errors speak the API's own shape
         structlog.contextvars.bind_contextvars(request_id=ctx.request_id)
         meta = wire.metadata_of(req) if ctx.cfg.identity.sources != ["api_key"] else None
         caller = identify(ctx.cfg, h, meta)
@@ -151,7 +152,7 @@ class RequestProcessor:
             return wire.continue_request_headers(
                 caller.headers(), IDENTITY_HEADERS, mode=wire.passthrough_mode()
             )
-        ctx.api = api
+        ctx.api = self.gw.bind(api) if api else None
         encoding = h.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
             raise UnsupportedRequestEncoding(

@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 
 from extproc.core import admission
+from extproc.core.apis.responses import ResponsesFormat
 from extproc.core.encoding import BodyDecoder
 from extproc.core.keys import WindowedBucket
 from extproc.core.lifecycle import CutReason, Input, Lifecycle
@@ -44,6 +45,7 @@ class StreamDriver:
         assert cost is not None and model is not None and req is not None and api is not None
         self.gw, self.ctx, self.life = gw, ctx, life
         self.decoder = decoder
+        self.reader = api.stream_reader()
         self.meter = StreamMeter(
             count=model.stream_counter(),
             every=cost.every,
@@ -51,7 +53,7 @@ class StreamDriver:
             enforce=cost.enforce_stream,
             initial_lease=cost.reserved_output,
             strip_usage=ctx.cfg.force_include_usage and not req.client_include_usage,
-            read=api.stream_reader().read,
+            read=self.reader.read,
         )
         self._task: asyncio.Task[ChargeResult] | None = None
         self._charge_buckets: list[WindowedBucket] = []
@@ -211,7 +213,11 @@ class StreamDriver:
         if reason is CutReason.QUOTA_EXHAUSTED:
             message = self._quota_message()
         err = cut_error(reason.value, message)
-        data = meter.cut(ctx.api.cut_events(err))
+        if isinstance(ctx.api, ResponsesFormat):  # its events are numbered: continue the count
+            seq = getattr(self.reader, "last_sequence_number", None)
+            data = meter.cut(ctx.api.cut_events(err, sequence_number=seq))
+        else:
+            data = meter.cut(ctx.api.cut_events(err))
         self.gw.metrics.stream_cuts.labels(reason.value).inc()
         log.info(
             "stream_cut",

@@ -363,7 +363,7 @@ def test_rewrite_all_changes_together() -> None:
         ("/v1/completions?", "completions"),
         ("/v1/models", None),
         ("/v1/chat/completions/", "chat"),
-        ("/v1/embeddings?x=/v1/completions", None),
+        ("/v1/embeddings?x=/v1/completions", "embeddings"),
         ("", None),
     ],
 )

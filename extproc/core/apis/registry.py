@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 from extproc.core.apis.base import ApiFormat
+from extproc.core.apis.embeddings import EMBEDDINGS
+from extproc.core.apis.messages import MESSAGES
 from extproc.core.apis.openai import CHAT, COMPLETIONS
+from extproc.core.apis.responses import RESPONSES
 
 _BY_PATH: dict[str, ApiFormat] = {
-    "/v1/chat/completions": CHAT,
-    "/v1/completions": COMPLETIONS,
-    "/chat/completions": CHAT,
-    "/completions": COMPLETIONS,
+    f"{prefix}{path}": api
+    for prefix in ("/v1", "")
+    for path, api in (
+        ("/chat/completions", CHAT),
+        ("/completions", COMPLETIONS),
+        ("/responses", RESPONSES),
+        ("/messages", MESSAGES),
+        ("/embeddings", EMBEDDINGS),
+    )
 }
 
 
