@@ -45,6 +45,7 @@ from extproc.config.runtime import RuntimeConfig
 from extproc.limiter.base import Limiter
 from extproc.limiter.redis import RedisLimiter
 from extproc.metrics import Metrics
+from extproc.records.writer import make_recorder
 from extproc.server.gateway import Gateway
 from extproc.server.servicer import ExternalProcessorServicer
 from extproc.settings import Settings
@@ -148,6 +149,8 @@ class Running:
             log.warning("streams_cut_at_shutdown", count=cut)
         await stopping
         await self.gateway.drain_settlements(grace)
+        if self.gateway.recorder is not None:
+            await self.gateway.recorder.close(grace)
         await self.gateway.limiter.close()
 
 
@@ -191,6 +194,8 @@ async def start(
         clock=clk,
         metrics=mets,
         key_prefix=settings.key_prefix,
+        # In-process tests that bring their own limiter write no usage records.
+        recorder=make_recorder(settings, mets) if limiter is None else None,
     )
     publish_config_version(mets, version)
     options = [("grpc.so_reuseport", 1 if settings.workers > 1 or settings.reuse_port else 0)]

@@ -33,6 +33,8 @@ class RequestContext:
     headers_out: list[tuple[str, str]] = field(default_factory=list)
     status: int | None = None
     usage_output: int | None = None  # a JSON response's usage, within bounds
+    usage_cached_input: int = 0  # from the upstream's usage, when it says
+    usage_reasoning: int = 0
 
     @property
     def metered(self) -> bool:

@@ -20,6 +20,7 @@ from extproc.metrics import Metrics
 from extproc.server.kept import SettlementQueue
 
 if TYPE_CHECKING:
+    from extproc.records.writer import UsageRecorder
     from extproc.server.processor import RequestProcessor
 
 log = structlog.get_logger("extproc")
@@ -47,6 +48,8 @@ class Gateway:
     # tenant's next admission refunds what it had reserved (the bound on what a SIGKILL leaks).
     _leases: asyncio.Task[None] | None = None
     _bound: dict[str, ApiFormat] = field(default_factory=dict)
+    # One usage record per settled request goes here (a Redis Stream; None: off).
+    recorder: UsageRecorder | None = None
 
     def bind(self, api: ApiFormat) -> ApiFormat:
         """``api`` reading this gateway's clock where it renders times (Anthropic's

@@ -20,6 +20,7 @@ import structlog
 
 from extproc.core.lifecycle import Ending, Lifecycle
 from extproc.errors import LimiterUnavailable
+from extproc.records.model import UsageRecord
 from extproc.server.admit import buckets_at
 from extproc.server.context import RequestContext
 from extproc.server.gateway import Gateway
@@ -98,6 +99,7 @@ async def settle(
     if ctx.cost is None or ctx.tenant is None:
         return
     total, output = final_total(gw, ctx, life, stream_output)
+    _record(gw, ctx, ending, total, output)
     if total is None:
         _log_settled(ctx, ending, ctx.account.total, 0, output)
         return
@@ -120,6 +122,34 @@ async def settle(
         if output:
             gw.metrics.model_tokens.labels(ctx.model.name, "output").inc(output)
     _log_settled(ctx, ending, total, delta, output)
+
+
+def _record(
+    gw: Gateway, ctx: RequestContext, ending: Ending, total: int | None, output: int | None
+) -> None:
+    """The request's billing record, once, at settlement (never blocks: the recorder queues)."""
+    if gw.recorder is None or ctx.cost is None or ctx.tenant is None:
+        return
+    charged = total if total is not None else ctx.account.total
+    inp = min(ctx.cost.input_tokens, max(0, charged))  # 0 for a non-2xx: nothing charged
+    out = output if output is not None else max(0, charged - inp)
+    gw.recorder.record(
+        UsageRecord(
+            request_id=ctx.request_id,
+            tenant=ctx.tenant.id,
+            key=ctx.key.name if ctx.key else "",
+            model=ctx.model.name if ctx.model else "",
+            api=ctx.api.name if ctx.api else "",
+            input_tokens=inp,
+            output_tokens=out,
+            cached_input_tokens=ctx.usage_cached_input,
+            reasoning_tokens=ctx.usage_reasoning,
+            ending=ending.value,
+            status=ctx.status,
+            admitted_at_ms=ctx.admitted_at_ms,
+            finished_at_ms=gw.clock.now_ms(),
+        )
+    )
 
 
 def _log_settled(

@@ -5,6 +5,7 @@ in each API's own shape, and settlement to ground truth."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -206,3 +207,35 @@ def test_embeddings_charge_their_input(astack: Stack, rds: redis.Redis) -> None:
     [rec] = records(astack, "a-estd")
     assert rec["api"] == "embeddings"
     assert settled(rds, "a-estd") == rec["prompt_tokens"] == r.usage.prompt_tokens
+
+
+def test_every_settled_request_leaves_one_usage_record(astack: Stack, rds: redis.Redis) -> None:
+    """Billing records land in the Redis Stream once per request, with the final figures."""
+    from extproc.records.model import UsageRecord
+
+    c = oai(astack, "estd")
+    c.chat.completions.create(
+        model="sim-small",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=12,
+        extra_headers={"x-request-id": "rec-1"},
+    )
+    settled(rds, "a-estd", expect=2)
+    deadline = time.monotonic() + 10  # the recorder writes in the background, in batches
+    mine: list[UsageRecord] = []
+    while not mine and time.monotonic() < deadline:
+        entries = rds.xrange("aiq:usage")
+        recs = [UsageRecord.from_fields(f) for _, f in entries]
+        mine = [r for r in recs if r.request_id == "rec-1"]
+        time.sleep(0.05)
+    assert len(mine) == 1
+    r = mine[0]
+    assert (r.tenant, r.key, r.model, r.api, r.ending) == (
+        "a-estd",
+        "estd",
+        "sim-small",
+        "chat",
+        "completed",
+    )
+    assert r.output_tokens == 12 and r.input_tokens > 0
+    assert r.finished_at_ms >= r.admitted_at_ms > 0
