@@ -33,6 +33,7 @@ class RequestContext:
     headers_out: list[tuple[str, str]] = field(default_factory=list)
     status: int | None = None
     usage_output: int | None = None  # a JSON response's usage, within bounds
+    usage_input: int | None = None  # the upstream's input figure (used for unseen input only)
     usage_cached_input: int = 0  # from the upstream's usage, when it says
     usage_reasoning: int = 0
 

@@ -274,6 +274,7 @@ class RequestProcessor:
         usage = ctx.api.json_usage(plain)
         if usage is not None:
             ctx.usage_output = bounded_usage(self.gw, ctx, usage.completion_tokens, 0)
+            ctx.usage_input = usage.prompt_tokens
             ctx.usage_cached_input = usage.cached_input_tokens
             ctx.usage_reasoning = usage.reasoning_tokens
         self.life.advance(Input.END)
@@ -326,6 +327,7 @@ class RequestProcessor:
                     log.warning("pending_charge_lost", request_id=self.request_id, error=repr(exc))
             output = driver.output_tokens()
             if driver.meter.usage is not None:
+                self.ctx.usage_input = driver.meter.usage.prompt_tokens
                 self.ctx.usage_cached_input = driver.meter.usage.cached_input_tokens
                 self.ctx.usage_reasoning = driver.meter.usage.reasoning_tokens
         await settle(self.gw, self.ctx, self.life, output)

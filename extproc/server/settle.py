@@ -87,7 +87,23 @@ def final_total(
         out = None  # a JSON response without usage: the reservation stands
     if out is None:
         return None, None
-    return cost.input_tokens + out, out
+    return input_tokens(ctx) + out, out
+
+
+# Server-side state can add at most this much unseen input when the model sets no limit.
+UNSEEN_INPUT_CEILING = 1_000_000
+
+
+def input_tokens(ctx: RequestContext) -> int:
+    """Input to charge: the gateway's own count, except for requests carrying server-side state
+    it cannot see (``previous_response_id``...), where the upstream's larger figure is used,
+    bounded by the model's input limit."""
+    cost, req = ctx.cost, ctx.req
+    assert cost is not None
+    if req is None or not req.notes.get("unseen_input") or ctx.usage_input is None:
+        return cost.input_tokens
+    ceiling = (ctx.model.max_input_tokens if ctx.model else None) or UNSEEN_INPUT_CEILING
+    return max(cost.input_tokens, min(ctx.usage_input, ceiling))
 
 
 async def settle(
@@ -131,7 +147,7 @@ def _record(
     if gw.recorder is None or ctx.cost is None or ctx.tenant is None:
         return
     charged = total if total is not None else ctx.account.total
-    inp = min(ctx.cost.input_tokens, max(0, charged))  # 0 for a non-2xx: nothing charged
+    inp = min(input_tokens(ctx), max(0, charged))  # 0 for a non-2xx: nothing charged
     out = output if output is not None else max(0, charged - inp)
     gw.recorder.record(
         UsageRecord(

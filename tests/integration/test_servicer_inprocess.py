@@ -467,3 +467,24 @@ async def test_counting_queue_past_its_deadline_is_a_json_503() -> None:
         status, body, headers = immediate(r)
         assert status == 503 and body["error"]["code"] == "gateway_busy"
         assert headers["retry-after"] == "1"
+
+
+async def test_unseen_server_side_input_is_charged_from_the_upstreams_figure(srv: Served) -> None:
+    """A Responses request continuing a stored conversation: the gateway cannot count the
+    earlier turns, so settlement charges the upstream's input figure (it can only add)."""
+    c = Call(srv.stub)
+    await c.send(req_headers(path="/v1/responses"))
+    body = {"model": "m", "input": "and then?", "previous_response_id": "resp_1"}
+    body["max_output_tokens"] = 20
+    [r] = await c.send(
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=orjson.dumps(body), end_of_stream=True))
+    )
+    assert r.WhichOneof("response") == "request_body"
+    await c.send(resp_headers())
+    usage = {"input_tokens": 500, "output_tokens": 7, "total_tokens": 507}
+    await c.send(resp_body(orjson.dumps({"object": "response", "usage": usage}), end=True))
+    await c.close()
+    await srv.settled()
+    admitted = srv.lim.admits[0][1].amount
+    [adj] = srv.lim.settles
+    assert admitted + sum(a.amount for a in adj) == 507
