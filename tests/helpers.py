@@ -188,3 +188,20 @@ def tpm_used(client: redis.Redis, tenant: str, metric: str = "tpm") -> int:
     for key in client.scan_iter(f"aiq:{{{tenant}}}:{metric}:t:*"):
         total += int(client.get(key) or 0)
     return total
+
+
+def settled(rds: redis.Redis, tenant: str, *, expect: int = 1) -> int:
+    """The tenant's TPM once every request of it that settles has been settled.
+
+    Waits on the settlements themselves: each request's ledger says ``state: settled`` once
+    its settlement script ran (modes that never settle, input_only and reserve_max, are
+    final at admission and need no waiting)."""
+    deadline = time.monotonic() + 15
+    while True:
+        states = [rds.hget(k, "state") for k in rds.scan_iter(f"aiq:{{{tenant}}}:req:*")]
+        done = sum(1 for s in states if s in (b"settled", "settled", b"reclaimed", "reclaimed"))
+        if done >= expect and done == len(states):
+            return tpm_used(rds, tenant)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{tenant}: settlements not applied: {states}")
+        time.sleep(0.02)

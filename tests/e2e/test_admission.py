@@ -10,7 +10,7 @@ import redis
 
 from extproc.stack import Stack
 from tests.e2e.conftest import client
-from tests.helpers import tpm_used
+from tests.helpers import settled, tpm_used
 
 pytestmark = pytest.mark.e2e
 
@@ -202,7 +202,7 @@ def test_tpm_limit_counts_real_tokens(stack: Stack, rds: redis.Redis) -> None:
     c = client(stack, "sk-tpm")
     # non-streaming: input + max_tokens reserved, settled to the actual usage (= max_tokens here)
     c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=100)
-    used = tpm_used(rds, "t-tpm")
+    used = settled(rds, "t-tpm")
     prompt_tokens = used - 100
     assert 5 <= prompt_tokens <= 30
     with pytest.raises(openai.RateLimitError) as info:
@@ -215,7 +215,7 @@ def test_tpm_limit_counts_real_tokens(stack: Stack, rds: redis.Redis) -> None:
         model="sim-small", messages=MSG, max_tokens=300 - used - prompt_tokens
     )
     assert ok.usage is not None
-    assert tpm_used(rds, "t-tpm") == 300
+    assert settled(rds, "t-tpm", expect=2) == 300
 
 
 def test_request_larger_than_the_limit_says_so(stack: Stack) -> None:
@@ -235,7 +235,7 @@ def test_non_streaming_reservation_is_refunded_to_actual_usage(
         model="sim-small", messages=MSG, max_tokens=900, extra_headers={"x-sim-tokens": "10"}
     )
     assert comp.usage is not None and comp.usage.completion_tokens == 10
-    used = tpm_used(rds, "t-refund")
+    used = settled(rds, "t-refund")
     assert used - 10 < 40  # only the prompt and 10 output tokens remain charged
 
 
@@ -248,7 +248,7 @@ def test_upstream_error_refunds_tokens_but_counts_the_request(
         c.chat.completions.create(
             model="sim-small", messages=MSG, max_tokens=200, extra_headers={"x-sim-status": "500"}
         )
-    assert tpm_used(rds, "t-uperr") == 0
+    assert settled(rds, "t-uperr") == 0
     assert tpm_used(rds, "t-uperr", "rpm") == 1
 
 
@@ -287,7 +287,7 @@ def test_completions_endpoint_is_metered(stack: Stack, rds: redis.Redis) -> None
         if ch.choices
     )
     assert text
-    used = tpm_used(rds, "t-completions")
+    used = settled(rds, "t-completions", expect=2)
     prompt = 4  # "Once upon a time" in cl100k_base
     assert used == 2 * prompt + 7 + 9
 

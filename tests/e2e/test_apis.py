@@ -18,8 +18,7 @@ import redis
 
 from extproc.stack import Stack
 from tests.e2e.conftest import make_stack
-from tests.e2e.test_streaming import settled
-from tests.helpers import e2e_rules
+from tests.helpers import e2e_rules, settled
 
 pytestmark = pytest.mark.e2e
 

@@ -12,8 +12,8 @@ import redis
 
 from extproc.stack import Stack
 from tests.e2e.conftest import client
-from tests.e2e.test_streaming import PROMPT, settled
-from tests.helpers import tpm_used
+from tests.e2e.test_streaming import PROMPT
+from tests.helpers import settled, tpm_used
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,7 @@ from extproc.core.tokens import TokenizerSpec, count_chat_request
 from extproc.stack import Stack
 from extproc.tokenizers import load_counter
 from tests.e2e.conftest import client
-from tests.helpers import tpm_used
+from tests.helpers import settled, tpm_used
 
 pytestmark = pytest.mark.e2e
 
@@ -26,23 +26,6 @@ N = 16  # charge_every_tokens in the e2e rules
 def records(stack: Stack, tenant: str) -> list[dict]:
     recs = httpx.get(f"{stack.sim_url}/sim/requests").json()["requests"]
     return [r for r in recs if r["tenant"] == tenant]
-
-
-def settled(rds: redis.Redis, tenant: str, *, expect: int = 1) -> int:
-    """The tenant's TPM once every request of it that settles has been settled.
-
-    Waits on the settlements themselves: each request's ledger says ``state: settled`` once
-    its settlement script ran (modes that never settle, input_only and reserve_max, are
-    final at admission and need no waiting)."""
-    deadline = time.monotonic() + 15
-    while True:
-        states = [rds.hget(k, "state") for k in rds.scan_iter(f"aiq:{{{tenant}}}:req:*")]
-        done = sum(1 for s in states if s in (b"settled", "settled", b"reclaimed", "reclaimed"))
-        if done >= expect and done == len(states):
-            return tpm_used(rds, tenant)
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{tenant}: settlements not applied: {states}")
-        time.sleep(0.02)
 
 
 def stream_and_count(c: openai.OpenAI, **kw: object) -> tuple[int, Exception | None]:

@@ -17,8 +17,7 @@ import redis
 
 from extproc.stack import Stack
 from tests.e2e.conftest import make_stack
-from tests.e2e.test_streaming import settled
-from tests.helpers import e2e_rules, tpm_used
+from tests.helpers import e2e_rules, settled, tpm_used
 
 pytestmark = pytest.mark.faults
 
