@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from extproc.bench import runner
-from extproc.bench.report import Table, document
+from extproc.bench.report import Table, document, render_docs
 from extproc.bench.runner import SECTIONS, Bench, BenchPlan
 
 
@@ -50,6 +50,16 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="directory for bench-<timestamp>.json (default bench-results)",
     )
     parser.add_argument(
+        "--render-docs",
+        metavar="RESULTS_JSON",
+        help="run nothing: rewrite the generated table of docs/performance.md from this JSON",
+    )
+    parser.add_argument(
+        "--docs",
+        default="docs/performance.md",
+        help="the document --render-docs rewrites (default docs/performance.md)",
+    )
+    parser.add_argument(
         "--keep-workdir",
         action="store_true",
         help="keep the stacks' logs and configs (printed at the end)",
@@ -78,6 +88,14 @@ def meta(
 
 def run(args: argparse.Namespace) -> int:
     """Run the suite; print the table; write the JSON."""
+    if args.render_docs:
+        src = Path(args.render_docs)
+        doc_path = Path(args.docs)
+        doc_path.write_text(
+            render_docs(orjson.loads(src.read_bytes()), doc_path.read_text(), src.as_posix())
+        )
+        print(f"rewrote the bench table of {doc_path} from {src}")
+        return 0
     plan = BenchPlan.quick() if args.quick else BenchPlan()
     if args.rounds:
         plan = BenchPlan(**{**plan.__dict__, "rounds": args.rounds})

@@ -36,6 +36,39 @@ def per_unit_split(
     return cost_short - per_unit * units_short, per_unit
 
 
+@dataclass(frozen=True)
+class Target:
+    """A goal for one measurement: produces both its label and its verdict.
+
+    ``on`` is what is judged: ``"value"`` (the measurement), ``"ratio"`` (value / baseline) or
+    ``"delta"`` (value minus baseline); ``op`` is ``"<="``, ``"<"`` or ``">="``.
+    """
+
+    on: str
+    op: str
+    bound: float
+    unit: str = ""
+
+    def label(self) -> str:
+        """``<= 1.2x``, ``< 50 ms``, ``>= 95%``, ``Δ <= 2 ms``."""
+        if self.on == "ratio":
+            return f"{self.op} {self.bound:g}x"
+        prefix = "Δ " if self.on == "delta" else ""
+        sep = "" if self.unit == "%" else " "
+        return f"{prefix}{self.op} {self.bound:g}{sep}{self.unit}".rstrip()
+
+    def verdict(self, row: Row) -> bool | None:
+        """Met or not; None when the measurement is missing."""
+        x = {"value": row.value, "ratio": row.ratio, "delta": row.delta}[self.on]
+        if x is None:
+            return None
+        if self.op == "<=":
+            return x <= self.bound
+        if self.op == "<":
+            return x < self.bound
+        return x >= self.bound
+
+
 @dataclass
 class Row:
     """One line of the summary: a figure with the baseline it is compared against."""
@@ -48,6 +81,12 @@ class Row:
     target: str = ""
     met: bool | None = None
     note: str = ""
+    goal: Target | None = None
+
+    def __post_init__(self) -> None:
+        if self.goal is not None:
+            self.target = self.goal.label()
+            self.met = self.goal.verdict(self)
 
     @property
     def delta(self) -> float | None:
@@ -129,6 +168,43 @@ class Table:
         met = sum(1 for r in self.rows if r.met is True)
         missed = sum(1 for r in self.rows if r.met is False)
         return met, missed
+
+
+DOC_START = "<!-- bench:table -->"
+DOC_END = "<!-- /bench:table -->"
+
+
+def table_from_json(doc: dict[str, Any]) -> str:
+    """The Markdown summary of a bench JSON (what docs/performance.md embeds)."""
+    rows = [
+        Row(
+            r["section"],
+            r["name"],
+            r["unit"],
+            r["value"],
+            r["base"],
+            target=r.get("target", ""),
+            met=r.get("met"),
+            note=r.get("note", ""),
+        )
+        for r in doc["rows"]
+    ]
+    meta = doc.get("meta", {})
+    head = (
+        f"Run {meta.get('started_at', '?')}: {meta.get('cpus', '?')} CPUs, "
+        f"{meta.get('elapsed_s', '?')} s, sections {', '.join(meta.get('sections', []))}"
+    )
+    return head + "\n\n" + Table(rows).markdown()
+
+
+def render_docs(doc: dict[str, Any], text: str, source: str) -> str:
+    """``text`` with the section between the bench markers replaced by ``doc``'s table."""
+    if DOC_START not in text or DOC_END not in text:
+        raise ValueError(f"the document has no {DOC_START} ... {DOC_END} section")
+    before, rest = text.split(DOC_START, 1)
+    _, after = rest.split(DOC_END, 1)
+    body = f"\n<!-- generated from {source} by `ai-quota bench --render-docs`; do not edit -->\n"
+    return f"{before}{DOC_START}{body}{table_from_json(doc)}\n{DOC_END}{after}"
 
 
 def document(table: Table, meta: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
