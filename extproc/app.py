@@ -179,7 +179,7 @@ async def start(
         cfg, version = load_rules(settings.config)
     else:
         cfg = config
-    clk = clock or SystemClock()
+    clk = clock or SystemClock(settings.clock_offset_ms)
     mets = metrics or Metrics()
     lim = limiter or RedisLimiter.from_url(
         settings.redis_url,

@@ -19,11 +19,15 @@ class Clock(Protocol):
 
 
 class SystemClock:
-    """The real clock."""
+    """The real clock; ``offset_ms`` shifts its wall time (drills and tests of window and
+    month boundaries: ``AIQ_CLOCK_OFFSET_MS``), never its monotonic time."""
+
+    def __init__(self, offset_ms: int = 0) -> None:
+        self.offset_ms = offset_ms
 
     def now_ms(self) -> int:
-        """Unix time in milliseconds."""
-        return time.time_ns() // 1_000_000
+        """Unix time in milliseconds (plus the offset)."""
+        return time.time_ns() // 1_000_000 + self.offset_ms
 
     def monotonic(self) -> float:
         """``time.monotonic()``."""

@@ -102,6 +102,13 @@ class RateLimitHeaders:
     limit_tokens: int | None = None
     remaining_tokens: int | None = None
     reset_tokens_s: float | None = None
+    # money (in the currency: "50.00") or weighted-token budgets, and concurrent requests
+    limit_budget: str | None = None
+    remaining_budget: str | None = None
+    reset_budget_s: float | None = None
+    budget_unit: str | None = None
+    limit_concurrency: int | None = None
+    remaining_concurrency: int | None = None
 
     def as_pairs(self) -> list[tuple[str, str]]:
         """The headers to send, in OpenAI's names; absent buckets are omitted."""
@@ -118,6 +125,16 @@ class RateLimitHeaders:
             out.append(("x-ratelimit-limit-tokens", str(self.limit_tokens)))
             out.append(("x-ratelimit-remaining-tokens", str(max(0, self.remaining_tokens or 0))))
             out.append(("x-ratelimit-reset-tokens", format_duration(self.reset_tokens_s or 0.0)))
+        if self.limit_budget is not None:
+            out.append(("x-ratelimit-limit-budget", self.limit_budget))
+            out.append(("x-ratelimit-remaining-budget", self.remaining_budget or "0"))
+            out.append(("x-ratelimit-reset-budget", format_duration(self.reset_budget_s or 0.0)))
+            out.append(("x-ratelimit-budget-unit", self.budget_unit or ""))
+        if self.limit_concurrency is not None:
+            out.append(("x-ratelimit-limit-concurrency", str(self.limit_concurrency)))
+            out.append(
+                ("x-ratelimit-remaining-concurrency", str(max(0, self.remaining_concurrency or 0)))
+            )
         return out
 
 
@@ -154,10 +171,18 @@ class QuotaExceeded(ClientError):
     ) -> None:
         super().__init__(message)
         self.metric = metric
-        self.error_type = "tokens" if metric == "tpm" else "requests"
-        self.code = "tpm_limit_exceeded" if metric == "tpm" else "rpm_limit_exceeded"
+        self.error_type, self.code = _REFUSALS.get(metric, ("requests", "rpm_limit_exceeded"))
         self.retry_after_s = retry_after_s
         self.headers = headers
+
+
+# The error type and code of a refusal by each limit kind.
+_REFUSALS = {
+    "rpm": ("requests", "rpm_limit_exceeded"),
+    "tpm": ("tokens", "tpm_limit_exceeded"),
+    "cost": ("budget", "budget_exceeded"),
+    "concurrency": ("requests", "concurrency_limit_exceeded"),
+}
 
 
 class UnsupportedEncoding(ClientError):

@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     reuse_port: bool = Field(default=False, validation_alias="AIQ_REUSEPORT")
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     shutdown_grace_s: float = Field(default=10.0, ge=0)
+    # Shift the gateway's wall clock (windows, resets, months) by this many ms: for drills and
+    # tests of window boundaries; every replica sharing counters must use the same value.
+    clock_offset_ms: int = 0
     # SIGTERM: seconds the health service reports NOT_SERVING while still serving every stream,
     # so Envoy's active health check moves new requests away before the listener closes.
     drain_notice_s: float = Field(default=1.5, ge=0)

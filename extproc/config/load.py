@@ -13,7 +13,15 @@ from pydantic import ValidationError
 
 from extproc.config import schema
 from extproc.config.runtime import ApiKey, Model, Plan, RuntimeConfig, Tenant
-from extproc.core.rules import WINDOW_SECONDS, Charging, Limit
+from extproc.core.rules import (
+    RATE_SCALE,
+    WINDOW_SECONDS,
+    Charging,
+    Limit,
+    Metric,
+    Period,
+    Rates,
+)
 from extproc.core.tokens import TokenizerSpec, delta_counter
 from extproc.tokenizers import TokenizerLoadError, TokenizerRegistry
 
@@ -88,18 +96,152 @@ def _spec(t: schema.TokenizerModel, base_dir: Path) -> TokenizerSpec:
     )
 
 
-def _limits(entries: list[schema.LimitEntry], models: dict[str, str], where: str) -> list[Limit]:
+def _limits(
+    entries: list[schema.LimitEntry],
+    models: dict[str, str],
+    where: str,
+    *,
+    currency: str = "USD",
+    shadow: bool = False,
+) -> list[Limit]:
     out: list[Limit] = []
     for i, e in enumerate(entries):
         if e.model != "*" and e.model not in models:
             raise ConfigError(f"{where}[{i}].model: unknown model {e.model!r}")
         canonical = "*" if e.model == "*" else models[e.model]
-        w = WINDOW_SECONDS[e.per]
+        made = _LimitMaker(e, canonical, shadow=e.shadow or shadow)
         if e.rpm is not None:
-            out.append(Limit("rpm", e.rpm, w, canonical, e.scope))
+            out.append(made("rpm", e.rpm))
         if e.tpm is not None:
-            out.append(Limit("tpm", e.tpm, w, canonical, e.scope))
+            out.append(made("tpm", e.tpm))
+        if e.budget is not None:
+            out.append(made("cost", round(e.budget * MICRO), unit=e.currency or currency))
+        if e.weighted_tokens is not None and e.weights is not None:
+            out.append(
+                made("cost", e.weighted_tokens, unit="weighted", weights=_weights(e.weights))
+            )
+        if e.concurrency is not None:
+            out.append(made("concurrency", e.concurrency))
     return out
+
+
+#: Money budgets are counted in micro-units of their currency.
+MICRO = 1_000_000
+
+
+class _LimitMaker:
+    """The :class:`Limit` values one rules entry compiles into."""
+
+    def __init__(self, e: schema.LimitEntry, model: str, *, shadow: bool) -> None:
+        self.e, self.model, self.shadow = e, model, shadow
+
+    def __call__(
+        self, metric: Metric, value: int, *, unit: str = "", weights: Rates | None = None
+    ) -> Limit:
+        e = self.e
+        timed = metric != "concurrency"
+        period: Period | None = None
+        if timed and (e.per in ("week", "month") or e.time_zone != "UTC"):
+            period = e.per
+        return Limit(
+            metric,
+            value,
+            WINDOW_SECONDS.get(e.per, 0) if timed else 0,
+            self.model,
+            e.scope,
+            period=period,
+            tz=e.time_zone,
+            unit=unit,
+            weights=weights,
+            shadow=self.shadow,
+        )
+
+
+def _weights(w: schema.Weights) -> Rates:
+    cached = w.input if w.cached_input is None else w.cached_input
+    reasoning = w.output if w.reasoning is None else w.reasoning
+    return Rates(
+        input=round(w.input * RATE_SCALE),
+        cached_input=round(cached * RATE_SCALE),
+        output=round(w.output * RATE_SCALE),
+        reasoning=round(reasoning * RATE_SCALE),
+    )
+
+
+def _prices(p: schema.Pricing | None) -> Rates | None:
+    """Per-million prices as rates: micro-units of the currency per million tokens."""
+    if p is None:
+        return None
+    cached = p.input if p.cached_input is None else p.cached_input
+    reasoning = p.output if p.reasoning is None else p.reasoning
+    return Rates(
+        input=round(p.input * MICRO),
+        cached_input=round(cached * MICRO),
+        output=round(p.output * MICRO),
+        reasoning=round(reasoning * MICRO),
+        request=round(p.request * MICRO),
+    )
+
+
+# Periods from shortest to longest, to find a longer window with a smaller limit.
+_PERIOD_ORDER = ("second", "minute", "hour", "day", "week", "month")
+
+
+def _limit_errors(
+    limits: list[Limit], where: str, cfg: schema.ConfigFile, canonical: dict[str, str]
+) -> list[str]:
+    """Budgets on models without a price; a longer period allowing less than a shorter one."""
+    errors: list[str] = []
+    priced = {name: m.pricing.currency if m.pricing else None for name, m in cfg.models.items()}
+    for lim in limits:
+        if lim.metric != "cost" or lim.unit == "weighted":
+            continue
+        names = list(cfg.models) if lim.model == "*" else [canonical[lim.model]]
+        for name in names:
+            if priced[name] is None:
+                errors.append(
+                    f"{where}: a {lim.unit} budget applies to model {name!r}, which has no "
+                    f"pricing (add models.{name}.pricing)"
+                )
+            elif priced[name] != lim.unit:
+                errors.append(
+                    f"{where}: a {lim.unit} budget applies to model {name!r}, priced in "
+                    f"{priced[name]}"
+                )
+        if lim.model == "*" and cfg.unknown_models.action == "estimate":
+            up = cfg.unknown_models.pricing
+            if up is None or up.currency != lim.unit:
+                errors.append(
+                    f"{where}: a {lim.unit} budget applies to unknown models (unknown_models: "
+                    f"estimate), which need unknown_models.pricing in {lim.unit}"
+                )
+    for a in limits:
+        for b in limits:
+            same = (a.metric, a.unit, a.weights, a.model, a.scope, a.shadow) == (
+                b.metric,
+                b.unit,
+                b.weights,
+                b.model,
+                b.scope,
+                b.shadow,
+            )
+            if (
+                same
+                and a.metric != "concurrency"
+                and _PERIOD_ORDER.index(a.period_name) > _PERIOD_ORDER.index(b.period_name)
+                and a.limit < b.limit
+            ):
+                errors.append(
+                    f"{where}: the {a.metric} limit per {a.period_name} ({a.limit}) is below "
+                    f"the one per {b.period_name} ({b.limit}) for model {a.model!r}: the "
+                    f"{b.period_name} limit could never be reached"
+                )
+    return errors
+
+
+def _override_key(lim: Limit) -> tuple[object, ...]:
+    """A tenant's own limit replaces the plan's limit with the same key."""
+    return (lim.metric, lim.unit, lim.model, lim.scope, lim.window_s, lim.period, lim.shadow)
 
 
 def _merge_charging(*levels: schema.ChargingModel) -> Charging:
@@ -151,6 +293,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
             max_output_tokens=m.max_output_tokens,
             max_input_tokens=m.max_input_tokens,
             delta_count=delta_counter(counter.count),
+            prices=_prices(m.pricing),
         )
     assert fallback_counter is not None
     unknown = Model(
@@ -161,14 +304,26 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         max_output_tokens=cfg.unknown_models.max_output_tokens,
         max_input_tokens=None,
         known=False,
+        prices=_prices(cfg.unknown_models.pricing),
     )
 
     plans: dict[str, Plan] = {}
     for pname, p in cfg.plans.items():
         try:
-            plans[pname] = Plan(pname, tuple(_limits(p.limits, canonical, f"plans.{pname}.limits")))
+            lims = _limits(
+                p.limits,
+                canonical,
+                f"plans.{pname}.limits",
+                currency=cfg.currency,
+                shadow=p.shadow,
+            )
         except ConfigError as exc:
             errors.append(f"{source}: {exc}")
+            continue
+        plans[pname] = Plan(pname, tuple(lims))
+        errors += [
+            f"{source}: {e}" for e in _limit_errors(lims, f"plans.{pname}.limits", cfg, canonical)
+        ]
 
     tenants: dict[str, Tenant] = {}
     keys: dict[str, ApiKey] = {}
@@ -185,16 +340,15 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
             errors.append(f"{source}: tenants.{tid}.plan: unknown plan {t.plan!r}")
             continue
         try:
-            own = _limits(t.limits, canonical, f"tenants.{tid}.limits")
+            own = _limits(t.limits, canonical, f"tenants.{tid}.limits", currency=cfg.currency)
         except ConfigError as exc:
             errors.append(f"{source}: {exc}")
             continue
-        own_keys = {(lim.metric, lim.model, lim.scope, lim.window_s) for lim in own}
-        merged = [
-            lim
-            for lim in plans[t.plan].limits
-            if (lim.metric, lim.model, lim.scope, lim.window_s) not in own_keys
-        ] + own
+        own_keys = {_override_key(lim) for lim in own}
+        merged = [lim for lim in plans[t.plan].limits if _override_key(lim) not in own_keys] + own
+        errors += [
+            f"{source}: {e}" for e in _limit_errors(merged, f"tenants.{tid}.limits", cfg, canonical)
+        ]
         tenants[tid] = Tenant(tid, t.plan, tuple(merged))
         for i, k in enumerate(t.keys):
             if k.plaintext is not None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from extproc.config.schema import IdentityPolicy
-from extproc.core.rules import Charging, Limit
+from extproc.core.rules import Charging, Limit, Rates
 from extproc.core.tokens import TokenCounter, TokenizerSpec
 
 
@@ -27,6 +27,8 @@ class Model:
     max_input_tokens: int | None
     known: bool = True
     delta_count: Callable[[str], int] | None = None
+    # prices as rates (micro-units of the currency per million tokens); None: not priced
+    prices: Rates | None = None
 
     def stream_counter(self) -> Callable[[str], int]:
         """The per-delta counter for streams (memoised), or the plain one."""

@@ -16,7 +16,64 @@ IDENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 ChargingMode = Literal["input_only", "reserve_max", "reserve_refund", "stream_incremental"]
 StreamingMode = Literal["lazy", "strict"]
 FailureMode = Literal["closed", "open"]
-WindowName = Literal["second", "minute", "hour", "day"]
+WindowName = Literal["second", "minute", "hour", "day", "week", "month"]
+
+#: ISO 4217 codes a budget may be kept in (counters hold micro-units of it).
+CURRENCIES = frozenset(
+    [
+        "USD",
+        "EUR",
+        "GBP",
+        "JPY",
+        "CNY",
+        "INR",
+        "CAD",
+        "AUD",
+        "CHF",
+        "SEK",
+        "NOK",
+        "DKK",
+        "PLN",
+        "CZK",
+        "HUF",
+        "RON",
+        "BGN",
+        "ISK",
+        "BRL",
+        "MXN",
+        "ARS",
+        "CLP",
+        "COP",
+        "PEN",
+        "UYU",
+        "KRW",
+        "SGD",
+        "HKD",
+        "TWD",
+        "NZD",
+        "ZAR",
+        "TRY",
+        "ILS",
+        "AED",
+        "SAR",
+        "QAR",
+        "KWD",
+        "EGP",
+        "NGN",
+        "KES",
+        "MAD",
+        "THB",
+        "IDR",
+        "MYR",
+        "PHP",
+        "VND",
+        "PKR",
+        "BDT",
+        "LKR",
+        "UAH",
+        "KZT",
+    ]
+)
 
 
 class Strict(BaseModel):
@@ -55,6 +112,35 @@ class ChargingModel(Strict):
     charge_every_tokens: int | None = Field(default=None, ge=1, le=100_000)
 
 
+class Pricing(Strict):
+    """What a model's tokens cost, per million tokens (``request``: per request), in
+    ``currency``; cached input defaults to the input price, reasoning to the output price."""
+
+    currency: str = "USD"
+    input: float = Field(ge=0, allow_inf_nan=False)
+    cached_input: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    output: float = Field(ge=0, allow_inf_nan=False)
+    reasoning: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    request: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+    @field_validator("currency")
+    @classmethod
+    def _currency(cls, v: str) -> str:
+        if v not in CURRENCIES:
+            raise ValueError(f"unknown currency {v!r} (an ISO 4217 code such as USD or EUR)")
+        return v
+
+
+class Weights(Strict):
+    """Weighted tokens: what one token of each kind counts (cached input defaults to the
+    input weight, reasoning to the output weight)."""
+
+    input: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    cached_input: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    output: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    reasoning: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+
+
 class ModelEntry(Strict):
     """One model the gateway meters."""
 
@@ -63,22 +149,54 @@ class ModelEntry(Strict):
     max_output_tokens: int = Field(ge=1, le=10_000_000)
     max_input_tokens: int | None = Field(default=None, ge=1)
     charging: ChargingModel = Field(default_factory=ChargingModel)
+    pricing: Pricing | None = None
 
 
 class LimitEntry(Strict):
-    """One rule: RPM and/or TPM for a model (or ``*`` = all models together) over a window."""
+    """One rule for a model (or ``*`` = all models together) over a window: requests, tokens,
+    a money budget, weighted tokens, and/or requests open at once (``concurrency``)."""
 
     model: str = "*"
     scope: Literal["tenant", "key"] = "tenant"
     per: WindowName = "minute"
+    time_zone: str = "UTC"  # days, weeks and months follow this zone's calendar
     rpm: int | None = Field(default=None, ge=0)
     tpm: int | None = Field(default=None, ge=0)
+    budget: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    currency: str | None = None  # default: the file's ``currency``
+    weighted_tokens: int | None = Field(default=None, ge=0)
+    weights: Weights | None = None
+    concurrency: int | None = Field(default=None, ge=0)
+    shadow: bool = False  # counted and reported, never refuses or cuts
 
     @model_validator(mode="after")
     def _check_any(self) -> LimitEntry:
-        if self.rpm is None and self.tpm is None:
-            raise ValueError("a limit needs at least one of 'rpm' or 'tpm'")
+        kinds = (self.rpm, self.tpm, self.budget, self.weighted_tokens, self.concurrency)
+        if all(k is None for k in kinds):
+            raise ValueError(
+                "a limit needs at least one of 'rpm', 'tpm', 'budget', 'weighted_tokens' or "
+                "'concurrency'"
+            )
+        if (self.weighted_tokens is None) != (self.weights is None):
+            raise ValueError("'weighted_tokens' and 'weights' go together")
+        if self.currency is not None and self.budget is None:
+            raise ValueError("'currency' applies to a 'budget' only")
+        if self.currency is not None and self.currency not in CURRENCIES:
+            raise ValueError(f"unknown currency {self.currency!r} (an ISO 4217 code)")
         return self
+
+    @field_validator("time_zone")
+    @classmethod
+    def _zone(cls, v: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(v)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(
+                f"unknown time zone {v!r} (an IANA name such as Europe/Berlin)"
+            ) from None
+        return v
 
 
 class PlanEntry(Strict):
@@ -88,6 +206,7 @@ class PlanEntry(Strict):
     limits: list[LimitEntry] = Field(default_factory=list)
     charging: ChargingModel = Field(default_factory=ChargingModel)
     failure_mode: FailureMode | None = None
+    shadow: bool = False  # every limit of the plan is a shadow limit
 
 
 class KeyEntry(Strict):
@@ -149,6 +268,7 @@ class UnknownModelPolicy(Strict):
     action: Literal["reject", "estimate"] = "reject"
     status: Literal[400, 404] = 404
     max_output_tokens: int = Field(default=4096, ge=1)
+    pricing: Pricing | None = None  # what money budgets charge for an unknown model
     tokenizer: TokenizerModel = Field(
         default_factory=lambda: TokenizerModel(
             kind="estimate", chars_per_token=3.0, safety_factor=1.25
@@ -222,6 +342,7 @@ class ConfigFile(Strict):
     """The whole rules file."""
 
     version: Literal[1] = 1
+    currency: str = "USD"  # of budgets that name none
     charging: ChargingModel = Field(default_factory=ChargingModel)
     models: dict[str, ModelEntry] = Field(min_length=1)
     unknown_models: UnknownModelPolicy = Field(default_factory=UnknownModelPolicy)

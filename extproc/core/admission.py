@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from extproc.core.keys import WindowedBucket, windowed
-from extproc.core.rules import BucketCharge, Charging, Limit
+from extproc.core.rules import WINDOW_SECONDS, BucketCharge, Charging, Limit, Rates, Usage
 from extproc.errors import BadRequest, QuotaExceeded, RateLimitHeaders, RequestTooLarge
 
 
@@ -138,57 +138,154 @@ def retry_seconds(reset_s: float) -> int:
 
 
 def buckets_for(
-    *, prefix: str, tenant: str, key_name: str, model: str, limits: tuple[Limit, ...], now_ms: int
+    *,
+    prefix: str,
+    tenant: str,
+    key_name: str,
+    model: str,
+    limits: tuple[Limit, ...],
+    now_ms: int,
+    prices: Rates | None = None,
+    lease_ms: int = 0,
 ) -> list[WindowedBucket]:
     """The buckets (current windows) that apply to a request for ``model``."""
     return windowed(
-        prefix, tenant, key_name, [lim for lim in limits if lim.applies_to(model)], now_ms
+        prefix,
+        tenant,
+        key_name,
+        [lim for lim in limits if lim.applies_to(model)],
+        now_ms,
+        prices=prices,
+        lease_ms=lease_ms,
     )
 
 
+def admission_usage(cost: Cost) -> Usage:
+    """What admission charges: the input and the reserved output, one request."""
+    return Usage(input=cost.input_tokens, output=cost.reserved_output, requests=cost.requests)
+
+
+def admission_amount(b: WindowedBucket, cost: Cost) -> int:
+    """What admission adds to ``b``: requests, one slot, or the units of input + reservation."""
+    if b.kind == "rpm":
+        return cost.requests
+    if b.kind == "concurrency":
+        return 1
+    return b.rates.units(admission_usage(cost))
+
+
 def admission_charges(buckets: list[WindowedBucket], cost: Cost) -> list[BucketCharge]:
-    """What admission adds to each bucket: 1 to RPM, the TPM amount to TPM."""
+    """What admission adds to each bucket, and what of it a dead processor's reclaim refunds
+    (the reserved output)."""
     return [
         BucketCharge(
             key=b.key,
-            kind=b.metric,
-            amount=cost.requests if b.metric == "rpm" else cost.tpm_amount,
+            kind=b.kind,
+            amount=admission_amount(b, cost),
             limit=b.limit.limit,
             expire_at_ms=b.expire_at_ms,
+            rate=b.rates.output,
+            refundable=b.rates.output_units(cost.reserved_output) if b.kind == "tpm" else 0,
+            shadow=b.limit.shadow,
         )
         for b in buckets
     ]
 
 
-def tpm_charges(buckets: list[WindowedBucket], amount: int) -> list[BucketCharge]:
-    """A stream charge: the TPM buckets only."""
+def token_charges(buckets: list[WindowedBucket], amount: int) -> list[BucketCharge]:
+    """A stream charge of ``amount`` output tokens: the per-token buckets only."""
     return [
-        BucketCharge(b.key, "tpm", amount, b.limit.limit, b.expire_at_ms)
+        BucketCharge(
+            b.key,
+            "tpm",
+            b.rates.output_units(amount),
+            b.limit.limit,
+            b.expire_at_ms,
+            rate=b.rates.output,
+            shadow=b.limit.shadow,
+        )
         for b in buckets
-        if b.metric == "tpm"
+        if b.kind == "tpm"
     ]
+
+
+#: The header family of each limit kind (OpenAI's names for requests and tokens).
+HEADER_FAMILY = {"rpm": "requests", "tpm": "tokens", "cost": "budget", "concurrency": "concurrency"}
 
 
 def rate_limit_headers(
     buckets: list[WindowedBucket], values: tuple[int, ...] | list[int], now_ms: int
 ) -> RateLimitHeaders:
-    """OpenAI's headers from the binding (least remaining) RPM and TPM buckets."""
-    best: dict[str, tuple[int, WindowedBucket]] = {}
+    """``x-ratelimit-*`` headers from the binding (least remaining) bucket of each kind.
+
+    OpenAI's six for requests and tokens; ``-budget`` (money in the currency's units, e.g.
+    ``12.345678``, or weighted tokens) and ``-concurrency`` (no reset) beside them.  Shadow
+    limits never appear (they bind nothing)."""
+    best: dict[str, tuple[float, WindowedBucket, int]] = {}
     for b, v in zip(buckets, values, strict=True):
+        if b.limit.shadow:
+            continue
+        family = HEADER_FAMILY[b.metric]
         remaining = b.limit.limit - v
-        cur = best.get(b.metric)
-        if cur is None or remaining < cur[0]:
-            best[b.metric] = (remaining, b)
+        share = remaining / b.limit.limit if b.limit.limit else 0.0
+        cur = best.get(family)
+        if cur is None or share < cur[0]:
+            best[family] = (share, b, remaining)
     h: dict[str, object] = {}
-    if "rpm" in best:
-        rem, b = best["rpm"]
+    if "requests" in best:
+        _, b, rem = best["requests"]
         h.update(
             limit_requests=b.limit.limit, remaining_requests=rem, reset_requests_s=b.reset_s(now_ms)
         )
-    if "tpm" in best:
-        rem, b = best["tpm"]
+    if "tokens" in best:
+        _, b, rem = best["tokens"]
         h.update(limit_tokens=b.limit.limit, remaining_tokens=rem, reset_tokens_s=b.reset_s(now_ms))
+    if "budget" in best:
+        _, b, rem = best["budget"]
+        h.update(
+            limit_budget=format_amount(b.limit, b.limit.limit),
+            remaining_budget=format_amount(b.limit, max(0, rem)),
+            reset_budget_s=b.reset_s(now_ms),
+            budget_unit=b.limit.unit,
+        )
+    if "concurrency" in best:
+        _, b, rem = best["concurrency"]
+        h.update(limit_concurrency=b.limit.limit, remaining_concurrency=rem)
     return RateLimitHeaders(**h)  # type: ignore[arg-type]
+
+
+#: Money counters are kept in micro-units of the currency.
+MICRO = 1_000_000
+
+
+def format_amount(limit: Limit, units: int) -> str:
+    """A cost counter's value for people: ``12.50 USD``-style decimals, or weighted tokens."""
+    if limit.unit == "weighted":
+        return str(units)
+    whole, frac = divmod(units, MICRO)
+    text = f"{whole}.{frac:06d}".rstrip("0")
+    if len(text.split(".")[1]) < 2:
+        text = f"{whole}.{frac // 10_000:02d}"
+    return text
+
+
+def describe(limit: Limit) -> str:
+    """How a message names a limit: ``tokens per minute``, ``budget of 50.00 USD per month``."""
+    per = limit.period_name
+    if limit.metric == "rpm":
+        return f"requests per {per}"
+    if limit.metric == "tpm":
+        return f"tokens per {per}"
+    if limit.metric == "concurrency":
+        return "concurrent requests"
+    if limit.unit == "weighted":
+        return f"weighted tokens per {per}"
+    return f"budget of {format_amount(limit, limit.limit)} {limit.unit} per {per}"
+
+
+def would_refuse(b: WindowedBucket, value: int, amount: int) -> bool:
+    """Whether ``amount`` more would take ``b`` past its limit (values as found)."""
+    return amount > 0 and value + amount > b.limit.limit
 
 
 def refusal(
@@ -200,38 +297,63 @@ def refusal(
     tenant: str,
     model: str,
 ) -> QuotaExceeded:
-    """The 429 for a refused admission, naming the bucket that refused and when it resets."""
+    """The 429 for a refused admission, naming the limit that refused and when it resets."""
     headers = rate_limit_headers(buckets, values, now_ms)
-    failing: list[tuple[WindowedBucket, int]] = []
-    for b, v in zip(buckets, values, strict=True):
-        amount = 1 if b.metric == "rpm" else cost.tpm_amount
-        if amount > 0 and v + amount > b.limit.limit:
-            failing.append((b, v))
+    failing: list[tuple[WindowedBucket, int]] = [
+        (b, v)
+        for b, v in zip(buckets, values, strict=True)
+        if not b.limit.shadow and would_refuse(b, v, admission_amount(b, cost))
+    ]
     if not failing:  # the counters moved between the script and here; report the tightest
-        failing = [(b, v) for b, v in zip(buckets, values, strict=True)][:1]
-    # Prefer the RPM refusal when both refuse: it is the one a client can act on soonest.
-    failing.sort(key=lambda bv: (bv[0].metric != "rpm", -bv[0].reset_s(now_ms)))
+        failing = [(b, v) for b, v in zip(buckets, values, strict=True) if not b.limit.shadow][:1]
+    if not failing:
+        failing = list(zip(buckets, values, strict=True))[:1]
+    # Prefer the refusal a client can act on soonest: requests, concurrency, then tokens.
+    order = {"rpm": 0, "concurrency": 1, "tpm": 2, "cost": 3}
+    failing.sort(key=lambda bv: (order[bv[0].metric], -bv[0].reset_s(now_ms)))
     b, used = failing[0]
-    retry = max(bb.reset_s(now_ms) for bb, _ in failing)
+    windows = [bb.reset_s(now_ms) for bb, _ in failing if bb.metric != "concurrency"]
+    retry = max(windows, default=1.0)
     scope = scope_label(b.limit)
-    per = per_name(b.limit.window_s)
+    per = b.limit.period_name
     if b.metric == "rpm":
         msg = (
             f"Rate limit reached for requests per {per} on tenant {tenant} ({scope}): "
             f"limit {b.limit.limit}, used {used}. Try again in {retry_seconds(retry)}s."
         )
         return QuotaExceeded(msg, metric="rpm", retry_after_s=retry, headers=headers)
-    too_large = [fb for fb, _ in failing if fb.metric == "tpm" and cost.tpm_amount > fb.limit.limit]
-    if b.metric == "tpm" and too_large:
-        b = min(too_large, key=lambda fb: fb.limit.limit)
-        scope = scope_label(b.limit)
-        per = per_name(b.limit.window_s)
+    if b.metric == "concurrency":
         msg = (
-            f"Request too large for tenant {tenant} ({scope}): it needs {cost.tpm_amount} tokens "
-            f"({cost.input_tokens} input + {cost.reserved_output} reserved output) but the limit is "
-            f"{b.limit.limit} tokens per {per}. Shorten the prompt or lower max_tokens."
+            f"Concurrency limit reached on tenant {tenant} ({scope}, {b.limit.scope} scope): "
+            f"{used} of {b.limit.limit} requests are already running. Retry when one ends."
         )
-        return QuotaExceeded(msg, metric="tpm", retry_after_s=None, headers=headers)
+        return QuotaExceeded(msg, metric="concurrency", retry_after_s=1.0, headers=headers)
+    amount = admission_amount(b, cost)
+    too_large = [
+        fb
+        for fb, _ in failing
+        if fb.limit.counts_tokens and admission_amount(fb, cost) > fb.limit.limit
+    ]
+    if too_large:
+        b = min(too_large, key=lambda fb: fb.limit.limit)
+        amount = admission_amount(b, cost)
+        if b.metric == "tpm":
+            need, cap = f"{amount} tokens", f"{b.limit.limit} tokens per {b.limit.period_name}"
+        else:
+            need, cap = f"{format_amount(b.limit, amount)} {b.limit.unit}", describe(b.limit)
+        msg = (
+            f"Request too large for tenant {tenant} ({scope_label(b.limit)}): it needs {need} "
+            f"({cost.input_tokens} input + {cost.reserved_output} reserved output) but the "
+            f"limit is {cap}. Shorten the prompt or lower max_tokens."
+        )
+        return QuotaExceeded(msg, metric=b.metric, retry_after_s=None, headers=headers)
+    if b.metric == "cost":
+        msg = (
+            f"Budget exhausted on tenant {tenant} ({scope}): {describe(b.limit)}, used "
+            f"{format_amount(b.limit, used)}, this request needs up to "
+            f"{format_amount(b.limit, amount)}. It resets in {retry_seconds(retry)}s."
+        )
+        return QuotaExceeded(msg, metric="cost", retry_after_s=retry, headers=headers)
     msg = (
         f"Rate limit reached for tokens per {per} on tenant {tenant} ({scope}): limit "
         f"{b.limit.limit}, used {used}, requested {cost.tpm_amount}. Try again in {retry_seconds(retry)}s."
@@ -242,7 +364,8 @@ def refusal(
 
 def per_name(window_s: int) -> str:
     """``minute`` for 60 and so on (``90s`` for windows without a name)."""
-    return {1: "second", 60: "minute", 3600: "hour", 86400: "day"}.get(window_s, f"{window_s}s")
+    names = {v: k for k, v in WINDOW_SECONDS.items()}
+    return names.get(window_s, f"{window_s}s")
 
 
 def scope_label(limit: Limit) -> str:

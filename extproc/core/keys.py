@@ -8,11 +8,15 @@ replica and every Envoy agree on the window without talking to each other.
 
 from __future__ import annotations
 
+import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from functools import lru_cache
 from typing import Literal
+from zoneinfo import ZoneInfo
 
-from extproc.core.rules import Limit
+from extproc.core.rules import NO_RATES, TOKEN_RATES, Limit, Rates
 
 EXPIRY_SLACK_MS = 2_000
 _SAFE_ID = re.compile(r"[^A-Za-z0-9._:-]")
@@ -26,11 +30,19 @@ class WindowedBucket:
     key: str
     window_end_ms: int
     expire_at_ms: int
+    # what each token kind adds to this counter for the request's model (cost: its prices)
+    rates: Rates = field(default=TOKEN_RATES)
 
     @property
-    def metric(self) -> Literal["rpm", "tpm"]:
-        """``rpm`` or ``tpm``."""
+    def metric(self) -> Literal["rpm", "tpm", "cost", "concurrency"]:
+        """``rpm``, ``tpm``, ``cost`` or ``concurrency``."""
         return self.limit.metric
+
+    @property
+    def kind(self) -> Literal["rpm", "tpm", "concurrency"]:
+        """How the scripts treat the counter (cost counters are per-token like TPM)."""
+        m = self.limit.metric
+        return "tpm" if m == "cost" else m
 
     def reset_s(self, now_ms: int) -> float:
         """Seconds until this window ends and the bucket starts from zero."""
@@ -42,13 +54,68 @@ def tenant_tag(prefix: str, tenant: str) -> str:
     return f"{prefix}:{{{tenant}}}"
 
 
-def bucket_key(prefix: str, tenant: str, key_name: str, limit: Limit, window_index: int) -> str:
-    """The counter for ``limit`` in window ``window_index``."""
+def bucket_key(prefix: str, tenant: str, key_name: str, limit: Limit, window: int | str) -> str:
+    """The counter for ``limit`` in the window named ``window`` (a fixed window's index)."""
     scope = "t" if limit.scope == "tenant" else f"k.{key_name}"
-    return (
-        f"{tenant_tag(prefix, tenant)}:{limit.metric}:{scope}:{limit.model}:"
-        f"{limit.window_s}:{window_index}"
-    )
+    metric: str = limit.metric
+    if metric == "concurrency":
+        return f"{tenant_tag(prefix, tenant)}:conc:{scope}:{limit.model}"
+    if metric == "cost":
+        metric = f"cost.{unit_id(limit)}"
+    if limit.shadow:
+        metric += ".shadow"
+    return f"{tenant_tag(prefix, tenant)}:{metric}:{scope}:{limit.model}:{limit.window_s}:{window}"
+
+
+def unit_id(limit: Limit) -> str:
+    """A cost counter's unit in its key: the currency, or the weights' short digest."""
+    if limit.unit != "weighted" or limit.weights is None:
+        return limit.unit
+    w = limit.weights
+    raw = f"{w.input},{w.cached_input},{w.output},{w.reasoning},{w.request}".encode()
+    return "w" + hashlib.sha256(raw).hexdigest()[:8]
+
+
+@lru_cache(maxsize=64)
+def _zone(tz: str) -> ZoneInfo:
+    return ZoneInfo(tz)
+
+
+def _ms(dt: datetime) -> int:
+    return int(dt.timestamp() * 1000)
+
+
+def window_bounds(limit: Limit, now_ms: int) -> tuple[int | str, int, int]:
+    """(window name, start ms, end ms) of ``limit``'s window containing ``now_ms``.
+
+    Windows up to an hour, and days and weeks in UTC, are numbered from the Unix epoch (weeks
+    start on Monday); a ``month`` is the calendar month, and days, weeks and months in
+    another time zone follow its calendar (DST included)."""
+    period = limit.period_name
+    if period == "month" or (period in ("day", "week") and limit.tz != "UTC"):
+        zone = _zone(limit.tz)
+        local = datetime.fromtimestamp(now_ms / 1000, tz=UTC).astimezone(zone)
+        day = local.replace(hour=0, minute=0, second=0, microsecond=0, tzinfo=None)
+        if period == "month":
+            start = day.replace(day=1)
+            end = (start + timedelta(days=32)).replace(day=1)
+            name: int | str = f"m{start.year:04d}{start.month:02d}"
+        elif period == "week":
+            start = day - timedelta(days=day.weekday())
+            end = start + timedelta(days=7)
+            name = f"w{start.year:04d}{start.month:02d}{start.day:02d}"
+        else:
+            start, end = day, day + timedelta(days=1)
+            name = f"d{start.year:04d}{start.month:02d}{start.day:02d}"
+        if limit.tz != "UTC":
+            name = f"{name}.{limit.tz.replace('/', '.')}"
+        return name, _ms(start.replace(tzinfo=zone)), _ms(end.replace(tzinfo=zone))
+    w_ms = limit.window_s * 1000
+    # Weeks start on Monday: the epoch (1970-01-01) was a Thursday.
+    shift = 3 * 86_400_000 if period == "week" else 0
+    idx = (now_ms + shift) // w_ms
+    first = idx * w_ms - shift
+    return idx, first, first + w_ms
 
 
 def ledger_key(prefix: str, tenant: str, request_id: str) -> str:
@@ -67,20 +134,52 @@ def sanitize_request_id(request_id: str) -> str:
 
 
 def windowed(
-    prefix: str, tenant: str, key_name: str, limits: tuple[Limit, ...] | list[Limit], now_ms: int
+    prefix: str,
+    tenant: str,
+    key_name: str,
+    limits: tuple[Limit, ...] | list[Limit],
+    now_ms: int,
+    *,
+    prices: Rates | None = None,
+    lease_ms: int = 0,
 ) -> list[WindowedBucket]:
-    """The buckets of ``limits`` in the windows containing ``now_ms``."""
+    """The buckets of ``limits`` in the windows containing ``now_ms``.
+
+    ``prices`` are the request's model's (money budgets); ``lease_ms`` how long a
+    concurrency slot lives unrenewed (its set expires that long after ``now_ms``)."""
     out: list[WindowedBucket] = []
     for lim in limits:
-        w_ms = lim.window_s * 1000
-        idx = now_ms // w_ms
-        end = (idx + 1) * w_ms
+        if lim.metric == "concurrency":
+            end = now_ms + lease_ms
+            out.append(
+                WindowedBucket(
+                    limit=lim,
+                    key=bucket_key(prefix, tenant, key_name, lim, 0),
+                    window_end_ms=end,
+                    expire_at_ms=end + EXPIRY_SLACK_MS,
+                    rates=NO_RATES,
+                )
+            )
+            continue
+        name, _, end = window_bounds(lim, now_ms)
         out.append(
             WindowedBucket(
                 limit=lim,
-                key=bucket_key(prefix, tenant, key_name, lim, idx),
+                key=bucket_key(prefix, tenant, key_name, lim, name),
                 window_end_ms=end,
                 expire_at_ms=end + EXPIRY_SLACK_MS,
+                rates=rates_for(lim, prices),
             )
         )
     return out
+
+
+def rates_for(limit: Limit, prices: Rates | None) -> Rates:
+    """What a token adds to ``limit``'s counter for a model priced ``prices``."""
+    if limit.metric == "tpm":
+        return TOKEN_RATES
+    if limit.metric == "cost":
+        if limit.weights is not None:
+            return limit.weights
+        return prices if prices is not None else NO_RATES
+    return NO_RATES

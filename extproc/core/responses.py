@@ -42,27 +42,34 @@ def quota_cut_message(
     tenant: str,
     per: str,
     scope: str,
-    limit: int,
-    used: int,
+    limit: int | str,
+    used: int | str,
     delivered: int,
     reset_s: float,
+    what: str = "",
 ) -> str:
-    """What a client reads when its stream is cut because a token quota ran out."""
+    """What a client reads when its stream is cut because a quota ran out (``what`` names a
+    budget: ``budget of 50.00 USD per month``; empty: tokens per ``per``)."""
+    head = (
+        f"Budget exhausted on tenant {tenant} ({scope}): {what}"
+        if what
+        else f"Rate limit reached for tokens per {per} on tenant {tenant} ({scope})"
+    )
     return (
-        f"Rate limit reached for tokens per {per} on tenant {tenant} ({scope}): limit {limit}, "
-        f"used {used}. The stream was stopped after {delivered} output tokens; the limit resets "
-        f"in {retry_seconds(reset_s)}s."
+        f"{head}: limit {limit}, used {used}. The stream was stopped after {delivered} output "
+        f"tokens; the limit resets in {retry_seconds(reset_s)}s."
     )
 
 
-def cut_error(reason: str, message: str | None = None) -> StreamCut:
-    """The error a stream cut for ``reason`` (a ``CutReason`` value) carries to the client."""
+def cut_error(reason: str, message: str | None = None, *, budget: bool = False) -> StreamCut:
+    """The error a stream cut for ``reason`` (a ``CutReason`` value) carries to the client;
+    ``budget``: the quota that ran out is a money or weighted-token budget."""
     if reason == "quota_exhausted":
         return StreamCut(
             message or "Rate limit reached for tokens; the stream was stopped.",
             status=429,
-            error_type="tokens",
-            code="tpm_limit_exceeded",
+            error_type="budget" if budget else "tokens",
+            code="budget_exceeded" if budget else "tpm_limit_exceeded",
         )
     if reason == "quota_backend_unavailable":
         text = "The quota backend is unavailable; the stream was stopped. Retry shortly."

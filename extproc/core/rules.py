@@ -12,7 +12,76 @@ from typing import Literal
 ChargingMode = Literal["input_only", "reserve_max", "reserve_refund", "stream_incremental"]
 StreamingMode = Literal["lazy", "strict"]
 
-WINDOW_SECONDS: dict[str, int] = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
+WINDOW_SECONDS: dict[str, int] = {
+    "second": 1,
+    "minute": 60,
+    "hour": 3600,
+    "day": 86400,
+    "week": 7 * 86400,
+}
+Period = Literal["second", "minute", "hour", "day", "week", "month"]
+Metric = Literal["rpm", "tpm", "cost", "concurrency"]
+
+#: Rates are counter units per this many tokens (a million: prices are quoted per million).
+RATE_SCALE = 1_000_000
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` in integers (``b`` > 0), for any sign of ``a``."""
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """What a token of each kind adds to a counter, in counter units per :data:`RATE_SCALE`
+    tokens, plus a fixed amount per request.
+
+    A TPM counter counts every token once (every rate is ``RATE_SCALE``); a money budget's
+    rates are the model's prices in micro-units of the currency per million tokens; a
+    weighted-token limit's rates are its weights times ``RATE_SCALE``.
+    """
+
+    input: int = RATE_SCALE
+    cached_input: int = RATE_SCALE
+    output: int = RATE_SCALE
+    reasoning: int = RATE_SCALE
+    request: int = 0
+
+    def units(self, usage: Usage) -> int:
+        """The counter units of ``usage``: each kind rounded up once (never under-charged)."""
+        cached = max(0, min(usage.cached_input, usage.input))
+        reasoning = max(0, min(usage.reasoning, usage.output))
+        return (
+            ceil_div((usage.input - cached) * self.input, RATE_SCALE)
+            + ceil_div(cached * self.cached_input, RATE_SCALE)
+            + ceil_div((usage.output - reasoning) * self.output, RATE_SCALE)
+            + ceil_div(reasoning * self.reasoning, RATE_SCALE)
+            + self.request * usage.requests
+        )
+
+    def output_units(self, tokens: int) -> int:
+        """A stream charge of ``tokens`` output tokens (charge.lua computes the same)."""
+        return ceil_div(tokens * self.output, RATE_SCALE)
+
+
+TOKEN_RATES = Rates()
+NO_RATES = Rates(0, 0, 0, 0, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Tokens of one request by kind (cached input is part of input, reasoning of output)."""
+
+    input: int = 0
+    output: int = 0
+    cached_input: int = 0
+    reasoning: int = 0
+    requests: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """Input plus output tokens (what a TPM counter adds)."""
+        return self.input + self.output
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,13 +95,38 @@ class Charging:
 
 @dataclass(frozen=True, slots=True)
 class Limit:
-    """One bucket rule: a metric over a fixed window, for a model (or ``*``) and a scope."""
+    """One bucket rule: a metric over a window, for a model (or ``*``) and a scope.
 
-    metric: Literal["rpm", "tpm"]
+    ``rpm`` counts requests, ``tpm`` tokens, ``cost`` money (``unit`` a currency, counters in
+    micro-units, priced per model) or weighted tokens (``unit`` ``weighted``, ``weights``
+    the rates), ``concurrency`` requests open at once (no window).  ``window_s`` is the
+    fixed window's length; a ``month`` is a calendar month in ``tz`` (``window_s`` 0).  A
+    ``shadow`` limit is counted and reported but never refuses or cuts.
+    """
+
+    metric: Metric
     limit: int
     window_s: int
     model: str  # canonical model name, or "*"
     scope: Literal["tenant", "key"]
+    period: Period | None = None  # None: named by window_s (second..week)
+    tz: str = "UTC"
+    unit: str = ""  # cost: the currency code, or "weighted"
+    weights: Rates | None = None  # cost in weighted tokens: the weights
+    shadow: bool = False
+
+    @property
+    def counts_tokens(self) -> bool:
+        """TPM and cost counters are charged per token (admission, stream, settlement)."""
+        return self.metric in ("tpm", "cost")
+
+    @property
+    def period_name(self) -> str:
+        """``minute``, ``month``...: the window's name in messages and keys."""
+        if self.period is not None:
+            return self.period
+        names = {v: k for k, v in WINDOW_SECONDS.items()}
+        return names.get(self.window_s, f"{self.window_s}s")
 
     def applies_to(self, model: str) -> bool:
         """Whether a request for ``model`` is counted in this bucket."""
@@ -41,13 +135,23 @@ class Limit:
 
 @dataclass(frozen=True, slots=True)
 class BucketCharge:
-    """A bucket touched by a call: its key, the amount to add, its limit and expiry."""
+    """A bucket touched by a call: its key, the amount to add, its limit and expiry.
+
+    ``kind`` is how the scripts treat the counter: ``rpm`` (a request count), ``tpm`` (any
+    per-token counter: TPM, money, weighted tokens) or ``concurrency`` (a set of leased
+    requests).  ``rate`` is what one output token adds (stream charges); ``refundable`` the
+    part of ``amount`` given back if the request's processor dies; a ``shadow`` bucket is
+    counted but never refuses.
+    """
 
     key: str
-    kind: Literal["rpm", "tpm"]
+    kind: Literal["rpm", "tpm", "concurrency"]
     amount: int
     limit: int
     expire_at_ms: int
+    rate: int = RATE_SCALE
+    refundable: int = 0
+    shadow: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,13 +43,12 @@ class Limiter(Protocol):
         ledger_ttl_ms: int,
         now_ms: int = 0,
         lease_until_ms: int = 0,
-        refundable: int = 0,
     ) -> AdmitResult:
-        """Check every bucket and charge all of them, or none.
+        """Check every bucket and charge all of them, or none (shadow buckets never refuse).
 
         With a lease (``lease_until_ms``), the reservation is open until settled; when its
         lease runs out unrenewed (the processor died), the next admission of the tenant
-        refunds its ``refundable`` part."""
+        refunds each bucket's ``refundable`` part and frees its concurrency slots."""
         ...
 
     async def charge(
@@ -62,7 +61,8 @@ class Limiter(Protocol):
         strict: bool,
         ledger_ttl_ms: int,
     ) -> ChargeResult:
-        """Charge (lazy) or lease (strict) ``amount`` output tokens."""
+        """Charge (lazy) or lease (strict) ``amount`` output tokens; each bucket gets
+        ``ceil(granted * rate / RATE_SCALE)`` units."""
         ...
 
     async def settle(
@@ -71,8 +71,11 @@ class Limiter(Protocol):
         """Apply the final corrections once; False when already settled."""
         ...
 
-    async def renew(self, ledgers: list[str], until_ms: int) -> None:
-        """Extend the leases of these open reservations to ``until_ms``."""
+    async def renew(
+        self, ledgers: list[str], until_ms: int, *, held: dict[str, list[str]] | None = None
+    ) -> None:
+        """Extend the leases of these open reservations, and of the concurrency slots
+        ``held[ledger]`` names, to ``until_ms``."""
         ...
 
     async def read(self, keys: list[str]) -> list[int]:

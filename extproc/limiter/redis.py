@@ -33,7 +33,7 @@ import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
 
 from extproc.clock import Clock, SystemClock
-from extproc.core.keys import open_key
+from extproc.core.keys import EXPIRY_SLACK_MS, open_key
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import AdmitResult, ChargeResult
@@ -51,6 +51,8 @@ _ERRORS = (
     TimeoutError,
     asyncio.TimeoutError,
 )
+
+_KIND = {"rpm": "r", "tpm": "t", "concurrency": "c"}
 
 #: Connections per process to a single Redis server; more concurrent calls queue for one.
 DEFAULT_MAX_CONNECTIONS = 128
@@ -243,13 +245,13 @@ class RedisLimiter:
         ledger_ttl_ms: int,
         now_ms: int = 0,
         lease_until_ms: int = 0,
-        refundable: int = 0,
     ) -> AdmitResult:
         """Run ``admit.lua`` over every bucket (reclaiming the tenant's dead reservations)."""
         args: list[Any] = [ledger_ttl_ms, "1" if count_refused else "0", tpm_charged]
         for b in buckets:
-            args += ["r" if b.kind == "rpm" else "t", b.amount, b.limit, b.expire_at_ms]
-        args += [now_ms, lease_until_ms, refundable]
+            kind = _KIND[b.kind]
+            args += [kind, b.amount, b.limit, b.expire_at_ms, b.refundable, int(b.shadow)]
+        args += [now_ms, lease_until_ms]
         keys = [ledger] + [b.key for b in buckets] + [open_key(ledger)]
         res = await self._call("admission", "admit", lambda: self._admit(keys=keys, args=args))
         status = int(res[0])
@@ -272,7 +274,7 @@ class RedisLimiter:
         """Run ``charge.lua``: a lazy batch or a strict lease."""
         args: list[Any] = [seq, amount, "1" if strict else "0", ledger_ttl_ms]
         for b in buckets:
-            args += [b.limit, b.expire_at_ms]
+            args += [b.limit, b.expire_at_ms, b.rate, int(b.shadow)]
         keys = [ledger] + [b.key for b in buckets]
         res = await self._call(
             "a stream charge", "charge", lambda: self._charge(keys=keys, args=args)
@@ -292,8 +294,11 @@ class RedisLimiter:
         res = await self._call("settlement", "settle", lambda: self._settle(keys=keys, args=args))
         return bool(int(res))
 
-    async def renew(self, ledgers: list[str], until_ms: int) -> None:
-        """Extend the leases of open reservations (ZADD XX: a settled one is not re-added)."""
+    async def renew(
+        self, ledgers: list[str], until_ms: int, *, held: dict[str, list[str]] | None = None
+    ) -> None:
+        """Extend the leases of open reservations and their concurrency slots (ZADD XX: a
+        settled one is not re-added)."""
         if not ledgers:
             return
 
@@ -301,6 +306,9 @@ class RedisLimiter:
             pipe = self._client.pipeline(transaction=False)
             for led in ledgers:
                 pipe.zadd(open_key(led), {led: until_ms}, xx=True)
+                for slot in (held or {}).get(led, ()):
+                    pipe.zadd(slot, {led: until_ms}, xx=True)
+                    pipe.pexpireat(slot, until_ms + EXPIRY_SLACK_MS)
             return await pipe.execute()
 
         await self._call("a lease renewal", "renew", run)

@@ -45,6 +45,8 @@ def buckets_at(gw: Gateway, ctx: RequestContext, now_ms: int) -> list[WindowedBu
         model=model_key,
         limits=ctx.tenant.limits,
         now_ms=now_ms,
+        prices=ctx.model.prices,
+        lease_ms=ctx.cfg.reservation_lease_ms,
     )
 
 
@@ -92,30 +94,30 @@ async def admit_body(gw: Gateway, ctx: RequestContext, raw: bytes) -> bytes | No
     now = gw.clock.now_ms()
     ctx.buckets = buckets_at(gw, ctx, now)
     ctx.ledger = ledger_key(gw.key_prefix, ctx.tenant.id, gw.ledger_id(ctx.request_id))
-    lease = ctx.cfg.reservation_lease_ms if cost.settle_to_actual else 0
+    # Leased: a reservation to settle, or a concurrency slot to free (both are given back by
+    # the tenant's next admission if this processor dies).
+    held = ctx.holds_slots
+    lease = ctx.cfg.reservation_lease_ms if cost.settle_to_actual or held else 0
     res = await limiter_admit(
-        gw,
-        ctx,
-        ctx.buckets,
-        cost,
-        now_ms=now,
-        lease_until_ms=now + lease if lease else 0,
-        refundable=cost.reserved_output,
+        gw, ctx, ctx.buckets, cost, now_ms=now, lease_until_ms=now + lease if lease else 0
     )
     if res is None:  # fail-open: Redis is down and the plan lets traffic through unmetered
         decision = "admitted_unmetered"
     elif not res.admitted and not res.duplicate:
-        raise admission.refusal(
+        err = admission.refusal(
             ctx.buckets, res.values, cost, now, tenant=ctx.tenant.id, model=model.name
         )
+        gw.metrics.limit_decisions.labels(err.metric, "refused").inc()
+        raise err
     else:
         # A duplicate can only be our own retried call (ledger ids are unique per HTTP
         # request): the first execution charged, so the request is admitted and metered.
         decision = "admitted"
         ctx.cost = cost
         ctx.admitted_at_ms = now
-        ctx.account.record(ctx.buckets, cost.tpm_amount)
+        ctx.account.record(ctx.buckets, admission.admission_usage(cost))
         ctx.headers_out = admission.rate_limit_headers(ctx.buckets, res.values, now).as_pairs()
+        ctx.headers_out += _shadow_report(gw, ctx, res.values, cost)
         if lease:
             gw.keep_leases()
     gw.metrics.decisions.labels("admitted", "ok").inc()
@@ -140,6 +142,37 @@ async def admit_body(gw: Gateway, ctx: RequestContext, raw: bytes) -> bytes | No
         force_usage=cfg.force_include_usage and cost.meter_stream,
         model=model.name if model.known else None,
     )
+
+
+def _shadow_report(
+    gw: Gateway, ctx: RequestContext, values: tuple[int, ...], cost: Cost
+) -> list[tuple[str, str]]:
+    """Count each limit kind's decision; a shadow limit that would have refused is logged
+    and named in ``x-ratelimit-shadow-exceeded`` (the request goes on)."""
+    kinds: set[str] = set()
+    exceeded: list[str] = []
+    for b, v in zip(ctx.buckets, values, strict=True):
+        if not b.limit.shadow:
+            kinds.add(b.metric)
+            continue
+        # values are after charging: over the limit means this admission would have been refused
+        if v > b.limit.limit and admission.admission_amount(b, cost) > 0:
+            exceeded.append(admission.describe(b.limit))
+            gw.metrics.limit_decisions.labels(b.metric, "shadow_refused").inc()
+        else:
+            gw.metrics.limit_decisions.labels(b.metric, "shadow_allowed").inc()
+    for kind in kinds:
+        gw.metrics.limit_decisions.labels(kind, "allowed").inc()
+    if not exceeded:
+        return []
+    log.info(
+        "shadow_limit_exceeded",
+        request_id=ctx.request_id,
+        tenant=ctx.tenant.id if ctx.tenant else None,
+        limits=exceeded,
+        would="refuse",
+    )
+    return [("x-ratelimit-shadow-exceeded", "; ".join(exceeded))]
 
 
 async def _count_input(gw: Gateway, ctx: RequestContext, size: int) -> int:
@@ -201,7 +234,6 @@ async def limiter_admit(
     *,
     now_ms: int = 0,
     lease_until_ms: int = 0,
-    refundable: int = 0,
 ) -> AdmitResult | None:
     """Run admission; None means Redis failed and the plan's policy is fail-open."""
     try:
@@ -213,7 +245,6 @@ async def limiter_admit(
             ledger_ttl_ms=ctx.cfg.ledger_ttl_seconds * 1000,
             now_ms=now_ms,
             lease_until_ms=lease_until_ms,
-            refundable=refundable,
         )
     except LimiterUnavailable:
         gw.metrics.limiter_errors.labels("admit").inc()

@@ -43,6 +43,16 @@ class RequestContext:
         return self.cost is not None
 
     @property
+    def holds_slots(self) -> bool:
+        """Whether the request takes concurrency slots (freed at settlement)."""
+        return any(b.kind == "concurrency" for b in self.buckets)
+
+    @property
+    def slots(self) -> list[str]:
+        """The concurrency sets holding this request."""
+        return [b.key for b in self.buckets if b.kind == "concurrency"]
+
+    @property
     def plan(self) -> str:
         """The tenant's plan name ('' before identification)."""
         return self.tenant.plan if self.tenant else ""

@@ -106,8 +106,13 @@ class Gateway:
             ledgers = self.open_ledgers()
             if not ledgers:
                 continue
+            held = {
+                p.ctx.ledger: p.ctx.slots
+                for p in list(self.active)
+                if p.ctx.ledger in ledgers and p.ctx.holds_slots
+            }
             try:
-                await self.limiter.renew(ledgers, self.clock.now_ms() + lease_ms)
+                await self.limiter.renew(ledgers, self.clock.now_ms() + lease_ms, held=held)
             except LimiterUnavailable:
                 log.warning("lease_renewal_failed", open=len(ledgers))
 

@@ -19,6 +19,7 @@ import math
 import structlog
 
 from extproc.core.lifecycle import Ending, Lifecycle
+from extproc.core.rules import Adjustment, Usage
 from extproc.errors import LimiterUnavailable
 from extproc.records.model import UsageRecord
 from extproc.server.admit import buckets_at
@@ -106,6 +107,23 @@ def input_tokens(ctx: RequestContext) -> int:
     return max(cost.input_tokens, min(ctx.usage_input, ceiling))
 
 
+def final_usage(ctx: RequestContext, total: int, output: int | None) -> Usage:
+    """The request's final tokens by kind (cached input and reasoning from the upstream's
+    usage, within the totals); nothing for a non-2xx answer."""
+    if total <= 0:
+        return Usage()
+    out = max(0, output or 0)
+    inp = max(0, total - out)
+    requests = ctx.cost.requests if ctx.cost else 1
+    return Usage(
+        input=inp,
+        output=out,
+        cached_input=min(ctx.usage_cached_input, inp),
+        reasoning=min(ctx.usage_reasoning, out),
+        requests=requests,
+    )
+
+
 async def settle(
     gw: Gateway, ctx: RequestContext, life: Lifecycle, stream_output: int | None
 ) -> None:
@@ -116,11 +134,15 @@ async def settle(
         return
     total, output = final_total(gw, ctx, life, stream_output)
     _record(gw, ctx, ending, total, output)
-    if total is None:
+    if total is None and not ctx.holds_slots:
         _log_settled(ctx, ending, ctx.account.total, 0, output)
         return
-    current = buckets_at(gw, ctx, gw.clock.now_ms())
-    adjustments = ctx.account.adjustments(total, current)
+    if total is None:  # final at admission; the settlement only frees concurrency slots
+        adjustments: list[Adjustment] = []
+        total = ctx.account.total
+    else:
+        current = buckets_at(gw, ctx, gw.clock.now_ms())
+        adjustments = ctx.account.adjustments(final_usage(ctx, total, output), current)
     delta = total - ctx.account.total
     # Called even with nothing to correct: the ledger is marked settled, so it is never
     # reclaimed as abandoned and a replay is a no-op.

@@ -21,6 +21,7 @@ from extproc.core.keys import WindowedBucket
 from extproc.core.lifecycle import CutReason, Input, Lifecycle
 from extproc.core.meter import Step, StreamMeter
 from extproc.core.responses import cut_error, quota_cut_message
+from extproc.core.rules import RATE_SCALE
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import ChargeResult
 from extproc.server import wire
@@ -59,6 +60,7 @@ class StreamDriver:
         self._charge_buckets: list[WindowedBucket] = []
         self._seq = 0
         self._last: tuple[list[WindowedBucket], tuple[int, ...]] = ([], ())
+        self._shadowed: set[str] = set()
 
     # -- feeding ---------------------------------------------------------------------------
 
@@ -150,7 +152,7 @@ class StreamDriver:
         ctx = self.ctx
         # TPM buckets only, in the order the limiter returns their values.
         self._charge_buckets = [
-            b for b in buckets_at(self.gw, ctx, self.gw.clock.now_ms()) if b.metric == "tpm"
+            b for b in buckets_at(self.gw, ctx, self.gw.clock.now_ms()) if b.kind == "tpm"
         ]
         self._seq += 1
         self.gw.metrics.stream_charges.labels("strict" if self.meter.strict else "lazy").inc()
@@ -158,7 +160,7 @@ class StreamDriver:
             self.gw.limiter.charge(
                 ctx.ledger,
                 self._seq,
-                admission.tpm_charges(self._charge_buckets, amount),
+                admission.token_charges(self._charge_buckets, amount),
                 amount,
                 strict=self.meter.strict,
                 ledger_ttl_ms=ctx.cfg.ledger_ttl_seconds * 1000,
@@ -193,13 +195,33 @@ class StreamDriver:
                 log.warning("limiter_unavailable_stream_unmetered", request_id=self.ctx.request_id)
                 return meter.stop_enforcing()
             return meter.fail(CutReason.BACKEND_UNAVAILABLE)
-        self.ctx.account.record(self._charge_buckets, res.granted)
+        self.ctx.account.record_output(self._charge_buckets, res.granted)
         self._last = (self._charge_buckets, res.values)
+        self._note_shadow(res.values)
         room = min(
-            (b.limit.limit - v for b, v in zip(self._charge_buckets, res.values, strict=True)),
+            (
+                (b.limit.limit - v) * RATE_SCALE // b.rates.output
+                for b, v in zip(self._charge_buckets, res.values, strict=True)
+                if not b.limit.shadow and b.rates.output > 0
+            ),
             default=None,
         )
         return meter.on_charge(res.granted, res.exhausted, room)
+
+    def _note_shadow(self, values: tuple[int, ...]) -> None:
+        """A shadow limit this stream took past its limit: counted and logged once, never cut."""
+        for b, v in zip(self._charge_buckets, values, strict=True):
+            if b.limit.shadow and v > b.limit.limit and b.key not in self._shadowed:
+                self._shadowed.add(b.key)
+                self.gw.metrics.limit_decisions.labels(b.metric, "shadow_cut").inc()
+                log.info(
+                    "shadow_limit_exceeded",
+                    request_id=self.ctx.request_id,
+                    tenant=self.ctx.tenant.id if self.ctx.tenant else None,
+                    limit=admission.describe(b.limit),
+                    used=v,
+                    would="cut",
+                )
 
     # -- cutting ---------------------------------------------------------------------------
 
@@ -210,9 +232,10 @@ class StreamDriver:
         if meter.finished:
             return []
         self.life.cut(reason)
+        budget = False
         if reason is CutReason.QUOTA_EXHAUSTED:
-            message = self._quota_message()
-        err = cut_error(reason.value, message)
+            message, budget = self._quota_message()
+        err = cut_error(reason.value, message, budget=budget)
         if isinstance(ctx.api, ResponsesFormat):  # its events are numbered: continue the count
             seq = getattr(self.reader, "last_sequence_number", None)
             data = meter.cut(ctx.api.cut_events(err, sequence_number=seq))
@@ -228,25 +251,36 @@ class StreamDriver:
         )
         return [wire.streamed_body(data, True, self.final_metadata())]
 
-    def _quota_message(self) -> str:
+    def _quota_message(self) -> tuple[str, bool]:
+        """The cut's message naming the limit that ran out, and whether it is a budget."""
         ctx = self.ctx
         assert ctx.tenant is not None
         now = self.gw.clock.now_ms()
         buckets, values = self._last
-        tpm = [(b, v) for b, v in zip(buckets, values, strict=True) if b.metric == "tpm"]
-        if not tpm:
-            tpm = [(b, 0) for b in ctx.buckets if b.metric == "tpm"]
-        if not tpm:
-            return "Rate limit reached for tokens; the stream was stopped."
-        b, v = max(tpm, key=lambda bv: bv[1] - bv[0].limit.limit)
-        return quota_cut_message(
-            tenant=ctx.tenant.id,
-            per=admission.per_name(b.limit.window_s),
-            scope=admission.scope_label(b.limit),
-            limit=b.limit.limit,
-            used=v if v else b.limit.limit,
-            delivered=self.meter.delivered,
-            reset_s=b.reset_s(now),
+        live = [
+            (b, v)
+            for b, v in zip(buckets, values, strict=True)
+            if b.kind == "tpm" and not b.limit.shadow
+        ]
+        if not live:
+            live = [(b, 0) for b in ctx.buckets if b.kind == "tpm" and not b.limit.shadow]
+        if not live:
+            return "Rate limit reached for tokens; the stream was stopped.", False
+        b, v = max(live, key=lambda bv: (bv[1] - bv[0].limit.limit) / max(1, bv[0].limit.limit))
+        used = v if v else b.limit.limit
+        budget = b.metric == "cost"
+        return (
+            quota_cut_message(
+                tenant=ctx.tenant.id,
+                per=b.limit.period_name,
+                scope=admission.scope_label(b.limit),
+                limit=admission.format_amount(b.limit, b.limit.limit) if budget else b.limit.limit,
+                used=admission.format_amount(b.limit, used) if budget else used,
+                delivered=self.meter.delivered,
+                reset_s=b.reset_s(now),
+                what=admission.describe(b.limit) if budget else "",
+            ),
+            budget,
         )
 
 

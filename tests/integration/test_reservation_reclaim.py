@@ -35,7 +35,9 @@ def setup() -> tuple[str, list[BucketCharge]]:
     tag = f"aiq:{{r-{uuid.uuid4().hex[:8]}}}"
     return tag, [
         BucketCharge(f"{tag}:rpm", "rpm", 1, 100, far()),
-        BucketCharge(f"{tag}:tpm", "tpm", 1_010, 100_000, far()),  # 10 input + 1000 reserved
+        BucketCharge(
+            f"{tag}:tpm", "tpm", 1_010, 100_000, far(), refundable=1_000
+        ),  # 10 + 1000 reserved
     ]
 
 
@@ -48,7 +50,6 @@ async def admit(lim: RedisLimiter, tag: str, charges: list[BucketCharge], now: i
         ledger_ttl_ms=TTL,
         now_ms=now,
         lease_until_ms=now + LEASE,
-        refundable=1_000,
     )
     assert res.admitted
 

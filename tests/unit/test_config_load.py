@@ -222,7 +222,7 @@ def test_all_errors_reported_together() -> None:
         ),
         (("plans", "basic", "limits", 0, "rpm"), -1, "plans.basic.limits.0.rpm"),
         (("plans", "basic", "limits", 0, "rpm"), 1.5, "plans.basic.limits.0.rpm"),
-        (("plans", "basic", "limits", 0, "per"), "week", "plans.basic.limits.0.per"),
+        (("plans", "basic", "limits", 0, "per"), "fortnight", "plans.basic.limits.0.per"),
         (("plans", "basic", "limits", 0, "scope"), "org", "plans.basic.limits.0.scope"),
         (("plans", "basic", "limits"), {"rpm": 1}, "plans.basic.limits"),
         (("tenants", "acme", "keys"), [], "tenants.acme.keys"),
@@ -247,7 +247,7 @@ def test_limit_without_rpm_or_tpm_rejected() -> None:
     """A limit entry with neither rpm nor tpm is rejected."""
     msg = error_of(doc(_set(("plans", "basic", "limits"), [{"model": "*"}])))
     assert "plans.basic.limits.0" in msg
-    assert "at least one of 'rpm' or 'tpm'" in msg
+    assert "at least one of 'rpm', 'tpm', 'budget'" in msg
 
 
 def test_boolean_limit_rejected() -> None:

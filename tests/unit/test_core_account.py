@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from extproc.core.account import RequestAccount
 from extproc.core.keys import WindowedBucket, windowed
-from extproc.core.rules import Adjustment, Limit
+from extproc.core.rules import Adjustment, Limit, Usage
 
 pytestmark = pytest.mark.unit
 
@@ -27,6 +27,11 @@ W1 = at(70_000)  # minute window 1, hour window 0
 W2 = at(130_000)  # minute window 2, hour window 0
 
 
+def out(n: int) -> Usage:
+    """``n`` output tokens (every kind counts once on a TPM counter)."""
+    return Usage(output=n)
+
+
 def by_key(adjs: list[Adjustment]) -> dict[str, int]:
     """Adjustment amounts by key (keys must be unique)."""
     out = {a.key: a.amount for a in adjs}
@@ -37,33 +42,34 @@ def by_key(adjs: list[Adjustment]) -> dict[str, int]:
 def test_record_keeps_only_tpm_buckets() -> None:
     """A recorded charge remembers the TPM buckets only."""
     acc = RequestAccount()
-    acc.record(W0, 100)
+    acc.record_output(W0, 100)
     assert acc.total == 100
-    assert [b.metric for b in acc.charges[0][0]] == ["tpm", "tpm"]
+    assert [(b.metric, units) for b, units in acc.charges] == [("tpm", 100), ("tpm", 100)]
 
 
 def test_record_ignores_zero_and_no_tpm() -> None:
-    """A zero charge, or buckets without TPM, records nothing."""
+    """A zero charge, or buckets without a per-token counter, charge no bucket (the tokens
+    are still the request's total)."""
     acc = RequestAccount()
-    acc.record(W0, 0)
-    acc.record([W0[0]], 50)
+    acc.record_output(W0, 0)
+    acc.record_output([W0[0]], 50)
     assert acc.charges == []
-    assert acc.total == 0
+    assert acc.total == 50
 
 
 def test_zero_delta_no_adjustments() -> None:
     """When the final total equals what was charged nothing is adjusted."""
     acc = RequestAccount()
-    acc.record(W0, 100)
-    acc.record(W1, 30)
-    assert acc.adjustments(130, W2) == []
+    acc.record_output(W0, 100)
+    acc.record_output(W1, 30)
+    assert acc.adjustments(out(130), W2) == []
 
 
 def test_shortfall_goes_to_current_window_tpm_keys() -> None:
     """A shortfall is charged to the current window's TPM buckets, not to RPM."""
     acc = RequestAccount()
-    acc.record(W0, 100)
-    adjs = acc.adjustments(160, W1)
+    acc.record_output(W0, 100)
+    adjs = acc.adjustments(out(160), W1)
     assert by_key(adjs) == {W1[1].key: 60, W1[2].key: 60}
     expiry = {a.key: a.expire_at_ms for a in adjs}
     assert expiry[W1[1].key] == W1[1].expire_at_ms
@@ -73,24 +79,24 @@ def test_shortfall_goes_to_current_window_tpm_keys() -> None:
 def test_shortfall_with_no_prior_charge() -> None:
     """A request charged nothing at admission is charged the whole final total now."""
     acc = RequestAccount()
-    assert by_key(acc.adjustments(25, W0)) == {W0[1].key: 25, W0[2].key: 25}
+    assert by_key(acc.adjustments(out(25), W0)) == {W0[1].key: 25, W0[2].key: 25}
 
 
 def test_refund_within_single_charge() -> None:
     """A refund smaller than the only charge goes back to that charge's buckets."""
     acc = RequestAccount()
-    acc.record(W0, 100)
-    assert by_key(acc.adjustments(40, W2)) == {W0[1].key: -60, W0[2].key: -60}
+    acc.record_output(W0, 100)
+    assert by_key(acc.adjustments(out(40), W2)) == {W0[1].key: -60, W0[2].key: -60}
 
 
 def test_refund_newest_charge_first() -> None:
     """A refund is taken from the newest charge first, then older ones."""
     acc = RequestAccount()
-    acc.record(W0, 100)  # minute 0
-    acc.record(W1, 30)  # minute 1
-    acc.record(W2, 20)  # minute 2
+    acc.record_output(W0, 100)  # minute 0
+    acc.record_output(W1, 30)  # minute 1
+    acc.record_output(W2, 20)  # minute 2
     # charged 150, final 90: refund 60 = 20 from minute 2, 30 from minute 1, 10 from minute 0.
-    got = by_key(acc.adjustments(90, W2))
+    got = by_key(acc.adjustments(out(90), W2))
     assert got == {
         W2[1].key: -20,
         W1[1].key: -30,
@@ -102,9 +108,9 @@ def test_refund_newest_charge_first() -> None:
 def test_refund_stops_at_newest_when_enough() -> None:
     """A refund covered by the newest charge does not touch older windows."""
     acc = RequestAccount()
-    acc.record(W0, 100)
-    acc.record(W1, 30)
-    got = by_key(acc.adjustments(110, W2))
+    acc.record_output(W0, 100)
+    acc.record_output(W1, 30)
+    got = by_key(acc.adjustments(out(110), W2))
     assert got == {W1[1].key: -20, W1[2].key: -20}
     assert W0[1].key not in got
 
@@ -112,18 +118,18 @@ def test_refund_stops_at_newest_when_enough() -> None:
 def test_refund_never_more_than_charged() -> None:
     """A final total below zero refunds exactly what was charged in each window."""
     acc = RequestAccount()
-    acc.record(W0, 100)
-    acc.record(W1, 30)
-    got = by_key(acc.adjustments(-50, W2))
+    acc.record_output(W0, 100)
+    acc.record_output(W1, 30)
+    got = by_key(acc.adjustments(out(-50), W2))
     assert got == {W0[1].key: -100, W1[1].key: -30, W0[2].key: -130}
 
 
 def test_same_key_amounts_merged_and_zero_dropped() -> None:
     """Amounts for the same key are merged into one adjustment."""
     acc = RequestAccount()
-    acc.record(W0, 10)
-    acc.record(W0, 10)
-    adjs = acc.adjustments(0, W0)
+    acc.record_output(W0, 10)
+    acc.record_output(W0, 10)
+    adjs = acc.adjustments(out(0), W0)
     assert by_key(adjs) == {W0[1].key: -20, W0[2].key: -20}
 
 
@@ -137,9 +143,9 @@ def test_adjustments_restore_final_total(charges: list[tuple[int, int]], final: 
     acc = RequestAccount()
     per_key: dict[str, int] = {}
     for w, amount in charges:
-        acc.record(windows[w], amount)
+        acc.record_output(windows[w], amount)
         per_key[windows[w][1].key] = per_key.get(windows[w][1].key, 0) + amount
-    adjs = by_key(acc.adjustments(final, W2))
+    adjs = by_key(acc.adjustments(out(final), W2))
     for key, amount in adjs.items():
         if ":60:" in key:
             per_key[key] = per_key.get(key, 0) + amount

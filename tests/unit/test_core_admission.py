@@ -143,7 +143,7 @@ def test_admission_charges_amounts() -> None:
 def test_tpm_charges_skip_rpm() -> None:
     """A stream charge touches only TPM buckets."""
     bs = buckets(RPM_MIN, TPM_MIN, TPM_HOUR)
-    charges = admission.tpm_charges(bs, 64)
+    charges = admission.token_charges(bs, 64)
     assert [(ch.kind, ch.amount, ch.key) for ch in charges] == [
         ("tpm", 64, bs[1].key),
         ("tpm", 64, bs[2].key),

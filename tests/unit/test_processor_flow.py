@@ -68,7 +68,7 @@ class ScriptedLimiter:
         self.settles.append(adjustments)
         return True
 
-    async def renew(self, ledgers: list[str], until_ms: int) -> None:
+    async def renew(self, ledgers: list[str], until_ms: int, **_: Any) -> None:
         return None
 
     async def read(self, keys: list[str]) -> list[int]:

@@ -1,27 +1,35 @@
 -- Atomic, all-or-nothing admission over every bucket of one request.
 --
 -- KEYS[1]        the request's ledger (hash); its existence makes a replayed request id a no-op
--- KEYS[2..n+1]   bucket counters (one fixed window each), all sharing one hash tag
+-- KEYS[2..n+1]   bucket counters, all sharing one hash tag: a string counter per window for
+--                requests ("r") and per-token units ("t": tokens, money, weighted tokens), or a
+--                sorted set of leased requests for a concurrency limit ("c")
 -- KEYS[n+2]      the tenant's open reservations (sorted set: ledger -> lease deadline, ms)
 -- ARGV[1]        ledger TTL in ms
 -- ARGV[2]        "1" to count a refused request in its RPM buckets anyway, else "0"
 -- ARGV[3]        TPM tokens this admission charges (recorded in the ledger)
--- ARGV[4..]      per bucket, 4 values: kind ("r" or "t"), amount, limit, expire-at (unix ms)
--- then           now (unix ms), lease deadline (unix ms; 0 = no lease), refundable tokens
+-- ARGV[4..]      per bucket, 6 values: kind ("r", "t" or "c"), amount, limit, expire-at (unix
+--                ms), refundable units (given back if the request is reclaimed), shadow ("1":
+--                counted, never refuses)
+-- then           now (unix ms), lease deadline (unix ms; 0 = no lease)
+--
+-- Concurrency: a slot is the ledger in the set, scored by its lease deadline; slots whose
+-- lease ran out (their processor died) are dropped before counting.  Settlement removes the
+-- slot (the ledger lists its sets as "c:" fields).
 --
 -- Reclaim: before deciding, up to 8 reservations of this tenant whose lease ran out (their
--- processor died without settling) are settled: the refundable part of their admission
--- charge (the reserved output) goes back to the buckets that still exist. Every key touched
--- shares the tenant's hash tag, so this stays in one Cluster slot.
+-- processor died without settling) are settled: the refundable part of each charge goes
+-- back to the counters that still exist, and their concurrency slots are freed.  Every key
+-- touched shares the tenant's hash tag, so this stays in one Cluster slot.
 --
 -- Returns {status, {value per bucket}}: status 1 admitted (values after charging),
 -- 0 refused (values as found), 2 duplicate request id (nothing charged; values as found).
 local n = #KEYS - 2
 local open = KEYS[n + 2]
-local tail = 4 + n * 4
+local W = 6
+local tail = 4 + n * W
 local now = tonumber(ARGV[tail] or '0')
 local lease_until = tonumber(ARGV[tail + 1] or '0')
-local refundable = tonumber(ARGV[tail + 2] or '0')
 if now > 0 then
   local dead = redis.call('ZRANGEBYSCORE', open, '-inf', now, 'LIMIT', 0, 8)
   for _, led in ipairs(dead) do
@@ -29,14 +37,17 @@ if now > 0 then
     if redis.call('HGET', led, 'state') == 'admitted' then
       local fields = redis.call('HGETALL', led)
       for j = 1, #fields, 2 do
-        if string.sub(fields[j], 1, 2) == 'r:' then
-          local key = string.sub(fields[j], 3)
+        local tag = string.sub(fields[j], 1, 2)
+        local key = string.sub(fields[j], 3)
+        if tag == 'r:' then
           local amt = tonumber(fields[j + 1])
           if amt > 0 and redis.call('EXISTS', key) == 1 then
             if redis.call('DECRBY', key, amt) < 0 then
               redis.call('SET', key, 0, 'KEEPTTL')
             end
           end
+        elseif tag == 'c:' then
+          redis.call('ZREM', key, led)
         end
       end
       redis.call('HSET', led, 'state', 'reclaimed')
@@ -45,37 +56,48 @@ if now > 0 then
 end
 local vals = {}
 for i = 1, n do
-  vals[i] = tonumber(redis.call('GET', KEYS[i + 1]) or '0')
+  local base = 4 + (i - 1) * W
+  if ARGV[base] == 'c' then
+    redis.call('ZREMRANGEBYSCORE', KEYS[i + 1], '-inf', now)
+    vals[i] = redis.call('ZCARD', KEYS[i + 1])
+  else
+    vals[i] = tonumber(redis.call('GET', KEYS[i + 1]) or '0')
+  end
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {2, vals}
 end
 local ok = true
 for i = 1, n do
-  local base = 4 + (i - 1) * 4
+  local base = 4 + (i - 1) * W
   local amount = tonumber(ARGV[base + 1])
   local limit = tonumber(ARGV[base + 2])
-  if amount > 0 and vals[i] + amount > limit then
+  if ARGV[base + 5] ~= '1' and amount > 0 and vals[i] + amount > limit then
     ok = false
   end
 end
 if ok then
-  for i = 1, n do
-    local base = 4 + (i - 1) * 4
-    local amount = tonumber(ARGV[base + 1])
-    if amount > 0 then
-      vals[i] = redis.call('INCRBY', KEYS[i + 1], amount)
-      redis.call('PEXPIREAT', KEYS[i + 1], ARGV[base + 3])
-    end
-  end
   redis.call('HSET', KEYS[1], 'state', 'admitted', 'seq', 0, 'charged', ARGV[3])
-  if lease_until > 0 then
-    for i = 1, n do
-      local base = 4 + (i - 1) * 4
-      if ARGV[base] == 't' and refundable > 0 then
-        redis.call('HSET', KEYS[1], 'r:' .. KEYS[i + 1], refundable)
+  for i = 1, n do
+    local base = 4 + (i - 1) * W
+    local kind = ARGV[base]
+    local amount = tonumber(ARGV[base + 1])
+    local key = KEYS[i + 1]
+    if kind == 'c' then
+      redis.call('ZADD', key, lease_until, KEYS[1])
+      redis.call('PEXPIREAT', key, ARGV[base + 3])
+      redis.call('HSET', KEYS[1], 'c:' .. key, 1)
+      vals[i] = vals[i] + 1
+    elseif amount > 0 then
+      vals[i] = redis.call('INCRBY', key, amount)
+      redis.call('PEXPIREAT', key, ARGV[base + 3])
+      local refundable = tonumber(ARGV[base + 4])
+      if lease_until > 0 and kind == 't' and refundable > 0 then
+        redis.call('HSET', KEYS[1], 'r:' .. key, refundable)
       end
     end
+  end
+  if lease_until > 0 then
     redis.call('ZADD', open, lease_until, KEYS[1])
     redis.call('PEXPIRE', open, ARGV[1])
   end
@@ -84,7 +106,7 @@ if ok then
 end
 if ARGV[2] == '1' then
   for i = 1, n do
-    local base = 4 + (i - 1) * 4
+    local base = 4 + (i - 1) * W
     if ARGV[base] == 'r' then
       vals[i] = redis.call('INCRBY', KEYS[i + 1], 1)
       redis.call('PEXPIREAT', KEYS[i + 1], ARGV[base + 3])

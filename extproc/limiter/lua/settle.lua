@@ -7,12 +7,19 @@
 -- ARGV[2..]      per key, 2 values: signed amount, expire-at (unix ms)
 --
 -- A refund only touches a counter that still exists (its window has not ended) and never
--- takes it below zero. Returns 1 when applied, 0 when the request was already settled.
+-- takes it below zero.  The request's concurrency slots (the ledger's "c:" fields) are freed.
+-- Returns 1 when applied, 0 when the request was already settled.
 local n = #KEYS - 2
 redis.call('ZREM', KEYS[n + 2], KEYS[1])
 local state = redis.call('HGET', KEYS[1], 'state')
 if state == 'settled' then
   return 0
+end
+local held = redis.call('HGETALL', KEYS[1])
+for j = 1, #held, 2 do
+  if string.sub(held[j], 1, 2) == 'c:' then
+    redis.call('ZREM', string.sub(held[j], 3), KEYS[1])
+  end
 end
 if state == 'reclaimed' then
   -- Reclaimed as abandoned, but its processor was alive (a lease renewal was lost): put the

@@ -1,0 +1,138 @@
+"""The Lua scripts on a real redis-server with money budgets, shadow limits and concurrency
+slots: strict grants bounded by a budget's price, lazy overs, shadow buckets that never bind,
+slots taken, freed by settlement, and reclaimed from a dead processor after its lease."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import redis
+
+from extproc.core.rules import BucketCharge
+from extproc.limiter.redis import RedisLimiter
+from tests.helpers import RedisServer
+
+pytestmark = pytest.mark.integration
+
+TTL = 600_000
+LEASE = 10_000
+NOW = int(time.time() * 1000)  # slot sets expire in real time
+
+
+def far() -> int:
+    return int(time.time() * 1000) + 120_000
+
+
+@pytest.fixture
+async def lim(redis_server: RedisServer):  # type: ignore[no-untyped-def]
+    lim = RedisLimiter.from_url(redis_server.url, timeout_ms=1000)
+    yield lim
+    await lim.close()
+
+
+def tag() -> str:
+    return f"aiq:{{b-{uuid.uuid4().hex[:8]}}}"
+
+
+def budget(t: str, limit: int, *, shadow: bool = False, amount: int = 0) -> BucketCharge:
+    """A money counter: 15 micro-dollars per output token ($15 per million)."""
+    name = "cost.shadow" if shadow else "cost"
+    return BucketCharge(f"{t}:{name}", "tpm", amount, limit, far(), rate=15_000_000, shadow=shadow)
+
+
+async def test_strict_grant_is_bounded_by_the_budget_price(lim: RedisLimiter) -> None:
+    """A strict lease grants only the tokens the budget can still pay for, then says so."""
+    t = tag()
+    res = await lim.admit(
+        f"{t}:req:1",
+        [budget(t, 1_000, amount=100)],
+        tpm_charged=0,
+        count_refused=False,
+        ledger_ttl_ms=TTL,
+    )
+    assert res.admitted and res.values == (100,)
+    got = await lim.charge(f"{t}:req:1", 1, [budget(t, 1_000)], 64, strict=True, ledger_ttl_ms=TTL)
+    assert got.granted == 60  # 900 micro-dollars left / 15 per token
+    assert got.values == (1_000,) and got.exhausted
+    again = await lim.charge(
+        f"{t}:req:1", 2, [budget(t, 1_000)], 64, strict=True, ledger_ttl_ms=TTL
+    )
+    assert again.granted == 0 and again.exhausted
+
+
+async def test_lazy_charge_goes_over_and_reports_it(lim: RedisLimiter) -> None:
+    """Lazy charges all it was asked (rounded up per charge) and flags the overshoot."""
+    t = tag()
+    await lim.admit(
+        f"{t}:req:1", [budget(t, 1_000)], tpm_charged=0, count_refused=False, ledger_ttl_ms=TTL
+    )
+    c = BucketCharge(f"{t}:cost", "tpm", 0, 1_000, far(), rate=1_500_000)  # 1.5 per token
+    got = await lim.charge(f"{t}:req:1", 1, [c], 7, strict=False, ledger_ttl_ms=TTL)
+    assert got.granted == 7 and got.values == (11,) and not got.exhausted  # ceil(10.5)
+    got = await lim.charge(f"{t}:req:1", 2, [c], 700, strict=False, ledger_ttl_ms=TTL)
+    assert got.values == (11 + 1_050,) and got.exhausted
+
+
+async def test_shadow_buckets_never_refuse_nor_limit_a_grant(lim: RedisLimiter) -> None:
+    """A shadow budget already past its limit admits, grants in full and never ends a stream."""
+    t = tag()
+    shadow = budget(t, 10, shadow=True, amount=500)
+    res = await lim.admit(
+        f"{t}:req:1", [shadow], tpm_charged=0, count_refused=False, ledger_ttl_ms=TTL
+    )
+    assert res.admitted and res.values == (500,)
+    got = await lim.charge(
+        f"{t}:req:1", 1, [budget(t, 10, shadow=True)], 64, strict=True, ledger_ttl_ms=TTL
+    )
+    assert got.granted == 64 and not got.exhausted and got.values == (500 + 960,)
+
+
+def slot(t: str, limit: int) -> BucketCharge:
+    return BucketCharge(f"{t}:conc", "concurrency", 1, limit, NOW + LEASE + 2_000)
+
+
+async def admit_slot(lim: RedisLimiter, t: str, n: int, now: int, limit: int = 2) -> bool:
+    res = await lim.admit(
+        f"{t}:req:{n}",
+        [slot(t, limit)],
+        tpm_charged=0,
+        count_refused=False,
+        ledger_ttl_ms=TTL,
+        now_ms=now,
+        lease_until_ms=now + LEASE,
+    )
+    return res.admitted
+
+
+async def test_concurrency_slots_are_taken_and_freed_by_settlement(
+    lim: RedisLimiter, redis_server: RedisServer
+) -> None:
+    """Two slots: a third request is refused until one of the two settles."""
+    r = redis.Redis(port=redis_server.port)
+    t = tag()
+    assert await admit_slot(lim, t, 1, NOW)
+    assert await admit_slot(lim, t, 2, NOW)
+    assert not await admit_slot(lim, t, 3, NOW)
+    assert r.zcard(f"{t}:conc") == 2
+    assert await lim.settle(f"{t}:req:1", [], ledger_ttl_ms=TTL)
+    assert r.zcard(f"{t}:conc") == 1
+    assert await admit_slot(lim, t, 4, NOW)
+
+
+async def test_a_dead_processor_leaks_a_slot_only_until_its_lease_ends(
+    lim: RedisLimiter, redis_server: RedisServer
+) -> None:
+    """Slots of a processor that never settles come back once their lease runs out; renewed
+    slots stay."""
+    r = redis.Redis(port=redis_server.port)
+    t = tag()
+    assert await admit_slot(lim, t, 1, NOW)  # its processor dies
+    assert await admit_slot(lim, t, 2, NOW)  # a live one, renewing
+    await lim.renew([f"{t}:req:2"], NOW + 3 * LEASE, held={f"{t}:req:2": [f"{t}:conc"]})
+    assert not await admit_slot(lim, t, 3, NOW + LEASE - 1)
+    assert await admit_slot(lim, t, 4, NOW + LEASE + 1)  # 1's lease is over
+    assert r.hget(f"{t}:req:1", "state") == b"reclaimed"
+    assert r.zscore(f"{t}:conc", f"{t}:req:1") is None
+    assert r.zscore(f"{t}:conc", f"{t}:req:2") == NOW + 3 * LEASE
