@@ -154,6 +154,7 @@ class _LimitMaker:
             unit=unit,
             weights=weights,
             shadow=self.shadow,
+            sliding=timed and e.window == "sliding",
         )
 
 
@@ -241,7 +242,16 @@ def _limit_errors(
 
 def _override_key(lim: Limit) -> tuple[object, ...]:
     """A tenant's own limit replaces the plan's limit with the same key."""
-    return (lim.metric, lim.unit, lim.model, lim.scope, lim.window_s, lim.period, lim.shadow)
+    return (
+        lim.metric,
+        lim.unit,
+        lim.model,
+        lim.scope,
+        lim.window_s,
+        lim.period,
+        lim.shadow,
+        lim.sliding,
+    )
 
 
 def _merge_charging(*levels: schema.ChargingModel) -> Charging:

@@ -168,6 +168,9 @@ class LimitEntry(Strict):
     weights: Weights | None = None
     concurrency: int | None = Field(default=None, ge=0)
     shadow: bool = False  # counted and reported, never refuses or cuts
+    # fixed: counters start from zero at each window; sliding: the previous window still counts
+    # for the share of it inside the last window-length (docs/semantics.md, "Sliding windows")
+    window: Literal["fixed", "sliding"] = "fixed"
 
     @model_validator(mode="after")
     def _check_any(self) -> LimitEntry:
@@ -183,6 +186,11 @@ class LimitEntry(Strict):
             raise ValueError("'currency' applies to a 'budget' only")
         if self.currency is not None and self.currency not in CURRENCIES:
             raise ValueError(f"unknown currency {self.currency!r} (an ISO 4217 code)")
+        if self.window == "sliding" and (self.per == "month" or self.time_zone != "UTC"):
+            raise ValueError(
+                "a sliding window needs a fixed length: per second, minute, hour, day or week, "
+                "in UTC"
+            )
         return self
 
     @field_validator("time_zone")

@@ -187,6 +187,8 @@ def admission_charges(buckets: list[WindowedBucket], cost: Cost) -> list[BucketC
             rate=b.rates.output,
             refundable=b.rates.output_units(cost.reserved_output) if b.kind == "tpm" else 0,
             shadow=b.limit.shadow,
+            prev_key=b.prev_key,
+            prev_weight=b.prev_weight,
         )
         for b in buckets
     ]
@@ -203,6 +205,8 @@ def token_charges(buckets: list[WindowedBucket], amount: int) -> list[BucketChar
             b.expire_at_ms,
             rate=b.rates.output,
             shadow=b.limit.shadow,
+            prev_key=b.prev_key,
+            prev_weight=b.prev_weight,
         )
         for b in buckets
         if b.kind == "tpm"

@@ -32,6 +32,9 @@ class WindowedBucket:
     expire_at_ms: int
     # what each token kind adds to this counter for the request's model (cost: its prices)
     rates: Rates = field(default=TOKEN_RATES)
+    # a sliding limit: the previous window's counter and the share of it (ppm) still inside
+    prev_key: str = ""
+    prev_weight: int = 0
 
     @property
     def metric(self) -> Literal["rpm", "tpm", "cost", "concurrency"]:
@@ -45,7 +48,8 @@ class WindowedBucket:
         return "tpm" if m == "cost" else m
 
     def reset_s(self, now_ms: int) -> float:
-        """Seconds until this window ends and the bucket starts from zero."""
+        """Seconds until this window ends and the bucket starts from zero (a sliding window
+        frees room continuously; this is when its current part stops counting in full)."""
         return max(0.0, (self.window_end_ms - now_ms) / 1000.0)
 
 
@@ -62,6 +66,8 @@ def bucket_key(prefix: str, tenant: str, key_name: str, limit: Limit, window: in
         return f"{tenant_tag(prefix, tenant)}:conc:{scope}:{limit.model}"
     if metric == "cost":
         metric = f"cost.{unit_id(limit)}"
+    if limit.sliding:
+        metric += ".sliding"
     if limit.shadow:
         metric += ".shadow"
     return f"{tenant_tag(prefix, tenant)}:{metric}:{scope}:{limit.model}:{limit.window_s}:{window}"
@@ -161,17 +167,29 @@ def windowed(
                 )
             )
             continue
-        name, _, end = window_bounds(lim, now_ms)
+        name, start, end = window_bounds(lim, now_ms)
+        prev_key, prev_weight, expire = "", 0, end + EXPIRY_SLACK_MS
+        if lim.sliding and isinstance(name, int):
+            # the previous window still counts for the share of it inside [now - W, now]
+            prev_key = bucket_key(prefix, tenant, key_name, lim, name - 1)
+            prev_weight = (end - now_ms) * SLIDING_SCALE // (end - start)
+            expire = end + (end - start) + EXPIRY_SLACK_MS  # read as the previous one next
         out.append(
             WindowedBucket(
                 limit=lim,
                 key=bucket_key(prefix, tenant, key_name, lim, name),
                 window_end_ms=end,
-                expire_at_ms=end + EXPIRY_SLACK_MS,
+                expire_at_ms=expire,
                 rates=rates_for(lim, prices),
+                prev_key=prev_key,
+                prev_weight=prev_weight,
             )
         )
     return out
+
+
+#: A sliding window's weight of its previous window is in parts per million.
+SLIDING_SCALE = 1_000_000
 
 
 def rates_for(limit: Limit, prices: Rates | None) -> Rates:

@@ -114,6 +114,7 @@ class Limit:
     unit: str = ""  # cost: the currency code, or "weighted"
     weights: Rates | None = None  # cost in weighted tokens: the weights
     shadow: bool = False
+    sliding: bool = False
 
     @property
     def counts_tokens(self) -> bool:
@@ -152,6 +153,10 @@ class BucketCharge:
     rate: int = RATE_SCALE
     refundable: int = 0
     shadow: bool = False
+    # sliding windows: the previous window's counter and the share of it (parts per million)
+    # still inside the sliding window; the scripts judge current + share x previous
+    prev_key: str = ""
+    prev_weight: int = 0
 
 
 @dataclass(frozen=True, slots=True)

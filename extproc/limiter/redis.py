@@ -248,11 +248,12 @@ class RedisLimiter:
     ) -> AdmitResult:
         """Run ``admit.lua`` over every bucket (reclaiming the tenant's dead reservations)."""
         args: list[Any] = [ledger_ttl_ms, "1" if count_refused else "0", tpm_charged]
+        keys = [ledger] + [b.key for b in buckets] + [open_key(ledger)]
         for b in buckets:
             kind = _KIND[b.kind]
             args += [kind, b.amount, b.limit, b.expire_at_ms, b.refundable, int(b.shadow)]
+            args += _previous(keys, b)
         args += [now_ms, lease_until_ms]
-        keys = [ledger] + [b.key for b in buckets] + [open_key(ledger)]
         res = await self._call("admission", "admit", lambda: self._admit(keys=keys, args=args))
         status = int(res[0])
         return AdmitResult(
@@ -273,9 +274,10 @@ class RedisLimiter:
     ) -> ChargeResult:
         """Run ``charge.lua``: a lazy batch or a strict lease."""
         args: list[Any] = [seq, amount, "1" if strict else "0", ledger_ttl_ms]
+        keys = [ledger] + [b.key for b in buckets]
         for b in buckets:
             args += [b.limit, b.expire_at_ms, b.rate, int(b.shadow)]
-        keys = [ledger] + [b.key for b in buckets]
+            args += _previous(keys, b)
         res = await self._call(
             "a stream charge", "charge", lambda: self._charge(keys=keys, args=args)
         )
@@ -331,6 +333,15 @@ class RedisLimiter:
     async def close(self) -> None:
         """Close the connection pool."""
         await self._client.aclose()
+
+
+def _previous(keys: list[str], b: BucketCharge) -> list[int]:
+    """A sliding bucket's previous-window counter, appended to ``keys``: [its 1-based KEYS
+    index, weight]; [0, 0] for a fixed window."""
+    if not b.prev_key:
+        return [0, 0]
+    keys.append(b.prev_key)
+    return [len(keys), b.prev_weight]
 
 
 def _with_open_s(settings: BreakerSettings, cooldown_ms: int) -> BreakerSettings:

@@ -136,3 +136,31 @@ async def test_a_dead_processor_leaks_a_slot_only_until_its_lease_ends(
     assert r.hget(f"{t}:req:1", "state") == b"reclaimed"
     assert r.zscore(f"{t}:conc", f"{t}:req:1") is None
     assert r.zscore(f"{t}:conc", f"{t}:req:2") == NOW + 3 * LEASE
+
+
+async def test_sliding_window_counts_the_previous_window_by_its_share(lim: RedisLimiter) -> None:
+    """Limit 100 per minute, 100 admitted in the previous minute: 15 s into this one, 75 of
+    them still count, so 25 more are admitted and the 26th is refused (a fixed window would
+    admit 100 more)."""
+    t = tag()
+    prev, cur = f"{t}:rpm.sliding:9", f"{t}:rpm.sliding:10"
+    r = lim._client  # the test's own view of the same server
+    await r.set(prev, 100)
+
+    def rpm(n: int) -> BucketCharge:
+        return BucketCharge(cur, "rpm", 1, 100, far(), prev_key=prev, prev_weight=750_000)
+
+    admitted = 0
+    for n in range(40):
+        res = await lim.admit(
+            f"{t}:req:{n}", [rpm(n)], tpm_charged=0, count_refused=False, ledger_ttl_ms=TTL
+        )
+        admitted += res.admitted
+        if not res.admitted:
+            assert res.values == (100,)  # 75 from the previous minute + 25 in this one
+            break
+    assert admitted == 25
+    tpm = BucketCharge(cur + ":t", "tpm", 0, 100, far(), prev_key=prev, prev_weight=750_000)
+    await lim.admit(f"{t}:req:s", [tpm], tpm_charged=0, count_refused=False, ledger_ttl_ms=TTL)
+    got = await lim.charge(f"{t}:req:s", 1, [tpm], 64, strict=True, ledger_ttl_ms=TTL)
+    assert got.granted == 25 and got.values == (100,) and got.exhausted

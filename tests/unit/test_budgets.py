@@ -287,3 +287,27 @@ def test_config_errors_name_the_problem(limits: str, pricing: str, expected: str
     msg = config_error(limits, pricing)
     assert expected in msg
     assert "plans.p.limits" in msg
+
+
+# -- sliding windows -----------------------------------------------------------------------
+
+SLIDING = Limit("rpm", 100, 60, "*", "tenant", sliding=True)
+
+
+def test_sliding_bucket_weighs_the_previous_window_by_what_is_still_inside() -> None:
+    """15 s into a minute, three quarters of the previous minute still count."""
+    [b] = windowed("aiq", "t", "k", [SLIDING], 60_000 * 10 + 15_000)
+    assert b.key.endswith(":rpm.sliding:t:*:60:10")
+    assert b.prev_key.endswith(":rpm.sliding:t:*:60:9")
+    assert b.prev_weight == 750_000
+    assert b.expire_at_ms == 60_000 * 12 + 2_000  # kept a window longer: it is read as previous
+    [fixed] = windowed("aiq", "t", "k", [TPM], 60_000 * 10 + 15_000)
+    assert fixed.prev_key == "" and fixed.prev_weight == 0
+
+
+def test_sliding_needs_a_fixed_length_window() -> None:
+    """Months and time zones have no fixed length: a sliding window there is refused."""
+    msg = config_error("      - {per: month, tpm: 5, window: sliding}\n")
+    assert "a sliding window needs a fixed length" in msg
+    [lim] = compile_limits("      - {per: minute, tpm: 5, window: sliding}\n")
+    assert lim.sliding

@@ -5,12 +5,15 @@
 --                requests ("r") and per-token units ("t": tokens, money, weighted tokens), or a
 --                sorted set of leased requests for a concurrency limit ("c")
 -- KEYS[n+2]      the tenant's open reservations (sorted set: ledger -> lease deadline, ms)
+-- KEYS[n+3..]    previous windows' counters of sliding limits (referenced by index below)
 -- ARGV[1]        ledger TTL in ms
 -- ARGV[2]        "1" to count a refused request in its RPM buckets anyway, else "0"
 -- ARGV[3]        TPM tokens this admission charges (recorded in the ledger)
--- ARGV[4..]      per bucket, 6 values: kind ("r", "t" or "c"), amount, limit, expire-at (unix
+-- ARGV[4..]      per bucket, 8 values: kind ("r", "t" or "c"), amount, limit, expire-at (unix
 --                ms), refundable units (given back if the request is reclaimed), shadow ("1":
---                counted, never refuses)
+--                counted, never refuses), the KEYS index of the previous window's counter
+--                (0: not sliding) and its weight in parts per million: a sliding bucket's
+--                value is current + floor(previous x weight / 1e6)
 -- then           now (unix ms), lease deadline (unix ms; 0 = no lease)
 --
 -- Concurrency: a slot is the ledger in the set, scored by its lease deadline; slots whose
@@ -24,9 +27,9 @@
 --
 -- Returns {status, {value per bucket}}: status 1 admitted (values after charging),
 -- 0 refused (values as found), 2 duplicate request id (nothing charged; values as found).
-local n = #KEYS - 2
+local W = 8
+local n = (#ARGV - 5) / W
 local open = KEYS[n + 2]
-local W = 6
 local tail = 4 + n * W
 local now = tonumber(ARGV[tail] or '0')
 local lease_until = tonumber(ARGV[tail + 1] or '0')
@@ -55,13 +58,20 @@ if now > 0 then
   end
 end
 local vals = {}
+local prev = {}
 for i = 1, n do
   local base = 4 + (i - 1) * W
+  prev[i] = 0
   if ARGV[base] == 'c' then
     redis.call('ZREMRANGEBYSCORE', KEYS[i + 1], '-inf', now)
     vals[i] = redis.call('ZCARD', KEYS[i + 1])
   else
-    vals[i] = tonumber(redis.call('GET', KEYS[i + 1]) or '0')
+    local p = tonumber(ARGV[base + 6])
+    if p > 0 then
+      local before = tonumber(redis.call('GET', KEYS[p]) or '0')
+      prev[i] = math.floor(before * tonumber(ARGV[base + 7]) / 1000000)
+    end
+    vals[i] = tonumber(redis.call('GET', KEYS[i + 1]) or '0') + prev[i]
   end
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -89,7 +99,7 @@ if ok then
       redis.call('HSET', KEYS[1], 'c:' .. key, 1)
       vals[i] = vals[i] + 1
     elseif amount > 0 then
-      vals[i] = redis.call('INCRBY', key, amount)
+      vals[i] = redis.call('INCRBY', key, amount) + prev[i]
       redis.call('PEXPIREAT', key, ARGV[base + 3])
       local refundable = tonumber(ARGV[base + 4])
       if lease_until > 0 and kind == 't' and refundable > 0 then
@@ -108,7 +118,7 @@ if ARGV[2] == '1' then
   for i = 1, n do
     local base = 4 + (i - 1) * W
     if ARGV[base] == 'r' then
-      vals[i] = redis.call('INCRBY', KEYS[i + 1], 1)
+      vals[i] = redis.call('INCRBY', KEYS[i + 1], 1) + prev[i]
       redis.call('PEXPIREAT', KEYS[i + 1], ARGV[base + 3])
     end
   end

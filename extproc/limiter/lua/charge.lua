@@ -2,18 +2,20 @@
 --
 -- KEYS[1]        the request's ledger
 -- KEYS[2..n+1]   per-token counters of the current windows (tokens, money, weighted tokens)
+-- KEYS[n+2..]    previous windows' counters of sliding limits (referenced by index below)
 -- ARGV[1]        sequence number of this charge (1, 2, ...); a replayed number charges nothing
 -- ARGV[2]        output tokens asked for
 -- ARGV[3]        "1" strict: grant at most what every bucket still has; "0" lazy: charge all
 -- ARGV[4]        ledger TTL in ms
--- ARGV[5..]      per bucket, 4 values: limit, expire-at (unix ms), rate (units per 1e6
+-- ARGV[5..]      per bucket, 6 values: limit, expire-at (unix ms), rate (units per 1e6
 --                tokens: a bucket gets ceil(granted * rate / 1e6)), shadow ("1": counted,
---                never limits the grant nor ends the stream)
+--                never limits the grant nor ends the stream), the KEYS index of the previous
+--                window's counter (0: not sliding) and its weight in parts per million
 --
 -- Returns {granted, over, {value per bucket}}: over is 1 when a bucket is at or past its limit
 -- after this charge (lazy: the caller cuts the stream; strict: not one more token fits).
-local n = #KEYS - 1
-local W = 4
+local W = 6
+local n = (#ARGV - 4) / W
 local SCALE = 1000000
 -- ceil(a / b) for integers a >= 0, b > 0, exact while a < 2^53 (a float quotient near an
 -- integer is corrected with exact products)
@@ -39,8 +41,16 @@ local seq = tonumber(ARGV[1])
 local asked = tonumber(ARGV[2])
 local strict = ARGV[3] == '1'
 local vals = {}
+local prev = {}
 for i = 1, n do
-  vals[i] = tonumber(redis.call('GET', KEYS[i + 1]) or '0')
+  local base = 5 + (i - 1) * W
+  prev[i] = 0
+  local p = tonumber(ARGV[base + 4])
+  if p > 0 then
+    local before = tonumber(redis.call('GET', KEYS[p]) or '0')
+    prev[i] = math.floor(before * tonumber(ARGV[base + 5]) / 1000000)
+  end
+  vals[i] = tonumber(redis.call('GET', KEYS[i + 1]) or '0') + prev[i]
 end
 local state = redis.call('HGET', KEYS[1], 'state')
 if state == 'settled' then
@@ -81,7 +91,7 @@ for i = 1, n do
   local limit = tonumber(ARGV[base])
   local rate = tonumber(ARGV[base + 2])
   if grant > 0 and rate > 0 then
-    vals[i] = redis.call('INCRBY', KEYS[i + 1], ceil_div(grant * rate, SCALE))
+    vals[i] = redis.call('INCRBY', KEYS[i + 1], ceil_div(grant * rate, SCALE)) + prev[i]
     redis.call('PEXPIREAT', KEYS[i + 1], ARGV[base + 1])
   end
   if ARGV[base + 3] ~= '1' and rate > 0 then
