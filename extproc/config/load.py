@@ -318,6 +318,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
     )
 
     plans: dict[str, Plan] = {}
+    fallbacks: dict[str, dict[str, str]] = {}
     for pname, p in cfg.plans.items():
         try:
             lims = _limits(
@@ -331,6 +332,16 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
             errors.append(f"{source}: {exc}")
             continue
         plans[pname] = Plan(pname, tuple(lims))
+        for src, dst in p.fallback.items():
+            where = f"{source}: plans.{pname}.fallback.{src}"
+            if src not in canonical:
+                errors.append(f"{where}: unknown model {src!r}")
+            elif dst not in canonical:
+                errors.append(f"{where}: unknown fallback model {dst!r}")
+            elif canonical[src] == canonical[dst]:
+                errors.append(f"{where}: a model cannot fall back to itself")
+            else:
+                fallbacks.setdefault(pname, {})[canonical[src]] = canonical[dst]
         errors += [
             f"{source}: {e}" for e in _limit_errors(lims, f"plans.{pname}.limits", cfg, canonical)
         ]
@@ -422,6 +433,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         ledger_ttl_seconds=cfg.ledger_ttl_seconds,
         plaintext_keys=plaintext,
         plan_failure_modes={n: p.failure_mode for n, p in cfg.plans.items() if p.failure_mode},
+        fallbacks=fallbacks,
     )
 
 

@@ -95,6 +95,8 @@ class RuntimeConfig:
     identity: IdentityPolicy = field(default_factory=IdentityPolicy)
     plaintext_keys: int = 0
     plan_failure_modes: dict[str, Literal["closed", "open"]] = field(default_factory=dict)
+    # plan -> requested model -> fallback model (canonical names)
+    fallbacks: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def resolve_model(self, name: str) -> Model | None:
         """The configured model for ``name`` or one of its aliases."""

@@ -215,6 +215,9 @@ class PlanEntry(Strict):
     charging: ChargingModel = Field(default_factory=ChargingModel)
     failure_mode: FailureMode | None = None
     shadow: bool = False  # every limit of the plan is a shadow limit
+    # requested model -> the model to serve instead when a limit on the requested one refuses
+    # at admission (never mid-stream); the answer says so in x-aiquota-fallback-model
+    fallback: dict[str, str] = Field(default_factory=dict)
 
 
 class KeyEntry(Strict):

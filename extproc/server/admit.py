@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 import structlog
 
+from extproc.config.runtime import Model
 from extproc.core import admission
 from extproc.core.admission import Cost
 from extproc.core.apis.base import RequestLimits
 from extproc.core.keys import WindowedBucket, ledger_key
+from extproc.core.rules import Charging
 from extproc.core.tokens import PromptShapeError, PromptTooLarge
 from extproc.errors import (
     BadRequest,
     GatewayBusy,
     LimiterUnavailable,
+    QuotaExceeded,
     RequestTooLarge,
     UnknownModel,
 )
@@ -73,53 +77,37 @@ async def admit_body(gw: Gateway, ctx: RequestContext, raw: bytes) -> bytes | No
                 status=cfg.unknown_model_status,
             )
         model = cfg.unknown_model
-    ctx.model = model
-    structlog.contextvars.bind_contextvars(tenant=ctx.tenant.id, model=model.name)
-    input_tokens = await _count_input(gw, ctx, len(raw))
-    charging = cfg.charging_for(ctx.tenant.plan, model.name)
-    budget_param = req.budget_fields[0] if req.budget_fields else "max_tokens"
-    plan = admission.plan_admission(
-        declared_max_output=req.declared_max_output,
-        sequences=req.sequences,
-        stream=req.stream and api.can_stream,
-        input_tokens=input_tokens,
-        model_name=model.name,
-        model_cap=model.max_output_tokens,
-        max_input_tokens=model.max_input_tokens,
-        over_cap=cfg.over_model_cap,
-        budget_param=budget_param,
-        charging=charging,
+    ctx.ledger = ledger_key(gw.key_prefix, ctx.tenant.id, gw.ledger_id(ctx.request_id))
+    attempt = await _attempt(gw, ctx, model, len(raw))
+    if attempt.refused is not None:
+        # A limit on the requested model is exhausted: the plan may name another model that
+        # still has room (its own buckets are charged; the client is told in a header).
+        alt = _fallback(ctx, attempt)
+        if alt is None:
+            raise attempt.refused
+        second = await _attempt(gw, ctx, alt, len(raw))
+        if second.refused is not None:
+            raise attempt.refused
+        gw.metrics.limit_decisions.labels(attempt.refused.metric, "fallback").inc()
+        log.info(
+            "fallback",
+            request_id=ctx.request_id,
+            requested=model.name,
+            fallback=alt.name,
+            reason=attempt.refused.code,
+        )
+        ctx.headers_out += [
+            ("x-aiquota-fallback-model", alt.name),
+            ("x-aiquota-requested-model", model.name),
+        ]
+        attempt, model = second, alt
+    plan, charging, input_tokens, decision = (
+        attempt.plan,
+        attempt.charging,
+        attempt.input_tokens,
+        attempt.decision,
     )
     cost = plan.cost
-    now = gw.clock.now_ms()
-    ctx.buckets = buckets_at(gw, ctx, now)
-    ctx.ledger = ledger_key(gw.key_prefix, ctx.tenant.id, gw.ledger_id(ctx.request_id))
-    # Leased: a reservation to settle, or a concurrency slot to free (both are given back by
-    # the tenant's next admission if this processor dies).
-    held = ctx.holds_slots
-    lease = ctx.cfg.reservation_lease_ms if cost.settle_to_actual or held else 0
-    res = await limiter_admit(
-        gw, ctx, ctx.buckets, cost, now_ms=now, lease_until_ms=now + lease if lease else 0
-    )
-    if res is None:  # fail-open: Redis is down and the plan lets traffic through unmetered
-        decision = "admitted_unmetered"
-    elif not res.admitted and not res.duplicate:
-        err = admission.refusal(
-            ctx.buckets, res.values, cost, now, tenant=ctx.tenant.id, model=model.name
-        )
-        gw.metrics.limit_decisions.labels(err.metric, "refused").inc()
-        raise err
-    else:
-        # A duplicate can only be our own retried call (ledger ids are unique per HTTP
-        # request): the first execution charged, so the request is admitted and metered.
-        decision = "admitted"
-        ctx.cost = cost
-        ctx.admitted_at_ms = now
-        ctx.account.record(ctx.buckets, admission.admission_usage(cost))
-        ctx.headers_out = admission.rate_limit_headers(ctx.buckets, res.values, now).as_pairs()
-        ctx.headers_out += _shadow_report(gw, ctx, res.values, cost)
-        if lease:
-            gw.keep_leases()
     gw.metrics.decisions.labels("admitted", "ok").inc()
     gw.metrics.admission_seconds.observe(time.perf_counter() - ctx.started)
     log.info(
@@ -173,6 +161,89 @@ def _shadow_report(
         would="refuse",
     )
     return [("x-ratelimit-shadow-exceeded", "; ".join(exceeded))]
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """Admission of the request as one model: the plan, and the refusal when refused."""
+
+    plan: admission.AdmissionPlan
+    charging: Charging
+    input_tokens: int
+    decision: str = "admitted"
+    refused: QuotaExceeded | None = None
+    values: tuple[int, ...] = ()
+
+
+async def _attempt(gw: Gateway, ctx: RequestContext, model: Model, size: int) -> _Attempt:
+    """Count, plan and run the one admission call as ``model`` (sets ``ctx.model`` and, when
+    admitted, the cost, buckets, account and headers)."""
+    cfg, api, req, tenant = ctx.cfg, ctx.api, ctx.req, ctx.tenant
+    assert api is not None and req is not None and tenant is not None
+    ctx.model = model
+    structlog.contextvars.bind_contextvars(tenant=tenant.id, model=model.name)
+    input_tokens = await _count_input(gw, ctx, size)
+    charging = cfg.charging_for(tenant.plan, model.name)
+    budget_param = req.budget_fields[0] if req.budget_fields else "max_tokens"
+    plan = admission.plan_admission(
+        declared_max_output=req.declared_max_output,
+        sequences=req.sequences,
+        stream=req.stream and api.can_stream,
+        input_tokens=input_tokens,
+        model_name=model.name,
+        model_cap=model.max_output_tokens,
+        max_input_tokens=model.max_input_tokens,
+        over_cap=cfg.over_model_cap,
+        budget_param=budget_param,
+        charging=charging,
+    )
+    cost = plan.cost
+    now = gw.clock.now_ms()
+    ctx.buckets = buckets_at(gw, ctx, now)
+    # Leased: a reservation to settle, or a concurrency slot to free (both are given back by
+    # the tenant's next admission if this processor dies).
+    lease = cfg.reservation_lease_ms if cost.settle_to_actual or ctx.holds_slots else 0
+    res = await limiter_admit(
+        gw, ctx, ctx.buckets, cost, now_ms=now, lease_until_ms=now + lease if lease else 0
+    )
+    out = _Attempt(plan, charging, input_tokens)
+    if res is None:  # fail-open: Redis is down and the plan lets traffic through unmetered
+        out.decision = "admitted_unmetered"
+    elif not res.admitted and not res.duplicate:
+        err = admission.refusal(
+            ctx.buckets, res.values, cost, now, tenant=tenant.id, model=model.name
+        )
+        gw.metrics.limit_decisions.labels(err.metric, "refused").inc()
+        out.refused = err
+        out.values = res.values
+    else:
+        # A duplicate can only be our own retried call (ledger ids are unique per HTTP
+        # request): the first execution charged, so the request is admitted and metered.
+        ctx.cost = cost
+        ctx.admitted_at_ms = now
+        ctx.account.record(ctx.buckets, admission.admission_usage(cost))
+        ctx.headers_out += admission.rate_limit_headers(ctx.buckets, res.values, now).as_pairs()
+        ctx.headers_out += _shadow_report(gw, ctx, res.values, cost)
+        if lease:
+            gw.keep_leases()
+    return out
+
+
+def _fallback(ctx: RequestContext, attempt: _Attempt) -> Model | None:
+    """The plan's fallback for the requested model, when what refused it was a limit on that
+    model (a tenant-wide limit would refuse the fallback too)."""
+    model, tenant = ctx.model, ctx.tenant
+    assert model is not None and tenant is not None
+    name = ctx.cfg.fallbacks.get(tenant.plan, {}).get(model.name)
+    if name is None or not model.known:
+        return None
+    on_model = any(
+        b.limit.model == model.name
+        and not b.limit.shadow
+        and admission.would_refuse(b, v, admission.admission_amount(b, attempt.plan.cost))
+        for b, v in zip(ctx.buckets, attempt.values, strict=True)
+    )
+    return ctx.cfg.models.get(name) if on_model else None
 
 
 async def _count_input(gw: Gateway, ctx: RequestContext, size: int) -> int:

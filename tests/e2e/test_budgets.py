@@ -39,10 +39,12 @@ def budget_rules(**top: Any) -> dict[str, Any]:
             "b-conc": {"plan": "conc2", "keys": [{"name": "bc", "plaintext": "sk-b-conc"}]},
             "b-shadow": {"plan": "shadow", "keys": [{"name": "bsh", "plaintext": "sk-b-shadow"}]},
             "b-month": {"plan": "month", "keys": [{"name": "bm", "plaintext": "sk-b-month"}]},
+            "b-fb": {"plan": "fallback", "keys": [{"name": "bf", "plaintext": "sk-b-fb"}]},
         },
         **top,
     )
     rules["models"]["sim-small"]["pricing"] = PRICING
+    rules["models"]["sim-tiny"] = {**rules["models"]["sim-small"], "aliases": []}
     rules["plans"].update(
         {
             "usd1": {"limits": [{"per": HOUR, "rpm": 1000, "budget": 1.0}]},
@@ -58,6 +60,13 @@ def budget_rules(**top: Any) -> dict[str, Any]:
                 ]
             },
             "month": {"limits": [{"per": "month", "budget": 0.2}]},
+            "fallback": {
+                "limits": [
+                    {"per": HOUR, "rpm": 1000, "tpm": 1_000_000},
+                    {"model": "sim-small", "per": HOUR, "tpm": 100},
+                ],
+                "fallback": {"sim-small": "sim-tiny"},
+            },
         }
     )
     return rules
@@ -65,7 +74,11 @@ def budget_rules(**top: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def bstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = make_stack(Path(tmp_path_factory.mktemp("budgets")), rules=budget_rules())
+    s = make_stack(
+        Path(tmp_path_factory.mktemp("budgets")),
+        rules=budget_rules(),
+        sim_args=["--model", "sim-small", "--model", "sim-tiny"],
+    )
     yield s
     s.stop()
 
@@ -235,3 +248,24 @@ def test_monthly_budget_resets_at_the_month_boundary(tmp_path: Path) -> None:
                 time.sleep(0.25)
     finally:
         s.stop()
+
+
+def test_fallback_model_instead_of_429(bstack: Stack, rds: redis.Redis) -> None:
+    """sim-small's own 100-token limit refuses a 200-token request; the plan falls back to
+    sim-tiny, which answers, charged to the tenant-wide bucket only, and the client is told."""
+    c = oai(bstack, "sk-b-fb")
+    raw = c.chat.completions.with_raw_response.create(
+        model="sim-small", messages=MSG, max_tokens=200
+    )
+    comp = raw.parse()
+    assert raw.headers["x-aiquota-fallback-model"] == "sim-tiny"
+    assert raw.headers["x-aiquota-requested-model"] == "sim-small"
+    assert comp.model == "sim-tiny"  # the upstream was asked for the fallback
+    settled(rds, "b-fb")
+    small = list(rds.scan_iter("aiq:{b-fb}:tpm:t:sim-small:*"))
+    assert all(int(rds.get(k) or 0) == 0 for k in small)
+    [everything] = list(rds.scan_iter("aiq:{b-fb}:tpm:t:*:*"))
+    assert int(rds.get(everything) or 0) == PROMPT + 200
+    # a request that fits sim-small's own limit is served by sim-small
+    ok = c.chat.completions.with_raw_response.create(model="sim-small", messages=MSG, max_tokens=5)
+    assert "x-aiquota-fallback-model" not in ok.headers and ok.parse().model == "sim-small"

@@ -311,3 +311,17 @@ def test_sliding_needs_a_fixed_length_window() -> None:
     assert "a sliding window needs a fixed length" in msg
     [lim] = compile_limits("      - {per: minute, tpm: 5, window: sliding}\n")
     assert lim.sliding
+
+
+def test_fallback_names_configured_models() -> None:
+    """A plan's fallback maps canonical model names; unknown or self fallbacks are errors."""
+    text = BASE % (PRICED, "      - {tpm: 5}\n")
+    text = text.replace(
+        "plans:\n", "  n:\n    tokenizer: {kind: estimate}\n    max_output_tokens: 9\nplans:\n"
+    )
+    ok = load_config_text(text.replace("  p:\n", "  p:\n    fallback: {m: n}\n"))
+    assert ok.fallbacks == {"p": {"m": "n"}}
+    for bad, expected in (("{m: zz}", "unknown fallback model 'zz'"), ("{m: m}", "to itself")):
+        with pytest.raises(ConfigError) as info:
+            load_config_text(text.replace("  p:\n", f"  p:\n    fallback: {bad}\n"))
+        assert expected in str(info.value) and "plans.p.fallback.m" in str(info.value)
