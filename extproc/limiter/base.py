@@ -82,6 +82,10 @@ class Limiter(Protocol):
         """Current counter values (0 for missing keys)."""
         ...
 
+    async def count_slots(self, keys: list[str], now_ms: int) -> list[int]:
+        """Live (unexpired) slots of these concurrency sets."""
+        ...
+
     async def ping(self) -> bool:
         """Whether the backend answers."""
         ...

@@ -322,6 +322,19 @@ class RedisLimiter:
         vals = await self._call("a read", "read", lambda: self._client.mget(keys))
         return [int(v) if v is not None else 0 for v in vals]
 
+    async def count_slots(self, keys: list[str], now_ms: int) -> list[int]:
+        """ZCOUNT of each concurrency set over leases still running."""
+        if not keys:
+            return []
+
+        async def run() -> Any:
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.zcount(k, f"({now_ms}", "+inf")
+            return await pipe.execute()
+
+        return [int(v) for v in await self._call("a read", "read", run)]
+
     async def ping(self) -> bool:
         """PING, bypassing the breaker."""
         try:

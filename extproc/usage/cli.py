@@ -50,11 +50,17 @@ def run(args: argparse.Namespace) -> int:
             "metric": b.metric,
             "model": b.model,
             "scope": b.scope,
+            "period": b.period,
             "window_s": b.window_seconds,
+            "unit": b.unit,
             "limit": b.limit,
             "used": b.used,
             "remaining": b.remaining,
+            "limit_display": b.limit_display or str(b.limit),
+            "used_display": b.used_display or str(b.used),
             "reset_s": round(b.reset_seconds, 1),
+            "shadow": b.shadow,
+            "sliding": b.sliding,
         }
         for b in resp.buckets
     ]
@@ -72,11 +78,15 @@ def run(args: argparse.Namespace) -> int:
         + (f"  key {resp.key_name}" if resp.key_name else "")
     )
     print(
-        f"{'metric':6} {'model':14} {'scope':6} {'window':>7} {'used':>9} {'limit':>9} {'remaining':>9} {'resets in':>9}"
+        f"{'metric':11} {'model':14} {'scope':6} {'per':>8} {'unit':>8} {'used':>12} "
+        f"{'limit':>12} {'resets in':>10}  notes"
     )
     for r in rows:
+        notes = " ".join(n for n in ("shadow", "sliding") if r[n])
+        per = r["period"] or "-"
+        reset = f"{r['reset_s']}s" if r["period"] else "-"
         print(
-            f"{r['metric']:6} {r['model']:14} {r['scope']:6} {r['window_s']:>6}s {r['used']:>9} "
-            f"{r['limit']:>9} {r['remaining']:>9} {r['reset_s']:>8}s"
+            f"{r['metric']:11} {r['model']:14} {r['scope']:6} {per:>8} {r['unit']:>8} "
+            f"{r['used_display']:>12} {r['limit_display']:>12} {reset:>10}  {notes}"
         )
     return 0

@@ -8,7 +8,8 @@ import grpc
 
 from extproc._gen.aiquota.v1 import usage_pb2, usage_pb2_grpc
 from extproc.config.load import key_digest
-from extproc.core.keys import windowed
+from extproc.core.admission import format_amount
+from extproc.core.keys import SLIDING_SCALE, WindowedBucket, windowed
 from extproc.errors import LimiterUnavailable
 from extproc.server.gateway import Gateway
 
@@ -46,24 +47,52 @@ class UsageServicer(usage_pb2_grpc.UsageServicer):
         now = self.gw.clock.now_ms()
         buckets = windowed(self.gw.key_prefix, tenant.id, key_name, limits, now)
         try:
-            values = await self.gw.limiter.read([b.key for b in buckets])
+            values = await self._values(buckets, now)
         except LimiterUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, exc.message)
         resp = usage_pb2.GetUsageResponse(tenant=tenant.id, plan=tenant.plan, key_name=key_name)
         for b, v in zip(buckets, values, strict=True):
+            lim = b.limit
+            money = lim.metric == "cost" and lim.unit != "weighted"
             resp.buckets.append(
                 usage_pb2.Bucket(
                     metric=b.metric,
-                    model=b.limit.model,
-                    scope=b.limit.scope,
-                    window_seconds=b.limit.window_s,
-                    limit=b.limit.limit,
+                    model=lim.model,
+                    scope=lim.scope,
+                    window_seconds=lim.window_s,
+                    limit=lim.limit,
                     used=v,
-                    remaining=max(0, b.limit.limit - v),
-                    reset_seconds=b.reset_s(now),
+                    remaining=max(0, lim.limit - v),
+                    reset_seconds=b.reset_s(now) if lim.metric != "concurrency" else 0.0,
+                    period=lim.period_name if lim.metric != "concurrency" else "",
+                    unit=_UNITS.get(lim.metric, lim.unit),
+                    limit_display=format_amount(lim, lim.limit) if money else str(lim.limit),
+                    used_display=format_amount(lim, v) if money else str(v),
+                    shadow=lim.shadow,
+                    sliding=lim.sliding,
                 )
             )
         return resp
+
+    async def _values(self, buckets: list[WindowedBucket], now_ms: int) -> list[int]:
+        """What each bucket holds now: counters (a sliding one with its previous window's
+        share) and the live slots of concurrency limits."""
+        counters = [b for b in buckets if b.kind != "concurrency"]
+        keys = [b.key for b in counters] + [b.prev_key for b in counters if b.prev_key]
+        read = dict(zip(keys, await self.gw.limiter.read(keys), strict=True))
+        slots = [b.key for b in buckets if b.kind == "concurrency"]
+        live = dict(zip(slots, await self.gw.limiter.count_slots(slots, now_ms), strict=True))
+        out: list[int] = []
+        for b in buckets:
+            if b.kind == "concurrency":
+                out.append(live[b.key])
+                continue
+            prev = read[b.prev_key] * b.prev_weight // SLIDING_SCALE if b.prev_key else 0
+            out.append(read[b.key] + prev)
+        return out
+
+
+_UNITS = {"rpm": "requests", "tpm": "tokens", "concurrency": "requests"}
 
 
 def add_usage_service(server: Any, gateway: Gateway) -> None:

@@ -4,6 +4,8 @@ budget across a month boundary (the processor's clock shifted, not slept through
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import orjson
 import pytest
 import redis
 
@@ -269,3 +272,35 @@ def test_fallback_model_instead_of_429(bstack: Stack, rds: redis.Redis) -> None:
     # a request that fits sim-small's own limit is served by sim-small
     ok = c.chat.completions.with_raw_response.create(model="sim-small", messages=MSG, max_tokens=5)
     assert "x-aiquota-fallback-model" not in ok.headers and ok.parse().model == "sim-small"
+
+
+def test_usage_shows_budgets_periods_and_slots(bstack: Stack, rds: redis.Redis) -> None:
+    """``ai-quota usage`` lists the month budget in dollars and the concurrency limit."""
+
+    def usage(key: str) -> dict[str, Any]:
+        address = f"127.0.0.1:{bstack.extproc_ports[0]}"
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "extproc",
+                "usage",
+                "--key",
+                key,
+                "--json",
+                "--address",
+                address,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        return dict(orjson.loads(out.stdout))
+
+    settled(rds, "b-month")
+    [money] = usage("sk-b-month")["buckets"]
+    assert (money["metric"], money["period"], money["unit"]) == ("cost", "month", "USD")
+    assert money["limit_display"] == "0.20" and money["used"] == spent(rds, "b-month")
+    conc = next(b for b in usage("sk-b-conc")["buckets"] if b["metric"] == "concurrency")
+    assert conc["limit"] == 2 and conc["period"] == "" and conc["used"] == 0
