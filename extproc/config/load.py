@@ -304,6 +304,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
             max_input_tokens=m.max_input_tokens,
             delta_count=delta_counter(counter.count),
             prices=_prices(m.pricing),
+            currency=m.pricing.currency if m.pricing else "",
         )
     assert fallback_counter is not None
     unknown = Model(
@@ -315,6 +316,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         max_input_tokens=None,
         known=False,
         prices=_prices(cfg.unknown_models.pricing),
+        currency=cfg.unknown_models.pricing.currency if cfg.unknown_models.pricing else "",
     )
 
     plans: dict[str, Plan] = {}

@@ -29,6 +29,7 @@ class Model:
     delta_count: Callable[[str], int] | None = None
     # prices as rates (micro-units of the currency per million tokens); None: not priced
     prices: Rates | None = None
+    currency: str = ""
 
     def stream_counter(self) -> Callable[[str], int]:
         """The per-delta counter for streams (memoised), or the plain one."""

@@ -28,6 +28,7 @@ FIELDS: tuple[str, ...] = (
     "output_tokens",
     "reasoning_tokens",
     "cost",
+    "currency",
     "ending",
     "status",
     "admitted_at_ms",
@@ -52,7 +53,8 @@ class RecordFormatError(ValueError):
 class UsageRecord:
     """What one finished request used.
 
-    ``record_id`` identifies the record itself (the recorder fills it in when empty): unlike
+    ``cost`` is in ``currency`` at the model's prices for what was settled (cached input and
+    reasoning at theirs), exact to a micro-unit.  ``record_id`` identifies the record itself (the recorder fills it in when empty): unlike
     ``request_id`` (Envoy's ``x-request-id``, which a client may choose and repeat) it is unique,
     so it is the key to deduplicate on downstream.  ``key`` is the API key's *name*, never the
     secret.  ``cached_input_tokens`` are part of ``input_tokens`` and ``reasoning_tokens`` part of
@@ -75,6 +77,7 @@ class UsageRecord:
     cost: Decimal | None = None
     status: int | None = None
     record_id: str = ""
+    currency: str = ""  # of ``cost`` (an ISO 4217 code); empty while unpriced
 
     def to_fields(self) -> dict[str, str]:
         """The flat string fields of the stream entry (None is written as an empty string)."""
@@ -102,6 +105,7 @@ class UsageRecord:
                 ending=f.get("ending", ""),
                 status=int(status) if status else None,
                 cost=Decimal(cost) if cost else None,
+                currency=f.get("currency", ""),
                 **ints,
             )
         except (KeyError, ValueError, InvalidOperation) as exc:

@@ -15,6 +15,7 @@ What "generated" means per ending (docs/semantics.md):
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 
 import structlog
 
@@ -171,6 +172,11 @@ def _record(
     charged = total if total is not None else ctx.account.total
     inp = min(input_tokens(ctx), max(0, charged))  # 0 for a non-2xx: nothing charged
     out = output if output is not None else max(0, charged - inp)
+    prices = ctx.model.prices if ctx.model else None
+    cost: Decimal | None = None
+    if prices is not None and ctx.model is not None and ctx.model.currency:
+        micros = prices.units(final_usage(ctx, inp + out if charged > 0 else 0, out))
+        cost = Decimal(micros).scaleb(-6)
     gw.recorder.record(
         UsageRecord(
             request_id=ctx.request_id,
@@ -182,6 +188,8 @@ def _record(
             output_tokens=out,
             cached_input_tokens=ctx.usage_cached_input,
             reasoning_tokens=ctx.usage_reasoning,
+            cost=cost,
+            currency=ctx.model.currency if cost is not None and ctx.model else "",
             ending=ending.value,
             status=ctx.status,
             admitted_at_ms=ctx.admitted_at_ms,

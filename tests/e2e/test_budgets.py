@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import orjson
 import pytest
 import redis
 
+from extproc.records.model import UsageRecord
 from extproc.stack import Stack
 from tests.e2e.conftest import make_stack
 from tests.e2e.test_streaming import MSG, PROMPT
@@ -149,12 +151,25 @@ def test_settlement_prices_the_real_usage(bstack: Stack, rds: redis.Redis) -> No
     """A non-stream reserves max_tokens at the output price and settles to what was made."""
     c = oai(bstack, "sk-b-month")
     comp = c.chat.completions.create(
-        model="sim-small", messages=MSG, max_tokens=50, extra_headers={"x-sim-tokens": "20"}
+        model="sim-small",
+        messages=MSG,
+        max_tokens=50,
+        extra_headers={"x-sim-tokens": "20", "x-request-id": "priced-1"},
     )
     assert comp.usage is not None
     settled(rds, "b-month")
     # input is the gateway's own count (the model's tokenizer and chat overhead)
     assert spent(rds, "b-month") == PROMPT * 1_000 + 20 * 2_000
+    # the usage record carries the same cost, in dollars
+    deadline = time.monotonic() + 10  # the recorder writes in the background, in batches
+    mine: list[UsageRecord] = []
+    while not mine and time.monotonic() < deadline:
+        recs = [UsageRecord.from_fields(f) for _, f in rds.xrange("aiq:usage")]
+        mine = [r for r in recs if r.request_id == "priced-1"]
+        time.sleep(0.05)
+    [rec] = mine
+    assert rec.currency == "USD"
+    assert rec.cost == Decimal(PROMPT * 1_000 + 20 * 2_000).scaleb(-6)
 
 
 def test_concurrency_limit_refuses_a_third_stream_and_frees_slots(
