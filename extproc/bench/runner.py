@@ -471,8 +471,14 @@ async def _wait_window(b: Bench, seconds: float = 45.0) -> None:
         await asyncio.sleep(left + 1)
 
 
+#: Micro-dollars per input and output token in the bench rules' price table ($1 and $4 per
+#: million); a budget tenant's limit is worth ``acc_limit`` output tokens.
+PRICE_IN, PRICE_OUT = 1, 4
+
+
 async def accuracy(b: Bench, stack: Stack) -> None:
-    """Many concurrent streams of one tenant until its TPM budget runs out, lazy and strict."""
+    """Many concurrent streams of one tenant until its quota runs out: a TPM limit and a money
+    budget, each lazy and strict (judged on what reached clients, in the limit's own units)."""
     from extproc.config import load_config
     from extproc.core.tokens import count_chat_request
 
@@ -484,12 +490,16 @@ async def accuracy(b: Bench, stack: Stack) -> None:
     raw: dict[str, Any] = {}
     stops: list[float] = []
     gaps: list[float] = []
-    for mode in ("lazy", "strict"):
+    for mode in ("lazy", "strict", "budget-lazy", "budget-strict"):
+        money = mode.startswith("budget")
+        # in the limit's units: tokens, or micro-dollars at the bench's prices
+        p_in, p_out = (PRICE_IN, PRICE_OUT) if money else (1, 1)
+        limit = b.plan.acc_limit * (PRICE_OUT if money else 1)
         await _wait_window(b)
         window = int(time.time() // 3600)
         b.log(
             f"accuracy ({mode}): {conc} streams through 2 Envoys x 2 processors, "
-            f"limit {limit} tokens per window"
+            f"limit {limit} {'micro-dollars' if money else 'tokens'} per window"
         )
         results: list[tuple[Result, int]] = []
         started = time.monotonic()
@@ -544,9 +554,9 @@ async def accuracy(b: Bench, stack: Stack) -> None:
             if r.client_request_id in recs
         )
         same_window = int(time.time() // 3600) == window
-        used_client = prompt_total + delivered
-        used_upstream = prompt_total + upstream
-        bound = 0 if mode == "strict" else b.plan.every * conc
+        used_client = prompt_total * p_in + delivered * p_out
+        used_upstream = prompt_total * p_in + upstream * p_out
+        bound = 0 if mode.endswith("strict") else b.plan.every * conc * p_out
         over_client = used_client - limit
         over_upstream = used_upstream - limit
         cut = [r for r, _ in admitted if r.cut]
@@ -580,13 +590,14 @@ async def accuracy(b: Bench, stack: Stack) -> None:
         # Both modes are judged on what reached clients (what the counters charge); the
         # upstream figure also counts tokens generated after the cut and never delivered.
         over = over_client
+        unit = "µUSD" if money else "tokens"
         row = b.table.add(
             Row(
                 "5 accuracy",
                 f"{mode}: overshoot ({conc} streams, N={b.plan.every})",
-                "tokens",
+                unit,
                 float(over),
-                goal=Target("value", "<=", bound, "tokens"),
+                goal=Target("value", "<=", bound, unit),
                 note=f"upstream {over_upstream:+d}, client {over_client:+d}",
             )
         )
@@ -597,9 +608,10 @@ async def accuracy(b: Bench, stack: Stack) -> None:
                 f"{mode}: utilisation (delivered+prompt)/limit",
                 "%",
                 100.0 * used_client / limit,
-                goal=Target("value", ">=", 95, "%") if mode == "strict" else None,
+                goal=Target("value", ">=", 95, "%") if mode.endswith("strict") else None,
             )
         )
+    raw["window_boundary"] = await window_boundary(b, stack)
     b.raw["accuracy"] = raw
     b.raw["stop_latency"] = {"cut_to_disconnect_ms": stops, "last_token_to_disconnect_ms": gaps}
     for name, xs in (
@@ -616,6 +628,50 @@ async def accuracy(b: Bench, stack: Stack) -> None:
                     goal=Target("value", "<", 50, "ms"),
                 )
             )
+
+
+async def window_boundary(b: Bench, stack: Stack) -> dict[str, Any]:
+    """Requests admitted in the worst one-second span across a window boundary, fixed versus
+    sliding windows (limit ``BOUNDARY_RPS`` per second), with demand far above the limit in
+    the half second on each side of the boundary."""
+    limit = system.BOUNDARY_RPS
+    out: dict[str, Any] = {}
+    shape = Shape(prompt_tokens=10, max_tokens=1)
+    for kind in ("fixed", "sliding"):
+        # start 0.5 s before a whole second (window boundary), send for one second
+        await asyncio.sleep(1.5 - time.time() % 1.0)
+        end = time.time() + 1.0
+        admitted: list[float] = []
+        async with aiohttp.ClientSession(connector=connector(16)) as session:
+
+            async def worker(
+                i: int, kind: str = kind, admitted: list[float] = admitted, end: float = end
+            ) -> None:
+                url = f"http://127.0.0.1:{stack.envoy_ports[i % 2]}/v1"
+                while time.time() < end:
+                    sent = time.time()
+                    r = await send(session, url, f"sk-{kind}", shape, limit_s=5)
+                    if r.status == 200:
+                        admitted.append(sent)
+
+            await asyncio.gather(*(worker(i) for i in range(16)))
+        admitted.sort()
+        worst = max(
+            (sum(1 for t in admitted[i:] if t - start < 1.0) for i, start in enumerate(admitted)),
+            default=0,
+        )
+        out[kind] = {"admitted": len(admitted), "worst_1s": worst, "limit": limit}
+        b.table.add(
+            Row(
+                "5 accuracy",
+                f"{kind} window: most admitted in any 1 s across a boundary (limit {limit}/s)",
+                "x limit",
+                worst / limit,
+                goal=Target("value", "<=", 1.6) if kind == "sliding" else None,
+                note=f"{worst} of {len(admitted)} admitted",
+            )
+        )
+    return out
 
 
 # -- 7. workers and event loops ------------------------------------------------------------

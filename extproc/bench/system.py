@@ -125,11 +125,18 @@ def consecutive_free(n: int) -> int:
     raise RuntimeError("no run of free ports found")
 
 
+#: Requests per second the window-boundary measurement allows (fixed and sliding windows).
+BOUNDARY_RPS = 100
+
+
 def bench_rules(every: int = 64, tpm_limit: int = 20_000) -> dict[str, Any]:
     """Rules for the benchmarks, shaped like the end-to-end suite's: hourly windows,
     plaintext test keys, one generous tenant and a lazy and a strict tenant with ``tpm_limit``."""
     hour = "hour"
     limited = [{"model": "*", "per": hour, "rpm": 1_000_000, "tpm": tpm_limit}]
+    # a money budget worth tpm_limit output tokens: $1 per million input, $4 per million output
+    budget = [{"model": "*", "per": hour, "rpm": 1_000_000, "budget": tpm_limit * 4 / 1e6}]
+    boundary = [{"model": "*", "per": "second", "rpm": BOUNDARY_RPS}]
     return {
         "version": 1,
         "charging": {
@@ -142,6 +149,7 @@ def bench_rules(every: int = 64, tpm_limit: int = 20_000) -> dict[str, Any]:
                 "aliases": ["sim"],
                 "tokenizer": {"kind": "tiktoken", "encoding": "cl100k_base"},
                 "max_output_tokens": 4096,
+                "pricing": {"currency": "USD", "input": 1, "output": 4},
             }
         },
         "plans": {
@@ -150,11 +158,16 @@ def bench_rules(every: int = 64, tpm_limit: int = 20_000) -> dict[str, Any]:
             },
             "lazy": {"limits": limited},
             "strict": {"limits": limited, "charging": {"streaming": "strict"}},
+            "budget-lazy": {"limits": budget},
+            "budget-strict": {"limits": budget, "charging": {"streaming": "strict"}},
+            "fixed": {"limits": boundary},
+            "sliding": {"limits": [{**boundary[0], "window": "sliding"}]},
         },
         "tenants": {
-            f"t-{name}": {"plan": plan, "keys": [{"name": name, "plaintext": f"sk-{name}"}]}
-            for name, plan in (("bench", "big"), ("lazy", "lazy"), ("strict", "strict"))
-        },
+            f"t-{name}": {"plan": name, "keys": [{"name": name, "plaintext": f"sk-{name}"}]}
+            for name in ("lazy", "strict", "budget-lazy", "budget-strict", "fixed", "sliding")
+        }
+        | {"t-bench": {"plan": "big", "keys": [{"name": "bench", "plaintext": "sk-bench"}]}},
     }
 
 
