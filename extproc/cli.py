@@ -238,7 +238,8 @@ ai-quota is up.
   logs               : {workdir}/*.log (Envoy's access log: envoy0.log)
   addresses          : {stack.state_file}
 
-Try it (demo keys: sk-demo-standard, sk-demo-tight = 5 RPM / 2,000 TPM, sk-demo-strict):
+Try it (demo keys: sk-demo-standard, sk-demo-tight = 5 RPM / 2,000 TPM, sk-demo-strict,
+sk-demo-budget = $0.02 a month, 2 at once):
   curl -s {base}/chat/completions -H 'Authorization: Bearer sk-demo-tight' \\
     -H 'content-type: application/json' \\
     -d '{{"model":"sim-small","messages":[{{"role":"user","content":"hi"}}],"max_tokens":20}}' -i

@@ -38,7 +38,7 @@ def test_check_config_accepts_the_demo_rules() -> None:
     """The shipped demo rules are valid."""
     p = run("check-config", "config/demo.yaml")
     assert p.returncode == 0
-    assert "OK" in p.stdout and "3 tenants" in p.stdout
+    assert "OK" in p.stdout and "4 tenants" in p.stdout
 
 
 def test_check_config_names_file_and_path_of_each_error(tmp_path: Path) -> None:

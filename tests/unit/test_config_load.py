@@ -65,13 +65,17 @@ def demo() -> RuntimeConfig:
     return load_config(DEMO)
 
 
-def test_demo_loads_three_tenants(demo: RuntimeConfig) -> None:
-    """The demo config has its three tenants on their plans."""
+def test_demo_loads_its_tenants(demo: RuntimeConfig) -> None:
+    """The demo config has its four tenants on their plans; the budget plan is priced."""
     assert {t: demo.tenants[t].plan for t in demo.tenants} == {
         "demo-standard": "standard",
         "demo-tight": "tight",
         "demo-strict": "tight-strict",
+        "demo-budget": "budget",
     }
+    metrics = {lim.metric for lim in demo.tenants["demo-budget"].limits}
+    assert metrics == {"rpm", "cost", "concurrency", "tpm"}
+    assert demo.models["sim-small"].prices is not None
     assert demo.source == str(DEMO)
     assert demo.plaintext_keys == 0
 
@@ -92,7 +96,7 @@ def test_demo_keys_by_digest(demo: RuntimeConfig) -> None:
     key = demo.keys_by_digest[key_digest("sk-demo-tight")]
     assert key == ApiKey(name="demo-tight-1", tenant="demo-tight")
     assert key_digest("sk-demo-tight") == hashlib.sha256(b"sk-demo-tight").hexdigest()
-    assert len(demo.keys_by_digest) == 3
+    assert len(demo.keys_by_digest) == 4
 
 
 def test_demo_limits_and_policies(demo: RuntimeConfig) -> None:
