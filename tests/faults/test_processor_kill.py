@@ -27,7 +27,10 @@ MSG = [{"role": "user", "content": "Tell me a long story."}]
 
 @pytest.fixture(scope="module")
 def kstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    rules = e2e_rules()
+    rules = e2e_rules(
+        {"t-conc1": {"plan": "conc1", "keys": [{"name": "c1", "plaintext": "sk-conc1"}]}}
+    )
+    rules["plans"]["conc1"] = {"limits": [{"per": "hour", "rpm": 1000, "concurrency": 1}]}
     rules["failure"] = {"reservation_lease_seconds": LEASE_S}
     s = make_stack(Path(tmp_path_factory.mktemp("kill")), rules=rules)
     yield s
@@ -76,3 +79,48 @@ async def test_sigkill_leaks_reservations_only_for_the_lease(kstack: Stack) -> N
     # four inputs stay charged, their reserved output is back; plus the new request
     new_request = used - 4 * input_each
     assert 0 < new_request <= input_each + 5
+
+
+async def test_sigkill_frees_a_concurrency_slot_after_the_lease(kstack: Stack) -> None:
+    """A stream holding the tenant's only slot dies with its processor: the slot is refused to
+    others while the lease runs, and comes back on its own after it, with no settlement."""
+    rds = redis.Redis(port=kstack.ports.redis)
+    slots = "aiq:{t-conc1}:conc:t:*"
+
+    async def post(max_tokens: int, ttft_ms: int = 0) -> int:
+        async with httpx.AsyncClient(timeout=30) as c:
+            try:
+                r = await c.post(
+                    f"{kstack.base_url}/chat/completions",
+                    headers={"authorization": "Bearer sk-conc1", "x-sim-ttft-ms": str(ttft_ms)},
+                    content=orjson.dumps(
+                        {"model": "sim-small", "messages": MSG, "max_tokens": max_tokens}
+                    ),
+                )
+                return r.status_code
+            except httpx.HTTPError:
+                return 0
+
+    holder = asyncio.ensure_future(post(100, ttft_ms=8000))
+    deadline = time.monotonic() + 10
+    while rds.zcard(slots) < 1 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert rds.zcard(slots) == 1
+    assert await post(5) == 429  # the only slot is taken
+    kstack.signal("extproc0", signal.SIGKILL)
+    kstack.proc("extproc0").popen.wait(10)
+    assert await holder != 200
+    assert rds.zcard(slots) == 1  # nobody settled it: the dead request still holds the slot
+    kstack.restart("extproc0")
+    kstack.wait_extprocs_healthy()
+    killed_at = time.monotonic()
+    statuses: list[int] = []
+    while True:
+        status = await post(5)
+        statuses.append(status)
+        if status == 200:
+            break
+        assert status in (429, 503)  # refused while the lease runs (503: Envoy reconnecting)
+        assert time.monotonic() - killed_at < LEASE_S + 5, "the dead slot never came back"
+        await asyncio.sleep(0.25)
+    assert rds.zcard(slots) == 0  # the new request settled and freed its slot too
