@@ -45,6 +45,7 @@ def budget_rules(**top: Any) -> dict[str, Any]:
             "b-shadow": {"plan": "shadow", "keys": [{"name": "bsh", "plaintext": "sk-b-shadow"}]},
             "b-month": {"plan": "month", "keys": [{"name": "bm", "plaintext": "sk-b-month"}]},
             "b-fb": {"plan": "fallback", "keys": [{"name": "bf", "plaintext": "sk-b-fb"}]},
+            "b-cc": {"plan": "conccut", "keys": [{"name": "bcc", "plaintext": "sk-b-cc"}]},
         },
         **top,
     )
@@ -65,6 +66,12 @@ def budget_rules(**top: Any) -> dict[str, Any]:
                 ]
             },
             "month": {"limits": [{"per": "month", "budget": 0.2}]},
+            "conccut": {
+                "limits": [
+                    {"per": HOUR, "rpm": 1000, "concurrency": 1},
+                    {"model": "sim-small", "per": HOUR, "tpm": 300},
+                ]
+            },
             "fallback": {
                 "limits": [
                     {"per": HOUR, "rpm": 1000, "tpm": 1_000_000},
@@ -319,3 +326,14 @@ def test_usage_shows_budgets_periods_and_slots(bstack: Stack, rds: redis.Redis) 
     assert money["limit_display"] == "0.20" and money["used"] == spent(rds, "b-month")
     conc = next(b for b in usage("sk-b-conc")["buckets"] if b["metric"] == "concurrency")
     assert conc["limit"] == 2 and conc["period"] == "" and conc["used"] == 0
+
+
+def test_a_cut_stream_frees_its_concurrency_slot(bstack: Stack, rds: redis.Redis) -> None:
+    """A stream cut by its TPM limit settles, and settlement frees the tenant's only slot."""
+    c = oai(bstack, "sk-b-cc")
+    got, err = stream(c, max_tokens=1000)
+    assert isinstance(err, openai.APIError) and got < 1000
+    settled(rds, "b-cc")
+    assert rds.zcard("aiq:{b-cc}:conc:t:*") == 0
+    ok = c.chat.completions.create(model="sim-tiny", messages=MSG, max_tokens=5)
+    assert ok.usage is not None
