@@ -21,6 +21,11 @@ import grpc
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+#: The gRPC service name Envoy's health check asks about (the real processor's too).
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 _Mode = processing_mode_pb2.ProcessingMode
 _DUPLEX = _Mode(response_body_mode=_Mode.FULL_DUPLEX_STREAMED, response_trailer_mode=_Mode.SEND)
@@ -76,6 +81,11 @@ async def serve(address: str) -> int:
     """Serve until SIGINT/SIGTERM."""
     server = grpc.aio.server()
     pb_grpc.add_ExternalProcessorServicer_to_server(FloorServicer(), server)
+    # Envoy health-checks the ext_proc cluster (grpc.health.v1), as for the real processor.
+    health = health_aio.HealthServicer()
+    for name in ("", EXT_PROC_SERVICE):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
     if server.add_insecure_port(address) == 0:
         raise OSError(f"cannot listen on {address}")
     await server.start()
