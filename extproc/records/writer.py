@@ -41,6 +41,10 @@ log = structlog.get_logger("extproc")
 DEFAULT_MAXLEN = 1_000_000
 DEFAULT_MAX_KEPT = 100_000
 DEFAULT_BATCH = 256
+#: How long the writer waits after the first queued record for others to share its write
+#: (records reach Redis at most this much later; a flush on shutdown does not wait).
+DEFAULT_LINGER_S = 0.05
+
 #: How long a record's marker stays: a batch retried within this long is never written twice.
 DEFAULT_MARKER_TTL_S = 900
 BACKOFF_MIN_S = 0.2
@@ -135,6 +139,7 @@ class UsageRecorder:
         batch_size: int = DEFAULT_BATCH,
         timeout_s: float = 1.0,
         marker_ttl_s: int = DEFAULT_MARKER_TTL_S,
+        linger_s: float = DEFAULT_LINGER_S,
     ) -> None:
         if not stream:
             raise ValueError("the usage stream key is empty")
@@ -146,6 +151,7 @@ class UsageRecorder:
         self.batch_size = batch_size
         self.timeout_s = timeout_s
         self.marker_ttl_ms = marker_ttl_s * 1000
+        self.linger_s = linger_s
         self.dropped = 0
         self.written = 0
         self._markers = marker_prefix(stream)
@@ -192,6 +198,9 @@ class UsageRecorder:
             if not self._queue:
                 self._wake.clear()
                 await self._wake.wait()
+                if self.linger_s > 0 and len(self._queue) < self.batch_size:
+                    # let a batch gather: one script call for many records, not one each
+                    await asyncio.sleep(self.linger_s)
                 continue
             if await self._write_batch():
                 delay = BACKOFF_MIN_S
