@@ -79,6 +79,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     )
     if cfg.plaintext_keys:
         print(f"{args.file}: warning: {cfg.plaintext_keys} plaintext key(s): for local demos only")
+    print(
+        f"{args.file}: every rule here, failure settings included, applies on SIGHUP without a "
+        "restart; process settings (AIQ_* variables, serve flags) need one"
+    )
     return 0
 
 

@@ -50,6 +50,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="directory for bench-<timestamp>.json (default bench-results)",
     )
     parser.add_argument(
+        "--long",
+        action="store_true",
+        help="soak for ten minutes instead of one (--quick: 20 s)",
+    )
+    parser.add_argument(
         "--render-docs",
         metavar="RESULTS_JSON",
         help="run nothing: rewrite the generated table of docs/performance.md from this JSON",
@@ -99,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     plan = BenchPlan.quick() if args.quick else BenchPlan()
     if args.rounds:
         plan = BenchPlan(**{**plan.__dict__, "rounds": args.rounds})
+    if args.long:
+        plan = BenchPlan(**{**plan.__dict__, "soak_seconds": 600.0})
     sections = frozenset(args.only or SECTIONS) - frozenset(args.skip or ())
     workdir = runner.new_workdir()
     bench = Bench(plan=plan, workdir=workdir, sections=sections)

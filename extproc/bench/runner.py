@@ -62,6 +62,7 @@ class BenchPlan:
     worker_seconds: float = 2.5
     worker_concurrency: int = 32
     profile_seconds: float = 5.0
+    soak_seconds: float = 60.0
 
     @classmethod
     def quick(cls) -> BenchPlan:
@@ -77,6 +78,7 @@ class BenchPlan:
             worker_rounds=2,
             worker_seconds=1.5,
             profile_seconds=3.0,
+            soak_seconds=20.0,
         )
 
 
@@ -888,6 +890,7 @@ SECTIONS = (
     "workers",
     "profile",
     "rolling",
+    "soak",
 )
 
 
@@ -991,6 +994,21 @@ async def run(b: Bench) -> None:
             )
             await bench_section(b, roll, KEY)
             roll.stop()
+        if "soak" in want:
+            from extproc.bench import soak
+
+            b.log("starting the soak stack (1 Envoy x 1 processor)")
+            st = started(
+                await asyncio.to_thread(
+                    system.start_stack,
+                    b.workdir / "soak",
+                    rules,
+                    # ground truth for every request (about 350 a second on two cores)
+                    sim_max_records=int(b.plan.soak_seconds * 600) + 10_000,
+                )
+            )
+            await soak.bench_section(b, st, b.plan.soak_seconds)
+            st.stop()
     finally:
         for s in reversed(stacks):
             with contextlib.suppress(Exception):

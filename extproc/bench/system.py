@@ -167,7 +167,10 @@ def bench_rules(every: int = 64, tpm_limit: int = 20_000) -> dict[str, Any]:
             f"t-{name}": {"plan": name, "keys": [{"name": name, "plaintext": f"sk-{name}"}]}
             for name in ("lazy", "strict", "budget-lazy", "budget-strict", "fixed", "sliding")
         }
-        | {"t-bench": {"plan": "big", "keys": [{"name": "bench", "plaintext": "sk-bench"}]}},
+        | {
+            f"t-{name}": {"plan": "big", "keys": [{"name": name, "plaintext": f"sk-{name}"}]}
+            for name in ("bench", "soak")
+        },
     }
 
 
@@ -181,6 +184,7 @@ def start_stack(
     extproc_argv: Sequence[str] = (),
     env: dict[str, str] | None = None,
     redis_url: str | None = None,
+    sim_max_records: int = 20_000,
 ) -> Stack:
     """Start Redis (unless ``redis_url``), the simulator, processors and Envoys on free ports."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -206,7 +210,7 @@ def start_stack(
             "--itl-ms",
             "0",
             "--max-records",
-            "20000",
+            str(sim_max_records),
             "--max-tokens-cap",
             "8192",
             "--log-level",
