@@ -194,8 +194,10 @@ class StreamMeter:
             ):
                 self._new_charge = self.uncharged
             charge, self._new_charge = self._new_charge, 0
-            if charge and self.upstream_done:
-                # The stream is over: settlement charges the remainder in one call.
+            if charge and self.upstream_done and not blocked:
+                # The stream is over: settlement charges the remainder in one call.  (Not
+                # when events are held: those wait for this charge, or they would pass the
+                # 2N cap uncharged.)
                 self._charge_in_flight = charge = 0
         if charge:
             self._charge_in_flight = charge

@@ -140,6 +140,27 @@ def test_lazy_no_charge_at_end_of_stream() -> None:
     assert m.uncharged == 4
 
 
+def test_lazy_final_chunk_past_the_cap_is_charged_before_it_passes() -> None:
+    """A last chunk (with [DONE]) carrying more than 2N uncharged tokens: the events past the
+    cap wait for a charge, which is asked for (found by the soak: the meter returned 'blocked'
+    with no charge in flight and the driver had to stop enforcing)."""
+    m = lazy(every=2)
+    step = m.feed(ev("a b") + ev("c d") + ev("e f") + DONE, end=True)
+    assert step.blocked and step.charge == 2 and m.charge_in_flight
+    assert step.forward == ev("a b") + ev("c d") and not step.end_stream
+    done = m.on_charge(2, exhausted=False)
+    assert done.forward == ev("e f") + DONE and done.end_stream
+    assert m.delivered == 6 and m.finished
+
+
+def test_lazy_final_chunk_past_the_cap_is_cut_when_exhausted() -> None:
+    """The same chunk when that charge exhausts the quota: the held events never pass."""
+    m = lazy(every=2)
+    m.feed(ev("a b") + ev("c d") + ev("e f") + DONE, end=True)
+    step = m.on_charge(2, exhausted=True)
+    assert step.cut_reason == CutReason.QUOTA_EXHAUSTED and m.delivered == 4
+
+
 def test_lazy_feed_after_finish_is_empty() -> None:
     """Once finished, feeds do nothing."""
     m = lazy()
@@ -464,3 +485,44 @@ def test_lazy_batches_shrink_when_the_quota_is_nearly_used() -> None:
     m.on_charge(8, exhausted=False, room=20)
     assert m.batch == 2
     assert m.feed(ev("a b"), end=False).charge == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 6), min_size=1, max_size=30),
+    cuts=st.lists(st.integers(0, 400), max_size=8),
+    every=st.integers(1, 8),
+    answer_late=st.booleans(),
+)
+def test_lazy_never_blocks_without_a_charge_and_keeps_the_cap(
+    sizes: list[int], cuts: list[int], every: int, answer_late: bool
+) -> None:
+    """Any events, any chunking, the last chunk ending the stream: whenever the meter holds
+    events a charge is in flight, at most 2N tokens pass uncharged, and everything arrives."""
+    body = b"".join(ev(" ".join("w" for _ in range(n))) for n in sizes) + DONE
+    points = sorted({min(c, len(body)) for c in cuts} | {len(body)})
+    m = lazy(every=every)
+    delivered = 0
+    pending: list[int] = []
+
+    def apply(step: Step) -> None:
+        nonlocal delivered
+        while True:
+            delivered += step.forward.count(b"data: {")
+            assert m.uncharged <= 2 * every or not m.enforce
+            if step.charge:
+                pending.append(step.charge)
+            if not step.blocked:
+                return
+            assert m.charge_in_flight and pending, "held events with no charge in flight"
+            step = m.on_charge(pending.pop(), exhausted=False)
+
+    start = 0
+    for p in points:
+        apply(m.feed(body[start:p], end=p == len(body)))
+        if not answer_late and pending and m.charge_in_flight:
+            apply(m.on_charge(pending.pop(), exhausted=False))
+        start = p
+    while pending and m.charge_in_flight:
+        apply(m.on_charge(pending.pop(), exhausted=False))
+    assert delivered == len(sizes) and m.finished
