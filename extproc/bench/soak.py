@@ -120,7 +120,15 @@ async def soak(stack: Stack, seconds: float, rid: Any) -> dict[str, Any]:
     ok = [cid for cid, status in outcomes if status == 200]
     truth = sum(prompts[c] + recs[c].tokens_sent for c in ok if c in recs)
     warm = [s for s in samples if s["t"] >= seconds / 5]
+    errors: dict[str, int] = {}
+    for p in stack.procs:
+        if p.name.startswith("extproc") and p.log_path and p.log_path.exists():
+            for line in p.log_path.read_text(errors="replace").splitlines():
+                if '"level":"error"' in line:
+                    ev = orjson.loads(line).get("event", "?") if line.startswith("{") else "?"
+                    errors[ev] = errors.get(ev, 0) + 1
     return {
+        "error_log_lines": errors,
         "seconds": seconds,
         "requests": len(outcomes),
         "failed": sum(1 for _, s in outcomes if s != 200),
@@ -177,12 +185,24 @@ async def bench_section(bench: Any, stack: Stack, seconds: float) -> None:
             f"records missing {res['missing_records']}",
         )
     )
+    errs = res["error_log_lines"]
+    bench.table.add(
+        Row(
+            section,
+            "error log lines of the processor",
+            "lines",
+            float(sum(errs.values())),
+            goal=Target("value", "<=", 0, "lines"),
+            note=", ".join(f"{k} x{v}" for k, v in errs.items()) or "none",
+        )
+    )
     bench.table.add(
         Row(
             section,
             "Redis keys per finished request",
             "keys",
             res["keys_end"] / n,
-            note="ledgers live ledger_ttl_seconds; nothing else should grow",
+            note="a ledger and a usage-record marker per request, expiring with "
+            "ledger_ttl_seconds and the marker TTL; nothing else grows",
         )
     )
