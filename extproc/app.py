@@ -49,6 +49,7 @@ from extproc.records.writer import make_recorder
 from extproc.server.gateway import Gateway
 from extproc.server.servicer import ExternalProcessorServicer
 from extproc.settings import Settings
+from extproc.tokenizers import TokenizerLoadError
 
 log = structlog.get_logger("extproc")
 
@@ -248,6 +249,8 @@ def reload_rules(running: Running, path: str) -> bool:
         cfg, version = load_rules(path)
     except Exception as exc:
         metrics.config_reloads.labels("error").inc()
+        if isinstance(exc.__cause__, TokenizerLoadError):
+            metrics.tokenizer_load_failures.inc()
         log.error("config_reload_failed", error=str(exc))
         return False
     running.gateway.config = cfg

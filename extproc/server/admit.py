@@ -219,6 +219,8 @@ async def _attempt(gw: Gateway, ctx: RequestContext, model: Model, size: int) ->
     else:
         # A duplicate can only be our own retried call (ledger ids are unique per HTTP
         # request): the first execution charged, so the request is admitted and metered.
+        if res.duplicate:
+            gw.metrics.duplicate_hits.labels("admit").inc()
         ctx.cost = cost
         ctx.admitted_at_ms = now
         ctx.account.record(ctx.buckets, admission.admission_usage(cost))

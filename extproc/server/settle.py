@@ -149,17 +149,25 @@ async def settle(
     # reclaimed as abandoned and a replay is a no-op.
     ttl = ctx.cfg.ledger_ttl_seconds * 1000
     try:
-        await gw.limiter.settle(ctx.ledger, adjustments, ledger_ttl_ms=ttl)
-        gw.metrics.settlements.labels("applied").inc()
+        if await gw.limiter.settle(ctx.ledger, adjustments, ledger_ttl_ms=ttl):
+            gw.metrics.settlements.labels("applied").inc()
+        else:  # our own retried call found it applied (it never applies twice)
+            gw.metrics.duplicate_hits.labels("settle").inc()
     except LimiterUnavailable:
         gw.metrics.limiter_errors.labels("settle").inc()
         gw.settlements.keep(Kept(ctx.ledger, adjustments, ttl, ctx.request_id))
         log.warning("settlement_deferred", request_id=ctx.request_id, delta=delta)
     gw.metrics.tokens.labels("net").inc(max(0, total))
-    if ctx.model is not None:
-        gw.metrics.model_tokens.labels(ctx.model.name, "input").inc(ctx.cost.input_tokens)
-        if output:
-            gw.metrics.model_tokens.labels(ctx.model.name, "output").inc(output)
+    if ctx.model is not None and total > 0:
+        final = final_usage(ctx, total, output)
+        for kind, n in (
+            ("input", final.input),
+            ("cached_input", final.cached_input),
+            ("output", final.output),
+            ("reasoning", final.reasoning),
+        ):
+            if n:
+                gw.metrics.model_tokens.labels(ctx.model.name, kind).inc(n)
     _log_settled(ctx, ending, total, delta, output)
 
 
