@@ -127,9 +127,11 @@ async def test_streams_ride_out_a_04s_stall(own_redis: RedisServer) -> None:
 
 async def test_400_concurrent_calls_queue_for_the_pool(own_redis: RedisServer) -> None:
     """400 concurrent admissions over a 64-connection pool through a 120 ms CLIENT PAUSE all
-    succeed: the burst waits for connections instead of overflowing the pool."""
+    succeed: the burst waits for connections instead of overflowing the pool.  (The bound is
+    1 s here, not the default 250 ms: what is tested is that nothing overflows; how long 400
+    queued calls take depends on how busy the machine running the suite is.)"""
     metrics = Metrics()
-    lim = RedisLimiter.from_url(own_redis.url, timeout_ms=250, max_connections=64, metrics=metrics)
+    lim = RedisLimiter.from_url(own_redis.url, timeout_ms=1000, max_connections=64, metrics=metrics)
     await lim.read([f"{tag()}:x"])  # one connection made before the burst
     stall = stall_in_thread(own_redis.port, ["CLIENT", "PAUSE", "120", "ALL"], 0.0)
     await asyncio.sleep(0.03)
