@@ -1,6 +1,9 @@
 """Load a rules file: parse YAML, validate strictly, compile into :class:`RuntimeConfig`.
 
-Every error names the file and the path inside it (``models.sim-small.tokenizer.encoding``).
+Every error names the file, the line and column where they can be found, and the path inside
+the document (``rules.yaml:7:5: models.sim-small.tokenizer.encoding: ...``; list items as
+``[0]``).  The YAML is read by :class:`extproc.config.source.RulesLoader`, which refuses
+duplicate keys, so ``check-config``, ``serve`` and a SIGHUP reload all read a file the same way.
 """
 
 from __future__ import annotations
@@ -8,11 +11,11 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import yaml
 from pydantic import ValidationError
 
 from extproc.config import schema
 from extproc.config.runtime import ApiKey, Model, Plan, RuntimeConfig, Tenant
+from extproc.config.source import YamlSyntaxError, locate, parse_rules, render_path, where
 from extproc.core.rules import (
     RATE_SCALE,
     WINDOW_SECONDS,
@@ -60,23 +63,27 @@ def load_config_text(
 ) -> RuntimeConfig:
     """Validate and compile a rules document given as text."""
     try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
-    if not isinstance(raw, dict):
+        doc = parse_rules(text, source)
+    except YamlSyntaxError as exc:
+        raise ConfigError(str(exc)) from exc
+    if not isinstance(doc.data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping")
     try:
-        parsed = schema.ConfigFile.model_validate(raw)
+        parsed = schema.ConfigFile.model_validate(doc.data)
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            parts = tuple(err["loc"])
+            loc = render_path(parts) or "(top level)"
             msg = err["msg"]
             if err["type"] == "extra_forbidden":
                 msg = "unknown key"
-            lines.append(f"{source}: {loc}: {msg}")
+            lines.append(f"{where(source, doc.position(parts))}: {loc}: {msg}")
         raise ConfigError("\n".join(lines)) from exc
-    return compile_config(parsed, source=source, base_dir=base_dir or Path("."))
+    try:
+        return compile_config(parsed, source=source, base_dir=base_dir or Path("."))
+    except ConfigError as exc:
+        raise ConfigError(locate(str(exc), source, doc)) from exc
 
 
 def _spec(t: schema.TokenizerModel, base_dir: Path) -> TokenizerSpec:

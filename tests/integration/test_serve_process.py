@@ -78,4 +78,4 @@ def test_serve_with_an_invalid_config_exits_1(tmp_path: Path) -> None:
         check=False,
     )
     assert p.returncode == 1
-    assert f"{bad}: models" in p.stderr
+    assert f"{bad}:1:1: models: " in p.stderr

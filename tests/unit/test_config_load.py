@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import yaml
 from extproc.config import ConfigError, load_config, load_config_text
 from extproc.config.load import key_digest
 from extproc.config.runtime import ApiKey, RuntimeConfig
+from extproc.config.source import render_path
 from extproc.core.rules import Charging, Limit
 
 pytestmark = pytest.mark.unit
@@ -150,7 +152,7 @@ def test_load_config_text_defaults_source() -> None:
 def test_unknown_key_fixture_names_source_and_path() -> None:
     """A typo'd key is rejected with the file name and the dotted path."""
     msg = fixture_error("unknown_key.yaml")
-    assert f"{DATA / 'unknown_key.yaml'}: models.sim-small.tokenizr: unknown key" in msg
+    assert f"{DATA / 'unknown_key.yaml'}:4:5: models.sim-small.tokenizr: unknown key" in msg
 
 
 def _set(path: tuple[Any, ...], value: Any) -> Any:
@@ -184,9 +186,9 @@ def _set(path: tuple[Any, ...], value: Any) -> Any:
 )
 def test_unknown_key_anywhere_rejected(path: tuple[Any, ...]) -> None:
     """An unknown key at any depth is rejected, naming source and dotted path."""
-    dotted = ".".join(str(p) for p in path)
+    dotted = render_path(path)
     msg = error_of(doc(_set(path, 1)), source="my.yaml")
-    assert f"my.yaml: {dotted}: unknown key" in msg.splitlines()
+    assert re.fullmatch(rf"my\.yaml:\d+:\d+: {re.escape(dotted)}: unknown key", msg), msg
 
 
 def test_all_errors_reported_together() -> None:
@@ -196,9 +198,9 @@ def test_all_errors_reported_together() -> None:
         d["models"]["sim-small"]["tokenizr"] = 1
         d["tenants"]["acme"]["owner"] = 2
 
-    lines = error_of(doc(edit)).splitlines()
-    assert "rules.yaml: models.sim-small.tokenizr: unknown key" in lines
-    assert "rules.yaml: tenants.acme.owner: unknown key" in lines
+    lines = [line.split(": ", 1)[1] for line in error_of(doc(edit)).splitlines()]
+    assert "models.sim-small.tokenizr: unknown key" in lines
+    assert "tenants.acme.owner: unknown key" in lines
 
 
 # -- wrong types and values ----------------------------------------------------------------
@@ -224,10 +226,10 @@ def test_all_errors_reported_together() -> None:
             0,
             "models.sim-small.tokenizer.chars_per_token",
         ),
-        (("plans", "basic", "limits", 0, "rpm"), -1, "plans.basic.limits.0.rpm"),
-        (("plans", "basic", "limits", 0, "rpm"), 1.5, "plans.basic.limits.0.rpm"),
-        (("plans", "basic", "limits", 0, "per"), "fortnight", "plans.basic.limits.0.per"),
-        (("plans", "basic", "limits", 0, "scope"), "org", "plans.basic.limits.0.scope"),
+        (("plans", "basic", "limits", 0, "rpm"), -1, "plans.basic.limits[0].rpm"),
+        (("plans", "basic", "limits", 0, "rpm"), 1.5, "plans.basic.limits[0].rpm"),
+        (("plans", "basic", "limits", 0, "per"), "fortnight", "plans.basic.limits[0].per"),
+        (("plans", "basic", "limits", 0, "scope"), "org", "plans.basic.limits[0].scope"),
         (("plans", "basic", "limits"), {"rpm": 1}, "plans.basic.limits"),
         (("tenants", "acme", "keys"), [], "tenants.acme.keys"),
         (("tenants", "acme", "plan"), None, "tenants.acme.plan"),
@@ -244,20 +246,20 @@ def test_all_errors_reported_together() -> None:
 def test_wrong_type_or_value_rejected(path: tuple[Any, ...], value: Any, where: str) -> None:
     """A wrong type or out-of-range value is rejected naming its dotted path."""
     msg = error_of(doc(_set(path, value)))
-    assert f"rules.yaml: {where}: " in msg
+    assert re.search(rf"^rules\.yaml(:\d+:\d+)?: {re.escape(where)}: ", msg, re.M), msg
 
 
 def test_limit_without_rpm_or_tpm_rejected() -> None:
     """A limit entry with neither rpm nor tpm is rejected."""
     msg = error_of(doc(_set(("plans", "basic", "limits"), [{"model": "*"}])))
-    assert "plans.basic.limits.0" in msg
+    assert "plans.basic.limits[0]" in msg
     assert "at least one of 'rpm', 'tpm', 'budget'" in msg
 
 
 def test_boolean_limit_rejected() -> None:
     """``rpm: true`` is a wrong type, not a limit of 1."""
     msg = error_of(doc(_set(("plans", "basic", "limits", 0, "rpm"), True)))
-    assert "plans.basic.limits.0.rpm" in msg
+    assert "plans.basic.limits[0].rpm" in msg
 
 
 # -- names and references ------------------------------------------------------------------
@@ -340,7 +342,7 @@ def test_duplicate_key_digest_fixture() -> None:
 def test_key_needs_exactly_one_secret(key: dict[str, str]) -> None:
     """A key with both or neither of sha256 and plaintext is rejected."""
     msg = error_of(doc(_set(("tenants", "acme", "keys"), [key])))
-    assert "tenants.acme.keys.0" in msg
+    assert "tenants.acme.keys[0]" in msg
     assert "exactly one of 'sha256' or 'plaintext'" in msg
 
 
@@ -348,14 +350,14 @@ def test_key_needs_exactly_one_secret(key: dict[str, str]) -> None:
 def test_bad_sha256_hex_rejected(digest: str) -> None:
     """A sha256 that is not 64 lower-case hex characters is rejected."""
     msg = error_of(doc(_set(("tenants", "acme", "keys"), [{"name": "k", "sha256": digest}])))
-    assert "tenants.acme.keys.0.sha256" in msg
+    assert "tenants.acme.keys[0].sha256" in msg
     assert "64 lower-case hex" in msg
 
 
 def test_bad_key_name_rejected() -> None:
     """Key names follow the identifier pattern."""
     msg = error_of(doc(_set(("tenants", "acme", "keys"), [{"name": "a b", "plaintext": "x"}])))
-    assert "tenants.acme.keys.0.name" in msg
+    assert "tenants.acme.keys[0].name" in msg
 
 
 def test_plaintext_keys_counted_and_hashed() -> None:
@@ -397,7 +399,7 @@ def test_huggingface_missing_file_names_path() -> None:
     msg = fixture_error("huggingface_missing.yaml")
     assert str(DATA / "no-such-dir" / "tokenizer.json") in msg
     assert "not found" in msg
-    assert msg.startswith(f"{DATA / 'huggingface_missing.yaml'}: models: ")
+    assert msg.startswith(f"{DATA / 'huggingface_missing.yaml'}:2:1: models: ")
 
 
 def test_unknown_tiktoken_encoding_rejected() -> None:
@@ -431,7 +433,7 @@ def test_infinite_chars_per_token_is_config_error() -> None:
 def test_invalid_yaml_fixture() -> None:
     """Invalid YAML is a ConfigError naming the file."""
     msg = fixture_error("invalid_yaml.yaml")
-    assert msg.startswith(f"{DATA / 'invalid_yaml.yaml'}: not valid YAML")
+    assert msg.startswith(f"{DATA / 'invalid_yaml.yaml'}:4:6: not valid YAML")
 
 
 @pytest.mark.parametrize("text", ["", "just a string", "42", "- a\n- b\n"])
