@@ -362,8 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument(
         "--metrics-port", type=int, help="serve the processor's Prometheus metrics on this port"
     )
+    from extproc.stack import DEFAULT_WORKDIR
+
     u.add_argument(
-        "--workdir", default=".run", help="logs and generated files (default %(default)s)"
+        "--workdir", default=DEFAULT_WORKDIR, help="logs and generated files (default %(default)s)"
     )
     u.set_defaults(func=cmd_up)
 

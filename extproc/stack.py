@@ -38,6 +38,8 @@ from typing import IO
 from extproc.envoy_config import EnvoyPorts, JwtAuth, render_yaml
 
 STACK_FILE = "stack.json"
+#: The workdir ``ai-quota up`` uses unless ``--workdir`` is given (relative to its cwd).
+DEFAULT_WORKDIR = ".run"
 
 
 class StackError(RuntimeError):

@@ -327,7 +327,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--redis-url",
         default=None,
-        help="Redis URL (default $AIQ_REDIS_URL, else redis://127.0.0.1:6379/0)",
+        help="Redis URL (default $AIQ_REDIS_URL, else the running stack's .run/stack.json, "
+        "else redis://127.0.0.1:6379/0)",
     )
     p.add_argument(
         "--stream", default=None, help="stream key (default $AIQ_USAGE_STREAM, else aiq:usage)"
@@ -363,7 +364,11 @@ def configure_consume_parser(p: argparse.ArgumentParser) -> None:
 
 
 def _target(args: argparse.Namespace) -> tuple[str, str]:
-    url = args.redis_url or os.environ.get("AIQ_REDIS_URL") or "redis://127.0.0.1:6379/0"
+    from extproc.usage.discover import note, redis_url
+
+    found = redis_url(args.redis_url)
+    note(f"ai-quota usage {getattr(args, 'usage_command', None) or 'export'}", found)
+    url = found.value
     stream = args.stream or os.environ.get("AIQ_USAGE_STREAM") or "aiq:usage"
     return url, stream
 

@@ -9,6 +9,7 @@ import grpc
 import orjson
 
 from extproc._gen.aiquota.v1 import usage_pb2, usage_pb2_grpc
+from extproc.usage.discover import note, usage_address
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +19,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     who.add_argument("--tenant", help="a tenant id")
     parser.add_argument("--model", default="", help="only buckets that apply to this model")
     parser.add_argument(
-        "--address", default="127.0.0.1:50051", help="ext_proc gRPC address (default %(default)s)"
+        "--address",
+        help="ext_proc gRPC address (default: $AIQ_USAGE_ADDRESS or $AIQ_GRPC_ADDRESS, else the "
+        "running stack's .run/stack.json, else 127.0.0.1:50051)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     from extproc.records.export import add_subcommands
@@ -33,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
         return int(args.usage_run(args))
     if not (args.key or args.tenant):
         args.usage_parser.error("one of the arguments --key --tenant is required")
-    with grpc.insecure_channel(args.address) as ch:
+    address = usage_address(args.address)
+    note("ai-quota usage", address)
+    with grpc.insecure_channel(address.value) as ch:
         stub = usage_pb2_grpc.UsageStub(ch)
         try:
             resp = stub.GetUsage(
@@ -43,7 +48,10 @@ def run(args: argparse.Namespace) -> int:
                 timeout=5,
             )
         except grpc.RpcError as exc:
-            print(f"ai-quota usage: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(
+                f"ai-quota usage: {address.value}: {exc.code().name}: {exc.details()}",
+                file=sys.stderr,
+            )
             return 1
     rows = [
         {
