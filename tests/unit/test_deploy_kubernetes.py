@@ -1,0 +1,323 @@
+"""deploy/kubernetes: the kustomize base is valid Kubernetes, wired consistently, and the Envoy
+side (Envoy Gateway, Istio) configures ext_proc as envoy/envoy.yaml does.
+
+No kubectl and no cluster: every file a kustomization lists is loaded as is, core objects are
+checked by ``kubernetes-validate`` against its bundled (offline) schemas for one fixed Kubernetes
+version, and the custom resources, which it has no schema for, by the fields we rely on.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from extproc.config import load_config_text
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ROOT / "deploy" / "kubernetes"
+K8S_VERSION = "1.33.0"
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+EXT_PROC_HEALTH = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+Obj = dict[str, Any]
+
+
+def render(directory: Path) -> list[Obj]:
+    """Every object of every file the kustomization in ``directory`` lists under resources
+    (a listed directory is rendered recursively), in order."""
+    kust = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    out: list[Obj] = []
+    for entry in kust["resources"]:
+        path = (directory / entry).resolve()
+        if path.is_dir():
+            out.extend(render(path))
+            continue
+        out.extend(doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None)
+    return out
+
+
+def one(objs: list[Obj], kind: str, name: str | None = None) -> Obj:
+    found = [o for o in objs if o["kind"] == kind and name in (None, o["metadata"]["name"])]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+@pytest.fixture(scope="module")
+def base() -> list[Obj]:
+    return render(BASE)
+
+
+@pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Any socket connection fails: the schema validation must work offline."""
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise OSError("network disabled in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    yield
+
+
+def containers(deploy: Obj) -> dict[str, Obj]:
+    return {c["name"]: c for c in deploy["spec"]["template"]["spec"]["containers"]}
+
+
+# -- the base ---------------------------------------------------------------------------------
+
+
+def test_base_lists_the_core_objects(base: list[Obj]) -> None:
+    kinds = sorted(o["kind"] for o in base)
+    assert kinds == sorted(
+        ["Namespace", "ConfigMap", "ConfigMap", "Deployment", "Service", "PodDisruptionBudget"]
+    )
+    kust = yaml.safe_load((BASE / "kustomization.yaml").read_text())
+    namespaced = [o for o in base if o["kind"] != "Namespace"]
+    assert {o["metadata"]["namespace"] for o in namespaced} == {kust["namespace"]}
+
+
+def test_every_core_object_is_valid_kubernetes(base: list[Obj], no_network: None) -> None:
+    for obj in base:
+        try:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = ".".join(str(p) for p in exc.path)
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']}: {where}: {exc.message}")
+
+
+def test_the_validator_rejects_a_wrong_field(base: list[Obj], no_network: None) -> None:
+    """The validation above really checks fields (strict: unknown ones are errors)."""
+    deploy = yaml.safe_load(yaml.safe_dump(one(base, "Deployment")))
+    deploy["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["prot"] = 1
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deploy, K8S_VERSION, strict=True)
+
+
+def test_deployment_runs_two_replicas_of_serve(base: list[Obj]) -> None:
+    deploy = one(base, "Deployment", "ai-quota")
+    assert deploy["spec"]["replicas"] == 2
+    main = containers(deploy)["ai-quota"]
+    assert main["command"] == ["ai-quota", "serve"]
+    assert "--grpc-address=0.0.0.0:50051" in main["args"]
+    env = {e["name"]: e for e in main["env"]}
+    secret = env["AIQ_REDIS_URL"]["valueFrom"]["secretKeyRef"]
+    assert (secret["name"], secret["key"]) == ("ai-quota-redis", "url")
+
+
+def test_probes_use_grpc_health_on_the_grpc_port(base: list[Obj]) -> None:
+    main = containers(one(base, "Deployment"))["ai-quota"]
+    ports = {p["name"]: p["containerPort"] for p in main["ports"]}
+    assert ports["grpc"] == 50051
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        spec = main[probe]
+        assert set(spec) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, probe
+        assert spec["grpc"]["port"] == ports["grpc"], probe
+        # Only the names the processor answers for ("" and the ext_proc service).
+        assert spec["grpc"].get("service", "") in ("", EXT_PROC_HEALTH), probe
+    assert main["readinessProbe"]["grpc"]["service"] == EXT_PROC_HEALTH
+
+
+def test_rules_come_from_the_configmap_read_only(base: list[Obj]) -> None:
+    deploy = one(base, "Deployment")
+    main = containers(deploy)["ai-quota"]
+    config_arg = next(a for a in main["args"] if a.startswith("--config="))
+    rules_path = Path(config_arg.split("=", 1)[1])
+    mount = next(m for m in main["volumeMounts"] if m["mountPath"] == str(rules_path.parent))
+    assert mount["readOnly"] is True
+    volume = next(
+        v for v in deploy["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
+    )
+    cm = one(base, "ConfigMap", volume["configMap"]["name"])
+    assert rules_path.name in cm["data"]
+
+
+def test_configmap_rules_pass_the_projects_own_validation(base: list[Obj]) -> None:
+    cm = one(base, "ConfigMap", "ai-quota-rules")
+    cfg = load_config_text(cm["data"]["rules.yaml"], source="configmap-rules.yaml")
+    assert cfg.plaintext_keys == 0  # hashed keys only
+    assert cfg.tenants and cfg.keys_by_digest
+
+
+def test_pods_are_hardened_and_stop_after_the_drain(base: list[Obj]) -> None:
+    pod = one(base, "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    for c in pod["containers"]:
+        sc = c["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True, c["name"]
+        assert sc["allowPrivilegeEscalation"] is False, c["name"]
+        assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
+        assert {"cpu", "memory"} <= set(c["resources"]["requests"]), c["name"]
+        assert "memory" in c["resources"]["limits"], c["name"]
+    env = {
+        e["name"]: e.get("value") for e in containers(one(base, "Deployment"))["ai-quota"]["env"]
+    }
+    drain = float(env["AIQ_DRAIN_NOTICE_S"]) + float(env["AIQ_SHUTDOWN_GRACE_S"])
+    assert pod["terminationGracePeriodSeconds"] > drain + 5  # room for the final flush
+
+
+def test_service_and_pdb_select_the_pods(base: list[Obj]) -> None:
+    deploy = one(base, "Deployment")
+    labels = deploy["spec"]["template"]["metadata"]["labels"]
+    assert selects(deploy["spec"]["selector"]["matchLabels"], labels)
+    svc = one(base, "Service", "ai-quota")
+    assert selects(svc["spec"]["selector"], labels)
+    pdb = one(base, "PodDisruptionBudget")
+    assert selects(pdb["spec"]["selector"]["matchLabels"], labels)
+    assert pdb["spec"]["minAvailable"] == 1 < deploy["spec"]["replicas"]
+
+
+def test_service_ports_reach_named_container_ports(base: list[Obj]) -> None:
+    svc_ports = {p["name"]: p for p in one(base, "Service")["spec"]["ports"]}
+    assert svc_ports["grpc"]["appProtocol"] == "grpc"
+    container_ports = {
+        p["name"] for c in containers(one(base, "Deployment")).values() for p in c.get("ports", [])
+    }
+    for name in ("grpc", "metrics"):
+        assert svc_ports[name]["targetPort"] in container_ports, name
+
+
+def test_metrics_proxy_forwards_to_the_processors_metrics_port(base: list[Obj]) -> None:
+    cs = containers(one(base, "Deployment"))
+    assert "--metrics-port=9464" in cs["ai-quota"]["args"]
+    env = {e["name"]: e["value"] for e in cs["metrics"]["env"]}
+    assert env["UPSTREAM_PORT"] == "9464"
+    assert {p["containerPort"] for p in cs["metrics"]["ports"]} == {int(env["LISTEN_PORT"])}
+    source = one(base, "ConfigMap", "ai-quota-metrics-proxy")["data"]["metrics_proxy.py"]
+    compile(source, "metrics_proxy.py", "exec")
+
+
+def test_redis_dev_overlay_is_valid_and_provides_the_secret(no_network: None) -> None:
+    objs = render(BASE / "redis-dev")
+    for obj in objs:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    secret = one(objs, "Secret", "ai-quota-redis")
+    assert secret["stringData"]["url"].startswith("redis://")
+
+
+# -- Envoy Gateway ----------------------------------------------------------------------------
+
+
+def test_envoy_gateway_extension_policy(base: list[Obj]) -> None:
+    objs = render(BASE / "envoy-gateway")
+    policy = one(objs, "EnvoyExtensionPolicy")
+    assert policy["apiVersion"] == "gateway.envoyproxy.io/v1alpha1"
+    (target,) = policy["spec"]["targetRefs"]
+    assert (target["group"], target["kind"]) == ("gateway.networking.k8s.io", "Gateway")
+    (ext,) = policy["spec"]["extProc"]
+    (ref,) = ext["backendRefs"]
+    svc = one(base, "Service", "ai-quota")
+    grpc_port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc")
+    assert ref.get("kind", "Service") == "Service" and ref.get("group", "") == ""
+    assert (ref["name"], ref["namespace"], ref["port"]) == (
+        svc["metadata"]["name"],
+        svc["metadata"]["namespace"],
+        grpc_port,
+    )
+    mode = ext["processingMode"]
+    assert mode["request"]["body"] == "Buffered"
+    assert "response" in mode and "body" not in mode["response"]  # headers only; see below
+    assert mode["allowModeOverride"] is True  # the processor switches SSE to full duplex
+    assert ext["messageTimeout"] == "5s"
+    assert ext["failOpen"] is False
+    assert ext["metadata"]["writableNamespaces"] == ["ai_quota"]
+    active = ext["backendSettings"]["healthCheck"]["active"]
+    assert active["type"] == "GRPC" and active["grpc"]["service"] == EXT_PROC_HEALTH
+
+
+def test_envoy_gateway_reference_grant_allows_the_policy(base: list[Obj]) -> None:
+    objs = render(BASE / "envoy-gateway")
+    policy = one(objs, "EnvoyExtensionPolicy")
+    grant = one(objs, "ReferenceGrant")
+    svc = one(base, "Service", "ai-quota")
+    assert grant["metadata"]["namespace"] == svc["metadata"]["namespace"]
+    assert {
+        "group": "gateway.envoyproxy.io",
+        "kind": "EnvoyExtensionPolicy",
+        "namespace": policy["metadata"]["namespace"],
+    } in grant["spec"]["from"]
+    assert {"group": "", "kind": "Service", "name": "ai-quota"} in grant["spec"]["to"]
+    ctp = one(objs, "ClientTrafficPolicy")
+    assert ctp["spec"]["targetRefs"] == policy["spec"]["targetRefs"]
+    assert ctp["spec"]["connection"]["bufferLimit"] == "1Mi"
+
+
+# -- Istio ------------------------------------------------------------------------------------
+
+
+def _reference_filter() -> Obj:
+    """The ext_proc filter of envoy/envoy.yaml (what `ai-quota envoy-config` generates)."""
+    boot = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters = hcm["typed_config"]["http_filters"]
+    return next(f for f in filters if f["name"] == EXT_PROC_FILTER)["typed_config"]  # type: ignore[no-any-return]
+
+
+def test_istio_envoy_filter_matches_envoy_yaml(base: list[Obj]) -> None:
+    objs = render(BASE / "istio")
+    ef = one(objs, "EnvoyFilter")
+    assert ef["apiVersion"] == "networking.istio.io/v1alpha3"
+    patches = {p["applyTo"]: p for p in ef["spec"]["configPatches"]}
+    http = patches["HTTP_FILTER"]
+    assert http["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == (
+        "envoy.filters.http.router"
+    )
+    assert http["patch"]["operation"] == "INSERT_BEFORE"
+    value = http["patch"]["value"]
+    assert value["name"] == EXT_PROC_FILTER
+    ours, reference = value["typed_config"], _reference_filter()
+    for key in (
+        "@type",
+        "processing_mode",
+        "allow_mode_override",
+        "message_timeout",
+        "max_message_timeout",
+        "failure_mode_allow",
+        "status_on_error",
+        "metadata_options",
+    ):
+        assert ours[key] == reference[key], key
+    ours_grpc, ref_grpc = ours["grpc_service"], reference["grpc_service"]
+    assert ours_grpc["retry_policy"] == ref_grpc["retry_policy"]
+    assert ours_grpc["timeout"] == ref_grpc["timeout"]
+
+    svc = one(base, "Service", "ai-quota")
+    fqdn = f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc.cluster.local"
+    grpc_port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc")
+    assert ours_grpc["envoy_grpc"]["cluster_name"] == f"outbound|{grpc_port}||{fqdn}"
+    cluster = patches["CLUSTER"]["match"]["cluster"]
+    assert (cluster["service"], cluster["portNumber"]) == (fqdn, grpc_port)
+    (hc,) = patches["CLUSTER"]["patch"]["value"]["health_checks"]
+    assert hc["grpc_health_check"]["service_name"] == EXT_PROC_HEALTH
+    dr = one(objs, "DestinationRule")
+    assert dr["spec"]["host"] == fqdn
+
+
+def test_body_limits_agree_with_the_rules(base: list[Obj]) -> None:
+    cm = one(base, "ConfigMap", "ai-quota-rules")
+    max_body = yaml.safe_load(cm["data"]["rules.yaml"])["requests"]["max_body_bytes"]
+    istio = {
+        p["applyTo"]: p for p in one(render(BASE / "istio"), "EnvoyFilter")["spec"]["configPatches"]
+    }
+    assert istio["LISTENER"]["patch"]["value"]["per_connection_buffer_limit_bytes"] == max_body
+    ctp = one(render(BASE / "envoy-gateway"), "ClientTrafficPolicy")
+    assert ctp["spec"]["connection"]["bufferLimit"] == f"{max_body // 1024 // 1024}Mi"
+
+
+def test_optional_servicemonitor_scrapes_the_metrics_port(base: list[Obj]) -> None:
+    sm = one(render(BASE / "monitoring"), "ServiceMonitor")
+    svc = one(base, "Service", "ai-quota")
+    assert selects(sm["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"])
+    assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"]
+    assert "metrics" in {p["name"] for p in svc["spec"]["ports"]}
