@@ -16,6 +16,11 @@ Shutdown (SIGTERM/SIGINT), in order:
 
 SIGHUP reloads the rules and applies the failure settings (``failure.timeout_ms``,
 ``failure.breaker_cooldown_ms``) to the live limiter; nothing in the rules file needs a restart.
+
+Tenants and keys from the Redis admin store (``extproc.admin``, docs/admin.md) are merged into
+the rules: every replica follows the store (``AIQ_ADMIN_STORE``) and swaps the merged rules in
+when it changes; a SIGHUP reload merges the store into the new file.  ``--admin-port`` serves
+the admin API.
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ class Running:
     health: health_aio.HealthServicer = field(default_factory=health_aio.HealthServicer)
     ready_task: asyncio.Task[None] | None = None
     stopping: bool = False
+    admin: Any = None  # extproc.admin.runtime.AdminRuntime: the store followed, admin API
 
     async def set_serving(self, serving: bool) -> None:
         """Report SERVING or NOT_SERVING on every health name we answer for."""
@@ -152,6 +158,8 @@ class Running:
         await self.gateway.drain_settlements(grace)
         if self.gateway.recorder is not None:
             await self.gateway.recorder.close(grace)
+        if self.admin is not None:
+            await self.admin.close()
         await self.gateway.limiter.close()
 
 
@@ -199,6 +207,9 @@ async def start(
         recorder=make_recorder(settings, mets) if limiter is None else None,
     )
     publish_config_version(mets, version)
+    admin = None
+    if config is None and limiter is None and settings.admin_store:
+        admin = await _start_admin(settings, gw)
     options = [("grpc.so_reuseport", 1 if settings.workers > 1 or settings.reuse_port else 0)]
     server = grpc.aio.server(options=options)
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessorServicer(gw), server)
@@ -229,9 +240,21 @@ async def start(
         log.warning(
             "plaintext_keys_in_config", count=cfg.plaintext_keys, note="for local demos only"
         )
-    running = Running(server=server, gateway=gw, port=port, health=health)
+    running = Running(server=server, gateway=gw, port=port, health=health, admin=admin)
     running.ready_task = asyncio.create_task(running.wait_ready())
     return running
+
+
+async def _start_admin(settings: Settings, gw: Gateway) -> Any:
+    """Follow the admin store (each change swaps the merged rules in) and serve the admin API
+    when ``settings.admin_port`` is set."""
+    from extproc.admin.runtime import start_admin
+
+    def apply(eff: Any) -> None:
+        gw.config = eff.config
+        publish_config_version(gw.metrics, eff.version)
+
+    return await start_admin(settings, apply, version_of=config_version)
 
 
 def _redact(url: str) -> str:
@@ -246,7 +269,10 @@ def reload_rules(running: Running, path: str) -> bool:
     that does not load leaves the running rules untouched.  Whether it worked."""
     metrics = running.gateway.metrics
     try:
-        cfg, version = load_rules(path)
+        if running.admin is not None:
+            cfg, version = running.admin.reload_file(path)
+        else:
+            cfg, version = load_rules(path)
     except Exception as exc:
         metrics.config_reloads.labels("error").inc()
         if isinstance(exc.__cause__, TokenizerLoadError):

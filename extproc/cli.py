@@ -25,6 +25,7 @@ def _use_uvloop() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the ext_proc gRPC server."""
+    from extproc.admin.errors import AdminConfigError
     from extproc.app import serve_forever
     from extproc.config import ConfigError
     from extproc.logs import configure_logging
@@ -38,6 +39,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log_format=args.log_format,
             metrics_port=args.metrics_port,
             workers=args.workers,
+            admin_port=args.admin_port,
+            admin_host=args.admin_host,
+            admin_token_file=args.admin_token_file,
+            admin_tls_cert=args.admin_tls_cert,
+            admin_tls_key=args.admin_tls_key,
         )
     except SettingsError as exc:
         print(f"ai-quota serve: {exc}", file=sys.stderr)
@@ -55,6 +61,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"ai-quota serve: {exc}", file=sys.stderr)
         return 1
+    except AdminConfigError as exc:
+        print(f"ai-quota serve: {exc}", file=sys.stderr)
+        return 2
 
 
 def _serve_workers(settings: Any, *, port_per_worker: bool = False) -> int:
@@ -340,6 +349,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --workers N: worker i listens on PORT+i (list each as an Envoy endpoint)",
     )
+    s.add_argument(
+        "--admin-port",
+        type=int,
+        help="serve the admin API (tenants, keys: docs/admin.md) on this port (env "
+        "AIQ_ADMIN_PORT, default 0: off)",
+    )
+    s.add_argument(
+        "--admin-host", help="address of the admin API (env AIQ_ADMIN_HOST, default 127.0.0.1)"
+    )
+    s.add_argument(
+        "--admin-token-file",
+        help="bearer token of the admin API (env AIQ_ADMIN_TOKEN_FILE; required off loopback)",
+    )
+    s.add_argument("--admin-tls-cert", help="TLS certificate of the admin API (PEM)")
+    s.add_argument("--admin-tls-key", help="TLS private key of the admin API (PEM)")
     s.set_defaults(func=cmd_serve)
 
     u = sub.add_parser(
@@ -429,6 +453,15 @@ def build_parser() -> argparse.ArgumentParser:
             "usage",
             help="show where a tenant stands (current windows, limits, resets)",
             description="Ask the running ext_proc service for a tenant's current counters.",
+        ),
+    )
+    _delegate(
+        "extproc.admin.cli",
+        sub.add_parser(
+            "admin",
+            help="create, rotate and revoke keys; set and delete tenants (the admin API)",
+            description="Change tenants and keys at run time through a replica's admin API "
+            "(ai-quota serve --admin-port); prints JSON.",
         ),
     )
     return p

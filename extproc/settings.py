@@ -64,6 +64,17 @@ class Settings(BaseSettings):
     # (AIQ_USAGE_STREAM=off disables them) and its approximate bound (XADD MAXLEN ~).
     usage_stream: str = "aiq:usage"
     usage_stream_maxlen: int = Field(default=1_000_000, ge=1)
+    # Tenants and keys changed at run time (docs/admin.md): every replica follows the Redis
+    # admin store unless AIQ_ADMIN_STORE=0; the admin gRPC API listens on admin_host:admin_port
+    # (0: off) behind the bearer token in admin_token_file, with TLS from admin_tls_cert/key
+    # (required off loopback unless admin_allow_plaintext: a proxy in front terminates TLS).
+    admin_store: bool = True
+    admin_port: int = Field(default=0, ge=0, le=65535)
+    admin_host: str = "127.0.0.1"
+    admin_token_file: str = ""
+    admin_tls_cert: str = ""
+    admin_tls_key: str = ""
+    admin_allow_plaintext: bool = False
 
     @field_validator("usage_stream", mode="before")
     @classmethod
@@ -100,7 +111,9 @@ class Settings(BaseSettings):
         """Read ``AIQ_CONFIG``, ``AIQ_REDIS_URL``, ``AIQ_GRPC_ADDRESS``, ``AIQ_KEY_PREFIX``,
         ``AIQ_LOG_FORMAT`` (json|console), ``AIQ_LOG_LEVEL``, ``AIQ_METRICS_PORT``,
         ``AIQ_USAGE_ADDRESS``, ``AIQ_WORKERS``, ``AIQ_REUSEPORT`` (1|0|true|false),
-        ``AIQ_EVENT_LOOP`` (uvloop|asyncio), ``AIQ_SHUTDOWN_GRACE_S``, ``AIQ_DRAIN_NOTICE_S`` from
+        ``AIQ_EVENT_LOOP`` (uvloop|asyncio), ``AIQ_SHUTDOWN_GRACE_S``, ``AIQ_DRAIN_NOTICE_S``,
+        ``AIQ_ADMIN_STORE``, ``AIQ_ADMIN_PORT``, ``AIQ_ADMIN_HOST``, ``AIQ_ADMIN_TOKEN_FILE``,
+        ``AIQ_ADMIN_TLS_CERT``, ``AIQ_ADMIN_TLS_KEY``, ``AIQ_ADMIN_ALLOW_PLAINTEXT`` from
         ``env`` (default ``os.environ``); explicit non-None ``overrides`` (CLI flags) win.
 
         Raises :class:`SettingsError` naming every variable whose value is invalid."""

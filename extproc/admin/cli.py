@@ -1,0 +1,205 @@
+"""``ai-quota admin``: change tenants and keys through a replica's admin API; prints JSON.
+
+    ai-quota admin create-key --tenant acme --name ci --token-file admin.token
+    ai-quota admin rotate-key key_0123456789abcdef --grace 300
+    ai-quota admin revoke-key key_0123456789abcdef
+    ai-quota admin set-tenant --tenant acme --plan standard --limit '{per: minute, rpm: 10}'
+    ai-quota admin delete-tenant --tenant acme
+    ai-quota admin list | get --tenant acme | version
+
+The address defaults to ``AIQ_ADMIN_ADDRESS`` (else ``127.0.0.1:50052``), the token file to
+``AIQ_ADMIN_TOKEN_FILE``.  A new or rotated key's plaintext is printed once (``api_key``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+import orjson
+import yaml
+from google.protobuf import json_format
+
+from extproc._gen.aiquota.v1 import admin_pb2, admin_pb2_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50052"
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """The ``admin`` subcommands and the connection flags each takes."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--address",
+        default=os.environ.get("AIQ_ADMIN_ADDRESS", DEFAULT_ADDRESS),
+        help="the admin API (env AIQ_ADMIN_ADDRESS, default %(default)s)",
+    )
+    common.add_argument(
+        "--token-file",
+        default=os.environ.get("AIQ_ADMIN_TOKEN_FILE", ""),
+        help="file holding the bearer token (env AIQ_ADMIN_TOKEN_FILE)",
+    )
+    common.add_argument("--tls", action="store_true", help="connect with TLS (system roots)")
+    common.add_argument("--tls-ca", help="connect with TLS, trusting this CA certificate (PEM)")
+    common.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
+    sub = parser.add_subparsers(dest="admin_command", required=True, metavar="ACTION")
+
+    p = sub.add_parser("create-key", parents=[common], help="a new API key (printed once)")
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--name", required=True, help="the key's name (logs, per-key limits)")
+    p.set_defaults(admin_call=_create_key)
+
+    p = sub.add_parser("rotate-key", parents=[common], help="a new secret for a key")
+    p.add_argument("key_id")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=0.0,
+        help="seconds the old secret keeps working (default 0: revoked now)",
+    )
+    p.set_defaults(admin_call=_rotate_key)
+
+    p = sub.add_parser("revoke-key", parents=[common], help="revoke a key on every replica")
+    p.add_argument("key_id")
+    p.set_defaults(admin_call=_revoke_key)
+
+    p = sub.add_parser(
+        "set-tenant", parents=[common], help="create a tenant or replace its plan and limits"
+    )
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--plan", required=True, help="a plan of the rules file")
+    p.add_argument(
+        "--limit",
+        action="append",
+        default=[],
+        help="a limit entry as in the rules file, JSON or YAML flow style (repeatable)",
+    )
+    p.add_argument("--limits-file", help="a YAML file holding a list of limit entries")
+    p.set_defaults(admin_call=_set_tenant)
+
+    p = sub.add_parser("delete-tenant", parents=[common], help="remove a tenant from the store")
+    p.add_argument("--tenant", required=True)
+    p.set_defaults(admin_call=_delete_tenant)
+
+    p = sub.add_parser("list", parents=[common], help="every tenant (file and store)")
+    p.set_defaults(
+        admin_call=lambda stub, _a, md, t: stub.ListTenants(
+            admin_pb2.ListTenantsRequest(), metadata=md, timeout=t
+        )
+    )
+
+    p = sub.add_parser("get", parents=[common], help="one tenant: plan, limits, key names")
+    p.add_argument("--tenant", required=True)
+    p.set_defaults(
+        admin_call=lambda stub, a, md, t: stub.GetTenant(
+            admin_pb2.GetTenantRequest(tenant=a.tenant), metadata=md, timeout=t
+        )
+    )
+
+    p = sub.add_parser("version", parents=[common], help="store and rules versions")
+    p.set_defaults(
+        admin_call=lambda stub, _a, md, t: stub.GetVersion(
+            admin_pb2.GetVersionRequest(), metadata=md, timeout=t
+        )
+    )
+
+
+class UsageError(ValueError):
+    """A flag's value cannot be sent."""
+
+
+def _create_key(stub: Any, a: argparse.Namespace, md: Any, t: float) -> Any:
+    return stub.CreateKey(
+        admin_pb2.CreateKeyRequest(tenant=a.tenant, name=a.name), metadata=md, timeout=t
+    )
+
+
+def _rotate_key(stub: Any, a: argparse.Namespace, md: Any, t: float) -> Any:
+    return stub.RotateKey(
+        admin_pb2.RotateKeyRequest(key_id=a.key_id, grace_seconds=a.grace), metadata=md, timeout=t
+    )
+
+
+def _revoke_key(stub: Any, a: argparse.Namespace, md: Any, t: float) -> Any:
+    return stub.RevokeKey(admin_pb2.RevokeKeyRequest(key_id=a.key_id), metadata=md, timeout=t)
+
+
+def _delete_tenant(stub: Any, a: argparse.Namespace, md: Any, t: float) -> Any:
+    return stub.DeleteTenant(admin_pb2.DeleteTenantRequest(tenant=a.tenant), metadata=md, timeout=t)
+
+
+def _set_tenant(stub: Any, a: argparse.Namespace, md: Any, t: float) -> Any:
+    entries: list[Any] = []
+    if a.limits_file:
+        loaded = yaml.safe_load(Path(a.limits_file).read_text(encoding="utf-8"))
+        if not isinstance(loaded, list):
+            raise UsageError(f"{a.limits_file}: expected a list of limit entries")
+        entries.extend(loaded)
+    for text in a.limit:
+        try:
+            entries.append(yaml.safe_load(text))
+        except yaml.YAMLError as exc:
+            raise UsageError(f"--limit {text!r}: not JSON or YAML: {exc}") from exc
+    limits = [limit_message(e) for e in entries]
+    return stub.SetTenant(
+        admin_pb2.SetTenantRequest(tenant=a.tenant, plan=a.plan, limits=limits),
+        metadata=md,
+        timeout=t,
+    )
+
+
+def limit_message(entry: Any) -> Any:
+    """A rules-file limit entry (a mapping) as an ``aiquota.v1.Limit``."""
+    if not isinstance(entry, dict):
+        raise UsageError(f"a limit entry must be a mapping, not {entry!r}")
+    fields = dict(entry)
+    weights = fields.pop("weights", None)
+    try:
+        msg = admin_pb2.Limit(**fields)
+        if weights is not None:
+            msg.weights.CopyFrom(admin_pb2.Weights(**weights))
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"limit entry {entry!r}: {exc}") from exc
+    return msg
+
+
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    if args.tls or args.tls_ca:
+        root = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+        return grpc.secure_channel(args.address, grpc.ssl_channel_credentials(root))
+    return grpc.insecure_channel(args.address)
+
+
+def _to_json(msg: Any) -> dict[str, Any]:
+    try:
+        out: dict[str, Any] = json_format.MessageToDict(
+            msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+    except TypeError:  # protobuf before 5.26 names the option differently
+        out = json_format.MessageToDict(
+            msg, preserving_proto_field_name=True, including_default_value_fields=True
+        )
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Make the call and print its answer as JSON (errors: on stderr, exit 1)."""
+    metadata: list[tuple[str, str]] = []
+    try:
+        if args.token_file:
+            token = Path(args.token_file).read_text(encoding="utf-8").strip()
+            metadata.append(("authorization", f"Bearer {token}"))
+        with _channel(args) as channel:
+            stub = admin_pb2_grpc.AdminStub(channel)  # type: ignore[no-untyped-call]
+            resp = args.admin_call(stub, args, metadata, args.timeout)
+    except grpc.RpcError as exc:
+        print(f"ai-quota admin: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except (OSError, UsageError) as exc:
+        print(f"ai-quota admin: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(orjson.dumps(_to_json(resp), option=orjson.OPT_INDENT_2).decode() + "\n")
+    return 0

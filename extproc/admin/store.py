@@ -1,0 +1,134 @@
+"""The admin store in Redis: one snapshot document, replaced atomically by every change.
+
+Keys (one Redis Cluster slot, hash tag ``{<prefix>:admin}``):
+
+* ``{aiq:admin}:version``: the change counter (absent: 0);
+* ``{aiq:admin}:snapshot``: the current :class:`StoreState` as JSON (it carries its version);
+* ``{aiq:admin}:snapshot:<version>``: each version's snapshot, kept for
+  :data:`HISTORY_TTL_S` (what changed when, and a copy to restore by hand).
+
+A change is compare-and-set: :meth:`AdminStore.update` reads the snapshot, applies a function
+to it and writes the result with a Lua script that checks the version is still the one read,
+bumps it, stores the snapshot and its history copy, and publishes the new version on the
+channel ``<prefix>:admin:changed``, all in one step.  A concurrent change makes the script
+refuse, and the update is retried on the newer snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from extproc.admin.state import StoreState
+
+T = TypeVar("T")
+
+#: How long each version's snapshot copy is kept.
+HISTORY_TTL_S = 7 * 24 * 3600
+
+_WRITE = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+if current ~= tonumber(ARGV[1]) then
+  return -1
+end
+local version = redis.call('INCR', KEYS[1])
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('SET', KEYS[3], ARGV[2], 'EX', tonumber(ARGV[4]))
+redis.call('PUBLISH', ARGV[3], version)
+return version
+"""
+
+
+class StoreUnavailable(RuntimeError):
+    """Redis did not answer (or answered with an error)."""
+
+
+class Conflict(RuntimeError):
+    """The store kept changing under an update (it was retried and gave up)."""
+
+
+def connect(url: str, *, timeout_s: float = 1.0) -> Any:
+    """A client for ``redis://...`` or ``redis+cluster://...`` (like the limiter's)."""
+    if url.startswith("redis+cluster://"):
+        return RedisCluster.from_url(
+            "redis://" + url.removeprefix("redis+cluster://"),
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+        )
+    return aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+
+class AdminStore:
+    """Reads and changes the snapshot; one per process."""
+
+    def __init__(self, client: Any, *, prefix: str = "aiq") -> None:
+        self.client = client
+        self.prefix = prefix
+        tag = f"{{{prefix}:admin}}"
+        self.version_key = f"{tag}:version"
+        self.snapshot_key = f"{tag}:snapshot"
+        self.channel = f"{prefix}:admin:changed"
+        self._write = client.register_script(_WRITE)
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = "aiq", timeout_s: float = 1.0) -> AdminStore:
+        """Connect lazily to ``url``."""
+        return cls(connect(url, timeout_s=timeout_s), prefix=prefix)
+
+    @property
+    def clustered(self) -> bool:
+        """Redis Cluster: no pub/sub subscription here (replicas poll the version)."""
+        return isinstance(self.client, RedisCluster)
+
+    def history_key(self, version: int) -> str:
+        """Where the snapshot of ``version`` is kept for a while."""
+        return f"{self.snapshot_key}:{version}"
+
+    async def version(self) -> int:
+        """The current version (0: nothing was ever stored)."""
+        try:
+            raw = await self.client.get(self.version_key)
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"admin store: {exc}") from exc
+        return int(raw or 0)
+
+    async def load(self) -> StoreState:
+        """The current snapshot (empty at version 0)."""
+        try:
+            raw = await self.client.get(self.snapshot_key)
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"admin store: {exc}") from exc
+        if raw is None:
+            return StoreState()
+        return StoreState.from_json(raw)
+
+    async def update(
+        self, change: Callable[[StoreState], tuple[StoreState, T]], *, attempts: int = 20
+    ) -> tuple[StoreState, T]:
+        """Apply ``change`` (which returns the new state and a result, or raises) to the
+        current snapshot and store it as the next version; the stored state and the result."""
+        for _ in range(attempts):
+            current = await self.load()
+            new, result = change(current)
+            stored = StoreState(version=current.version + 1, tenants=new.tenants, keys=new.keys)
+            try:
+                version = await self._write(
+                    keys=[self.version_key, self.snapshot_key, self.history_key(stored.version)],
+                    args=[current.version, stored.to_json(), self.channel, HISTORY_TTL_S],
+                )
+            except (RedisError, OSError) as exc:
+                raise StoreUnavailable(f"admin store: {exc}") from exc
+            if int(version) == stored.version:
+                return stored, result
+            await asyncio.sleep(0.005)  # another change won: apply ours to it
+        raise Conflict("the admin store kept changing; try again")
+
+    async def close(self) -> None:
+        """Close the connections."""
+        close = getattr(self.client, "aclose", None) or self.client.close
+        await close()
