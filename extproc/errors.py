@@ -205,6 +205,11 @@ class LimiterUnavailable(ServerError):
     error_type = "server_error"
     code = "quota_backend_unavailable"
 
+    def __init__(self, message: str, *, maybe_ran: bool = False) -> None:
+        super().__init__(message)
+        # the call timed out rather than failed: Redis may still run it when it answers again
+        self.maybe_ran = maybe_ran
+
 
 class GatewayBusy(ServerError):
     """The gateway could not count the prompt in time (a burst of very large prompts)."""

@@ -19,7 +19,6 @@ import shutil
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -33,7 +32,6 @@ import orjson
 from extproc.bench import system
 from extproc.bench.client import Result, Shape, connector, send
 from extproc.bench.report import Row, Table, Target, per_unit_split
-from extproc.load.records import sim_record_from_json
 from extproc.sim.records import SimRecord
 from extproc.stack import Stack
 from extproc.stats import median, percentile
@@ -460,10 +458,7 @@ async def tokenizer(b: Bench, main: Stack, baseline_url: str) -> None:
 # -- 5 + 6. accuracy under load and upstream stop latency ----------------------------------
 
 
-def _sim_records(sim_url: str) -> list[SimRecord]:
-    with urllib.request.urlopen(f"{sim_url}/sim/requests", timeout=5) as r:  # noqa: S310
-        raw: list[dict[str, Any]] = orjson.loads(r.read())["requests"]
-    return [rec for rec in map(sim_record_from_json, raw) if rec is not None]
+_sim_records = system.sim_records
 
 
 async def _wait_window(b: Bench, seconds: float = 45.0) -> None:

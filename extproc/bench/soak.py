@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from extproc.bench import system
 from extproc.bench.client import Shape, connector, send
 from extproc.stack import Stack
 
@@ -110,11 +111,9 @@ async def soak(stack: Stack, seconds: float, rid: Any) -> dict[str, Any]:
     async for k in rds.scan_iter(f"aiq:{{{TENANT}}}:tpm:*"):
         counter += int(await rds.get(k) or 0)
     await rds.aclose()
-    from extproc.bench.runner import _sim_records
-
     recs = {
         r.client_request_id: r
-        for r in await asyncio.to_thread(_sim_records, stack.sim_url)
+        for r in await asyncio.to_thread(system.sim_records, stack.sim_url)
         if r.client_request_id in prompts
     }
     ok = [cid for cid, status in outcomes if status == 200]

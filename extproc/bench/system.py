@@ -11,9 +11,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import orjson
 import redis
 import yaml
 
+from extproc.load.records import sim_record_from_json
+from extproc.sim.records import SimRecord
 from extproc.stack import Stack, StackPorts, free_port, port_in_use
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -228,3 +231,10 @@ def start_stack(
 def proc_pids(stack: Stack, prefix: str) -> list[int]:
     """Process ids of the stack's children whose name starts with ``prefix``."""
     return [p.popen.pid for p in stack.procs if p.name.startswith(prefix)]
+
+
+def sim_records(sim_url: str) -> list[SimRecord]:
+    """The simulator's ground-truth records (its ring buffer: the newest ones)."""
+    with urllib.request.urlopen(f"{sim_url}/sim/requests", timeout=5) as r:  # noqa: S310
+        raw: list[dict[str, Any]] = orjson.loads(r.read())["requests"]
+    return [rec for rec in map(sim_record_from_json, raw) if rec is not None]

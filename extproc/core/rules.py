@@ -166,3 +166,12 @@ class Adjustment:
     key: str
     amount: int
     expire_at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class UnconfirmedCharge:
+    """A stream charge whose answer never came (Redis timed out): it may still run later.
+    Settlement takes back what it added if the ledger shows it ran (``seq`` reached)."""
+
+    seq: int
+    rates: tuple[tuple[str, int], ...]  # (counter key, units per RATE_SCALE output tokens)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from extproc.core.rules import Adjustment, BucketCharge
+from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +66,19 @@ class Limiter(Protocol):
         ...
 
     async def settle(
-        self, ledger: str, adjustments: list[Adjustment], *, ledger_ttl_ms: int
+        self,
+        ledger: str,
+        adjustments: list[Adjustment],
+        *,
+        ledger_ttl_ms: int,
+        cancel: bool = False,
+        unconfirmed: UnconfirmedCharge | None = None,
     ) -> bool:
-        """Apply the final corrections once; False when already settled."""
+        """Apply the final corrections once; False when already settled.
+
+        ``cancel``: the admission call failed on our side; undo it only if it ran after all
+        (and make sure it never runs later).  ``unconfirmed``: the last stream charge whose
+        answer never came; what it added is taken back if it ran."""
         ...
 
     async def renew(

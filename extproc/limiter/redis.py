@@ -34,7 +34,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from extproc.clock import Clock, SystemClock
 from extproc.core.keys import EXPIRY_SLACK_MS, open_key
-from extproc.core.rules import Adjustment, BucketCharge
+from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import AdmitResult, ChargeResult
 from extproc.limiter.breaker import BreakerSettings, BreakerState, CircuitBreaker
@@ -206,12 +206,15 @@ class RedisLimiter:
     async def _call(self, what: str, script: str, make: Callable[[], Awaitable[T]]) -> T:
         """Run ``make()`` against Redis under the timeout, the stall retry and the breaker."""
         attempt = 0
+        maybe_ran = False  # an attempt timed out: Redis may still run it when it wakes up
         while True:
             started = time.perf_counter()
             if not self.breaker.allow():
                 self._observe(script, "breaker", started)
                 self._export_state()
-                raise LimiterUnavailable("the quota backend (Redis) is unavailable; retry shortly")
+                raise LimiterUnavailable(
+                    "the quota backend (Redis) is unavailable; retry shortly", maybe_ran=maybe_ran
+                )
             self.round_trips += 1
             try:
                 async with asyncio.timeout(self._timeout):
@@ -221,6 +224,7 @@ class RedisLimiter:
                 raise
             except _ERRORS as exc:
                 timed_out = _is_timeout(exc)
+                maybe_ran = maybe_ran or timed_out
                 self._observe(script, "timeout" if timed_out else "error", started)
                 self.breaker.record(False)
                 self._export_state()
@@ -228,7 +232,8 @@ class RedisLimiter:
                     attempt += 1
                     continue
                 raise LimiterUnavailable(
-                    f"the quota backend (Redis) did not answer {what} in time: {type(exc).__name__}"
+                    f"the quota backend (Redis) did not answer {what} in time: {type(exc).__name__}",
+                    maybe_ran=maybe_ran,
                 ) from exc
             self._observe(script, "ok", started)
             self.breaker.record(True)
@@ -286,13 +291,23 @@ class RedisLimiter:
         )
 
     async def settle(
-        self, ledger: str, adjustments: list[Adjustment], *, ledger_ttl_ms: int
+        self,
+        ledger: str,
+        adjustments: list[Adjustment],
+        *,
+        ledger_ttl_ms: int,
+        cancel: bool = False,
+        unconfirmed: UnconfirmedCharge | None = None,
     ) -> bool:
         """Run ``settle.lua`` once per request."""
-        args: list[Any] = [ledger_ttl_ms]
+        seq = unconfirmed.seq if unconfirmed else 0
+        args: list[Any] = [ledger_ttl_ms, "1" if cancel else "0", seq, len(adjustments)]
         for a in adjustments:
             args += [a.amount, a.expire_at_ms]
         keys = [ledger] + [a.key for a in adjustments] + [open_key(ledger)]
+        for key, rate in unconfirmed.rates if unconfirmed else ():
+            keys.append(key)
+            args.append(rate)
         res = await self._call("settlement", "settle", lambda: self._settle(keys=keys, args=args))
         return bool(int(res))
 

@@ -18,7 +18,7 @@ from extproc.core import admission
 from extproc.core.admission import Cost
 from extproc.core.apis.base import RequestLimits
 from extproc.core.keys import WindowedBucket, ledger_key
-from extproc.core.rules import Charging
+from extproc.core.rules import Adjustment, Charging
 from extproc.core.tokens import PromptShapeError, PromptTooLarge
 from extproc.errors import (
     BadRequest,
@@ -31,6 +31,7 @@ from extproc.errors import (
 from extproc.limiter.base import AdmitResult
 from extproc.server.context import RequestContext
 from extproc.server.gateway import Gateway
+from extproc.server.kept import Kept
 
 log = structlog.get_logger("extproc")
 
@@ -299,6 +300,19 @@ async def admit_rpm_only(gw: Gateway, ctx: RequestContext) -> None:
         )
 
 
+def _keep_cancel(
+    gw: Gateway, ctx: RequestContext, buckets: list[WindowedBucket], cost: Cost
+) -> None:
+    """Undo an admission whose call timed out, if it ran after all, once Redis answers."""
+    undo = [
+        Adjustment(c.key, -c.amount, c.expire_at_ms)
+        for c in admission.admission_charges(buckets, cost)
+        if c.kind != "concurrency" and c.amount
+    ]
+    ttl = ctx.cfg.ledger_ttl_seconds * 1000
+    gw.settlements.keep(Kept(ctx.ledger, undo, ttl, ctx.request_id, cancel=True))
+
+
 async def limiter_admit(
     gw: Gateway,
     ctx: RequestContext,
@@ -319,8 +333,12 @@ async def limiter_admit(
             now_ms=now_ms,
             lease_until_ms=lease_until_ms,
         )
-    except LimiterUnavailable:
+    except LimiterUnavailable as exc:
         gw.metrics.limiter_errors.labels("admit").inc()
+        # The call may still run once Redis answers (it timed out, it did not fail): keep a
+        # cancel that undoes it if it ran, or stops it from ever running.
+        if exc.maybe_ran:
+            _keep_cancel(gw, ctx, buckets, cost)
         if ctx.cfg.failure_mode_for(ctx.plan) == "open":
             log.warning("limiter_unavailable_fail_open", request_id=ctx.request_id)
             return None

@@ -10,6 +10,7 @@ from extproc.core.account import RequestAccount
 from extproc.core.admission import Cost
 from extproc.core.apis.base import ApiFormat, ParsedRequest
 from extproc.core.keys import WindowedBucket
+from extproc.core.rules import UnconfirmedCharge
 
 
 @dataclass(slots=True)
@@ -36,6 +37,8 @@ class RequestContext:
     usage_input: int | None = None  # the upstream's input figure (used for unseen input only)
     usage_cached_input: int = 0  # from the upstream's usage, when it says
     usage_reasoning: int = 0
+    # the last stream charge whose answer never came (settlement undoes it if it ran)
+    unconfirmed: UnconfirmedCharge | None = None
 
     @property
     def metered(self) -> bool:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from extproc.core.rules import Adjustment
+from extproc.core.rules import Adjustment, UnconfirmedCharge
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import Limiter
 from extproc.metrics import Metrics
@@ -27,6 +27,8 @@ class Kept:
     adjustments: list[Adjustment]
     ttl_ms: int
     request_id: str
+    cancel: bool = False
+    unconfirmed: UnconfirmedCharge | None = None
 
 
 class SettlementQueue:
@@ -63,7 +65,13 @@ class SettlementQueue:
         while self.kept:
             item = self.kept[0]
             try:
-                await self.limiter.settle(item.ledger, item.adjustments, ledger_ttl_ms=item.ttl_ms)
+                await self.limiter.settle(
+                    item.ledger,
+                    item.adjustments,
+                    ledger_ttl_ms=item.ttl_ms,
+                    cancel=item.cancel,
+                    unconfirmed=item.unconfirmed,
+                )
             except LimiterUnavailable:
                 return False
             self.kept.popleft()

@@ -149,13 +149,17 @@ async def settle(
     # reclaimed as abandoned and a replay is a no-op.
     ttl = ctx.cfg.ledger_ttl_seconds * 1000
     try:
-        if await gw.limiter.settle(ctx.ledger, adjustments, ledger_ttl_ms=ttl):
+        if await gw.limiter.settle(
+            ctx.ledger, adjustments, ledger_ttl_ms=ttl, unconfirmed=ctx.unconfirmed
+        ):
             gw.metrics.settlements.labels("applied").inc()
         else:  # our own retried call found it applied (it never applies twice)
             gw.metrics.duplicate_hits.labels("settle").inc()
     except LimiterUnavailable:
         gw.metrics.limiter_errors.labels("settle").inc()
-        gw.settlements.keep(Kept(ctx.ledger, adjustments, ttl, ctx.request_id))
+        gw.settlements.keep(
+            Kept(ctx.ledger, adjustments, ttl, ctx.request_id, unconfirmed=ctx.unconfirmed)
+        )
         log.warning("settlement_deferred", request_id=ctx.request_id, delta=delta)
     gw.metrics.tokens.labels("net").inc(max(0, total))
     if ctx.model is not None and total > 0:

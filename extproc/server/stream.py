@@ -21,7 +21,7 @@ from extproc.core.keys import WindowedBucket
 from extproc.core.lifecycle import CutReason, Input, Lifecycle
 from extproc.core.meter import Step, StreamMeter
 from extproc.core.responses import cut_error, quota_cut_message
-from extproc.core.rules import RATE_SCALE
+from extproc.core.rules import RATE_SCALE, UnconfirmedCharge
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import ChargeResult
 from extproc.server import wire
@@ -188,8 +188,12 @@ class StreamDriver:
         meter = self.meter
         try:
             res = task.result()
-        except LimiterUnavailable:
+        except LimiterUnavailable as exc:
             self.gw.metrics.limiter_errors.labels("charge").inc()
+            if exc.maybe_ran:  # it may still run once Redis answers: settlement takes it back
+                self.ctx.unconfirmed = UnconfirmedCharge(
+                    self._seq, tuple((b.key, b.rates.output) for b in self._charge_buckets)
+                )
             meter.on_charge_failed()
             if self.ctx.cfg.failure_mode_for(self.ctx.plan) == "open":
                 log.warning("limiter_unavailable_stream_unmetered", request_id=self.ctx.request_id)

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import redis
 
-from extproc.core.rules import BucketCharge
+from extproc.core.rules import RATE_SCALE, Adjustment, BucketCharge, UnconfirmedCharge
 from extproc.limiter.redis import RedisLimiter
 from tests.helpers import RedisServer
 
@@ -18,7 +18,6 @@ pytestmark = pytest.mark.integration
 
 TTL = 600_000
 LEASE = 10_000
-NOW = int(time.time() * 1000)  # slot sets expire in real time
 
 
 def far() -> int:
@@ -89,14 +88,15 @@ async def test_shadow_buckets_never_refuse_nor_limit_a_grant(lim: RedisLimiter) 
     assert got.granted == 64 and not got.exhausted and got.values == (500 + 960,)
 
 
-def slot(t: str, limit: int) -> BucketCharge:
-    return BucketCharge(f"{t}:conc", "concurrency", 1, limit, NOW + LEASE + 2_000)
+def slot(t: str, limit: int, now: int) -> BucketCharge:
+    # slot sets expire in real time: ``now`` is the test's own start, not the module's import
+    return BucketCharge(f"{t}:conc", "concurrency", 1, limit, now + 3 * LEASE)
 
 
 async def admit_slot(lim: RedisLimiter, t: str, n: int, now: int, limit: int = 2) -> bool:
     res = await lim.admit(
         f"{t}:req:{n}",
-        [slot(t, limit)],
+        [slot(t, limit, now)],
         tpm_charged=0,
         count_refused=False,
         ledger_ttl_ms=TTL,
@@ -112,13 +112,14 @@ async def test_concurrency_slots_are_taken_and_freed_by_settlement(
     """Two slots: a third request is refused until one of the two settles."""
     r = redis.Redis(port=redis_server.port)
     t = tag()
-    assert await admit_slot(lim, t, 1, NOW)
-    assert await admit_slot(lim, t, 2, NOW)
-    assert not await admit_slot(lim, t, 3, NOW)
+    now = int(time.time() * 1000)
+    assert await admit_slot(lim, t, 1, now)
+    assert await admit_slot(lim, t, 2, now)
+    assert not await admit_slot(lim, t, 3, now)
     assert r.zcard(f"{t}:conc") == 2
     assert await lim.settle(f"{t}:req:1", [], ledger_ttl_ms=TTL)
     assert r.zcard(f"{t}:conc") == 1
-    assert await admit_slot(lim, t, 4, NOW)
+    assert await admit_slot(lim, t, 4, now)
 
 
 async def test_a_dead_processor_leaks_a_slot_only_until_its_lease_ends(
@@ -128,14 +129,15 @@ async def test_a_dead_processor_leaks_a_slot_only_until_its_lease_ends(
     slots stay."""
     r = redis.Redis(port=redis_server.port)
     t = tag()
-    assert await admit_slot(lim, t, 1, NOW)  # its processor dies
-    assert await admit_slot(lim, t, 2, NOW)  # a live one, renewing
-    await lim.renew([f"{t}:req:2"], NOW + 3 * LEASE, held={f"{t}:req:2": [f"{t}:conc"]})
-    assert not await admit_slot(lim, t, 3, NOW + LEASE - 1)
-    assert await admit_slot(lim, t, 4, NOW + LEASE + 1)  # 1's lease is over
+    now = int(time.time() * 1000)
+    assert await admit_slot(lim, t, 1, now)  # its processor dies
+    assert await admit_slot(lim, t, 2, now)  # a live one, renewing
+    await lim.renew([f"{t}:req:2"], now + 3 * LEASE, held={f"{t}:req:2": [f"{t}:conc"]})
+    assert not await admit_slot(lim, t, 3, now + LEASE - 1)
+    assert await admit_slot(lim, t, 4, now + LEASE + 1)  # 1's lease is over
     assert r.hget(f"{t}:req:1", "state") == b"reclaimed"
     assert r.zscore(f"{t}:conc", f"{t}:req:1") is None
-    assert r.zscore(f"{t}:conc", f"{t}:req:2") == NOW + 3 * LEASE
+    assert r.zscore(f"{t}:conc", f"{t}:req:2") == now + 3 * LEASE
 
 
 async def test_sliding_window_counts_the_previous_window_by_its_share(lim: RedisLimiter) -> None:
@@ -164,3 +166,76 @@ async def test_sliding_window_counts_the_previous_window_by_its_share(lim: Redis
     await lim.admit(f"{t}:req:s", [tpm], tpm_charged=0, count_refused=False, ledger_ttl_ms=TTL)
     got = await lim.charge(f"{t}:req:s", 1, [tpm], 64, strict=True, ledger_ttl_ms=TTL)
     assert got.granted == 25 and got.values == (100,) and got.exhausted
+
+
+# -- calls that timed out on our side but ran (or will run) on Redis ------------------------
+
+
+def tpm(t: str, amount: int) -> BucketCharge:
+    return BucketCharge(f"{t}:tpm", "tpm", amount, 1_000_000, far())
+
+
+async def test_cancel_undoes_an_admission_that_ran_after_all(
+    lim: RedisLimiter, redis_server: RedisServer
+) -> None:
+    """The admission's answer never came, but it ran: the kept cancel refunds all of it."""
+    r = redis.Redis(port=redis_server.port)
+    t = tag()
+    await lim.admit(
+        f"{t}:req", [tpm(t, 120)], tpm_charged=120, count_refused=False, ledger_ttl_ms=TTL
+    )
+    undo = [Adjustment(f"{t}:tpm", -120, far())]
+    assert await lim.settle(f"{t}:req", undo, ledger_ttl_ms=TTL, cancel=True)
+    assert int(r.get(f"{t}:tpm") or 0) == 0
+
+
+async def test_cancel_before_a_late_admission_stops_it_from_charging(
+    lim: RedisLimiter, redis_server: RedisServer
+) -> None:
+    """The cancel reaches Redis first (another connection): the admission, arriving late,
+    finds the ledger and charges nothing."""
+    r = redis.Redis(port=redis_server.port)
+    t = tag()
+    undo = [Adjustment(f"{t}:tpm", -120, far())]
+    assert await lim.settle(f"{t}:req", undo, ledger_ttl_ms=TTL, cancel=True)
+    assert int(r.get(f"{t}:tpm") or 0) == 0  # nothing refunded that was never charged
+    res = await lim.admit(
+        f"{t}:req", [tpm(t, 120)], tpm_charged=120, count_refused=False, ledger_ttl_ms=TTL
+    )
+    assert res.duplicate and int(r.get(f"{t}:tpm") or 0) == 0
+
+
+async def test_settlement_takes_back_an_unconfirmed_charge_that_ran(
+    lim: RedisLimiter, redis_server: RedisServer
+) -> None:
+    """A stream charge timed out on our side but ran: the settlement, computed without it,
+    takes it back, so the counter ends at what was delivered."""
+    r = redis.Redis(port=redis_server.port)
+    t = tag()
+    await lim.admit(
+        f"{t}:req", [tpm(t, 10)], tpm_charged=10, count_refused=False, ledger_ttl_ms=TTL
+    )
+    await lim.charge(f"{t}:req", 1, [tpm(t, 0)], 16, strict=False, ledger_ttl_ms=TTL)
+    assert int(r.get(f"{t}:tpm") or 0) == 26
+    # the processor saw no answer: its account holds 10, it delivered 12 output tokens
+    shortfall = [Adjustment(f"{t}:tpm", 12, far())]
+    ghost = UnconfirmedCharge(1, ((f"{t}:tpm", RATE_SCALE),))
+    assert await lim.settle(f"{t}:req", shortfall, ledger_ttl_ms=TTL, unconfirmed=ghost)
+    assert int(r.get(f"{t}:tpm") or 0) == 10 + 12
+
+
+async def test_a_charge_arriving_after_settlement_charges_nothing(
+    lim: RedisLimiter, redis_server: RedisServer
+) -> None:
+    """The settlement reached Redis before the timed-out charge: the charge is a no-op and the
+    settlement found nothing to take back."""
+    r = redis.Redis(port=redis_server.port)
+    t = tag()
+    await lim.admit(
+        f"{t}:req", [tpm(t, 10)], tpm_charged=10, count_refused=False, ledger_ttl_ms=TTL
+    )
+    ghost = UnconfirmedCharge(1, ((f"{t}:tpm", RATE_SCALE),))
+    shortfall = [Adjustment(f"{t}:tpm", 12, far())]
+    assert await lim.settle(f"{t}:req", shortfall, ledger_ttl_ms=TTL, unconfirmed=ghost)
+    got = await lim.charge(f"{t}:req", 1, [tpm(t, 0)], 16, strict=False, ledger_ttl_ms=TTL)
+    assert got.granted == 0 and int(r.get(f"{t}:tpm") or 0) == 22

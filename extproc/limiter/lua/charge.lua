@@ -53,7 +53,7 @@ for i = 1, n do
   vals[i] = tonumber(redis.call('GET', KEYS[i + 1]) or '0') + prev[i]
 end
 local state = redis.call('HGET', KEYS[1], 'state')
-if state == 'settled' then
+if state == 'settled' or state == 'cancelled' then
   return {0, 0, vals}
 end
 local last = tonumber(redis.call('HGET', KEYS[1], 'seq') or '0')
