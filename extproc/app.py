@@ -301,7 +301,9 @@ async def serve_forever(settings: Settings) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(
-            settings.metrics_port, addr="127.0.0.1", registry=running.gateway.metrics.registry
+            settings.metrics_port,
+            addr=settings.metrics_host,
+            registry=running.gateway.metrics.registry,
         )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

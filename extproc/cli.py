@@ -38,6 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             grpc_address=args.grpc_address,
             log_format=args.log_format,
             metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
             workers=args.workers,
             admin_port=args.admin_port,
             admin_host=args.admin_host,
@@ -336,7 +337,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--metrics-port",
         type=int,
-        help="serve Prometheus metrics on 127.0.0.1:PORT (with --workers: merged over workers)",
+        help="serve Prometheus metrics on PORT (with --workers: merged over workers)",
+    )
+    s.add_argument(
+        "--metrics-host",
+        help="address the metrics endpoint listens on (default 127.0.0.1; 0.0.0.0 in a pod)",
     )
     s.add_argument(
         "--workers",

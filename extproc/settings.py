@@ -49,6 +49,8 @@ class Settings(BaseSettings):
     log_format: Literal["json", "console"] = "json"
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     metrics_port: int = Field(default=0, ge=0, le=65535)
+    # where the metrics endpoint listens: loopback by default; 0.0.0.0 in a pod Prometheus scrapes
+    metrics_host: str = "127.0.0.1"
     usage_address: str = ""
     workers: int = Field(default=1, ge=1)
     reuse_port: bool = Field(default=False, validation_alias="AIQ_REUSEPORT")

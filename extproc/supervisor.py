@@ -10,7 +10,7 @@
   SIGTERM (each drains), and the parent exits once every worker has exited (status 0 when each
   drained cleanly).
 - Metrics: with ``metrics_port``, workers write to a shared ``PROMETHEUS_MULTIPROC_DIR`` and the
-  parent alone serves the merged metrics on ``127.0.0.1:metrics_port`` (counters and histograms
+  parent alone serves the merged metrics on ``metrics_host:metrics_port`` (counters and histograms
   summed over workers; gauges carry a ``pid`` label per worker).  A dead worker's files are
   marked dead when it is replaced.
 """
@@ -103,7 +103,9 @@ class Supervisor:
         assert self._multiproc_dir is not None
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=self._multiproc_dir)  # type: ignore[no-untyped-call]
-        start_http_server(self.settings.metrics_port, addr="127.0.0.1", registry=registry)
+        start_http_server(
+            self.settings.metrics_port, addr=self.settings.metrics_host, registry=registry
+        )
 
     def _on_exit(self, w: Worker, code: int) -> None:
         assert w.popen is not None

@@ -81,7 +81,7 @@ def containers(deploy: Obj) -> dict[str, Obj]:
 def test_base_lists_the_core_objects(base: list[Obj]) -> None:
     kinds = sorted(o["kind"] for o in base)
     assert kinds == sorted(
-        ["Namespace", "ConfigMap", "ConfigMap", "Deployment", "Service", "PodDisruptionBudget"]
+        ["Namespace", "ConfigMap", "Deployment", "Service", "PodDisruptionBudget"]
     )
     kust = yaml.safe_load((BASE / "kustomization.yaml").read_text())
     namespaced = [o for o in base if o["kind"] != "Namespace"]
@@ -188,14 +188,12 @@ def test_service_ports_reach_named_container_ports(base: list[Obj]) -> None:
         assert svc_ports[name]["targetPort"] in container_ports, name
 
 
-def test_metrics_proxy_forwards_to_the_processors_metrics_port(base: list[Obj]) -> None:
+def test_metrics_are_served_on_the_pod_ip_by_the_processor_itself(base: list[Obj]) -> None:
     cs = containers(one(base, "Deployment"))
-    assert "--metrics-port=9464" in cs["ai-quota"]["args"]
-    env = {e["name"]: e["value"] for e in cs["metrics"]["env"]}
-    assert env["UPSTREAM_PORT"] == "9464"
-    assert {p["containerPort"] for p in cs["metrics"]["ports"]} == {int(env["LISTEN_PORT"])}
-    source = one(base, "ConfigMap", "ai-quota-metrics-proxy")["data"]["metrics_proxy.py"]
-    compile(source, "metrics_proxy.py", "exec")
+    args = cs["ai-quota"]["args"]
+    assert "--metrics-port=9090" in args and "--metrics-host=0.0.0.0" in args
+    assert {p["name"]: p["containerPort"] for p in cs["ai-quota"]["ports"]}["metrics"] == 9090
+    assert set(cs) == {"ai-quota"}  # no sidecar needed
 
 
 def test_redis_dev_overlay_is_valid_and_provides_the_secret(no_network: None) -> None:
