@@ -113,7 +113,8 @@ async def soak(stack: Stack, seconds: float, rid: Any) -> dict[str, Any]:
     await rds.aclose()
     recs = {
         r.client_request_id: r
-        for r in await asyncio.to_thread(system.sim_records, stack.sim_url)
+        # a ten-minute soak has some 200,000 records: give the transfer time
+        for r in await asyncio.to_thread(system.sim_records, stack.sim_url, 300.0)
         if r.client_request_id in prompts
     }
     ok = [cid for cid, status in outcomes if status == 200]

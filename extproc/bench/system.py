@@ -233,8 +233,8 @@ def proc_pids(stack: Stack, prefix: str) -> list[int]:
     return [p.popen.pid for p in stack.procs if p.name.startswith(prefix)]
 
 
-def sim_records(sim_url: str) -> list[SimRecord]:
+def sim_records(sim_url: str, timeout_s: float = 5.0) -> list[SimRecord]:
     """The simulator's ground-truth records (its ring buffer: the newest ones)."""
-    with urllib.request.urlopen(f"{sim_url}/sim/requests", timeout=5) as r:  # noqa: S310
+    with urllib.request.urlopen(f"{sim_url}/sim/requests", timeout=timeout_s) as r:  # noqa: S310
         raw: list[dict[str, Any]] = orjson.loads(r.read())["requests"]
     return [rec for rec in map(sim_record_from_json, raw) if rec is not None]
