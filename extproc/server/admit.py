@@ -1,13 +1,9 @@
-"""Request body: parse, count input tokens, plan the cost, run the one admission call.
-
-Counting of large prompts runs in worker threads (tiktoken releases the GIL), at most
-``Gateway.count_slots`` at a time, so a burst of huge prompts queues instead of slowing every other
-tenant's chunks.
-"""
+"""Request body: parse, count input tokens (:mod:`extproc.server.counting`), plan the cost, run
+the one admission call; a refusal by a limit on the requested model may be served by the plan's
+fallback model (:mod:`extproc.server.policies`).  A call that timed out keeps a cancel."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 
@@ -19,10 +15,8 @@ from extproc.core.admission import Cost
 from extproc.core.apis.base import RequestLimits
 from extproc.core.keys import WindowedBucket, ledger_key
 from extproc.core.rules import Adjustment, Charging
-from extproc.core.tokens import PromptShapeError, PromptTooLarge
 from extproc.errors import (
     BadRequest,
-    GatewayBusy,
     LimiterUnavailable,
     QuotaExceeded,
     RequestTooLarge,
@@ -30,13 +24,12 @@ from extproc.errors import (
 )
 from extproc.limiter.base import AdmitResult
 from extproc.server.context import RequestContext
+from extproc.server.counting import count_input
 from extproc.server.gateway import Gateway
 from extproc.server.kept import Kept
+from extproc.server.policies import fallback_model, shadow_report
 
 log = structlog.get_logger("extproc")
-
-# Bodies longer than this (bytes) are counted in a worker thread.
-OFFLOAD_BYTES = 16_384
 
 
 def buckets_at(gw: Gateway, ctx: RequestContext, now_ms: int) -> list[WindowedBucket]:
@@ -83,7 +76,7 @@ async def admit_body(gw: Gateway, ctx: RequestContext, raw: bytes) -> bytes | No
     if attempt.refused is not None:
         # A limit on the requested model is exhausted: the plan may name another model that
         # still has room (its own buckets are charged; the client is told in a header).
-        alt = _fallback(ctx, attempt)
+        alt = fallback_model(ctx, attempt.plan.cost, attempt.values)
         if alt is None:
             raise attempt.refused
         second = await _attempt(gw, ctx, alt, len(raw))
@@ -133,37 +126,6 @@ async def admit_body(gw: Gateway, ctx: RequestContext, raw: bytes) -> bytes | No
     )
 
 
-def _shadow_report(
-    gw: Gateway, ctx: RequestContext, values: tuple[int, ...], cost: Cost
-) -> list[tuple[str, str]]:
-    """Count each limit kind's decision; a shadow limit that would have refused is logged
-    and named in ``x-ratelimit-shadow-exceeded`` (the request goes on)."""
-    kinds: set[str] = set()
-    exceeded: list[str] = []
-    for b, v in zip(ctx.buckets, values, strict=True):
-        if not b.limit.shadow:
-            kinds.add(b.metric)
-            continue
-        # values are after charging: over the limit means this admission would have been refused
-        if v > b.limit.limit and admission.admission_amount(b, cost) > 0:
-            exceeded.append(admission.describe(b.limit))
-            gw.metrics.limit_decisions.labels(b.metric, "shadow_refused").inc()
-        else:
-            gw.metrics.limit_decisions.labels(b.metric, "shadow_allowed").inc()
-    for kind in kinds:
-        gw.metrics.limit_decisions.labels(kind, "allowed").inc()
-    if not exceeded:
-        return []
-    log.info(
-        "shadow_limit_exceeded",
-        request_id=ctx.request_id,
-        tenant=ctx.tenant.id if ctx.tenant else None,
-        limits=exceeded,
-        would="refuse",
-    )
-    return [("x-ratelimit-shadow-exceeded", "; ".join(exceeded))]
-
-
 @dataclass(slots=True)
 class _Attempt:
     """Admission of the request as one model: the plan, and the refusal when refused."""
@@ -183,7 +145,7 @@ async def _attempt(gw: Gateway, ctx: RequestContext, model: Model, size: int) ->
     assert api is not None and req is not None and tenant is not None
     ctx.model = model
     structlog.contextvars.bind_contextvars(tenant=tenant.id, model=model.name)
-    input_tokens = await _count_input(gw, ctx, size)
+    input_tokens = await count_input(gw, ctx, size)
     charging = cfg.charging_for(tenant.plan, model.name)
     budget_param = req.budget_fields[0] if req.budget_fields else "max_tokens"
     plan = admission.plan_admission(
@@ -226,55 +188,10 @@ async def _attempt(gw: Gateway, ctx: RequestContext, model: Model, size: int) ->
         ctx.admitted_at_ms = now
         ctx.account.record(ctx.buckets, admission.admission_usage(cost))
         ctx.headers_out += admission.rate_limit_headers(ctx.buckets, res.values, now).as_pairs()
-        ctx.headers_out += _shadow_report(gw, ctx, res.values, cost)
+        ctx.headers_out += shadow_report(gw, ctx, res.values, cost)
         if lease:
             gw.keep_leases()
     return out
-
-
-def _fallback(ctx: RequestContext, attempt: _Attempt) -> Model | None:
-    """The plan's fallback for the requested model, when what refused it was a limit on that
-    model (a tenant-wide limit would refuse the fallback too)."""
-    model, tenant = ctx.model, ctx.tenant
-    assert model is not None and tenant is not None
-    name = ctx.cfg.fallbacks.get(tenant.plan, {}).get(model.name)
-    if name is None or not model.known:
-        return None
-    on_model = any(
-        b.limit.model == model.name
-        and not b.limit.shadow
-        and admission.would_refuse(b, v, admission.admission_amount(b, attempt.plan.cost))
-        for b, v in zip(ctx.buckets, attempt.values, strict=True)
-    )
-    return ctx.cfg.models.get(name) if on_model else None
-
-
-async def _count_input(gw: Gateway, ctx: RequestContext, size: int) -> int:
-    api, req, model = ctx.api, ctx.req, ctx.model
-    assert api is not None and req is not None and model is not None
-
-    def count() -> int:
-        return api.count_input(req, model.counter, model.tokenizer)
-
-    t0 = time.perf_counter()
-    try:
-        if size > OFFLOAD_BYTES:
-            async with asyncio.timeout(ctx.cfg.count_deadline_ms / 1000), gw.count_slots:
-                n = await asyncio.to_thread(count)
-        else:
-            n = count()
-    except TimeoutError:
-        raise GatewayBusy(
-            "The gateway is busy counting other large prompts; retry in a second."
-        ) from None
-    except PromptTooLarge as exc:
-        raise RequestTooLarge(str(exc)) from None
-    except PromptShapeError as exc:
-        raise BadRequest(str(exc)) from None
-    except RecursionError:
-        raise BadRequest("the request body is nested too deeply") from None
-    gw.metrics.tokenize_seconds.labels(api.name).observe(time.perf_counter() - t0)
-    return n
 
 
 async def admit_rpm_only(gw: Gateway, ctx: RequestContext) -> None:
