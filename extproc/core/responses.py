@@ -9,7 +9,8 @@ import math
 
 import orjson
 
-from extproc.core.admission import retry_seconds
+from extproc.core.admission import describe, format_amount, retry_seconds, scope_label
+from extproc.core.keys import WindowedBucket
 from extproc.errors import ErrorBody, GatewayError, QuotaExceeded, StreamCut
 
 
@@ -59,6 +60,37 @@ def quota_cut_message(
         f"{head}: limit {limit}, used {used}. The stream was stopped after {delivered} output "
         f"tokens; the limit resets in {retry_seconds(reset_s)}s."
     )
+
+
+def quota_cut(
+    *,
+    tenant: str,
+    charged: list[tuple[WindowedBucket, int]],
+    admitted: list[WindowedBucket],
+    delivered: int,
+    now_ms: int,
+) -> tuple[str, bool]:
+    """The cut's message naming the limit that ran out (the per-token bucket furthest past its
+    limit in the last charge's answer, else the admitted ones), and whether it is a budget."""
+    live = [(b, v) for b, v in charged if b.kind == "tpm" and not b.limit.shadow]
+    if not live:
+        live = [(b, 0) for b in admitted if b.kind == "tpm" and not b.limit.shadow]
+    if not live:
+        return "Rate limit reached for tokens; the stream was stopped.", False
+    b, v = max(live, key=lambda bv: (bv[1] - bv[0].limit.limit) / max(1, bv[0].limit.limit))
+    used = v if v else b.limit.limit
+    budget = b.metric == "cost"
+    message = quota_cut_message(
+        tenant=tenant,
+        per=b.limit.period_name,
+        scope=scope_label(b.limit),
+        limit=format_amount(b.limit, b.limit.limit) if budget else b.limit.limit,
+        used=format_amount(b.limit, used) if budget else used,
+        delivered=delivered,
+        reset_s=b.reset_s(now_ms),
+        what=describe(b.limit) if budget else "",
+    )
+    return message, budget
 
 
 def cut_error(reason: str, message: str | None = None, *, budget: bool = False) -> StreamCut:

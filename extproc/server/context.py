@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from extproc.config.runtime import ApiKey, Model, RuntimeConfig, Tenant
 from extproc.core.account import RequestAccount
 from extproc.core.admission import Cost
 from extproc.core.apis.base import ApiFormat, ParsedRequest
 from extproc.core.keys import WindowedBucket
+from extproc.core.lifecycle import Lifecycle
 from extproc.core.rules import UnconfirmedCharge
 
 
@@ -63,3 +65,21 @@ class RequestContext:
     def latency_ms(self) -> float:
         """Milliseconds since the request headers arrived."""
         return round((time.perf_counter() - self.started) * 1000, 3)
+
+
+def metadata(
+    ctx: RequestContext, life: Lifecycle, *, output_tokens: int | None = None
+) -> dict[str, Any]:
+    """The ``ai_quota`` dynamic metadata the access log prints."""
+    ending = life.ending
+    out: dict[str, Any] = {
+        "tenant": ctx.tenant.id if ctx.tenant else "",
+        "key": ctx.key.name if ctx.key else "",
+        "model": ctx.model.name if ctx.model else "",
+        "api": ctx.api.name if ctx.api else "",
+        "input_tokens": ctx.cost.input_tokens if ctx.cost else 0,
+        "ending": ending.value if ending else "in_progress",
+    }
+    if output_tokens is not None:
+        out["output_tokens"] = output_tokens
+    return out

@@ -44,11 +44,11 @@ from extproc.errors import (
 from extproc.errors import UnsupportedEncoding as UnsupportedRequestEncoding
 from extproc.server import wire
 from extproc.server.admit import admit_body, admit_rpm_only
-from extproc.server.context import RequestContext
+from extproc.server.context import RequestContext, metadata
 from extproc.server.gateway import Gateway
 from extproc.server.identity import IDENTITY_HEADERS, identify, route
 from extproc.server.settle import bounded_usage, settle
-from extproc.server.stream import StreamDriver, metadata
+from extproc.server.stream import StreamDriver
 
 log = structlog.get_logger("extproc")
 

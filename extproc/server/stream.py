@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from typing import Any
 
 import structlog
 
@@ -20,13 +19,13 @@ from extproc.core.encoding import BodyDecoder
 from extproc.core.keys import WindowedBucket
 from extproc.core.lifecycle import CutReason, Input, Lifecycle
 from extproc.core.meter import Step, StreamMeter
-from extproc.core.responses import cut_error, quota_cut_message
+from extproc.core.responses import cut_error, quota_cut
 from extproc.core.rules import RATE_SCALE, UnconfirmedCharge
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import ChargeResult
 from extproc.server import wire
 from extproc.server.admit import buckets_at
-from extproc.server.context import RequestContext
+from extproc.server.context import RequestContext, metadata
 from extproc.server.gateway import Gateway
 
 log = structlog.get_logger("extproc")
@@ -238,7 +237,15 @@ class StreamDriver:
         self.life.cut(reason)
         budget = False
         if reason is CutReason.QUOTA_EXHAUSTED:
-            message, budget = self._quota_message()
+            assert ctx.tenant is not None
+            buckets, values = self._last
+            message, budget = quota_cut(
+                tenant=ctx.tenant.id,
+                charged=list(zip(buckets, values, strict=True)),
+                admitted=ctx.buckets,
+                delivered=meter.delivered,
+                now_ms=self.gw.clock.now_ms(),
+            )
         err = cut_error(reason.value, message, budget=budget)
         if isinstance(ctx.api, ResponsesFormat):  # its events are numbered: continue the count
             seq = getattr(self.reader, "last_sequence_number", None)
@@ -254,53 +261,3 @@ class StreamDriver:
             charged=ctx.account.total,
         )
         return [wire.streamed_body(data, True, self.final_metadata())]
-
-    def _quota_message(self) -> tuple[str, bool]:
-        """The cut's message naming the limit that ran out, and whether it is a budget."""
-        ctx = self.ctx
-        assert ctx.tenant is not None
-        now = self.gw.clock.now_ms()
-        buckets, values = self._last
-        live = [
-            (b, v)
-            for b, v in zip(buckets, values, strict=True)
-            if b.kind == "tpm" and not b.limit.shadow
-        ]
-        if not live:
-            live = [(b, 0) for b in ctx.buckets if b.kind == "tpm" and not b.limit.shadow]
-        if not live:
-            return "Rate limit reached for tokens; the stream was stopped.", False
-        b, v = max(live, key=lambda bv: (bv[1] - bv[0].limit.limit) / max(1, bv[0].limit.limit))
-        used = v if v else b.limit.limit
-        budget = b.metric == "cost"
-        return (
-            quota_cut_message(
-                tenant=ctx.tenant.id,
-                per=b.limit.period_name,
-                scope=admission.scope_label(b.limit),
-                limit=admission.format_amount(b.limit, b.limit.limit) if budget else b.limit.limit,
-                used=admission.format_amount(b.limit, used) if budget else used,
-                delivered=self.meter.delivered,
-                reset_s=b.reset_s(now),
-                what=admission.describe(b.limit) if budget else "",
-            ),
-            budget,
-        )
-
-
-def metadata(
-    ctx: RequestContext, life: Lifecycle, *, output_tokens: int | None = None
-) -> dict[str, Any]:
-    """The ``ai_quota`` dynamic metadata the access log prints."""
-    ending = life.ending
-    out: dict[str, Any] = {
-        "tenant": ctx.tenant.id if ctx.tenant else "",
-        "key": ctx.key.name if ctx.key else "",
-        "model": ctx.model.name if ctx.model else "",
-        "api": ctx.api.name if ctx.api else "",
-        "input_tokens": ctx.cost.input_tokens if ctx.cost else 0,
-        "ending": ending.value if ending else "in_progress",
-    }
-    if output_tokens is not None:
-        out["output_tokens"] = output_tokens
-    return out
