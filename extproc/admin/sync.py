@@ -62,7 +62,7 @@ class StoreSync:
         self._installed_at = 0.0
         self._down = False
 
-    async def start(self, timeout_s: float = 2.0) -> None:
+    async def start(self, timeout_s: float = 1.0) -> None:
         """Load the snapshot (Redis not answering within ``timeout_s``: start with the file
         alone and catch up later), then follow the store in the background."""
         try:
@@ -78,9 +78,9 @@ class StoreSync:
         """Stop following the store."""
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if self._tasks:
+            # bounded: a connection stuck in a read must not hold up the shutdown
+            await asyncio.wait(self._tasks, timeout=2.0)
         self._tasks.clear()
 
     async def refresh(self, *, force: bool = False) -> bool:
@@ -181,4 +181,4 @@ class StoreSync:
             finally:
                 if pubsub is not None:
                     with contextlib.suppress(Exception):
-                        await pubsub.aclose()
+                        await asyncio.wait_for(pubsub.aclose(), 1.0)

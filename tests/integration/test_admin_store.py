@@ -104,6 +104,7 @@ async def admin_api(redis_server: RedisServer, tmp_path: Path) -> AsyncIterator[
 async def test_store_changes_are_versioned_atomic_and_published(
     redis_server: RedisServer,
 ) -> None:
+    """Concurrent changes each get a version, none is lost, each is published and kept in history."""
     store = AdminStore.from_url(redis_server.url, prefix=prefix())
     listener = redis.Redis(port=redis_server.port, decode_responses=True)
     pubsub = listener.pubsub()
@@ -149,6 +150,7 @@ async def test_store_changes_are_versioned_atomic_and_published(
 async def test_admin_api_refuses_a_wrong_or_missing_token(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
+    """A wrong, missing or scheme-less token is UNAUTHENTICATED and writes nothing."""
     async with admin_api(redis_server, tmp_path) as admin:
         for md in ([], [("authorization", "Bearer nope")], [("authorization", TOKEN)]):
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -167,6 +169,7 @@ async def test_admin_api_refuses_a_wrong_or_missing_token(
 async def test_admin_api_refuses_an_unsafe_listener(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
+    """A non-loopback listener without a token or TLS is refused at start."""
     store = AdminStore.from_url(redis_server.url, prefix=prefix())
     rules = read_file_rules(str(write_rules(tmp_path)), config_version)
     servicer = AdminServicer(store, StoreSync(store, rules, lambda _e: None))
@@ -182,6 +185,7 @@ async def test_admin_api_refuses_an_unsafe_listener(
 
 
 async def test_admin_api_calls(redis_server: RedisServer, tmp_path: Path) -> None:
+    """Every admin call works, and refusals write nothing."""
     async with admin_api(redis_server, tmp_path) as admin:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await admin.call("SetTenant", admin_pb2.SetTenantRequest(tenant="new", plan="gold"))
@@ -250,6 +254,7 @@ async def test_admin_api_calls(redis_server: RedisServer, tmp_path: Path) -> Non
 async def test_two_replicas_see_a_new_key_and_its_revocation_within_a_second(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
+    """Two subscribed replicas and one polling replica see a new key and its revocation within 1 s."""
     async with admin_api(redis_server, tmp_path) as admin:
         rules = read_file_rules(str(admin.rules_path), config_version)
         replicas = [Replica(), Replica(), Replica()]
@@ -292,6 +297,7 @@ async def test_two_replicas_see_a_new_key_and_its_revocation_within_a_second(
 
 
 async def test_a_rotated_key_ends_with_its_grace(redis_server: RedisServer, tmp_path: Path) -> None:
+    """A rotated key keeps working during its grace and stops after it."""
     async with admin_api(redis_server, tmp_path) as admin:
         rules = read_file_rules(str(admin.rules_path), config_version)
         replica = Replica()
@@ -314,6 +320,7 @@ async def test_a_rotated_key_ends_with_its_grace(redis_server: RedisServer, tmp_
 
 
 async def test_a_replica_keeps_its_snapshot_while_redis_is_down(tmp_path: Path) -> None:
+    """A replica keeps its last snapshot while Redis does not answer."""
     server = RedisServer(tmp_path / "redis")
     rules = read_file_rules(str(write_rules(tmp_path)), config_version)
     replica = Replica()

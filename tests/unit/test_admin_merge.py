@@ -53,6 +53,7 @@ def limits(*entries: dict[str, object]):  # type: ignore[no-untyped-def]
 
 
 def test_empty_store_is_the_file_alone() -> None:
+    """An empty store leaves the file's compiled rules and version untouched."""
     r = rules()
     eff = effective(r, StoreState(), NOW)
     assert eff.config is r.config
@@ -60,6 +61,7 @@ def test_empty_store_is_the_file_alone() -> None:
 
 
 def test_store_tenant_and_key_are_added() -> None:
+    """A store tenant and its key are added next to the file's."""
     state = StoreState(
         version=3,
         tenants={"new": StoredTenant("pro")},
@@ -75,6 +77,7 @@ def test_store_tenant_and_key_are_added() -> None:
 
 
 def test_store_wins_for_a_tenant_both_define() -> None:
+    """The store's plan and limits replace the file's for a tenant both define; its file keys stay."""
     state = StoreState(
         tenants={"acme": StoredTenant("pro", limits({"model": "m", "per": "minute", "rpm": 7}))}
     )
@@ -88,6 +91,7 @@ def test_store_wins_for_a_tenant_both_define() -> None:
 
 
 def test_store_key_of_a_file_tenant_adds_to_its_keys() -> None:
+    """A store key of a file tenant adds to its keys; plan and limits stay the file's."""
     state = StoreState(keys={"key_1": key("key_1", "acme", "sk-second", name="acme-2")})
     cfg = effective(rules(), state, NOW).config
     assert cfg.tenants["acme"].plan == "basic"
@@ -96,6 +100,7 @@ def test_store_key_of_a_file_tenant_adds_to_its_keys() -> None:
 
 
 def test_unusable_store_entries_are_skipped_and_reported() -> None:
+    """Store entries the file cannot take (plan gone, unknown model, no tenant) are left out and reported."""
     state = StoreState(
         tenants={
             "gone": StoredTenant("removed-plan"),
@@ -119,6 +124,7 @@ def test_unusable_store_entries_are_skipped_and_reported() -> None:
 
 
 def test_an_alias_names_a_model_in_store_limits() -> None:
+    """A model alias in a store limit resolves to the model."""
     state = StoreState(
         tenants={"t": StoredTenant("basic", limits({"model": "m-alias", "rpm": 3}))},
         keys={"key_1": key("key_1", "t", "sk-t")},
@@ -128,6 +134,7 @@ def test_an_alias_names_a_model_in_store_limits() -> None:
 
 
 def test_expired_keys_are_left_out_and_change_the_version() -> None:
+    """A key past its grace is left out and changes the effective version."""
     state = StoreState(
         tenants={"t": StoredTenant("basic")},
         keys={
@@ -146,6 +153,7 @@ def test_expired_keys_are_left_out_and_change_the_version() -> None:
 
 
 def test_version_is_the_same_for_the_same_rules_and_store() -> None:
+    """The effective version depends on the content only, not on store versions or times."""
     a = StoreState(version=1, tenants={"t": StoredTenant("basic", updated_at=1.0)})
     b = StoreState(version=9, tenants={"t": StoredTenant("basic", updated_at=2.0)})
     c = StoreState(version=9, tenants={"t": StoredTenant("pro")})
@@ -155,6 +163,7 @@ def test_version_is_the_same_for_the_same_rules_and_store() -> None:
 
 
 def test_snapshot_round_trip() -> None:
+    """A snapshot survives JSON and never holds a secret."""
     state = StoreState(
         version=4,
         tenants={"t": StoredTenant("pro", limits({"per": "month", "budget": 5}), 12.5)},
@@ -166,6 +175,7 @@ def test_snapshot_round_trip() -> None:
 
 
 def test_tenant_errors_at_write_time() -> None:
+    """Write-time validation refuses unknown plans, unknown models and unpriced budgets."""
     r = rules()
     assert tenant_errors(r, "t", StoredTenant("basic")) == []
     assert tenant_errors(r, "acme", StoredTenant("pro", limits({"rpm": 5}))) == []
@@ -178,6 +188,7 @@ def test_tenant_errors_at_write_time() -> None:
 
 
 def test_limit_messages_round_trip() -> None:
+    """Limit messages and rules-file entries convert both ways with presence kept."""
     entry = {
         "model": "m",
         "per": "hour",
@@ -195,6 +206,7 @@ def test_limit_messages_round_trip() -> None:
 
 
 def test_bearer_auth_compares_the_token() -> None:
+    """Only the exact bearer token passes."""
     auth = BearerAuth("s3cret")
     assert auth.allows([("authorization", "Bearer s3cret")])
     assert auth.allows([("authorization", "bearer s3cret")])
@@ -205,6 +217,7 @@ def test_bearer_auth_compares_the_token() -> None:
 
 
 def test_listener_checks() -> None:
+    """Off loopback the admin API needs a token and TLS (or an explicit plaintext opt-in)."""
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5")
     check_listen("127.0.0.1", token=None, tls=False)  # allowed, with a warning
