@@ -163,6 +163,8 @@ def bench_rules(every: int = 64, tpm_limit: int = 20_000) -> dict[str, Any]:
             "strict": {"limits": limited, "charging": {"streaming": "strict"}},
             "budget-lazy": {"limits": budget},
             "budget-strict": {"limits": budget, "charging": {"streaming": "strict"}},
+            # monthly: a soak's counters outlive an hour boundary (hourly ones expire at its end)
+            "soak": {"limits": [{"model": "*", "per": "month", "tpm": 10**15}]},
             "fixed": {"limits": boundary},
             "sliding": {"limits": [{**boundary[0], "window": "sliding"}]},
         },
@@ -171,8 +173,8 @@ def bench_rules(every: int = 64, tpm_limit: int = 20_000) -> dict[str, Any]:
             for name in ("lazy", "strict", "budget-lazy", "budget-strict", "fixed", "sliding")
         }
         | {
-            f"t-{name}": {"plan": "big", "keys": [{"name": name, "plaintext": f"sk-{name}"}]}
-            for name in ("bench", "soak")
+            f"t-{name}": {"plan": plan, "keys": [{"name": name, "plaintext": f"sk-{name}"}]}
+            for name, plan in (("bench", "big"), ("soak", "soak"))
         },
     }
 
