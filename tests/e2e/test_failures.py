@@ -57,6 +57,28 @@ def test_unknown_model_is_counted_by_the_estimator(fstack: Stack) -> None:
     assert used >= comp.usage.prompt_tokens + comp.usage.completion_tokens
 
 
+def test_client_giving_up_on_a_non_stream_is_not_charged_the_reservation(fstack: Stack) -> None:
+    """A client that gives up after 1 s on max_tokens 1000 (the upstream has not answered yet)
+    is charged its input and what the upstream could have made in that time (200 tokens a
+    second), not the 1,000 reserved."""
+    rds = redis.Redis(port=fstack.ports.redis, decode_responses=True)
+    before = tpm_used(rds, "t-std")
+    c = openai.OpenAI(base_url=fstack.base_url, api_key="sk-std", max_retries=0, timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APITimeoutError):
+        c.chat.completions.create(
+            model="sim-small",
+            messages=MSG,
+            max_tokens=1000,
+            extra_headers={"x-sim-ttft-ms": "4000"},
+        )
+    waited = time.monotonic() - t0
+    used = settled(rds, "t-std") - before
+    assert used < 1000  # the reservation was given back
+    # input plus at most 200 tokens per second the request was open (and the settling)
+    assert used <= 40 + 200 * (waited + 2)
+
+
 def test_rpm_only_policy_counts_other_paths(fstack: Stack) -> None:
     """With paths.other: rpm_only, /v1/models passes but counts toward the tenant's RPM."""
     c = client(fstack, "sk-rpm")
@@ -199,25 +221,3 @@ def test_redis_gone_fails_open_for_plans_that_choose_it(fstack: Stack) -> None:
         model="sim-small", messages=MSG, max_tokens=5
     )
     assert comp.usage is not None and comp.usage.completion_tokens == 5
-
-
-def test_client_giving_up_on_a_non_stream_is_not_charged_the_reservation(fstack: Stack) -> None:
-    """A client that gives up after 1 s on max_tokens 1000 (the upstream has not answered yet)
-    is charged its input and what the upstream could have made in that time (200 tokens a
-    second), not the 1,000 reserved."""
-    rds = redis.Redis(port=fstack.ports.redis, decode_responses=True)
-    before = tpm_used(rds, "t-std")
-    c = openai.OpenAI(base_url=fstack.base_url, api_key="sk-std", max_retries=0, timeout=1.0)
-    t0 = time.monotonic()
-    with pytest.raises(openai.APITimeoutError):
-        c.chat.completions.create(
-            model="sim-small",
-            messages=MSG,
-            max_tokens=1000,
-            extra_headers={"x-sim-ttft-ms": "4000"},
-        )
-    waited = time.monotonic() - t0
-    used = settled(rds, "t-std") - before
-    assert used < 1000  # the reservation was given back
-    # input plus at most 200 tokens per second the request was open (and the settling)
-    assert used <= 40 + 200 * (waited + 2)
