@@ -61,7 +61,7 @@ class Settings(BaseSettings):
     clock_offset_ms: int = 0
     # SIGTERM: seconds the health service reports NOT_SERVING while still serving every stream,
     # so Envoy's active health check moves new requests away before the listener closes.
-    drain_notice_s: float = Field(default=1.5, ge=0)
+    drain_notice_s: float = Field(default=2.5, ge=0)
     # Usage records (docs/usage-records.md): the Redis Stream they are appended to
     # (AIQ_USAGE_STREAM=off disables them) and its approximate bound (XADD MAXLEN ~).
     usage_stream: str = "aiq:usage"

@@ -25,7 +25,7 @@ def test_defaults_without_environment() -> None:
         False,
         "uvloop",
     )
-    assert (s.metrics_port, s.shutdown_grace_s, s.drain_notice_s) == (0, 10.0, 1.5)
+    assert (s.metrics_port, s.shutdown_grace_s, s.drain_notice_s) == (0, 10.0, 2.5)
 
 
 def test_every_variable_is_read() -> None:
