@@ -132,6 +132,19 @@ def plan_admission(
     return AdmissionPlan(budget=budget, clamped=clamped, cost=cost)
 
 
+def human_duration(seconds: float) -> str:
+    """A reset time for people: ``41s``, ``6m 0s``, ``5h 3m``, ``28d 16h`` (whole seconds rounded
+    up the same way as ``retry-after``)."""
+    s = retry_seconds(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60}s"
+    if s < 2 * 86400:
+        return f"{s // 3600}h {s % 3600 // 60}m"
+    return f"{s // 86400}d {s % 86400 // 3600}h"
+
+
 def retry_seconds(reset_s: float) -> int:
     """Whole seconds a client waits: the one rounding used by messages and headers alike."""
     return max(1, math.ceil(reset_s))
@@ -355,7 +368,7 @@ def refusal(
         msg = (
             f"Budget exhausted on tenant {tenant} ({scope}): {describe(b.limit)}, used "
             f"{format_amount(b.limit, used)}, this request needs up to "
-            f"{format_amount(b.limit, amount)}. It resets in {retry_seconds(retry)}s."
+            f"{format_amount(b.limit, amount)}. It resets in {human_duration(retry)}."
         )
         return QuotaExceeded(msg, metric="cost", retry_after_s=retry, headers=headers)
     msg = (

@@ -9,7 +9,13 @@ import math
 
 import orjson
 
-from extproc.core.admission import describe, format_amount, retry_seconds, scope_label
+from extproc.core.admission import (
+    describe,
+    format_amount,
+    human_duration,
+    retry_seconds,
+    scope_label,
+)
 from extproc.core.keys import WindowedBucket
 from extproc.errors import ErrorBody, GatewayError, QuotaExceeded, StreamCut
 
@@ -56,9 +62,10 @@ def quota_cut_message(
         if what
         else f"Rate limit reached for tokens per {per} on tenant {tenant} ({scope})"
     )
+    resets = human_duration(reset_s) if what else f"{retry_seconds(reset_s)}s"
     return (
         f"{head}: limit {limit}, used {used}. The stream was stopped after {delivered} output "
-        f"tokens; the limit resets in {retry_seconds(reset_s)}s."
+        f"tokens; the limit resets in {resets}."
     )
 
 

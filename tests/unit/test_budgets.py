@@ -325,3 +325,15 @@ def test_fallback_names_configured_models() -> None:
         with pytest.raises(ConfigError) as info:
             load_config_text(text.replace("  p:\n", f"  p:\n    fallback: {bad}\n"))
         assert expected in str(info.value) and "plans.p.fallback.m" in str(info.value)
+
+
+def test_budget_messages_give_long_resets_in_days() -> None:
+    """A month's reset reads as days and hours, not millions of seconds."""
+    assert admission.human_duration(41) == "41s"
+    assert admission.human_duration(361) == "6m 1s"
+    assert admission.human_duration(3 * 3600 + 120) == "3h 2m"
+    assert admission.human_duration(28 * 86400 + 16 * 3600 + 5) == "28d 16h"
+    now = ms(2026, 12, 3, 7, 39)
+    bs = windowed("aiq", "acme", "k", [BUDGET], now, prices=PRICES)
+    err = admission.refusal(bs, (50_000_000,), cost(100, 100), now, tenant="acme", model="m")
+    assert "It resets in 28d 16h." in str(err)
