@@ -83,6 +83,14 @@ class Supervisor:
             "AIQ_METRICS_PORT": "0",
             "AIQ_SHUTDOWN_GRACE_S": str(s.shutdown_grace_s),
             "AIQ_DRAIN_NOTICE_S": str(s.drain_notice_s),
+            "AIQ_ADMIN_STORE": "1" if s.admin_store else "0",
+            # every worker follows the admin store; the first alone serves the admin API
+            "AIQ_ADMIN_PORT": str(s.admin_port if w.index == 0 else 0),
+            "AIQ_ADMIN_HOST": s.admin_host,
+            "AIQ_ADMIN_TOKEN_FILE": s.admin_token_file,
+            "AIQ_ADMIN_TLS_CERT": s.admin_tls_cert,
+            "AIQ_ADMIN_TLS_KEY": s.admin_tls_key,
+            "AIQ_ADMIN_ALLOW_PLAINTEXT": "1" if s.admin_allow_plaintext else "0",
         }
         if self._multiproc_dir:
             env["PROMETHEUS_MULTIPROC_DIR"] = self._multiproc_dir
