@@ -66,6 +66,8 @@ def admin(port: int, token: Path, *argv: str) -> Any:
 def test_a_created_key_works_and_is_refused_within_a_second_of_revocation(
     admin_stack: tuple[Stack, int, Path],
 ) -> None:
+    """A key made with ``ai-quota admin create-key`` works through Envoy on both replicas and
+    gets a 401 within a second of ``revoke-key``; the file's own keys keep working."""
     stack, port, token = admin_stack
     admin(port, token, "set-tenant", "--tenant", "t-platform", "--plan", "big")
     made = admin(port, token, "create-key", "--tenant", "t-platform", "--name", "platform-1")
