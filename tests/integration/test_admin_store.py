@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -436,3 +437,45 @@ async def test_serve_with_the_admin_api(redis_server: RedisServer, tmp_path: Pat
         await within(1.0, lambda: key_digest(key["api_key"]) not in gw.config.keys_by_digest)
     finally:
         await running.stop(0.5)
+
+
+async def test_admin_api_over_tls(redis_server: RedisServer, tmp_path: Path) -> None:
+    """With a certificate and key, the admin API speaks TLS: a client trusting that certificate
+    and carrying the token is served; a plaintext client is not."""
+    cert, key = tmp_path / "admin.pem", tmp_path / "admin.key"
+    argv = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+    argv += ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"]
+    argv += ["-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"]
+    subprocess.run(
+        argv,
+        check=True,
+        capture_output=True,
+    )
+    store = AdminStore.from_url(redis_server.url, prefix=prefix())
+    rules = read_file_rules(str(write_rules(tmp_path)), config_version)
+    servicer = AdminServicer(store, StoreSync(store, rules, lambda _e: None))
+    server = await start_admin_server(
+        servicer, host="0.0.0.0", token=TOKEN, tls_cert=str(cert), tls_key=str(key)
+    )
+    creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    secure = grpc.aio.secure_channel(f"localhost:{server.port}", creds)
+    plain = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        ok = await admin_pb2_grpc.AdminStub(secure).GetVersion(
+            admin_pb2.GetVersionRequest(),
+            metadata=[("authorization", f"Bearer {TOKEN}")],
+            timeout=5,
+        )
+        assert ok.store_version == 0
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await admin_pb2_grpc.AdminStub(plain).GetVersion(
+                admin_pb2.GetVersionRequest(),
+                metadata=[("authorization", f"Bearer {TOKEN}")],
+                timeout=5,
+            )
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await secure.close()
+        await plain.close()
+        await server.stop(None)
+        await store.close()
