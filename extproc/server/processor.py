@@ -6,8 +6,8 @@ request's :class:`Lifecycle`; the data of the request lives in its :class:`Reque
 
 * request headers → :mod:`extproc.server.identity` (caller, path policy)
 * request body → :mod:`extproc.server.admit` (count, plan, one admission call)
-* response headers/body/trailers → :mod:`extproc.server.stream` (SSE) or the usage of a JSON
-  body read here
+* response headers/body/trailers → :mod:`extproc.server.respond` decides how (from the status
+  and headers), then :mod:`extproc.server.stream` meters SSE, or a JSON body's usage is read
 * the end, whatever it is → :mod:`extproc.server.settle`, in the background, after the last
   response (with the request's final figures as dynamic metadata) has been sent
 
@@ -25,7 +25,6 @@ import structlog
 
 from extproc.core.apis.openai import CHAT
 from extproc.core.apis.registry import api_for_path
-from extproc.core.encoding import UnsupportedEncoding, decoder_for, is_json, media_type
 from extproc.core.lifecycle import (
     Closed,
     CutReason,
@@ -42,20 +41,18 @@ from extproc.errors import (
     UnmeterableResponse,
 )
 from extproc.errors import UnsupportedEncoding as UnsupportedRequestEncoding
-from extproc.server import wire
+from extproc.server import respond, wire
 from extproc.server.admit import admit_body, admit_rpm_only
 from extproc.server.context import RequestContext, metadata
 from extproc.server.gateway import Gateway
 from extproc.server.identity import IDENTITY_HEADERS, identify, route
-from extproc.server.settle import bounded_usage, settle
+from extproc.server.settle import settle
 from extproc.server.stream import StreamDriver
 
 log = structlog.get_logger("extproc")
 
 # Non-streaming JSON bodies read for their usage are buffered up to this size.
 MAX_USAGE_BODY = 8 << 20
-# Media types that are streams but not SSE: the meter cannot read them.
-_UNMETERABLE_STREAMS = ("application/x-ndjson", "application/jsonl", "application/json-seq")
 
 
 class RequestProcessor:
@@ -176,41 +173,28 @@ class RequestProcessor:
     # -- response --------------------------------------------------------------------------
 
     async def on_response_headers(self, hh: Any) -> wire.ProcessingResponse:
-        """Add x-ratelimit-*; choose how the body is metered."""
+        """Add x-ratelimit-*; choose how the body is metered (:func:`respond.classify`)."""
         before = self.life.state
         self.life.advance(Input.RESPONSE_HEADERS)
         ctx = self.ctx
         h = wire.headers_of(hh)
-        try:
-            ctx.status = int(h.get(":status", "0"))
-        except ValueError:
-            ctx.status = 0
-        if before in (State.AWAIT_HEADERS, State.AWAIT_BODY):
-            # Envoy's own local reply (413 before the body reached us, 400, 503 ...).
+        how = respond.classify(ctx, h, before, end_of_stream=hh.end_of_stream)
+        if how.kind == "local_reply":  # Envoy's own reply (413 before the body reached us...)
             self.life.name_ending(Ending.LOCAL_REPLY)
             return wire.continue_response_headers()
-        if not ctx.metered:  # unmetered path, or admitted unmetered (fail-open)
+        if how.kind == "unmetered":  # unmetered path, or admitted unmetered (fail-open)
             return wire.continue_response_headers(ctx.headers_out)
-        cost, req, api = ctx.cost, ctx.req, ctx.api
-        assert cost is not None and req is not None and api is not None
-        if not 200 <= ctx.status < 300:
+        if how.kind == "upstream_error":
             self.life.name_ending(Ending.UPSTREAM_ERROR)
             self.life.advance(Input.END)
             self._settle_later()
             return wire.continue_response_headers(
                 ctx.headers_out, metadata=metadata(ctx, self.life, output_tokens=0)
             )
-        ctype = h.get("content-type", "")
-        try:
-            decoder = decoder_for(h.get("content-encoding", ""))
-        except UnsupportedEncoding:
-            return self._unmeterable(f"content-encoding {h.get('content-encoding', '')[:40]}")
-        wants_stream = req.stream and api.can_stream
-        if wants_stream and cost.meter_stream and not is_json(ctype):
-            if media_type(ctype) in _UNMETERABLE_STREAMS:
-                return self._unmeterable(f"content-type {media_type(ctype)}")
-            # SSE, or an SSE body under a missing/odd content type: we meter what we forward.
-            self.driver = StreamDriver(self.gw, ctx, self.life, decoder)
+        if how.kind == "unmeterable":
+            return self._unmeterable(how.reason)
+        if how.kind == "stream":  # SSE, or SSE under a missing/odd content type
+            self.driver = StreamDriver(self.gw, ctx, self.life, how.decoder)
             self.life.advance(Input.STREAM_START)
             self.gw.metrics.active_streams.inc()
             return wire.continue_response_headers(
@@ -219,8 +203,8 @@ class RequestProcessor:
                 mode=wire.full_duplex_mode(),
                 metadata=metadata(ctx, self.life),
             )
-        if cost.settle_to_actual and not hh.end_of_stream:
-            self._json = (bytearray(), decoder)
+        if how.kind == "read_json":
+            self._json = (bytearray(), how.decoder)
             self.life.advance(Input.READ_BODY)
             return wire.continue_response_headers(
                 ctx.headers_out, mode=wire.streamed_mode(), metadata=metadata(ctx, self.life)
@@ -265,21 +249,10 @@ class RequestProcessor:
 
     def _finish_json(self, raw: bytes, decoder: Any) -> dict[str, object]:
         """The JSON body is complete: read its usage, end the request, settle in the background."""
-        ctx = self.ctx
-        assert ctx.api is not None
-        try:
-            plain = decoder.feed(raw) + decoder.flush() if decoder is not None else raw
-        except Exception:  # noqa: BLE001 - a corrupt body has no usage to read
-            plain = b""
-        usage = ctx.api.json_usage(plain)
-        if usage is not None:
-            ctx.usage_output = bounded_usage(self.gw, ctx, usage.completion_tokens, 0)
-            ctx.usage_input = usage.prompt_tokens
-            ctx.usage_cached_input = usage.cached_input_tokens
-            ctx.usage_reasoning = usage.reasoning_tokens
+        respond.read_json_usage(self.gw, self.ctx, raw, decoder)
         self.life.advance(Input.END)
         self._settle_later()
-        return metadata(ctx, self.life, output_tokens=ctx.usage_output)
+        return metadata(self.ctx, self.life, output_tokens=self.ctx.usage_output)
 
     def on_response_trailers(self) -> list[wire.ProcessingResponse]:
         """Trailers pass; a metered stream first flushes what it holds."""
