@@ -58,5 +58,19 @@ def summarize(values: Sequence[float], scale: float = 1.0) -> dict[str, Any]:
     }
 
 
+def slope_per_minute(samples: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, value) samples, per minute."""
+    n = len(samples)
+    if n < 2:
+        return 0.0
+    mx = sum(t for t, _ in samples) / n
+    my = sum(v for _, v in samples) / n
+    var = sum((t - mx) ** 2 for t, _ in samples)
+    if var == 0:
+        return 0.0
+    cov = sum((t - mx) * (v - my) for t, v in samples)
+    return cov / var * 60.0
+
+
 def _r(v: float | None) -> float | None:
     return None if v is None else round(v, 3)

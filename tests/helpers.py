@@ -206,3 +206,8 @@ def settled(rds: redis.Redis, tenant: str, *, expect: int = 1) -> int:
         if time.monotonic() > deadline:
             raise AssertionError(f"{tenant}: settlements not applied: {states}")
         time.sleep(0.02)
+
+
+def far_ms() -> int:
+    """An expiry two minutes from now (unix ms): counters written by limiter tests outlive them."""
+    return int(time.time() * 1000) + 120_000

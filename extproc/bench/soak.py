@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 
+from extproc import stats
 from extproc.bench import system
 from extproc.bench.client import Shape, connector, send
 from extproc.stack import Stack
@@ -25,31 +25,6 @@ from extproc.stack import Stack
 KEY = "sk-soak"
 TENANT = "t-soak"
 CLIENTS = 8
-
-
-def rss_mb(pid: int) -> float:
-    """Resident memory of a process (Linux ``/proc``), in MB; 0 when it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        return 0.0
-    return 0.0
-
-
-def slope_per_minute(samples: list[tuple[float, float]]) -> float:
-    """Least-squares slope of (seconds, value) samples, per minute."""
-    n = len(samples)
-    if n < 2:
-        return 0.0
-    mx = sum(t for t, _ in samples) / n
-    my = sum(v for _, v in samples) / n
-    var = sum((t - mx) ** 2 for t, _ in samples)
-    if var == 0:
-        return 0.0
-    cov = sum((t - mx) * (v - my) for t, v in samples)
-    return cov / var * 60.0
 
 
 async def soak(stack: Stack, seconds: float, rid: Any) -> dict[str, Any]:
@@ -89,7 +64,7 @@ async def soak(stack: Stack, seconds: float, rid: Any) -> dict[str, Any]:
             samples.append(
                 {
                     "t": time.monotonic() - t0,
-                    "rss_mb": sum(rss_mb(p) for p in pids),
+                    "rss_mb": sum(system.rss_mb(p) for p in pids),
                     "keys": float(await rds.dbsize()),
                     "done": float(len(outcomes)),
                 }
@@ -137,7 +112,7 @@ async def soak(stack: Stack, seconds: float, rid: Any) -> dict[str, Any]:
         "truth": truth,
         "rss_start_mb": warm[0]["rss_mb"] if warm else 0.0,
         "rss_end_mb": samples[-1]["rss_mb"] if samples else 0.0,
-        "rss_slope_mb_per_min": slope_per_minute([(s["t"], s["rss_mb"]) for s in warm]),
+        "rss_slope_mb_per_min": stats.slope_per_minute([(s["t"], s["rss_mb"]) for s in warm]),
         "keys_end": samples[-1]["keys"] if samples else 0.0,
         "samples": samples,
     }

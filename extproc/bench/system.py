@@ -240,3 +240,14 @@ def sim_records(sim_url: str, timeout_s: float = 5.0) -> list[SimRecord]:
     with urllib.request.urlopen(f"{sim_url}/sim/requests", timeout=timeout_s) as r:  # noqa: S310
         raw: list[dict[str, Any]] = orjson.loads(r.read())["requests"]
     return [rec for rec in map(sim_record_from_json, raw) if rec is not None]
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process (Linux ``/proc``), in MB; 0 when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        return 0.0
+    return 0.0

@@ -165,30 +165,27 @@ class _LimitMaker:
         )
 
 
-def _weights(w: schema.Weights) -> Rates:
-    cached = w.input if w.cached_input is None else w.cached_input
-    reasoning = w.output if w.reasoning is None else w.reasoning
+def _rates(f: schema.Weights | schema.Pricing, scale: int) -> Rates:
+    """Per-kind figures times ``scale`` (cached input defaults to input, reasoning to output)."""
+    cached = f.input if f.cached_input is None else f.cached_input
+    reasoning = f.output if f.reasoning is None else f.reasoning
     return Rates(
-        input=round(w.input * RATE_SCALE),
-        cached_input=round(cached * RATE_SCALE),
-        output=round(w.output * RATE_SCALE),
-        reasoning=round(reasoning * RATE_SCALE),
+        input=round(f.input * scale),
+        cached_input=round(cached * scale),
+        output=round(f.output * scale),
+        reasoning=round(reasoning * scale),
+        request=round(f.request * scale) if isinstance(f, schema.Pricing) else 0,
     )
+
+
+def _weights(w: schema.Weights) -> Rates:
+    """Weights as rates: weighted tokens per RATE_SCALE tokens."""
+    return _rates(w, RATE_SCALE)
 
 
 def _prices(p: schema.Pricing | None) -> Rates | None:
     """Per-million prices as rates: micro-units of the currency per million tokens."""
-    if p is None:
-        return None
-    cached = p.input if p.cached_input is None else p.cached_input
-    reasoning = p.output if p.reasoning is None else p.reasoning
-    return Rates(
-        input=round(p.input * MICRO),
-        cached_input=round(cached * MICRO),
-        output=round(p.output * MICRO),
-        reasoning=round(reasoning * MICRO),
-        request=round(p.request * MICRO),
-    )
+    return None if p is None else _rates(p, MICRO)
 
 
 # Periods from shortest to longest, to find a longer window with a smaller limit.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from extproc.core.keys import WindowedBucket, windowed
-from extproc.core.rules import WINDOW_SECONDS, BucketCharge, Charging, Limit, Rates, Usage
+from extproc.core.rules import BucketCharge, Charging, Limit, Rates, Usage
 from extproc.errors import BadRequest, QuotaExceeded, RateLimitHeaders, RequestTooLarge
 
 
@@ -244,10 +244,13 @@ def rate_limit_headers(
             continue
         family = HEADER_FAMILY[b.metric]
         remaining = b.limit.limit - v
-        share = remaining / b.limit.limit if b.limit.limit else 0.0
+        # least room; budgets may mix units (money, weighted tokens): least share of room
+        room: float = remaining
+        if family == "budget":
+            room = remaining / b.limit.limit if b.limit.limit else 0.0
         cur = best.get(family)
-        if cur is None or share < cur[0]:
-            best[family] = (share, b, remaining)
+        if cur is None or room < cur[0]:
+            best[family] = (room, b, remaining)
     h: dict[str, object] = {}
     if "requests" in best:
         _, b, rem = best["requests"]
@@ -377,12 +380,6 @@ def refusal(
     )
     _ = model
     return QuotaExceeded(msg, metric="tpm", retry_after_s=retry, headers=headers)
-
-
-def per_name(window_s: int) -> str:
-    """``minute`` for 60 and so on (``90s`` for windows without a name)."""
-    names = {v: k for k, v in WINDOW_SECONDS.items()}
-    return names.get(window_s, f"{window_s}s")
 
 
 def scope_label(limit: Limit) -> str:

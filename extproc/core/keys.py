@@ -73,6 +73,7 @@ def bucket_key(prefix: str, tenant: str, key_name: str, limit: Limit, window: in
     return f"{tenant_tag(prefix, tenant)}:{metric}:{scope}:{limit.model}:{limit.window_s}:{window}"
 
 
+@lru_cache(maxsize=256)
 def unit_id(limit: Limit) -> str:
     """A cost counter's unit in its key: the currency, or the weights' short digest."""
     if limit.unit != "weighted" or limit.weights is None:

@@ -91,30 +91,26 @@ class Gateway:
         if self._leases is None or self._leases.done():
             self._leases = asyncio.ensure_future(self._renew_loop())
 
-    def open_ledgers(self) -> list[str]:
-        """Ledgers of requests admitted here and not yet settled."""
-        return [
-            p.ctx.ledger
+    def open_leases(self) -> dict[str, list[str]]:
+        """Ledgers of requests admitted here and not yet settled, each with the concurrency
+        sets holding it (renewed together)."""
+        return {
+            p.ctx.ledger: p.ctx.slots
             for p in list(self.active)
             if p.ctx.metered and p.ctx.ledger and not p.life.settling
-        ]
+        }
 
     async def _renew_loop(self) -> None:
         while True:
             lease_ms = self.config.reservation_lease_ms
             await asyncio.sleep(lease_ms / 3000)
-            ledgers = self.open_ledgers()
-            if not ledgers:
+            held = self.open_leases()
+            if not held:
                 continue
-            held = {
-                p.ctx.ledger: p.ctx.slots
-                for p in list(self.active)
-                if p.ctx.ledger in ledgers and p.ctx.holds_slots
-            }
             try:
-                await self.limiter.renew(ledgers, self.clock.now_ms() + lease_ms, held=held)
+                await self.limiter.renew(list(held), self.clock.now_ms() + lease_ms, held=held)
             except LimiterUnavailable:
-                log.warning("lease_renewal_failed", open=len(ledgers))
+                log.warning("lease_renewal_failed", open=len(held))
 
     async def cut_streams_for_shutdown(self) -> int:
         """End every stream still open with a well-formed ``server_shutdown`` error; how many."""

@@ -141,9 +141,10 @@ async def settle(
     if total is None:  # final at admission; the settlement only frees concurrency slots
         adjustments: list[Adjustment] = []
         total = ctx.account.total
+        final = Usage(input=ctx.cost.input_tokens, output=max(0, total - ctx.cost.input_tokens))
     else:
-        current = buckets_at(gw, ctx, gw.clock.now_ms())
-        adjustments = ctx.account.adjustments(final_usage(ctx, total, output), current)
+        final = final_usage(ctx, total, output)
+        adjustments = ctx.account.adjustments(final, buckets_at(gw, ctx, gw.clock.now_ms()))
     delta = total - ctx.account.total
     # Called even with nothing to correct: the ledger is marked settled, so it is never
     # reclaimed as abandoned and a replay is a no-op.
@@ -162,8 +163,7 @@ async def settle(
         )
         log.warning("settlement_deferred", request_id=ctx.request_id, delta=delta)
     gw.metrics.tokens.labels("net").inc(max(0, total))
-    if ctx.model is not None and total > 0:
-        final = final_usage(ctx, total, output)
+    if ctx.model is not None:
         for kind, n in (
             ("input", final.input),
             ("cached_input", final.cached_input),

@@ -12,23 +12,12 @@ import redis
 
 from extproc.core.rules import RATE_SCALE, Adjustment, BucketCharge, UnconfirmedCharge
 from extproc.limiter.redis import RedisLimiter
-from tests.helpers import RedisServer
+from tests.helpers import RedisServer, far_ms
 
 pytestmark = pytest.mark.integration
 
 TTL = 600_000
 LEASE = 10_000
-
-
-def far() -> int:
-    return int(time.time() * 1000) + 120_000
-
-
-@pytest.fixture
-async def lim(redis_server: RedisServer):  # type: ignore[no-untyped-def]
-    lim = RedisLimiter.from_url(redis_server.url, timeout_ms=1000)
-    yield lim
-    await lim.close()
 
 
 def tag() -> str:
@@ -38,7 +27,9 @@ def tag() -> str:
 def budget(t: str, limit: int, *, shadow: bool = False, amount: int = 0) -> BucketCharge:
     """A money counter: 15 micro-dollars per output token ($15 per million)."""
     name = "cost.shadow" if shadow else "cost"
-    return BucketCharge(f"{t}:{name}", "tpm", amount, limit, far(), rate=15_000_000, shadow=shadow)
+    return BucketCharge(
+        f"{t}:{name}", "tpm", amount, limit, far_ms(), rate=15_000_000, shadow=shadow
+    )
 
 
 async def test_strict_grant_is_bounded_by_the_budget_price(lim: RedisLimiter) -> None:
@@ -67,7 +58,7 @@ async def test_lazy_charge_goes_over_and_reports_it(lim: RedisLimiter) -> None:
     await lim.admit(
         f"{t}:req:1", [budget(t, 1_000)], tpm_charged=0, count_refused=False, ledger_ttl_ms=TTL
     )
-    c = BucketCharge(f"{t}:cost", "tpm", 0, 1_000, far(), rate=1_500_000)  # 1.5 per token
+    c = BucketCharge(f"{t}:cost", "tpm", 0, 1_000, far_ms(), rate=1_500_000)  # 1.5 per token
     got = await lim.charge(f"{t}:req:1", 1, [c], 7, strict=False, ledger_ttl_ms=TTL)
     assert got.granted == 7 and got.values == (11,) and not got.exhausted  # ceil(10.5)
     got = await lim.charge(f"{t}:req:1", 2, [c], 700, strict=False, ledger_ttl_ms=TTL)
@@ -150,7 +141,7 @@ async def test_sliding_window_counts_the_previous_window_by_its_share(lim: Redis
     await r.set(prev, 100)
 
     def rpm(n: int) -> BucketCharge:
-        return BucketCharge(cur, "rpm", 1, 100, far(), prev_key=prev, prev_weight=750_000)
+        return BucketCharge(cur, "rpm", 1, 100, far_ms(), prev_key=prev, prev_weight=750_000)
 
     admitted = 0
     for n in range(40):
@@ -162,7 +153,7 @@ async def test_sliding_window_counts_the_previous_window_by_its_share(lim: Redis
             assert res.values == (100,)  # 75 from the previous minute + 25 in this one
             break
     assert admitted == 25
-    tpm = BucketCharge(cur + ":t", "tpm", 0, 100, far(), prev_key=prev, prev_weight=750_000)
+    tpm = BucketCharge(cur + ":t", "tpm", 0, 100, far_ms(), prev_key=prev, prev_weight=750_000)
     await lim.admit(f"{t}:req:s", [tpm], tpm_charged=0, count_refused=False, ledger_ttl_ms=TTL)
     got = await lim.charge(f"{t}:req:s", 1, [tpm], 64, strict=True, ledger_ttl_ms=TTL)
     assert got.granted == 25 and got.values == (100,) and got.exhausted
@@ -172,7 +163,7 @@ async def test_sliding_window_counts_the_previous_window_by_its_share(lim: Redis
 
 
 def tpm(t: str, amount: int) -> BucketCharge:
-    return BucketCharge(f"{t}:tpm", "tpm", amount, 1_000_000, far())
+    return BucketCharge(f"{t}:tpm", "tpm", amount, 1_000_000, far_ms())
 
 
 async def test_cancel_undoes_an_admission_that_ran_after_all(
@@ -184,7 +175,7 @@ async def test_cancel_undoes_an_admission_that_ran_after_all(
     await lim.admit(
         f"{t}:req", [tpm(t, 120)], tpm_charged=120, count_refused=False, ledger_ttl_ms=TTL
     )
-    undo = [Adjustment(f"{t}:tpm", -120, far())]
+    undo = [Adjustment(f"{t}:tpm", -120, far_ms())]
     assert await lim.settle(f"{t}:req", undo, ledger_ttl_ms=TTL, cancel=True)
     assert int(r.get(f"{t}:tpm") or 0) == 0
 
@@ -196,7 +187,7 @@ async def test_cancel_before_a_late_admission_stops_it_from_charging(
     finds the ledger and charges nothing."""
     r = redis.Redis(port=redis_server.port)
     t = tag()
-    undo = [Adjustment(f"{t}:tpm", -120, far())]
+    undo = [Adjustment(f"{t}:tpm", -120, far_ms())]
     assert await lim.settle(f"{t}:req", undo, ledger_ttl_ms=TTL, cancel=True)
     assert int(r.get(f"{t}:tpm") or 0) == 0  # nothing refunded that was never charged
     res = await lim.admit(
@@ -218,7 +209,7 @@ async def test_settlement_takes_back_an_unconfirmed_charge_that_ran(
     await lim.charge(f"{t}:req", 1, [tpm(t, 0)], 16, strict=False, ledger_ttl_ms=TTL)
     assert int(r.get(f"{t}:tpm") or 0) == 26
     # the processor saw no answer: its account holds 10, it delivered 12 output tokens
-    shortfall = [Adjustment(f"{t}:tpm", 12, far())]
+    shortfall = [Adjustment(f"{t}:tpm", 12, far_ms())]
     ghost = UnconfirmedCharge(1, ((f"{t}:tpm", RATE_SCALE),))
     assert await lim.settle(f"{t}:req", shortfall, ledger_ttl_ms=TTL, unconfirmed=ghost)
     assert int(r.get(f"{t}:tpm") or 0) == 10 + 12
@@ -235,7 +226,7 @@ async def test_a_charge_arriving_after_settlement_charges_nothing(
         f"{t}:req", [tpm(t, 10)], tpm_charged=10, count_refused=False, ledger_ttl_ms=TTL
     )
     ghost = UnconfirmedCharge(1, ((f"{t}:tpm", RATE_SCALE),))
-    shortfall = [Adjustment(f"{t}:tpm", 12, far())]
+    shortfall = [Adjustment(f"{t}:tpm", 12, far_ms())]
     assert await lim.settle(f"{t}:req", shortfall, ledger_ttl_ms=TTL, unconfirmed=ghost)
     got = await lim.charge(f"{t}:req", 1, [tpm(t, 0)], 16, strict=False, ledger_ttl_ms=TTL)
     assert got.granted == 0 and int(r.get(f"{t}:tpm") or 0) == 22

@@ -4,7 +4,6 @@ lease keeps it, and a late settlement of a reclaimed ledger puts it back first."
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
@@ -12,7 +11,7 @@ import redis
 
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.limiter.redis import RedisLimiter
-from tests.helpers import RedisServer
+from tests.helpers import RedisServer, far_ms
 
 pytestmark = pytest.mark.integration
 
@@ -20,23 +19,12 @@ TTL = 600_000
 LEASE = 10_000
 
 
-def far() -> int:
-    return int(time.time() * 1000) + 120_000
-
-
-@pytest.fixture
-async def lim(redis_server: RedisServer):  # type: ignore[no-untyped-def]
-    lim = RedisLimiter.from_url(redis_server.url, timeout_ms=1000)
-    yield lim
-    await lim.close()
-
-
 def setup() -> tuple[str, list[BucketCharge]]:
     tag = f"aiq:{{r-{uuid.uuid4().hex[:8]}}}"
     return tag, [
-        BucketCharge(f"{tag}:rpm", "rpm", 1, 100, far()),
+        BucketCharge(f"{tag}:rpm", "rpm", 1, 100, far_ms()),
         BucketCharge(
-            f"{tag}:tpm", "tpm", 1_010, 100_000, far(), refundable=1_000
+            f"{tag}:tpm", "tpm", 1_010, 100_000, far_ms(), refundable=1_000
         ),  # 10 + 1000 reserved
     ]
 
@@ -88,7 +76,7 @@ async def test_settled_reservation_leaves_the_open_set_and_is_never_reclaimed(
     tag, charges = setup()
     now = 1_700_000_000_000
     await admit(lim, tag, charges, now, 1)
-    await lim.settle(f"{tag}:req:1", [Adjustment(f"{tag}:tpm", -900, far())], ledger_ttl_ms=TTL)
+    await lim.settle(f"{tag}:req:1", [Adjustment(f"{tag}:tpm", -900, far_ms())], ledger_ttl_ms=TTL)
     await lim.renew([f"{tag}:req:1"], now + 5 * LEASE)  # XX: a settled one is not re-added
     assert r.zscore(f"{tag}:open", f"{tag}:req:1") is None
     await admit(lim, tag, charges, now + 2 * LEASE, 2)
@@ -105,5 +93,5 @@ async def test_late_settlement_of_a_reclaimed_ledger_is_exact(
     await admit(lim, tag, charges, now, 1)
     await admit(lim, tag, charges, now + LEASE + 1, 2)  # reclaims 1
     # 1 really generated 300 tokens: its processor settles 1010 -> 310 (-700)
-    await lim.settle(f"{tag}:req:1", [Adjustment(f"{tag}:tpm", -700, far())], ledger_ttl_ms=TTL)
+    await lim.settle(f"{tag}:req:1", [Adjustment(f"{tag}:tpm", -700, far_ms())], ledger_ttl_ms=TTL)
     assert int(r.get(f"{tag}:tpm") or 0) == 310 + 1_010

@@ -311,8 +311,10 @@ def test_refusal_too_large_for_minute_hidden_by_hour_bucket() -> None:
 
 
 @pytest.mark.parametrize(
-    ("window_s", "name"), [(1, "second"), (60, "minute"), (3600, "hour"), (86400, "day"), (7, "7s")]
+    ("window_s", "name"),
+    [(1, "second"), (60, "minute"), (3600, "hour"), (86400, "day"), (604800, "week"), (7, "7s")],
 )
-def test_per_name(window_s: int, name: str) -> None:
+def test_period_name(window_s: int, name: str) -> None:
     """Window lengths are named as in the config file (others as seconds)."""
-    assert admission.per_name(window_s) == name
+    assert Limit("tpm", 1, window_s, "*", "tenant").period_name == name
+    assert Limit("tpm", 1, 0, "*", "tenant", period="month").period_name == "month"
