@@ -254,7 +254,7 @@ async def _start_admin(settings: Settings, gw: Gateway) -> Any:
         gw.config = eff.config
         publish_config_version(gw.metrics, eff.version)
 
-    return await start_admin(settings, apply, version_of=config_version)
+    return await start_admin(settings, apply, version_of=config_version, metrics=gw.metrics)
 
 
 def _redact(url: str) -> str:

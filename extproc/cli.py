@@ -45,6 +45,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             admin_token_file=args.admin_token_file,
             admin_tls_cert=args.admin_tls_cert,
             admin_tls_key=args.admin_tls_key,
+            admin_tls_client_ca=args.admin_tls_client_ca,
         )
     except SettingsError as exc:
         print(f"ai-quota serve: {exc}", file=sys.stderr)
@@ -369,6 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--admin-tls-cert", help="TLS certificate of the admin API (PEM)")
     s.add_argument("--admin-tls-key", help="TLS private key of the admin API (PEM)")
+    s.add_argument(
+        "--admin-tls-client-ca",
+        help="require client certificates signed by this CA (PEM): mutual TLS "
+        "(env AIQ_ADMIN_TLS_CLIENT_CA)",
+    )
     s.set_defaults(func=cmd_serve)
 
     u = sub.add_parser(

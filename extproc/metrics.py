@@ -129,3 +129,20 @@ class Metrics:
         self.tokenizer_load_failures = Counter(
             "aiq_tokenizer_load_failures", "Tokenizers that failed to load", registry=r
         )
+        # -- the admin store and API ---------------------------------------------------------
+        self.admin_store_version = Gauge(
+            "aiq_admin_store_applied_version",
+            "The admin store version this replica's rules were built from",
+            registry=r,
+        )
+        self.admin_store_up = Gauge(
+            "aiq_admin_store_reachable",
+            "1 while the admin store answers this replica's version poll, else 0",
+            registry=r,
+        )
+        self.admin_calls = Counter(
+            "aiq_admin_calls",
+            "Admin API calls by method and gRPC status code",
+            ["method", "code"],
+            registry=r,
+        )

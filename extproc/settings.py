@@ -68,14 +68,16 @@ class Settings(BaseSettings):
     usage_stream_maxlen: int = Field(default=1_000_000, ge=1)
     # Tenants and keys changed at run time (docs/admin.md): every replica follows the Redis
     # admin store unless AIQ_ADMIN_STORE=0; the admin gRPC API listens on admin_host:admin_port
-    # (0: off) behind the bearer token in admin_token_file, with TLS from admin_tls_cert/key
-    # (required off loopback unless admin_allow_plaintext: a proxy in front terminates TLS).
+    # (0: off) behind the bearer token in admin_token_file and/or client certificates signed
+    # by admin_tls_client_ca, with TLS from admin_tls_cert/key (required off loopback unless
+    # admin_allow_plaintext: a proxy in front terminates TLS).
     admin_store: bool = True
     admin_port: int = Field(default=0, ge=0, le=65535)
     admin_host: str = "127.0.0.1"
     admin_token_file: str = ""
     admin_tls_cert: str = ""
     admin_tls_key: str = ""
+    admin_tls_client_ca: str = ""
     admin_allow_plaintext: bool = False
 
     @field_validator("usage_stream", mode="before")

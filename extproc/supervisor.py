@@ -90,6 +90,7 @@ class Supervisor:
             "AIQ_ADMIN_TOKEN_FILE": s.admin_token_file,
             "AIQ_ADMIN_TLS_CERT": s.admin_tls_cert,
             "AIQ_ADMIN_TLS_KEY": s.admin_tls_key,
+            "AIQ_ADMIN_TLS_CLIENT_CA": s.admin_tls_client_ca,
             "AIQ_ADMIN_ALLOW_PLAINTEXT": "1" if s.admin_allow_plaintext else "0",
         }
         if self._multiproc_dir:

@@ -1,34 +1,40 @@
 """``aiquota.v1.Admin``: tenants and keys changed at run time, on a port of its own.
 
-Authentication: every call carries ``authorization: Bearer <token>``, compared in constant
-time with the token read from ``--admin-token-file`` (a wrong or missing one is
-UNAUTHENTICATED).  The server refuses to start on a non-loopback address without a token file,
-and without TLS (``--admin-tls-cert``/``--admin-tls-key``) unless
-``AIQ_ADMIN_ALLOW_PLAINTEXT`` says a proxy in front terminates TLS.  On loopback a token file
-is optional (without one, anything on the machine may call it: a warning is logged).
+Authentication (``extproc.admin.auth``): a bearer token from ``--admin-token-file`` (read
+again when the file changes) and/or client certificates (``--admin-tls-client-ca``).  The
+server refuses to start on a non-loopback address without credentials, and without TLS unless
+``AIQ_ADMIN_ALLOW_PLAINTEXT`` says a proxy in front terminates TLS.  On loopback credentials
+are optional (without them, anything on the machine may call it: a warning is logged).
 
 Every change is validated against the running rules file (a plan must be one of the file's,
-limits must compile against its models and prices) before it is stored.
+limits must compile against its models and prices) before it is stored, together with its
+audit entry (who, what, which version; ``ListChanges``).  Every call is counted in
+``aiq_admin_calls_total{method,code}``.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import hmac
-import ipaddress
-import os
+import json
 import secrets
-import stat
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import structlog
 
 from extproc._gen.aiquota.v1 import admin_pb2, admin_pb2_grpc
+from extproc.admin.auth import (
+    BearerAuth,
+    Caller,
+    TokenFile,
+    caller,
+    check_listen,
+    server_credentials,
+)
 from extproc.admin.convert import limit_to_mapping, limit_to_message
 from extproc.admin.errors import AdminConfigError
 from extproc.admin.rules import FileRules, tenant_errors
@@ -43,6 +49,9 @@ from extproc.admin.state import (
 )
 from extproc.admin.store import AdminStore, Conflict, StoreUnavailable
 from extproc.admin.sync import StoreSync
+
+if TYPE_CHECKING:
+    from extproc.metrics import Metrics
 
 log = structlog.get_logger("extproc.admin")
 
@@ -79,13 +88,71 @@ def digest(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
+def _counted(
+    call: Callable[[AdminServicer, Any, Any], Awaitable[Any]],
+) -> Callable[[AdminServicer, Any, Any], Awaitable[Any]]:
+    """Count the call in ``aiq_admin_calls_total{method,code}`` whatever its ending."""
+    method = call.__name__
+
+    @functools.wraps(call)
+    async def counted(self: AdminServicer, request: Any, context: Any) -> Any:
+        code = "OK"
+        try:
+            return await call(self, request, context)
+        except BaseException:
+            status = context.code()
+            code = status.name if isinstance(status, grpc.StatusCode) else "UNKNOWN"
+            raise
+        finally:
+            self.count(method, code)
+
+    return counted
+
+
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     """The admin calls, over one store; validation against the replica's current rules."""
 
     def __init__(
-        self, store: AdminStore, sync: StoreSync, *, now: Callable[[], float] = time.time
+        self,
+        store: AdminStore,
+        sync: StoreSync,
+        *,
+        now: Callable[[], float] = time.time,
+        token: TokenFile | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.store, self.sync, self.now = store, sync, now
+        self.token, self.metrics = token, metrics
+
+    def count(self, method: str, code: str) -> None:
+        """One admin call ended with ``code``."""
+        if self.metrics is not None:
+            self.metrics.admin_calls.labels(method, code).inc()
+
+    def count_refused(self, method: str) -> None:
+        """A call the token check refused."""
+        self.count(method, "UNAUTHENTICATED")
+
+    def _audit(
+        self, context: Any, action: str, describe: Callable[[T], Mapping[str, Any]]
+    ) -> Callable[[T], dict[str, str]]:
+        """The audit entry of a change: the caller, the action and what ``describe`` says of
+        the change's result (strings; ``detail`` as JSON)."""
+        who: Caller = caller(context, self.token)
+
+        def entry(result: T) -> dict[str, str]:
+            out = {
+                "action": action,
+                "principal": who.principal,
+                "on_behalf_of": who.on_behalf_of,
+                "peer": who.peer,
+            }
+            for name, value in describe(result).items():
+                out[name] = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+            log.info("admin_audit", **out)
+            return out
+
+        return entry
 
     @property
     def rules(self) -> FileRules:
@@ -105,6 +172,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     # -- keys ---------------------------------------------------------------------------
 
+    @_counted
     async def CreateKey(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
         """A new key for a tenant; its plaintext is in this answer only."""
         tenant, name = request.tenant, request.name
@@ -123,7 +191,10 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 )
             return replace(state, keys={**state.keys, key.id: key}), None
 
-        stored, _ = await self._run(context, lambda: self.store.update(change))
+        audit = self._audit(
+            context, "create_key", lambda _r: {"tenant": tenant, "key": name, "key_id": key.id}
+        )
+        stored, _ = await self._run(context, lambda: self.store.update(change, audit=audit))
         log.info(
             "admin_key_created", tenant=tenant, key=name, key_id=key.id, version=stored.version
         )
@@ -131,6 +202,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             tenant=tenant, name=name, key_id=key.id, api_key=secret, version=stored.version
         )
 
+    @_counted
     async def RotateKey(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
         """A new secret under the same name; the old one ends now or after the grace."""
         grace = request.grace_seconds
@@ -152,7 +224,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             keys[new.id] = new
             return replace(state, keys=keys), (old, new)
 
-        stored, (old, new) = await self._run(context, lambda: self.store.update(change))
+        def describe(pair: tuple[StoredKey, StoredKey]) -> dict[str, Any]:
+            replaced = {"replaces": pair[0].id, "grace_seconds": grace}
+            return {**_key_fields(pair[1]), "detail": replaced}
+
+        audit = self._audit(context, "rotate_key", describe)
+        stored, (old, new) = await self._run(
+            context, lambda: self.store.update(change, audit=audit)
+        )
         ends = stored.keys[old.id].expires_at if old.id in stored.keys else now
         log.info(
             "admin_key_rotated",
@@ -173,6 +252,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             old_key_expires_at=ends or now,
         )
 
+    @_counted
     async def RevokeKey(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
         """The key stops working on every replica (within a second)."""
 
@@ -183,7 +263,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             keys = {k: v for k, v in state.keys.items() if k != key.id}
             return replace(state, keys=keys), key
 
-        stored, key = await self._run(context, lambda: self.store.update(change))
+        audit = self._audit(context, "revoke_key", _key_fields)
+        stored, key = await self._run(context, lambda: self.store.update(change, audit=audit))
         log.info(
             "admin_key_revoked",
             tenant=key.tenant,
@@ -195,6 +276,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     # -- tenants ------------------------------------------------------------------------
 
+    @_counted
     async def SetTenant(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
         """Create a tenant, or replace its plan and limit overrides."""
         tid = request.tenant
@@ -210,10 +292,22 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, f"tenant {tid!r}: " + "; ".join(errors)
             )
 
-        def change(state: StoreState) -> tuple[StoreState, None]:
-            return replace(state, tenants={**state.tenants, tid: tenant}), None
+        def change(state: StoreState) -> tuple[StoreState, bool]:
+            return replace(state, tenants={**state.tenants, tid: tenant}), tid in state.tenants
 
-        stored, _ = await self._run(context, lambda: self.store.update(change))
+        audit = self._audit(
+            context,
+            "set_tenant",
+            lambda replaced: {
+                "tenant": tid,
+                "detail": {
+                    "plan": tenant.plan,
+                    "limits": [limit_to_mapping(m) for m in request.limits],
+                    "replaced": replaced,
+                },
+            },
+        )
+        stored, _ = await self._run(context, lambda: self.store.update(change, audit=audit))
         log.info(
             "admin_tenant_set",
             tenant=tid,
@@ -223,6 +317,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         )
         return admin_pb2.ChangeResponse(version=stored.version)
 
+    @_counted
     async def DeleteTenant(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
         """Remove a tenant's store entry and its store keys (a tenant the rules file also
         defines goes back to the file's plan, limits and keys)."""
@@ -239,10 +334,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             tenants = {k: v for k, v in state.tenants.items() if k != tid}
             return StoreState(state.version, tenants, keys), len(state.keys) - len(keys)
 
-        stored, removed = await self._run(context, lambda: self.store.update(change))
+        audit = self._audit(
+            context, "delete_tenant", lambda n: {"tenant": tid, "detail": {"keys_removed": n}}
+        )
+        stored, removed = await self._run(context, lambda: self.store.update(change, audit=audit))
         log.info("admin_tenant_deleted", tenant=tid, keys_removed=removed, version=stored.version)
         return admin_pb2.ChangeResponse(version=stored.version)
 
+    @_counted
     async def ListTenants(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
         """Every tenant: the file's and the store's."""
         state = await self._run(context, self.store.load)
@@ -252,6 +351,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             tenants=[self._view(tid, state) for tid in sorted(names)], version=state.version
         )
 
+    @_counted
     async def GetTenant(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
         """One tenant: plan, limits, key names and ids (never digests or secrets)."""
         state = await self._run(context, self.store.load)
@@ -261,6 +361,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown tenant {tid!r}")
         return self._view(tid, state)
 
+    @_counted
     async def GetVersion(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
         """The store's version, and the rules this replica runs on."""
         try:
@@ -273,6 +374,35 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             config_version=self.sync.current.version,
             file_version=self.rules.version,
         )
+
+    @_counted
+    async def ListChanges(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
+        """The audit log: the newest changes (``limit``, default 100, at most 1,000) after
+        ``since_version``, oldest first."""
+        limit = request.limit or 100
+        if not 0 < limit <= 1000:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "limit: 1 to 1000")
+        rows = await self._run(
+            context, lambda: self.store.audit_log(since_version=request.since_version, count=limit)
+        )
+        out = admin_pb2.ListChangesResponse()
+        for row in rows:
+            f = row.fields
+            out.changes.append(
+                admin_pb2.Change(
+                    version=row.version,
+                    at_ms=row.at_ms,
+                    action=f.get("action", ""),
+                    principal=f.get("principal", ""),
+                    on_behalf_of=f.get("on_behalf_of", ""),
+                    peer=f.get("peer", ""),
+                    tenant=f.get("tenant", ""),
+                    key=f.get("key", ""),
+                    key_id=f.get("key_id", ""),
+                    detail=f.get("detail", ""),
+                )
+            )
+        return out
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -327,6 +457,11 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return msg
 
 
+def _key_fields(key: StoredKey) -> dict[str, Any]:
+    """What the audit log says of a key (never its digest)."""
+    return {"tenant": key.tenant, "key": key.name, "key_id": key.id}
+
+
 def _check_id(value: str, what: str) -> None:
     if not TENANT_ID.match(value):
         raise Refused(
@@ -348,94 +483,6 @@ def _check_key_name(value: str) -> None:
 # -- the server ---------------------------------------------------------------------------
 
 
-class BearerAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Refuses every call whose ``authorization`` metadata is not ``Bearer <token>``."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = hashlib.sha256(token.encode()).digest()
-        self._deny = grpc.unary_unary_rpc_method_handler(_unauthenticated)
-
-    def allows(self, metadata: Any) -> bool:
-        """Whether the call's metadata carries the token (constant-time comparison)."""
-        presented = ""
-        for key, value in metadata or ():
-            if key == "authorization" and isinstance(value, str):
-                presented = value
-        scheme, _, token = presented.partition(" ")
-        if scheme.lower() != "bearer":
-            token = ""
-        given = hashlib.sha256(token.strip().encode()).digest()
-        return hmac.compare_digest(given, self._expected) and bool(token)
-
-    async def intercept_service(self, continuation: Any, details: Any) -> Any:
-        """Pass an authenticated call on; answer any other with UNAUTHENTICATED."""
-        if self.allows(details.invocation_metadata):
-            return await continuation(details)
-        log.warning("admin_unauthenticated", method=details.method)
-        return self._deny
-
-
-async def _unauthenticated(request: Any, context: Any) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong admin bearer token")
-
-
-def read_token(path: str) -> str:
-    """The bearer token in ``path`` (surrounding whitespace dropped); refused when empty."""
-    p = Path(path)
-    try:
-        token = p.read_text(encoding="utf-8").strip()
-        mode = p.stat().st_mode
-    except (OSError, UnicodeDecodeError) as exc:
-        raise AdminConfigError(f"admin token file {path}: {exc}") from exc
-    if not token:
-        raise AdminConfigError(f"admin token file {path} is empty")
-    if os.name == "posix" and mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("admin_token_file_readable_by_others", path=path, mode=oct(mode & 0o777))
-    return token
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` only listens on this machine (``localhost``, 127/8, ``::1``)."""
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name other than localhost may resolve anywhere
-
-
-def check_listen(host: str, *, token: str | None, tls: bool, allow_plaintext: bool = False) -> None:
-    """Refuse an admin listener that anyone on the network could use or sniff."""
-    if is_loopback(host):
-        if token is None:
-            log.warning(
-                "admin_unauthenticated_on_loopback",
-                host=host,
-                note="anything on this machine may call the admin API; set --admin-token-file",
-            )
-        return
-    if token is None:
-        raise AdminConfigError(
-            f"the admin API on non-loopback address {host!r} needs a bearer token "
-            "(--admin-token-file or AIQ_ADMIN_TOKEN_FILE)"
-        )
-    if not tls and not allow_plaintext:
-        raise AdminConfigError(
-            f"the admin API on non-loopback address {host!r} would send its token in plaintext: "
-            "give --admin-tls-cert and --admin-tls-key (or set AIQ_ADMIN_ALLOW_PLAINTEXT=1 when "
-            "a proxy in front terminates TLS)"
-        )
-
-
-def _server_credentials(cert: str, key: str) -> Any:
-    try:
-        pair = (Path(key).read_bytes(), Path(cert).read_bytes())
-    except OSError as exc:
-        raise AdminConfigError(f"admin TLS: {exc}") from exc
-    return grpc.ssl_server_credentials([pair])
-
-
 @dataclass
 class AdminServer:
     """A started admin gRPC server."""
@@ -454,29 +501,47 @@ async def start_admin_server(
     *,
     host: str = "127.0.0.1",
     port: int = 0,
-    token: str | None = None,
+    token: TokenFile | str | None = None,
     tls_cert: str | None = None,
     tls_key: str | None = None,
+    tls_client_ca: str | None = None,
     allow_plaintext: bool = False,
     reuse_port: bool = False,
 ) -> AdminServer:
-    """Check the listener is safe (:class:`AdminConfigError`), then serve ``servicer``."""
+    """Check the listener is safe (:class:`AdminConfigError`), then serve ``servicer``.
+    ``token``: the token file (or, in tests, the token itself)."""
     if bool(tls_cert) != bool(tls_key):
         raise AdminConfigError("--admin-tls-cert and --admin-tls-key go together")
-    check_listen(host, token=token, tls=bool(tls_cert), allow_plaintext=allow_plaintext)
-    interceptors = [BearerAuth(token)] if token is not None else []
+    check_listen(
+        host,
+        token=token is not None,
+        tls=bool(tls_cert),
+        client_certs=bool(tls_client_ca),
+        allow_plaintext=allow_plaintext,
+    )
+    if isinstance(token, str):
+        token = TokenFile.fixed(token)
+    servicer.token = token
+    interceptors = [BearerAuth(token, servicer.count_refused)] if token is not None else []
     server = grpc.aio.server(
         interceptors=interceptors, options=[("grpc.so_reuseport", 1 if reuse_port else 0)]
     )
     admin_pb2_grpc.add_AdminServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     if tls_cert and tls_key:
-        creds = _server_credentials(tls_cert, tls_key)
+        creds = server_credentials(tls_cert, tls_key, tls_client_ca)
         bound = server.add_secure_port(address, creds)
     else:
         bound = server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot listen on {address} for the admin API (address in use?)")
     await server.start()
-    log.info("admin_serving", address=address, port=bound, tls=bool(tls_cert), auth=bool(token))
+    log.info(
+        "admin_serving",
+        address=address,
+        port=bound,
+        tls=bool(tls_cert),
+        token=token is not None,
+        client_certs=bool(tls_client_ca),
+    )
     return AdminServer(server, bound, address)

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from redis.exceptions import RedisError
@@ -25,6 +25,9 @@ from extproc.admin.rules import Effective, FileRules, effective, read_file_rules
 from extproc.admin.state import StoreState
 from extproc.admin.store import AdminStore, StoreUnavailable
 from extproc.config.load import ConfigError
+
+if TYPE_CHECKING:
+    from extproc.metrics import Metrics
 
 log = structlog.get_logger("extproc.admin")
 
@@ -45,14 +48,16 @@ class StoreSync:
         poll_s: float = POLL_S,
         subscribe: bool = True,
         now: Callable[[], float] = time.time,
+        metrics: Metrics | None = None,
     ) -> None:
         self.store = store
         self.rules = rules
         self.apply = apply
         self.version_of = version_of
         self.poll_s = poll_s
-        self.subscribe = subscribe and not store.clustered
+        self.subscribe = subscribe
         self.now = now
+        self.metrics = metrics
         #: the snapshot the running rules were built from
         self.state = StoreState()
         self.current = Effective(rules.config, rules.version, 0)
@@ -69,7 +74,9 @@ class StoreSync:
             await asyncio.wait_for(self.refresh(force=True), timeout_s)
         except (StoreUnavailable, TimeoutError) as exc:
             log.warning("admin_store_unavailable_at_start", error=str(exc) or "timeout")
-            self._down = True
+            self._set_down(True)
+        else:
+            self._set_down(False)
         self._tasks.append(asyncio.create_task(self._poll(), name="admin-store-poll"))
         if self.subscribe:
             self._tasks.append(asyncio.create_task(self._listen(), name="admin-store-listen"))
@@ -113,6 +120,8 @@ class StoreSync:
                 )
             return False
         self.state, self._installed_at = state, now
+        if self.metrics is not None:
+            self.metrics.admin_store_version.set(state.version)
         changed = eff.version != self.current.version
         self.current = eff
         self.apply(eff)
@@ -138,11 +147,11 @@ class StoreSync:
                 await self._check_expiry()
                 await self.refresh()
                 if self._down:
-                    self._down = False
+                    self._set_down(False)
                     log.info("admin_store_answering", store_version=self.state.version)
             except StoreUnavailable as exc:
                 if not self._down:
-                    self._down = True
+                    self._set_down(True)
                     log.warning(
                         "admin_store_unavailable",
                         error=str(exc),
@@ -152,6 +161,11 @@ class StoreSync:
             except Exception:
                 log.exception("admin_store_poll_failed")
 
+    def _set_down(self, down: bool) -> None:
+        self._down = down
+        if self.metrics is not None:
+            self.metrics.admin_store_up.set(0 if down else 1)
+
     async def _check_expiry(self) -> None:
         """A rotated key's grace ended: rebuild from the snapshot already held."""
         ends = self.state.next_expiry(self._installed_at)
@@ -160,6 +174,8 @@ class StoreSync:
                 await self._install(self.state)
 
     async def _listen(self) -> None:
+        # On Redis Cluster the subscription is on the node the channel hashes to; PUBLISH
+        # reaches every node of the cluster, so any node would do.
         while True:
             pubsub: Any = None
             try:

@@ -1,12 +1,19 @@
-"""Fixtures of the integration tests: a limiter on the session's redis-server."""
+"""Fixtures of the integration tests: a limiter on the session's redis-server, and a real
+three-node Redis Cluster (per module that asks for one)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import shutil
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
+import redis
 
 from extproc.limiter.redis import RedisLimiter
+from extproc.stack import free_port, port_in_use
 from tests.helpers import RedisServer
 
 
@@ -16,3 +23,85 @@ async def lim(redis_server: RedisServer) -> AsyncIterator[RedisLimiter]:
     limiter = RedisLimiter.from_url(redis_server.url, timeout_ms=1000)
     yield limiter
     await limiter.close()
+
+
+def _port_with_bus() -> int:
+    """A free port whose cluster-bus port (port + 10000) is valid and free too."""
+
+    while True:
+        p = free_port()
+        if p + 10000 <= 65535 and not port_in_use(p + 10000):
+            return p
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[int]]:
+    """Three masters on free ports, slots assigned with redis-cli --cluster create."""
+    server = shutil.which("redis-server")
+    cli = shutil.which("redis-cli")
+    if server is None or cli is None:
+        pytest.fail("redis-server and redis-cli are required (apt-get install redis-server)")
+    base = Path(tmp_path_factory.mktemp("cluster"))
+    ports = [_port_with_bus() for _ in range(3)]
+    procs = []
+    for p in ports:
+        d = base / str(p)
+        d.mkdir()
+        procs.append(
+            subprocess.Popen(  # noqa: S603
+                [
+                    server,
+                    "--port",
+                    str(p),
+                    "--bind",
+                    "127.0.0.1",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    str(d / "nodes.conf"),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(d),
+                ],
+                stdout=(d / "log").open("wb"),
+                stderr=subprocess.STDOUT,
+            )
+        )
+    try:
+        for p in ports:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    redis.Redis(port=p).ping()
+                    break
+                except redis.exceptions.ConnectionError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        subprocess.run(
+            [
+                cli,
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{p}" for p in ports],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        deadline = time.monotonic() + 20
+        while redis.Redis(port=ports[0]).cluster("info").get("cluster_state") != "ok":
+            if time.monotonic() > deadline:
+                pytest.fail("the test cluster did not reach state ok")
+            time.sleep(0.1)
+        yield ports
+    finally:
+        for pr in procs:
+            pr.terminate()
+            pr.wait(10)

@@ -175,7 +175,7 @@ async def test_admin_api_refuses_an_unsafe_listener(
     rules = read_file_rules(str(write_rules(tmp_path)), config_version)
     servicer = AdminServicer(store, StoreSync(store, rules, lambda _e: None))
     try:
-        with pytest.raises(AdminConfigError, match="needs a bearer token"):
+        with pytest.raises(AdminConfigError, match="needs credentials"):
             await start_admin_server(servicer, host="0.0.0.0", token=None)
         with pytest.raises(AdminConfigError, match="plaintext"):
             await start_admin_server(servicer, host="0.0.0.0", token=TOKEN)
