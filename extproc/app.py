@@ -3,7 +3,10 @@
 Health (``grpc.health.v1``, checked by Envoy's active health check on the ext_proc cluster):
 the overall service ``""`` and ``envoy.service.ext_proc.v3.ExternalProcessor`` report
 NOT_SERVING until the rules are loaded and Redis has answered once, then SERVING.  A later Redis
-outage does not flip them (every replica shares Redis: the plans' ``failure_mode`` decides).
+outage does not flip them (every replica shares Redis: taking every replica out would fail all
+traffic, where the plans' ``failure_mode`` decides per plan).  The service ``aiquota.v1.Redis``
+reports whether this replica's Redis answers now (a PING every 2 s), for whoever wants to watch
+or gate on it.
 
 Shutdown (SIGTERM/SIGINT), in order:
 
@@ -61,6 +64,8 @@ log = structlog.get_logger("extproc")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 _HEALTH_NAMES = ("", EXT_PROC_SERVICE)
+#: The health name that follows Redis (SERVING while it answers a PING).
+REDIS_HEALTH = "aiquota.v1.Redis"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -122,16 +127,25 @@ class Running:
         for name in _HEALTH_NAMES:
             await self.health.set(name, _SERVING if serving else _NOT_SERVING)
 
-    async def wait_ready(self, interval_s: float = 0.5) -> None:
-        """NOT_SERVING until Redis answers a PING, then SERVING (runs as a task)."""
+    async def wait_ready(self, interval_s: float = 0.5, watch_s: float = 2.0) -> None:
+        """NOT_SERVING until Redis answers a PING, then SERVING; from then on
+        ``aiquota.v1.Redis`` follows a PING every ``watch_s`` (runs as a task)."""
         ping = getattr(self.gateway.limiter, "ping", None)
+        ready, redis_ok = False, None
         while not self.stopping:
-            if ping is None or await ping():
+            ok = ping is None or await ping()
+            if ok != redis_ok:
+                await self.health.set(REDIS_HEALTH, _SERVING if ok else _NOT_SERVING)
+                if ready:
+                    (log.info if ok else log.warning)("redis_health", serving=ok)
+                redis_ok = ok
+            if ok and not ready:
                 await self.set_serving(True)
                 log.info("health_serving")
-                return
-            log.warning("redis_not_answering_yet", retry_in_s=interval_s)
-            await asyncio.sleep(interval_s)
+                ready = True
+            elif not ready:
+                log.warning("redis_not_answering_yet", retry_in_s=interval_s)
+            await asyncio.sleep(watch_s if ready else interval_s)
 
     async def stop(self, grace: float = 10.0, *, notice: float = 0.0) -> None:
         """Drain: NOT_SERVING for ``notice`` s while serving on, stop accepting, let in-flight
@@ -215,7 +229,7 @@ async def start(
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessorServicer(gw), server)
     _add_usage_service(server, gw)
     health = health_aio.HealthServicer()
-    for name in _HEALTH_NAMES:
+    for name in (*_HEALTH_NAMES, REDIS_HEALTH):
         await health.set(name, _NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port(settings.grpc_address)

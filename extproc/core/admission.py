@@ -189,7 +189,7 @@ def admission_amount(b: WindowedBucket, cost: Cost) -> int:
 
 def admission_charges(buckets: list[WindowedBucket], cost: Cost) -> list[BucketCharge]:
     """What admission adds to each bucket, and what of it a dead processor's reclaim refunds
-    (the reserved output)."""
+    (the reserved output, unless the admission charge is final: ``reserve_max``)."""
     return [
         BucketCharge(
             key=b.key,
@@ -198,7 +198,11 @@ def admission_charges(buckets: list[WindowedBucket], cost: Cost) -> list[BucketC
             limit=b.limit.limit,
             expire_at_ms=b.expire_at_ms,
             rate=b.rates.output,
-            refundable=b.rates.output_units(cost.reserved_output) if b.kind == "tpm" else 0,
+            refundable=(
+                b.rates.output_units(cost.reserved_output)
+                if b.kind == "tpm" and cost.settle_to_actual
+                else 0
+            ),
             shadow=b.limit.shadow,
             prev_key=b.prev_key,
             prev_weight=b.prev_weight,

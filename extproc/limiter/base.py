@@ -13,12 +13,24 @@ from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 
 
 @dataclass(frozen=True, slots=True)
+class Reclaimed:
+    """A dead processor's request that an admission reclaimed: its ledger, the record draft
+    its admission left there, and the tokens the ledger had charged."""
+
+    ledger: str
+    draft: str
+    charged: int
+
+
+@dataclass(frozen=True, slots=True)
 class AdmitResult:
-    """Outcome of an admission: ``values`` are the counters (after charging when admitted)."""
+    """Outcome of an admission: ``values`` are the counters (after charging when admitted);
+    ``reclaimed``, the requests of dead processors this call settled on the way."""
 
     admitted: bool
     duplicate: bool
     values: tuple[int, ...]
+    reclaimed: tuple[Reclaimed, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,12 +55,15 @@ class Limiter(Protocol):
         ledger_ttl_ms: int,
         now_ms: int = 0,
         lease_until_ms: int = 0,
+        record_draft: str = "",
     ) -> AdmitResult:
         """Check every bucket and charge all of them, or none (shadow buckets never refuse).
 
         With a lease (``lease_until_ms``), the reservation is open until settled; when its
         lease runs out unrenewed (the processor died), the next admission of the tenant
-        refunds each bucket's ``refundable`` part and frees its concurrency slots."""
+        refunds each bucket's ``refundable`` part, frees its concurrency slots and returns
+        its ``record_draft`` (kept in the ledger while the request is open) in
+        ``AdmitResult.reclaimed``."""
         ...
 
     async def charge(

@@ -36,7 +36,7 @@ from extproc.clock import Clock, SystemClock
 from extproc.core.keys import EXPIRY_SLACK_MS, open_key
 from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 from extproc.errors import LimiterUnavailable
-from extproc.limiter.base import AdmitResult, ChargeResult
+from extproc.limiter.base import AdmitResult, ChargeResult, Reclaimed
 from extproc.limiter.breaker import BreakerSettings, BreakerState, CircuitBreaker
 
 if TYPE_CHECKING:
@@ -250,6 +250,7 @@ class RedisLimiter:
         ledger_ttl_ms: int,
         now_ms: int = 0,
         lease_until_ms: int = 0,
+        record_draft: str = "",
     ) -> AdmitResult:
         """Run ``admit.lua`` over every bucket (reclaiming the tenant's dead reservations)."""
         args: list[Any] = [ledger_ttl_ms, "1" if count_refused else "0", tpm_charged]
@@ -258,13 +259,18 @@ class RedisLimiter:
             kind = _KIND[b.kind]
             args += [kind, b.amount, b.limit, b.expire_at_ms, b.refundable, int(b.shadow)]
             args += _previous(keys, b)
-        args += [now_ms, lease_until_ms]
+        args += [now_ms, lease_until_ms, record_draft]
         res = await self._call("admission", "admit", lambda: self._admit(keys=keys, args=args))
         status = int(res[0])
+        flat = res[2] if len(res) > 2 else []
         return AdmitResult(
             admitted=status == 1,
             duplicate=status == 2,
             values=tuple(int(v) for v in res[1]),
+            reclaimed=tuple(
+                Reclaimed(_str(flat[i]), _str(flat[i + 1]), int(flat[i + 2]))
+                for i in range(0, len(flat) - 2, 3)
+            ),
         )
 
     async def charge(
@@ -361,6 +367,10 @@ class RedisLimiter:
     async def close(self) -> None:
         """Close the connection pool."""
         await self._client.aclose()
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _previous(keys: list[str], b: BucketCharge) -> list[int]:

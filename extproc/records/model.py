@@ -8,10 +8,13 @@ ignored); ``v`` in the stream entry is the schema version.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
+
+import orjson
 
 SCHEMA_VERSION = "1"
 
@@ -127,3 +130,90 @@ class UsageRecord:
 
 def _text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes | bytearray) else str(value)
+
+
+def record_id_for(ledger: str) -> str:
+    """The record id of the request behind ``ledger`` (its Redis ledger key, unique per HTTP
+    request): every record of one request carries the same id, whoever writes it."""
+    return hashlib.sha256(ledger.encode()).hexdigest()[:32]
+
+
+#: The ending of a record written for a request whose processor died before settling it.
+RECLAIMED = "reclaimed"
+
+
+@dataclass(frozen=True, slots=True)
+class RecordDraft:
+    """What admission knows of a request's record, kept in its ledger while it is open.
+
+    If the processor dies, the tenant's next admission reclaims the reservation and hands the
+    draft back, with the tokens the ledger had charged by then, so that a record is still
+    written (:meth:`reclaimed`)."""
+
+    request_id: str
+    tenant: str
+    key: str
+    model: str
+    api: str
+    input_tokens: int
+    reserved_output: int
+    admitted_at_ms: int
+
+    def to_json(self) -> str:
+        """The draft as stored in the ledger (compact JSON)."""
+        return orjson.dumps(
+            [
+                1,
+                self.request_id,
+                self.tenant,
+                self.key,
+                self.model,
+                self.api,
+                self.input_tokens,
+                self.reserved_output,
+                self.admitted_at_ms,
+            ]
+        ).decode()
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> RecordDraft:
+        """Read a stored draft (:class:`RecordFormatError` if it is not one)."""
+        try:
+            v, rid, tenant, key, model, api, inp, reserved, at = orjson.loads(raw)
+            if v != 1:
+                raise ValueError(f"draft version {v!r}")
+            return cls(rid, tenant, key, model, api, int(inp), int(reserved), int(at))
+        except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
+            raise RecordFormatError(f"not a record draft: {exc!r}") from exc
+
+    def output_charged(self, charged: int) -> int:
+        """Output tokens still charged once a reclaim refunded the reservation: the ledger's
+        ``charged`` counts the input, the reservation and every stream charge."""
+        return max(0, charged - self.input_tokens - self.reserved_output)
+
+    def reclaimed(
+        self,
+        ledger: str,
+        charged: int,
+        finished_at_ms: int,
+        *,
+        cost: Decimal | None = None,
+        currency: str = "",
+    ) -> UsageRecord:
+        """The record of a request reclaimed from a dead processor: the input, and the output
+        its stream charges had billed (what the counters keep)."""
+        return UsageRecord(
+            request_id=self.request_id,
+            tenant=self.tenant,
+            key=self.key,
+            model=self.model,
+            api=self.api,
+            input_tokens=self.input_tokens,
+            output_tokens=self.output_charged(charged),
+            ending=RECLAIMED,
+            admitted_at_ms=self.admitted_at_ms,
+            finished_at_ms=finished_at_ms,
+            cost=cost,
+            currency=currency if cost is not None else "",
+            record_id=record_id_for(ledger),
+        )

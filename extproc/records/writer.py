@@ -4,9 +4,11 @@ records to a Redis Stream in batches.
 * ``record()`` never blocks and never raises: it queues the record and wakes the writer.
 * The writer takes up to ``batch_size`` queued records and writes them in **one** script call
   (``XADD ... MAXLEN ~ N`` per record, so the stream stays bounded).  Each record carries a
-  ``record_id``; the script sets a short-lived marker per record id (``SET NX PX``) and skips a
-  record whose marker exists, so a batch sent again after an ambiguous failure (a timeout
-  after Redis had applied it) is not written twice.  The markers share the stream's hash slot.
+  ``record_id``; the script sets a short-lived marker per record id and ending (``SET NX PX``)
+  and skips a record whose marker exists, so a batch sent again after an ambiguous failure (a
+  timeout after Redis had applied it) is not written twice.  (A request's records share their
+  id; only a reclaimed request that its live processor settles later has two, with different
+  endings: both are written.)  The markers share the stream's hash slot.
 * When Redis fails, the batch goes back to the head of the queue and is retried with backoff
   (0.2 s doubling to 5 s), like a kept settlement.  The queue is bounded (``max_kept``): beyond
   it the oldest record is dropped, counted and logged.
@@ -215,7 +217,7 @@ class UsageRecorder:
         keys: list[str] = [self.stream]
         args: list[Any] = [self.maxlen, self.marker_ttl_ms]
         for q in self._inflight:
-            keys.append(self._markers + q.rec.record_id)
+            keys.append(f"{self._markers}{q.rec.record_id}:{q.rec.ending}")
             fields = q.rec.to_fields()
             args.append(2 * len(fields))
             for name, value in fields.items():

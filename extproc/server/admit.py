@@ -23,11 +23,13 @@ from extproc.errors import (
     UnknownModel,
 )
 from extproc.limiter.base import AdmitResult
+from extproc.records.model import RecordDraft
 from extproc.server.context import RequestContext
 from extproc.server.counting import count_input
 from extproc.server.gateway import Gateway
 from extproc.server.kept import Kept
 from extproc.server.policies import fallback_model, shadow_report
+from extproc.server.reclaim import record_reclaimed
 
 log = structlog.get_logger("extproc")
 
@@ -163,11 +165,32 @@ async def _attempt(gw: Gateway, ctx: RequestContext, model: Model, size: int) ->
     cost = plan.cost
     now = gw.clock.now_ms()
     ctx.buckets = buckets_at(gw, ctx, now)
-    # Leased: a reservation to settle, or a concurrency slot to free (both are given back by
-    # the tenant's next admission if this processor dies).
-    lease = cfg.reservation_lease_ms if cost.settle_to_actual or ctx.holds_slots else 0
+    # Leased: a reservation to settle, a concurrency slot to free, or a usage record to write
+    # (the tenant's next admission gives the first two back and writes the record if this
+    # processor dies).
+    records = gw.recorder is not None
+    leased = cost.settle_to_actual or ctx.holds_slots or records
+    lease = cfg.reservation_lease_ms if leased else 0
+    draft = ""
+    if lease and records and ctx.key is not None and api is not None:
+        draft = RecordDraft(
+            request_id=ctx.request_id,
+            tenant=tenant.id,
+            key=ctx.key.name,
+            model=model.name,
+            api=api.name,
+            input_tokens=input_tokens,
+            reserved_output=cost.reserved_output if cost.settle_to_actual else 0,
+            admitted_at_ms=now,
+        ).to_json()
     res = await limiter_admit(
-        gw, ctx, ctx.buckets, cost, now_ms=now, lease_until_ms=now + lease if lease else 0
+        gw,
+        ctx,
+        ctx.buckets,
+        cost,
+        now_ms=now,
+        lease_until_ms=now + lease if lease else 0,
+        record_draft=draft,
     )
     out = _Attempt(plan, charging, input_tokens)
     if res is None:  # fail-open: Redis is down and the plan lets traffic through unmetered
@@ -238,10 +261,12 @@ async def limiter_admit(
     *,
     now_ms: int = 0,
     lease_until_ms: int = 0,
+    record_draft: str = "",
 ) -> AdmitResult | None:
-    """Run admission; None means Redis failed and the plan's policy is fail-open."""
+    """Run admission; None means Redis failed and the plan's policy is fail-open.  Requests
+    of dead processors the call reclaimed get their usage records here."""
     try:
-        return await gw.limiter.admit(
+        res = await gw.limiter.admit(
             ctx.ledger,
             admission.admission_charges(buckets, cost),
             tpm_charged=cost.tpm_amount,
@@ -249,6 +274,7 @@ async def limiter_admit(
             ledger_ttl_ms=ctx.cfg.ledger_ttl_seconds * 1000,
             now_ms=now_ms,
             lease_until_ms=lease_until_ms,
+            record_draft=record_draft,
         )
     except LimiterUnavailable as exc:
         gw.metrics.limiter_errors.labels("admit").inc()
@@ -260,3 +286,6 @@ async def limiter_admit(
             log.warning("limiter_unavailable_fail_open", request_id=ctx.request_id)
             return None
         raise
+    if res.reclaimed:
+        record_reclaimed(gw, ctx.cfg, res.reclaimed)
+    return res

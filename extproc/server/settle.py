@@ -22,7 +22,7 @@ import structlog
 from extproc.core.lifecycle import Ending, Lifecycle
 from extproc.core.rules import Adjustment, Usage
 from extproc.errors import LimiterUnavailable
-from extproc.records.model import UsageRecord
+from extproc.records.model import UsageRecord, record_id_for
 from extproc.server.admit import buckets_at
 from extproc.server.context import RequestContext
 from extproc.server.gateway import Gateway
@@ -206,6 +206,7 @@ def _record(
             status=ctx.status,
             admitted_at_ms=ctx.admitted_at_ms,
             finished_at_ms=gw.clock.now_ms(),
+            record_id=record_id_for(ctx.ledger) if ctx.ledger else "",
         )
     )
 

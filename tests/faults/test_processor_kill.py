@@ -1,6 +1,7 @@
-"""The processor SIGKILLed while non-streaming requests it admitted are waiting for the upstream:
-their reservations leak only for the reservation lease, then the tenant's next admission
-refunds them (input stays charged).  Ground truth: the counters in Redis."""
+"""The processor SIGKILLed while requests it admitted are running: their reservations and
+concurrency slots leak only for the reservation lease, then the tenant's next admission
+refunds them (input and stream charges stay charged) and writes their usage records.  Ground
+truth: the counters in Redis."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import orjson
 import pytest
 import redis
 
+from extproc.records.model import UsageRecord
 from extproc.stack import Stack
 from tests.e2e.conftest import make_stack
 from tests.helpers import e2e_rules, settled, tpm_used
@@ -128,3 +130,68 @@ async def test_sigkill_frees_a_concurrency_slot_after_the_lease(kstack: Stack) -
     while rds.zcard(slots) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert rds.zcard(slots) == 0
+
+
+async def _stream_until_cut(url: str) -> int:
+    """A long stream; the number of lines read before the connection broke."""
+    lines = 0
+    body = {"model": "sim-small", "messages": MSG, "max_tokens": 2000, "stream": True}
+    async with httpx.AsyncClient(timeout=30) as c:
+        try:
+            async with c.stream(
+                "POST",
+                f"{url}/chat/completions",
+                headers={"authorization": "Bearer sk-std", "x-sim-itl-ms": "20"},
+                content=orjson.dumps(body),
+            ) as r:
+                async for _ in r.aiter_lines():
+                    lines += 1
+        except httpx.HTTPError:
+            pass
+    return lines
+
+
+def _records_after(rds: redis.Redis, after: bytes, tenant: str) -> list[UsageRecord]:
+    rows = rds.xrange("aiq:usage", min=b"(" + after) if after else rds.xrange("aiq:usage")
+    recs = [UsageRecord.from_fields(fields) for _, fields in rows]
+    return [r for r in recs if r.tenant == tenant]
+
+
+async def test_sigkill_mid_stream_still_leaves_a_usage_record_per_request(kstack: Stack) -> None:
+    """Streams whose processor is SIGKILLed get their usage records all the same: the tenant's
+    next admission reclaims them and writes one record each (ending ``reclaimed``: input,
+    and the output their stream charges had billed).  The records of the tenant then add up
+    to exactly what its counters charged: billing from records misses nothing."""
+    rds = redis.Redis(port=kstack.ports.redis)
+    last = rds.xrevrange("aiq:usage", count=1)
+    after = last[0][0] if last else b""
+    before = settled(rds, "t-std", expect=0)
+    streams = [asyncio.ensure_future(_stream_until_cut(kstack.base_url)) for _ in range(3)]
+    # let every stream make a few charges (lazy, every 16 tokens) before the kill
+    deadline = time.monotonic() + 10
+    while tpm_used(rds, "t-std") - before < 3 * 64 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    kstack.signal("extproc0", signal.SIGKILL)
+    kstack.proc("extproc0").popen.wait(10)
+    assert all(n < 2000 for n in await asyncio.gather(*streams))  # cut by the kill
+    assert _records_after(rds, after, "t-std") == []  # nobody settled them
+    kstack.restart("extproc0")
+    kstack.wait_extprocs_healthy()
+    await asyncio.sleep(LEASE_S + 0.5)
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(
+            f"{kstack.base_url}/chat/completions",
+            headers={"authorization": "Bearer sk-std"},
+            content=orjson.dumps({"model": "sim-small", "messages": MSG, "max_tokens": 5}),
+        )
+    assert r.status_code == 200
+    charged = settled(rds, "t-std", expect=1) - before
+    deadline = time.monotonic() + 10
+    while len(recs := _records_after(rds, after, "t-std")) < 4 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    endings = sorted(x.ending for x in recs)
+    assert endings == ["completed", "reclaimed", "reclaimed", "reclaimed"]
+    reclaimed = [x for x in recs if x.ending == "reclaimed"]
+    assert all(x.output_tokens >= 48 for x in reclaimed)  # their stream charges, billed
+    assert len({x.record_id for x in recs}) == 4
+    assert sum(x.input_tokens + x.output_tokens for x in recs) == charged

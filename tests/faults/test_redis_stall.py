@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
 
@@ -208,3 +209,52 @@ async def test_configure_changes_the_timeout_of_a_live_limiter(own_redis: RedisS
     assert await lim.read([f"{t}:x"]) == [0]
     stall.join()
     await lim.close()
+
+
+async def test_the_redis_health_name_follows_redis_and_the_service_stays_up(
+    own_redis: RedisServer, tmp_path: Path
+) -> None:
+    """``aiquota.v1.Redis`` turns NOT_SERVING while this replica's Redis does not answer and
+    back when it does; the ext_proc service itself stays SERVING throughout (every replica
+    shares Redis: the plans' failure_mode decides, not Envoy's health check)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from extproc.app import REDIS_HEALTH, start
+    from extproc.settings import Settings
+    from tests.integration.test_admin_store import write_rules
+
+    settings = Settings(
+        config=str(write_rules(tmp_path)),
+        redis_url=own_redis.url,
+        grpc_address="127.0.0.1:0",
+        usage_stream="off",
+        admin_store=False,
+    )
+    running = await start(settings)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    stub = health_pb2_grpc.HealthStub(channel)
+
+    async def status(name: str) -> str:
+        res = await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(res.status))
+
+    async def until(name: str, want: str, within_s: float) -> None:
+        deadline = time.monotonic() + within_s
+        while await status(name) != want:
+            assert time.monotonic() < deadline, f"{name or 'overall'} never became {want}"
+            await asyncio.sleep(0.1)
+
+    try:
+        await until("", "SERVING", 10)
+        await until(REDIS_HEALTH, "SERVING", 5)
+        os.kill(own_redis.proc.pid, signal.SIGSTOP)
+        try:
+            await until(REDIS_HEALTH, "NOT_SERVING", 10)
+            assert await status("") == "SERVING"
+            assert await status("envoy.service.ext_proc.v3.ExternalProcessor") == "SERVING"
+        finally:
+            os.kill(own_redis.proc.pid, signal.SIGCONT)
+        await until(REDIS_HEALTH, "SERVING", 10)
+    finally:
+        await channel.close()
+        await running.stop(1.0)

@@ -11,6 +11,7 @@ import redis
 
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.limiter.redis import RedisLimiter
+from extproc.records.model import RecordDraft, record_id_for
 from tests.helpers import RedisServer, far_ms
 
 pytestmark = pytest.mark.integration
@@ -95,3 +96,68 @@ async def test_late_settlement_of_a_reclaimed_ledger_is_exact(
     # 1 really generated 300 tokens: its processor settles 1010 -> 310 (-700)
     await lim.settle(f"{tag}:req:1", [Adjustment(f"{tag}:tpm", -700, far_ms())], ledger_ttl_ms=TTL)
     assert int(r.get(f"{tag}:tpm") or 0) == 310 + 1_010
+
+
+async def test_a_reclaimed_request_hands_back_its_record_draft_once(
+    lim: RedisLimiter, redis_server: RedisServer
+) -> None:
+    """The draft an admission leaves in its ledger comes back, once, to the admission that
+    reclaims it, with what the ledger had charged (input, reservation, stream charges); a
+    settled request's draft is dropped and never comes back."""
+    r = redis.Redis(port=redis_server.port)
+    tag, charges = setup()
+    now = 1_700_000_000_000
+    draft = RecordDraft("req-1", "t", "k", "m", "chat", 10, 1_000, now).to_json()
+    for n, d in ((1, draft), (2, RecordDraft("req-2", "t", "k", "m", "chat", 10, 1_000, now))):
+        res = await lim.admit(
+            f"{tag}:req:{n}",
+            charges,
+            tpm_charged=1_010,
+            count_refused=False,
+            ledger_ttl_ms=TTL,
+            now_ms=now,
+            lease_until_ms=now + LEASE,
+            record_draft=d if isinstance(d, str) else d.to_json(),
+        )
+        assert res.admitted and res.reclaimed == ()
+    # request 1 streamed 1,500 tokens past its reservation before its processor died
+    stream = [BucketCharge(f"{tag}:tpm", "tpm", 0, 100_000, far_ms())]
+    assert (
+        await lim.charge(f"{tag}:req:1", 1, stream, 1_500, strict=False, ledger_ttl_ms=TTL)
+    ).granted == 1_500
+    # request 2 was settled by its processor: its draft is gone
+    assert await lim.settle(f"{tag}:req:2", [], ledger_ttl_ms=TTL)
+    assert not r.hexists(f"{tag}:req:2", "rec")
+
+    res = await lim.admit(
+        f"{tag}:req:3",
+        charges,
+        tpm_charged=1_010,
+        count_refused=False,
+        ledger_ttl_ms=TTL,
+        now_ms=now + LEASE + 1,
+        lease_until_ms=now + 2 * LEASE,
+    )
+    assert res.admitted
+    assert [(x.ledger, x.draft, x.charged) for x in res.reclaimed] == [
+        (f"{tag}:req:1", draft, 1_010 + 1_500)
+    ]
+    got = RecordDraft.from_json(res.reclaimed[0].draft)
+    rec = got.reclaimed(res.reclaimed[0].ledger, res.reclaimed[0].charged, now + LEASE + 1)
+    assert (rec.input_tokens, rec.output_tokens, rec.ending) == (10, 1_500, "reclaimed")
+    assert rec.record_id == record_id_for(f"{tag}:req:1")
+    # the counter keeps input and the stream charge of 1, all of 2 (settled as admitted), and 3
+    assert int(r.get(f"{tag}:tpm") or 0) == 10 + 1_500 + 1_010 + 1_010
+    # once: a later reclaim pass finds nothing (the draft left the ledger)
+    assert not r.hexists(f"{tag}:req:1", "rec")
+    res = await lim.admit(
+        f"{tag}:req:4",
+        charges,
+        tpm_charged=1_010,
+        count_refused=False,
+        ledger_ttl_ms=TTL,
+        now_ms=now + 3 * LEASE,
+        lease_until_ms=now + 4 * LEASE,
+    )
+    # 3 left no draft (its admission wrote none): reclaimed, no record handed back
+    assert res.reclaimed == () and r.hget(f"{tag}:req:3", "state") == b"reclaimed"

@@ -14,7 +14,8 @@
 --                counted, never refuses), the KEYS index of the previous window's counter
 --                (0: not sliding) and its weight in parts per million: a sliding bucket's
 --                value is current + floor(previous x weight / 1e6)
--- then           now (unix ms), lease deadline (unix ms; 0 = no lease)
+-- then           now (unix ms), lease deadline (unix ms; 0 = no lease), and the request's
+--                usage-record draft ("" for none), kept in the ledger while it is open
 --
 -- Concurrency: a slot is the ledger in the set, scored by its lease deadline; slots whose
 -- lease ran out (their processor died) are dropped before counting.  Settlement removes the
@@ -23,16 +24,21 @@
 -- Reclaim: before deciding, up to 8 reservations of this tenant whose lease ran out (their
 -- processor died without settling) are settled: the refundable part of each charge goes
 -- back to the counters that still exist, and their concurrency slots are freed.  Every key
--- touched shares the tenant's hash tag, so this stays in one Cluster slot.
+-- touched shares the tenant's hash tag, so this stays in one Cluster slot.  A reclaimed
+-- ledger's record draft is handed back (once: it is removed) with what the ledger had
+-- charged, so the caller writes the usage record its dead processor could not.
 --
--- Returns {status, {value per bucket}}: status 1 admitted (values after charging),
--- 0 refused (values as found), 2 duplicate request id (nothing charged; values as found).
+-- Returns {status, {value per bucket}, {ledger, draft, charged, ...}}: status 1 admitted
+-- (values after charging), 0 refused (values as found), 2 duplicate request id (nothing
+-- charged; values as found).
 local W = 8
-local n = (#ARGV - 5) / W
+local n = (#ARGV - 6) / W
 local open = KEYS[n + 2]
 local tail = 4 + n * W
 local now = tonumber(ARGV[tail] or '0')
 local lease_until = tonumber(ARGV[tail + 1] or '0')
+local draft = ARGV[tail + 2] or ''
+local reclaimed = {}
 if now > 0 then
   local dead = redis.call('ZRANGEBYSCORE', open, '-inf', now, 'LIMIT', 0, 8)
   for _, led in ipairs(dead) do
@@ -54,6 +60,13 @@ if now > 0 then
         end
       end
       redis.call('HSET', led, 'state', 'reclaimed')
+      local rec = redis.call('HGET', led, 'rec')
+      if rec then
+        redis.call('HDEL', led, 'rec')
+        reclaimed[#reclaimed + 1] = led
+        reclaimed[#reclaimed + 1] = rec
+        reclaimed[#reclaimed + 1] = redis.call('HGET', led, 'charged') or '0'
+      end
     end
   end
 end
@@ -75,7 +88,7 @@ for i = 1, n do
   end
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {2, vals}
+  return {2, vals, reclaimed}
 end
 local ok = true
 for i = 1, n do
@@ -110,9 +123,12 @@ if ok then
   if lease_until > 0 then
     redis.call('ZADD', open, lease_until, KEYS[1])
     redis.call('PEXPIRE', open, ARGV[1])
+    if draft ~= '' then
+      redis.call('HSET', KEYS[1], 'rec', draft)
+    end
   end
   redis.call('PEXPIRE', KEYS[1], ARGV[1])
-  return {1, vals}
+  return {1, vals, reclaimed}
 end
 if ARGV[2] == '1' then
   for i = 1, n do
@@ -123,4 +139,4 @@ if ARGV[2] == '1' then
     end
   end
 end
-return {0, vals}
+return {0, vals, reclaimed}

@@ -17,7 +17,8 @@
 -- then           per unconfirmed-charge counter, its rate (units per 1e6 tokens)
 --
 -- A refund only touches a counter that still exists (its window has not ended) and never
--- takes it below zero.  The request's concurrency slots (the ledger's "c:" fields) are freed.
+-- takes it below zero.  The request's concurrency slots (the ledger's "c:" fields) are freed,
+-- and its usage-record draft is dropped (the settling processor writes the record).
 -- Returns 1 when applied, 0 when the request was already settled.
 local n = tonumber(ARGV[4])
 local open = KEYS[n + 2]
@@ -33,6 +34,7 @@ local function take(key, amount)
     end
   end
 end
+redis.call('HDEL', KEYS[1], 'rec')
 local held = redis.call('HGETALL', KEYS[1])
 for j = 1, #held, 2 do
   if string.sub(held[j], 1, 2) == 'c:' then
