@@ -34,7 +34,6 @@ import gc
 import hashlib
 import json
 import signal
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,17 +89,6 @@ def load_rules(path: str) -> tuple[RuntimeConfig, str]:
         return load_config(path), ""  # load_config raises the usual ConfigError
     cfg = load_config_text(text, source=str(p), base_dir=p.parent)
     return cfg, config_version(text)
-
-
-def publish_config_version(metrics: Metrics, version: str) -> None:
-    """``aiq_config_version_info{version}`` = 1 for the rules in force (only that label; in
-    Prometheus multi-process mode the previous version stays exported with 0)."""
-    gauge = metrics.config_version
-    for (old,) in list(gauge._metrics):
-        gauge.labels(old).set(0)
-    gauge.clear()
-    gauge.labels(version or "unknown").set(1)
-    metrics.config_reload_time.set(time.time())
 
 
 def apply_failure_settings(limiter: Limiter, cfg: RuntimeConfig) -> None:
@@ -220,7 +208,7 @@ async def start(
         # In-process tests that bring their own limiter write no usage records.
         recorder=make_recorder(settings, mets) if limiter is None else None,
     )
-    publish_config_version(mets, version)
+    gw.install(cfg, version)
     admin = None
     if config is None and limiter is None and settings.admin_store:
         admin = await _start_admin(settings, gw)
@@ -265,8 +253,7 @@ async def _start_admin(settings: Settings, gw: Gateway) -> Any:
     from extproc.admin.runtime import start_admin
 
     def apply(eff: Any) -> None:
-        gw.config = eff.config
-        publish_config_version(gw.metrics, eff.version)
+        gw.install(eff.config, eff.version)
 
     return await start_admin(settings, apply, version_of=config_version, metrics=gw.metrics)
 
@@ -293,9 +280,8 @@ def reload_rules(running: Running, path: str) -> bool:
             metrics.tokenizer_load_failures.inc()
         log.error("config_reload_failed", error=str(exc))
         return False
-    running.gateway.config = cfg
+    running.gateway.install(cfg, version)
     apply_failure_settings(running.gateway.limiter, cfg)
-    publish_config_version(metrics, version)
     metrics.config_reloads.labels("ok").inc()
     log.info(
         "config_reloaded",

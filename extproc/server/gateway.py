@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,20 @@ class Gateway:
     _bound: dict[str, ApiFormat] = field(default_factory=dict)
     # One usage record per settled request goes here (a Redis Stream; None: off).
     recorder: UsageRecorder | None = None
+    # Hash of the effective rules in force (file and admin store): metrics, the usage API.
+    config_version: str = ""
+
+    def install(self, config: RuntimeConfig, version: str) -> None:
+        """Swap the rules in (requests in flight keep the ones they started with) and publish
+        their version: ``aiq_config_version_info{version}`` = 1 for it alone (in Prometheus
+        multi-process mode the previous version stays exported with 0)."""
+        self.config, self.config_version = config, version
+        gauge = self.metrics.config_version
+        for (old,) in list(gauge._metrics):
+            gauge.labels(old).set(0)
+        gauge.clear()
+        gauge.labels(version or "unknown").set(1)
+        self.metrics.config_reload_time.set(time.time())
 
     def bind(self, api: ApiFormat) -> ApiFormat:
         """``api`` reading this gateway's clock where it renders times (Anthropic's

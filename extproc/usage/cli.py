@@ -75,7 +75,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(
             orjson.dumps(
-                {"tenant": resp.tenant, "plan": resp.plan, "key": resp.key_name, "buckets": rows},
+                {
+                    "tenant": resp.tenant,
+                    "plan": resp.plan,
+                    "key": resp.key_name,
+                    "config_version": resp.config_version,
+                    "buckets": rows,
+                },
                 option=orjson.OPT_INDENT_2,
             ).decode()
             + "\n"
@@ -84,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"tenant {resp.tenant}  plan {resp.plan}"
         + (f"  key {resp.key_name}" if resp.key_name else "")
+        + (f"  rules {resp.config_version}" if resp.config_version else "")
     )
     print(
         f"{'metric':11} {'model':14} {'scope':6} {'per':>8} {'unit':>8} {'used':>12} "

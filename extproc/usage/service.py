@@ -50,7 +50,12 @@ class UsageServicer(usage_pb2_grpc.UsageServicer):
             values = await self._values(buckets, now)
         except LimiterUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, exc.message)
-        resp = usage_pb2.GetUsageResponse(tenant=tenant.id, plan=tenant.plan, key_name=key_name)
+        resp = usage_pb2.GetUsageResponse(
+            tenant=tenant.id,
+            plan=tenant.plan,
+            key_name=key_name,
+            config_version=self.gw.config_version,
+        )
         for b, v in zip(buckets, values, strict=True):
             lim = b.limit
             money = lim.metric == "cost" and lim.unit != "weighted"

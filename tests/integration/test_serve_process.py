@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,12 +52,15 @@ def test_serve_exposes_metrics_and_usage_and_stops_cleanly(redis_server: RedisSe
             except OSError:
                 time.sleep(0.1)
         assert "aiq_decisions" in body and "aiq_active_streams" in body
+        # the version of the rules in force, the same in the metrics and the usage API
+        (version,) = re.findall(r'aiq_config_version_info\{version="([0-9a-f]+)"\} 1\.0', body)
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
             resp = usage_pb2_grpc.UsageStub(ch).GetUsage(
                 usage_pb2.GetUsageRequest(api_key="sk-demo-tight"), timeout=10
             )
         assert resp.tenant == "demo-tight" and resp.plan == "tight"
         assert {(b.metric, b.limit) for b in resp.buckets} == {("rpm", 5), ("tpm", 2000)}
+        assert resp.config_version == version
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)

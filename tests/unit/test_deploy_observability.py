@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import promql_parser
 import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
@@ -200,6 +201,37 @@ def test_the_checker_catches_unknown_names_and_labels() -> None:
     assert unknown(['aiq_breaker_state{job="aiq_fake"}'], known) == []
     with pytest.raises(PromQLError):
         selectors("sum(rate(aiq_decisions_total[5m])")
+
+
+#: Grafana's variables, replaced by what Grafana would put there before PromQL sees them.
+_GRAFANA_VARS = {
+    "$__rate_interval": "1m",
+    "$__interval": "15s",
+    "$__range": "1h",
+    "$job": ".*",
+    "${datasource}": "prometheus",
+}
+
+
+def _as_prometheus_sees_it(expr: str) -> str:
+    for var, value in _GRAFANA_VARS.items():
+        expr = expr.replace(var, value)
+    return expr
+
+
+def test_every_expression_parses_as_promql() -> None:
+    """Every dashboard query and alert expression is valid PromQL, by a full PromQL parser
+    (the Rust one Prometheus-compatible tools use), not only our metric-name scanner."""
+    exprs = [*dashboard_exprs(), *(rule["expr"] for rule in alert_rules())]
+    bad = []
+    for expr in exprs:
+        try:
+            promql_parser.parse(_as_prometheus_sees_it(expr))
+        except ValueError as exc:
+            bad.append(f"{expr!r}: {exc}")
+    assert bad == []
+    with pytest.raises(ValueError, match="parenthesis"):
+        promql_parser.parse("sum by (job (rate(aiq_decisions_total[5m]))")
 
 
 # -- the dashboard ----------------------------------------------------------------------------
