@@ -319,3 +319,65 @@ def test_optional_servicemonitor_scrapes_the_metrics_port(base: list[Obj]) -> No
     assert selects(sm["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"])
     assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"]
     assert "metrics" in {p["name"] for p in svc["spec"]["ports"]}
+
+
+# -- the admin API overlay --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def admin() -> list[Obj]:
+    return render(BASE / "admin")
+
+
+def test_admin_overlay_is_valid_kubernetes(admin: list[Obj], no_network: None) -> None:
+    assert sorted(o["kind"] for o in admin) == ["Deployment", "NetworkPolicy", "Service"]
+    for obj in admin:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_admin_pods_serve_the_admin_api_safely(admin: list[Obj]) -> None:
+    """The admin Deployment's own command line, read by the real ``ai-quota serve`` parser:
+    off loopback with a token file and TLS (the listener checks pass), each file inside a
+    read-only Secret mount."""
+    from extproc.admin.auth import check_listen
+    from extproc.cli import build_parser
+
+    deploy = one(admin, "Deployment", "ai-quota-admin")
+    main = containers(deploy)["ai-quota"]
+    args = build_parser().parse_args(main["command"][1:] + main["args"])
+    assert args.admin_port == 50052 and args.admin_host == "0.0.0.0"
+    check_listen(args.admin_host, token=bool(args.admin_token_file), tls=bool(args.admin_tls_cert))
+    volumes = {v["name"]: v for v in deploy["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m for m in main["volumeMounts"]}
+    for path, secret in (
+        (args.admin_token_file, "ai-quota-admin-token"),
+        (args.admin_tls_cert, "ai-quota-admin-tls"),
+        (args.admin_tls_key, "ai-quota-admin-tls"),
+    ):
+        mount = mounts[str(Path(path).parent)]
+        assert mount["readOnly"] is True
+        assert volumes[mount["name"]]["secret"]["secretName"] == secret
+    assert {p["name"]: p["containerPort"] for p in main["ports"]}["admin"] == args.admin_port
+
+
+def test_admin_pods_take_no_traffic_and_only_admin_clients_reach_them(
+    base: list[Obj], admin: list[Obj]
+) -> None:
+    labels = one(admin, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    # neither the ext_proc Service nor its PodDisruptionBudget selects the admin pod
+    assert not selects(one(base, "Service", "ai-quota")["spec"]["selector"], labels)
+    assert not selects(one(base, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"], labels)
+    svc = one(admin, "Service", "ai-quota-admin")
+    assert selects(svc["spec"]["selector"], labels)
+    assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]}["admin"] == "admin"
+    policy = one(admin, "NetworkPolicy")["spec"]
+    assert selects(policy["podSelector"]["matchLabels"], labels)
+    admin_rule = next(r for r in policy["ingress"] if r["ports"][0]["port"] == "admin")
+    (peer,) = admin_rule["from"]
+    assert peer["podSelector"]["matchLabels"] == {"ai-quota/admin-client": "true"}
+    # the same rules file as the processors (admin changes are checked against its plans)
+    proc_rules = containers(one(base, "Deployment", "ai-quota"))["ai-quota"]["args"]
+    admin_rules = containers(one(admin, "Deployment"))["ai-quota"]["args"]
+    assert [a for a in proc_rules if a.startswith("--config=")] == [
+        a for a in admin_rules if a.startswith("--config=")
+    ]
