@@ -9,6 +9,7 @@ import grpc
 import orjson
 
 from extproc._gen.aiquota.v1 import usage_pb2, usage_pb2_grpc
+from extproc.core.admission import human_duration
 from extproc.usage.discover import note, usage_address
 
 
@@ -99,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         notes = " ".join(n for n in ("shadow", "sliding") if r[n])
         per = r["period"] or "-"
-        reset = f"{r['reset_s']}s" if r["period"] else "-"
+        # under a minute with its tenth (a window about to turn), else as people read it
+        secs = float(r["reset_s"])
+        reset = (f"{secs}s" if secs < 60 else human_duration(secs)) if r["period"] else "-"
         print(
             f"{r['metric']:11} {r['model']:14} {r['scope']:6} {per:>8} {r['unit']:>8} "
             f"{r['used_display']:>12} {r['limit_display']:>12} {reset:>10}  {notes}"
