@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -57,8 +58,22 @@ class StackPorts:
     redis: int = 6379
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """An unused TCP port on 127.0.0.1."""
+    """An unused TCP port on 127.0.0.1, chosen below the kernel's ephemeral range (so an
+    outgoing connection cannot take it between now and the server's bind) and never the same
+    twice in one process."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    if low > 12000:
+        for _ in range(500):
+            port = random.randint(10000, low - 1)
+            if port not in _HANDED_OUT and not port_in_use(port):
+                _HANDED_OUT.add(port)
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
