@@ -153,6 +153,22 @@ CASES: list[dict[str, Any]] = [
 ]
 
 
+def promtool_test(
+    tmp_path: Path, rules: dict[str, Any], cases: list[dict[str, Any]]
+) -> subprocess.CompletedProcess[str]:
+    """``promtool test rules`` of ``cases`` against the rules document ``rules``."""
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules, sort_keys=False))
+    tests = {"rule_files": ["rules.yaml"], "evaluation_interval": "30s", "tests": cases}
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    return subprocess.run(
+        [promtool(), "test", "rules", "tests.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
 def test_promtool_accepts_the_rules_file() -> None:
     out = subprocess.run(
         [promtool(), "check", "rules", str(ALERTS)], capture_output=True, text=True, check=False
@@ -170,20 +186,7 @@ def test_alerts_fire_on_failing_replicas_and_stay_silent_on_healthy_ones(tmp_pat
     for group in doc["groups"]:
         for rule in group["rules"]:
             rule.pop("annotations", None)
-    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-    tests = {
-        "rule_files": ["rules.yaml"],
-        "evaluation_interval": "30s",
-        "tests": [{"interval": "30s", **case} for case in CASES],
-    }
-    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
-    out = subprocess.run(
-        [promtool(), "test", "rules", "tests.yaml"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    out = promtool_test(tmp_path, doc, [{"interval": "30s", **case} for case in CASES])
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SUCCESS" in out.stdout
 
@@ -191,20 +194,10 @@ def test_alerts_fire_on_failing_replicas_and_stay_silent_on_healthy_ones(tmp_pat
 def test_a_wrong_expectation_fails(tmp_path: Path) -> None:
     """The harness can fail: a healthy breaker is not an open one."""
     doc = yaml.safe_load(ALERTS.read_text())
-    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     case = {
         "interval": "30s",
         "input_series": [series("aiq_breaker_state", "", "0x10")],
         "alert_rule_test": [fires("AiQuotaBreakerOpen", "4m", severity="critical")],
     }
-    (tmp_path / "tests.yaml").write_text(
-        yaml.safe_dump({"rule_files": ["rules.yaml"], "tests": [case]}, sort_keys=False)
-    )
-    out = subprocess.run(
-        [promtool(), "test", "rules", "tests.yaml"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    out = promtool_test(tmp_path, doc, [case])
     assert out.returncode != 0 and "FAILED" in out.stdout + out.stderr
