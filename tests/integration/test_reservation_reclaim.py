@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from extproc.core.rules import Adjustment, BucketCharge
+from extproc.limiter.base import AdmitResult
 from extproc.limiter.redis import RedisLimiter
 from extproc.records.model import RecordDraft, record_id_for
 from tests.helpers import RedisServer, far_ms
@@ -30,7 +31,9 @@ def setup() -> tuple[str, list[BucketCharge]]:
     ]
 
 
-async def admit(lim: RedisLimiter, tag: str, charges: list[BucketCharge], now: int, n: int) -> None:
+async def admit(
+    lim: RedisLimiter, tag: str, charges: list[BucketCharge], now: int, n: int, draft: str = ""
+) -> AdmitResult:
     res = await lim.admit(
         f"{tag}:req:{n}",
         charges,
@@ -39,8 +42,10 @@ async def admit(lim: RedisLimiter, tag: str, charges: list[BucketCharge], now: i
         ledger_ttl_ms=TTL,
         now_ms=now,
         lease_until_ms=now + LEASE,
+        record_draft=draft,
     )
     assert res.admitted
+    return res
 
 
 async def test_dead_reservation_is_refunded_by_the_next_admission(
@@ -108,18 +113,9 @@ async def test_a_reclaimed_request_hands_back_its_record_draft_once(
     tag, charges = setup()
     now = 1_700_000_000_000
     draft = RecordDraft("req-1", "t", "k", "m", "chat", 10, 1_000, now).to_json()
-    for n, d in ((1, draft), (2, RecordDraft("req-2", "t", "k", "m", "chat", 10, 1_000, now))):
-        res = await lim.admit(
-            f"{tag}:req:{n}",
-            charges,
-            tpm_charged=1_010,
-            count_refused=False,
-            ledger_ttl_ms=TTL,
-            now_ms=now,
-            lease_until_ms=now + LEASE,
-            record_draft=d if isinstance(d, str) else d.to_json(),
-        )
-        assert res.admitted and res.reclaimed == ()
+    other = RecordDraft("req-2", "t", "k", "m", "chat", 10, 1_000, now).to_json()
+    for n, d in ((1, draft), (2, other)):
+        assert (await admit(lim, tag, charges, now, n, d)).reclaimed == ()
     # request 1 streamed 1,500 tokens past its reservation before its processor died
     stream = [BucketCharge(f"{tag}:tpm", "tpm", 0, 100_000, far_ms())]
     assert (
@@ -129,16 +125,7 @@ async def test_a_reclaimed_request_hands_back_its_record_draft_once(
     assert await lim.settle(f"{tag}:req:2", [], ledger_ttl_ms=TTL)
     assert not r.hexists(f"{tag}:req:2", "rec")
 
-    res = await lim.admit(
-        f"{tag}:req:3",
-        charges,
-        tpm_charged=1_010,
-        count_refused=False,
-        ledger_ttl_ms=TTL,
-        now_ms=now + LEASE + 1,
-        lease_until_ms=now + 2 * LEASE,
-    )
-    assert res.admitted
+    res = await admit(lim, tag, charges, now + LEASE + 1, 3)
     assert [(x.ledger, x.draft, x.charged) for x in res.reclaimed] == [
         (f"{tag}:req:1", draft, 1_010 + 1_500)
     ]
@@ -150,14 +137,6 @@ async def test_a_reclaimed_request_hands_back_its_record_draft_once(
     assert int(r.get(f"{tag}:tpm") or 0) == 10 + 1_500 + 1_010 + 1_010
     # once: a later reclaim pass finds nothing (the draft left the ledger)
     assert not r.hexists(f"{tag}:req:1", "rec")
-    res = await lim.admit(
-        f"{tag}:req:4",
-        charges,
-        tpm_charged=1_010,
-        count_refused=False,
-        ledger_ttl_ms=TTL,
-        now_ms=now + 3 * LEASE,
-        lease_until_ms=now + 4 * LEASE,
-    )
+    res = await admit(lim, tag, charges, now + 3 * LEASE, 4)
     # 3 left no draft (its admission wrote none): reclaimed, no record handed back
     assert res.reclaimed == () and r.hget(f"{tag}:req:3", "state") == b"reclaimed"
