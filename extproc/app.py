@@ -49,11 +49,11 @@ from extproc.clock import Clock, SystemClock
 from extproc.config import load_config
 from extproc.config.load import load_config_text
 from extproc.config.runtime import RuntimeConfig
+from extproc.gateway import Gateway
 from extproc.limiter.base import Limiter
 from extproc.limiter.redis import RedisLimiter
 from extproc.metrics import Metrics
 from extproc.records.writer import make_recorder
-from extproc.server.gateway import Gateway
 from extproc.server.servicer import ExternalProcessorServicer
 from extproc.settings import Settings
 from extproc.tokenizers import TokenizerLoadError

@@ -31,6 +31,12 @@ class Model:
     prices: Rates | None = None
     currency: str = ""
 
+    @property
+    def exact_count(self) -> bool:
+        """Counted by the model's own tokenizer (not estimated): the upstream's input figure is
+        then trusted within bounds around the count; an estimate is kept as charged."""
+        return self.known and self.tokenizer.kind != "estimate"
+
     def stream_counter(self) -> Callable[[str], int]:
         """The per-delta counter for streams (memoised), or the plain one."""
         return self.delta_count or self.counter.count

@@ -120,6 +120,15 @@ TRANSITIONS: dict[tuple[State, Input], State] = {
     (S.DONE, In.RESPONSE_BODY): S.DONE,
     (S.DONE, In.TRAILERS): S.DONE,
 }
+# The gateway answers the request itself (an immediate 4xx/5xx response) from any phase after
+# the headers: an error while responding ends the request there.
+TRANSITIONS.update(
+    {
+        (state, In.REFUSED): S.DONE
+        for state in (S.ADMITTED, S.PASSTHROUGH, S.RESPONDING, S.READING, S.STREAMING, S.CUT)
+    }
+)
+TRANSITIONS[(S.DONE, In.REFUSED)] = S.DONE
 
 # The ending a transition names (when none was named before).
 ENDING_OF: dict[Input, Ending] = {
@@ -162,6 +171,12 @@ class Lifecycle:
         return self._cut_reason
 
     @property
+    def ended(self) -> bool:
+        """The response is over (completed, cut or answered by the gateway): the one answer to
+        "is the stream over?"."""
+        return self._state in (S.DONE, S.CUT)
+
+    @property
     def settling(self) -> bool:
         """Settlement has begun (it begins once)."""
         return self._settling
@@ -185,12 +200,9 @@ class Lifecycle:
     def refuse(self, ending: Ending) -> None:
         """The gateway answered the request itself (a 4xx/5xx immediate response).
 
-        Valid before the request was admitted; afterwards (an error while responding) the
-        ending is recorded and the phase moves to DONE."""
-        if self._state in (S.AWAIT_HEADERS, S.AWAIT_BODY):
-            self.advance(In.REFUSED)
-        else:
-            self._state = S.DONE
+        Before the request was admitted it is refused; afterwards (an error while responding)
+        the ending is recorded and the phase moves to DONE."""
+        self.advance(In.REFUSED)
         self.name_ending(ending)
 
     def cut(self, reason: CutReason) -> None:

@@ -77,7 +77,7 @@ class StreamMeter:
         self._decoder = SSEDecoder(max_event_bytes=max_event_bytes)
         self.lease = initial_lease
         self.leased_total = initial_lease
-        self._held: deque[tuple[bytes, int]] = deque()
+        self._held: deque[tuple[bytes, int, bool]] = deque()  # (event, tokens, terminal)
         self._held_tokens = 0
         self._charge_in_flight = 0
         self._held_precharged = 0  # held tokens the in-flight (lazy) charge already covers
@@ -91,6 +91,10 @@ class StreamMeter:
         self.exhausted = False
         self.upstream_done = False
         self.finished = False
+        # the API's terminal event ([DONE], response.completed, message_stop) reached the
+        # client: the stream is complete whoever closes first
+        self.complete = False
+        self._terminal = False  # the event being inspected is the terminal one
         self.usage: Usage | None = None
         self.upstream_error: dict[str, object] | None = None
         self.cut_reason: CutReason | None = None
@@ -100,6 +104,7 @@ class StreamMeter:
     def _inspect(self, ev: SSEEvent) -> tuple[int, bool]:
         """Tokens in the event, and whether it is forwarded at all."""
         self.events += 1
+        self._terminal = False
         data = ev.data
         if data is None:
             return 0, True
@@ -115,6 +120,7 @@ class StreamMeter:
         if chunk.usage is not None:
             self.usage = chunk.usage
         if chunk.done:
+            self._terminal = True
             return 0, True
         tokens = 0
         for _, text in chunk.texts:
@@ -128,7 +134,7 @@ class StreamMeter:
         """Take one upstream body chunk (``end`` on the last); return what to do."""
         if self.finished:
             return EMPTY
-        if self.enforce and not self.strict and self.exhausted:
+        if self.enforce and not self.strict and self.exhausted and not self.complete:
             return self._cut_step(CutReason.QUOTA_EXHAUSTED)
         try:
             events = self._decoder.feed(chunk) if chunk else []
@@ -143,11 +149,12 @@ class StreamMeter:
             if not fwd:
                 continue
             if self.enforce and (self._held or self._must_hold(k)):
-                self._held.append((ev.raw, k))
+                self._held.append((ev.raw, k, self._terminal))
                 self._held_tokens += k
                 continue
             out += ev.raw
             self.delivered += k
+            self.complete = self.complete or self._terminal
             if self.enforce and self.strict:
                 self.lease -= k
             else:
@@ -225,15 +232,24 @@ class StreamMeter:
             if exhausted:
                 self.exhausted = True
                 if self.enforce and self._held:
-                    return self._cut_step(CutReason.QUOTA_EXHAUSTED)
+                    # Deliver the held events the quota still covers (the charge included
+                    # ``pre`` of them; ``room`` is what the tightest bucket has left after
+                    # it), then cut: a backlog is delivered up to the quota, not dropped.
+                    released = self._release(pre + (room or 0), pre)
+                    if self._held:
+                        return self._cut_step(CutReason.QUOTA_EXHAUSTED, prefix=released)
+                    # the whole backlog fitted: the stream goes on and is cut at its next
+                    # event, as any lazy stream that ran out
+                    return self._after(released)
             if not pre and self.uncharged + self._held_tokens > 2 * self.every:
                 # Held behind a batch charge, but too many to release uncharged: charge first.
                 return self._after(b"")
             out = bytearray()
             while self._held:
-                raw, k = self._held.popleft()
+                raw, k, terminal = self._held.popleft()
                 self._held_tokens -= k
                 self.delivered += k
+                self.complete = self.complete or terminal
                 covered = min(pre, k)
                 pre -= covered
                 self.uncharged += k - covered
@@ -246,10 +262,11 @@ class StreamMeter:
             self.exhausted = True
         out = bytearray()
         while self._held and self._held[0][1] <= self.lease:
-            raw, k = self._held.popleft()
+            raw, k, terminal = self._held.popleft()
             self._held_tokens -= k
             self.lease -= k
             self.delivered += k
+            self.complete = self.complete or terminal
             out += raw
         if self._held and granted == 0:
             return self._cut_step(CutReason.QUOTA_EXHAUSTED, prefix=bytes(out))
@@ -261,8 +278,9 @@ class StreamMeter:
         self._charge_in_flight = self._new_charge = self._held_precharged = 0
         out = bytearray()
         while self._held:
-            raw, k = self._held.popleft()
+            raw, k, terminal = self._held.popleft()
             self.delivered += k
+            self.complete = self.complete or terminal
             out += raw
         self._held_tokens = 0
         end = self.upstream_done and not self.finished
@@ -282,6 +300,22 @@ class StreamMeter:
     def charge_in_flight(self) -> bool:
         """A charge was asked for and not yet answered."""
         return self._charge_in_flight != 0
+
+    def _release(self, allowance: int, precharged: int) -> bytes:
+        """Deliver held events, in order, while their tokens fit ``allowance`` (the rest is
+        dropped by the cut that follows); the first ``precharged`` of them were charged."""
+        out = bytearray()
+        while self._held and self._held[0][1] <= allowance:
+            raw, k, terminal = self._held.popleft()
+            allowance -= k
+            self._held_tokens -= k
+            self.delivered += k
+            covered = min(precharged, k)
+            precharged -= covered
+            self.uncharged += k - covered
+            self.complete = self.complete or terminal
+            out += raw
+        return bytes(out)
 
     # -- ending ----------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Request body: parse, count input tokens (:mod:`extproc.server.counting`), plan the cost, run
 the one admission call; a refusal by a limit on the requested model may be served by the plan's
-fallback model (:mod:`extproc.server.policies`).  A call that timed out keeps a cancel."""
+fallback model (decided by :func:`extproc.core.session.fallback_for`).  A call that timed out
+keeps a cancel.  What the answers mean is decided in the core; this module makes the calls."""
 
 from __future__ import annotations
 
@@ -9,12 +10,20 @@ from dataclasses import dataclass
 
 import structlog
 
-from extproc.config.runtime import Model
+from extproc.config.runtime import Model, RuntimeConfig
 from extproc.core import admission
 from extproc.core.admission import Cost
 from extproc.core.apis.base import RequestLimits
-from extproc.core.keys import WindowedBucket, ledger_key
+from extproc.core.keys import WindowedBucket
 from extproc.core.rules import Adjustment, Charging
+from extproc.core.session import (
+    Admitted,
+    Parsed,
+    Session,
+    ShadowOutcome,
+    fallback_for,
+    shadow_outcome,
+)
 from extproc.errors import (
     BadRequest,
     LimiterUnavailable,
@@ -22,39 +31,22 @@ from extproc.errors import (
     RequestTooLarge,
     UnknownModel,
 )
+from extproc.gateway import Gateway
 from extproc.limiter.base import AdmitResult
+from extproc.limiter.kept import Kept
 from extproc.records.model import RecordDraft
-from extproc.server.context import RequestContext
 from extproc.server.counting import count_input
-from extproc.server.gateway import Gateway
-from extproc.server.kept import Kept
-from extproc.server.policies import fallback_model, shadow_report
 from extproc.server.reclaim import record_reclaimed
 
 log = structlog.get_logger("extproc")
 
 
-def buckets_at(gw: Gateway, ctx: RequestContext, now_ms: int) -> list[WindowedBucket]:
-    """The request's buckets in the windows containing ``now_ms``."""
-    assert ctx.tenant is not None and ctx.key is not None and ctx.model is not None
-    model_key = ctx.model.name if ctx.model.known else (ctx.req.model if ctx.req else "*")
-    return admission.buckets_for(
-        prefix=gw.key_prefix,
-        tenant=ctx.tenant.id,
-        key_name=ctx.key.name,
-        model=model_key,
-        limits=ctx.tenant.limits,
-        now_ms=now_ms,
-        prices=ctx.model.prices,
-        lease_ms=ctx.cfg.reservation_lease_ms,
-    )
-
-
-async def admit_body(gw: Gateway, ctx: RequestContext, raw: bytes) -> bytes | None:
+async def admit_body(
+    gw: Gateway, cfg: RuntimeConfig, s: Session, raw: bytes, started: float
+) -> bytes | None:
     """Admit the request (raise a :class:`GatewayError` when not); the body to forward."""
-    cfg = ctx.cfg
-    api = ctx.api
-    assert api is not None and ctx.tenant is not None and ctx.key is not None
+    api, tenant, key = s.api, s.tenant, s.key
+    assert api is not None and tenant is not None and key is not None
     if len(raw) > cfg.max_body_bytes:
         raise RequestTooLarge(
             f"the request body is {len(raw)} bytes; the limit is {cfg.max_body_bytes}"
@@ -64,7 +56,6 @@ async def admit_body(gw: Gateway, ctx: RequestContext, raw: bytes) -> bytes | No
         req = api.parse(raw, limits)
     except RecursionError:
         raise BadRequest("the request body is nested too deeply") from None
-    ctx.req = req
     model = cfg.resolve_model(req.model)
     if model is None:
         if cfg.unknown_model_action == "reject":
@@ -73,81 +64,116 @@ async def admit_body(gw: Gateway, ctx: RequestContext, raw: bytes) -> bytes | No
                 status=cfg.unknown_model_status,
             )
         model = cfg.unknown_model
-    ctx.ledger = ledger_key(gw.key_prefix, ctx.tenant.id, gw.ledger_id(ctx.request_id))
-    attempt = await _attempt(gw, ctx, model, len(raw))
+    s.parse(Parsed(req, model))
+    attempt = await _attempt(gw, cfg, s, model, len(raw))
+    fallback_headers: tuple[tuple[str, str], ...] = ()
     if attempt.refused is not None:
         # A limit on the requested model is exhausted: the plan may name another model that
         # still has room (its own buckets are charged; the client is told in a header).
-        alt = fallback_model(ctx, attempt.plan.cost, attempt.values)
+        name = fallback_for(
+            cfg.fallbacks,
+            tenant=tenant,
+            model=model,
+            buckets=attempt.buckets,
+            values=attempt.values,
+            cost=attempt.plan.cost,
+        )
+        alt = cfg.models.get(name) if name is not None else None
         if alt is None:
             raise attempt.refused
-        second = await _attempt(gw, ctx, alt, len(raw))
+        s.parse(Parsed(req, alt))
+        second = await _attempt(gw, cfg, s, alt, len(raw))
         if second.refused is not None:
+            s.parse(Parsed(req, model))
             raise attempt.refused
         gw.metrics.limit_decisions.labels(attempt.refused.metric, "fallback").inc()
         log.info(
             "fallback",
-            request_id=ctx.request_id,
+            request_id=s.request_id,
             requested=model.name,
             fallback=alt.name,
             reason=attempt.refused.code,
         )
-        ctx.headers_out += [
+        fallback_headers = (
             ("x-aiquota-fallback-model", alt.name),
             ("x-aiquota-requested-model", model.name),
-        ]
+        )
         attempt, model = second, alt
-    plan, charging, input_tokens, decision = (
-        attempt.plan,
-        attempt.charging,
-        attempt.input_tokens,
-        attempt.decision,
+    cost = attempt.plan.cost if attempt.result is not None else None
+    headers = fallback_headers
+    if attempt.result is not None:
+        values = attempt.result.values
+        headers += tuple(
+            admission.rate_limit_headers(list(attempt.buckets), values, attempt.now).as_pairs()
+        )
+        shadow = shadow_outcome(attempt.buckets, values, attempt.plan.cost)
+        headers += _report_shadow(gw, s, shadow)
+    s.admit(
+        Admitted(model, cost, attempt.buckets, attempt.now, headers),
+        admission.admission_usage(cost) if cost is not None else None,
     )
-    cost = plan.cost
     gw.metrics.decisions.labels("admitted", "ok").inc()
-    gw.metrics.admission_seconds.observe(time.perf_counter() - ctx.started)
+    gw.metrics.admission_seconds.observe(time.perf_counter() - started)
     log.info(
         "decision",
-        tenant=ctx.tenant.id,
-        key=ctx.key.name,
+        tenant=tenant.id,
+        key=key.name,
         model=model.name,
         api=api.name,
-        input_tokens=input_tokens,
-        reserved_output=cost.reserved_output,
+        input_tokens=attempt.input_tokens,
+        reserved_output=attempt.plan.cost.reserved_output,
         stream=req.stream,
-        decision=decision,
-        mode=charging.mode,
-        streaming=charging.streaming,
-        latency_ms=ctx.latency_ms(),
+        decision="admitted" if attempt.result is not None else "admitted_unmetered",
+        mode=attempt.charging.mode,
+        streaming=attempt.charging.streaming,
+        latency_ms=round((time.perf_counter() - started) * 1000, 3),
     )
     return api.rewrite(
         req,
-        budget=plan.budget,
-        force_usage=cfg.force_include_usage and cost.meter_stream,
+        budget=attempt.plan.budget,
+        force_usage=cfg.force_include_usage and attempt.plan.cost.meter_stream,
         model=model.name if model.known else None,
     )
 
 
+def _report_shadow(gw: Gateway, s: Session, shadow: ShadowOutcome) -> tuple[tuple[str, str], ...]:
+    """Count the shadow decisions; log the shadow limits that would have refused."""
+    for metric, decision in shadow.decisions:
+        gw.metrics.limit_decisions.labels(metric, decision).inc()
+    if shadow.exceeded:
+        log.info(
+            "shadow_limit_exceeded",
+            request_id=s.request_id,
+            tenant=s.tenant.id if s.tenant else None,
+            limits=list(shadow.exceeded),
+            would="refuse",
+        )
+    return shadow.headers()
+
+
 @dataclass(slots=True)
 class _Attempt:
-    """Admission of the request as one model: the plan, and the refusal when refused."""
+    """Admission of the request as one model: the plan, the buckets, the answer (None:
+    fail-open) and the refusal when refused."""
 
     plan: admission.AdmissionPlan
     charging: Charging
     input_tokens: int
-    decision: str = "admitted"
+    buckets: tuple[WindowedBucket, ...]
+    now: int
+    result: AdmitResult | None = None
     refused: QuotaExceeded | None = None
     values: tuple[int, ...] = ()
 
 
-async def _attempt(gw: Gateway, ctx: RequestContext, model: Model, size: int) -> _Attempt:
-    """Count, plan and run the one admission call as ``model`` (sets ``ctx.model`` and, when
-    admitted, the cost, buckets, account and headers)."""
-    cfg, api, req, tenant = ctx.cfg, ctx.api, ctx.req, ctx.tenant
-    assert api is not None and req is not None and tenant is not None
-    ctx.model = model
+async def _attempt(
+    gw: Gateway, cfg: RuntimeConfig, s: Session, model: Model, size: int
+) -> _Attempt:
+    """Count, plan and run the one admission call as ``model``."""
+    api, req, tenant, key = s.api, s.req, s.tenant, s.key
+    assert api is not None and req is not None and tenant is not None and key is not None
     structlog.contextvars.bind_contextvars(tenant=tenant.id, model=model.name)
-    input_tokens = await count_input(gw, ctx, size)
+    input_tokens = await count_input(gw, cfg, api, req, model, size=size)
     charging = cfg.charging_for(tenant.plan, model.name)
     budget_param = req.budget_fields[0] if req.budget_fields else "max_tokens"
     plan = admission.plan_admission(
@@ -164,19 +190,20 @@ async def _attempt(gw: Gateway, ctx: RequestContext, model: Model, size: int) ->
     )
     cost = plan.cost
     now = gw.clock.now_ms()
-    ctx.buckets = buckets_at(gw, ctx, now)
+    buckets = tuple(s.buckets_at(gw.key_prefix, now, cfg.reservation_lease_ms))
     # Leased: a reservation to settle, a concurrency slot to free, or a usage record to write
     # (the tenant's next admission gives the first two back and writes the record if this
     # processor dies).
     records = gw.recorder is not None
-    leased = cost.settle_to_actual or ctx.holds_slots or records
+    holds_slots = any(b.kind == "concurrency" for b in buckets)
+    leased = cost.settle_to_actual or holds_slots or records
     lease = cfg.reservation_lease_ms if leased else 0
     draft = ""
-    if lease and records and ctx.key is not None and api is not None:
+    if lease and records:
         draft = RecordDraft(
-            request_id=ctx.request_id,
+            request_id=s.request_id,
             tenant=tenant.id,
-            key=ctx.key.name,
+            key=key.name,
             model=model.name,
             api=api.name,
             input_tokens=input_tokens,
@@ -185,63 +212,57 @@ async def _attempt(gw: Gateway, ctx: RequestContext, model: Model, size: int) ->
         ).to_json()
     res = await limiter_admit(
         gw,
-        ctx,
-        ctx.buckets,
+        cfg,
+        s,
+        list(buckets),
         cost,
         now_ms=now,
         lease_until_ms=now + lease if lease else 0,
         record_draft=draft,
     )
-    out = _Attempt(plan, charging, input_tokens)
-    if res is None:  # fail-open: Redis is down and the plan lets traffic through unmetered
-        out.decision = "admitted_unmetered"
-    elif not res.admitted and not res.duplicate:
+    out = _Attempt(plan, charging, input_tokens, buckets, now, res)
+    if res is not None and not res.admitted and not res.duplicate:
         err = admission.refusal(
-            ctx.buckets, res.values, cost, now, tenant=tenant.id, model=model.name
+            list(buckets), res.values, cost, now, tenant=tenant.id, model=model.name
         )
         gw.metrics.limit_decisions.labels(err.metric, "refused").inc()
         out.refused = err
         out.values = res.values
-    else:
+    elif res is not None:
         # A duplicate can only be our own retried call (ledger ids are unique per HTTP
         # request): the first execution charged, so the request is admitted and metered.
         if res.duplicate:
             gw.metrics.duplicate_hits.labels("admit").inc()
-        ctx.cost = cost
-        ctx.admitted_at_ms = now
-        ctx.account.record(ctx.buckets, admission.admission_usage(cost))
-        ctx.headers_out += admission.rate_limit_headers(ctx.buckets, res.values, now).as_pairs()
-        ctx.headers_out += shadow_report(gw, ctx, res.values, cost)
         if lease:
             gw.keep_leases()
     return out
 
 
-async def admit_rpm_only(gw: Gateway, ctx: RequestContext) -> None:
+async def admit_rpm_only(gw: Gateway, cfg: RuntimeConfig, s: Session) -> None:
     """An unmetered path under ``paths.other: rpm_only``: one request on the RPM buckets."""
-    assert ctx.tenant is not None and ctx.key is not None
+    tenant, key = s.tenant, s.key
+    assert tenant is not None and key is not None
     now = gw.clock.now_ms()
-    limits = tuple(lim for lim in ctx.tenant.limits if lim.metric == "rpm" and lim.model == "*")
+    limits = tuple(lim for lim in tenant.limits if lim.metric == "rpm" and lim.model == "*")
     buckets = admission.buckets_for(
         prefix=gw.key_prefix,
-        tenant=ctx.tenant.id,
-        key_name=ctx.key.name,
+        tenant=tenant.id,
+        key_name=key.name,
         model="*",
         limits=limits,
         now_ms=now,
     )
     if not buckets:
         return
-    ctx.ledger = ledger_key(gw.key_prefix, ctx.tenant.id, gw.ledger_id(ctx.request_id))
-    res = await limiter_admit(gw, ctx, buckets, admission.RPM_ONLY)
+    res = await limiter_admit(gw, cfg, s, buckets, admission.RPM_ONLY)
     if res is not None and not res.admitted and not res.duplicate:
         raise admission.refusal(
-            buckets, res.values, admission.RPM_ONLY, now, tenant=ctx.tenant.id, model="*"
+            buckets, res.values, admission.RPM_ONLY, now, tenant=tenant.id, model="*"
         )
 
 
 def _keep_cancel(
-    gw: Gateway, ctx: RequestContext, buckets: list[WindowedBucket], cost: Cost
+    gw: Gateway, cfg: RuntimeConfig, s: Session, buckets: list[WindowedBucket], cost: Cost
 ) -> None:
     """Undo an admission whose call timed out, if it ran after all, once Redis answers."""
     undo = [
@@ -249,13 +270,14 @@ def _keep_cancel(
         for c in admission.admission_charges(buckets, cost)
         if c.kind != "concurrency" and c.amount
     ]
-    ttl = ctx.cfg.ledger_ttl_seconds * 1000
-    gw.settlements.keep(Kept(ctx.ledger, undo, ttl, ctx.request_id, cancel=True))
+    ttl = cfg.ledger_ttl_seconds * 1000
+    gw.settlements.keep(Kept(s.ledger, undo, ttl, s.request_id, cancel=True))
 
 
 async def limiter_admit(
     gw: Gateway,
-    ctx: RequestContext,
+    cfg: RuntimeConfig,
+    s: Session,
     buckets: list[WindowedBucket],
     cost: Cost,
     *,
@@ -267,11 +289,11 @@ async def limiter_admit(
     of dead processors the call reclaimed get their usage records here."""
     try:
         res = await gw.limiter.admit(
-            ctx.ledger,
+            s.ledger,
             admission.admission_charges(buckets, cost),
             tpm_charged=cost.tpm_amount,
-            count_refused=ctx.cfg.count_refused_requests,
-            ledger_ttl_ms=ctx.cfg.ledger_ttl_seconds * 1000,
+            count_refused=cfg.count_refused_requests,
+            ledger_ttl_ms=cfg.ledger_ttl_seconds * 1000,
             now_ms=now_ms,
             lease_until_ms=lease_until_ms,
             record_draft=record_draft,
@@ -281,11 +303,11 @@ async def limiter_admit(
         # The call may still run once Redis answers (it timed out, it did not fail): keep a
         # cancel that undoes it if it ran, or stops it from ever running.
         if exc.maybe_ran:
-            _keep_cancel(gw, ctx, buckets, cost)
-        if ctx.cfg.failure_mode_for(ctx.plan) == "open":
-            log.warning("limiter_unavailable_fail_open", request_id=ctx.request_id)
+            _keep_cancel(gw, cfg, s, buckets, cost)
+        if cfg.failure_mode_for(s.plan) == "open":
+            log.warning("limiter_unavailable_fail_open", request_id=s.request_id)
             return None
         raise
     if res.reclaimed:
-        record_reclaimed(gw, ctx.cfg, res.reclaimed)
+        record_reclaimed(gw, cfg, res.reclaimed)
     return res

@@ -7,18 +7,20 @@ from __future__ import annotations
 import asyncio
 import time
 
+from extproc.config.runtime import Model, RuntimeConfig
+from extproc.core.apis.base import ApiFormat, ParsedRequest
 from extproc.core.tokens import PromptShapeError, PromptTooLarge
 from extproc.errors import BadRequest, GatewayBusy, RequestTooLarge
-from extproc.server.context import RequestContext
-from extproc.server.gateway import Gateway
+from extproc.gateway import Gateway
 
 # Bodies longer than this (bytes) are counted in a worker thread.
 OFFLOAD_BYTES = 16_384
 
 
-async def count_input(gw: Gateway, ctx: RequestContext, size: int) -> int:
-    api, req, model = ctx.api, ctx.req, ctx.model
-    assert api is not None and req is not None and model is not None
+async def count_input(
+    gw: Gateway, cfg: RuntimeConfig, api: ApiFormat, req: ParsedRequest, model: Model, *, size: int
+) -> int:
+    """The request's input tokens by ``model``'s tokenizer (raises the client-facing errors)."""
 
     def count() -> int:
         return api.count_input(req, model.counter, model.tokenizer)
@@ -26,7 +28,7 @@ async def count_input(gw: Gateway, ctx: RequestContext, size: int) -> int:
     t0 = time.perf_counter()
     try:
         if size > OFFLOAD_BYTES:
-            async with asyncio.timeout(ctx.cfg.count_deadline_ms / 1000), gw.count_slots:
+            async with asyncio.timeout(cfg.count_deadline_ms / 1000), gw.count_slots:
                 n = await asyncio.to_thread(count)
         else:
             n = count()

@@ -1,13 +1,14 @@
-"""One request's processor: one method per ext_proc phase, each delegating to its module.
+"""One request's processor: executes what its sans-IO :class:`Session` decides, phase by phase.
 
 The servicer creates one :class:`RequestProcessor` per gRPC stream (one per HTTP request) and
-calls :meth:`RequestProcessor.handle` per ProcessingRequest.  State changes go through the
-request's :class:`Lifecycle`; the data of the request lives in its :class:`RequestContext`.
+calls :meth:`RequestProcessor.handle` per ProcessingRequest.  Every fact about the request is a
+phase record of the session; every decision is a function of :mod:`extproc.core.session`.  This
+module only turns them into Envoy messages, limiter calls, metrics and log lines.
 
 * request headers → :mod:`extproc.server.identity` (caller, path policy)
-* request body → :mod:`extproc.server.admit` (count, plan, one admission call)
-* response headers/body/trailers → :mod:`extproc.server.respond` decides how (from the status
-  and headers), then :mod:`extproc.server.stream` meters SSE, or a JSON body's usage is read
+* request body → :mod:`extproc.server.admit` (count, the one admission call)
+* response headers → :func:`extproc.core.session.classify`; then :mod:`extproc.server.stream`
+  meters SSE, or a JSON body's usage is read
 * the end, whatever it is → :mod:`extproc.server.settle`, in the background, after the last
   response (with the request's final figures as dynamic metadata) has been sent
 
@@ -25,14 +26,22 @@ import structlog
 
 from extproc.core.apis.openai import CHAT
 from extproc.core.apis.registry import api_for_path
+from extproc.core.keys import ledger_key
 from extproc.core.lifecycle import (
     Closed,
     CutReason,
     Ending,
     Input,
-    Lifecycle,
     LifecycleError,
     State,
+)
+from extproc.core.session import (
+    Identified,
+    Reported,
+    Responding,
+    Session,
+    classify,
+    parse_status,
 )
 from extproc.errors import (
     BadRequest,
@@ -41,12 +50,11 @@ from extproc.errors import (
     UnmeterableResponse,
 )
 from extproc.errors import UnsupportedEncoding as UnsupportedRequestEncoding
-from extproc.server import respond, wire
+from extproc.gateway import Gateway
+from extproc.server import wire
 from extproc.server.admit import admit_body, admit_rpm_only
-from extproc.server.context import RequestContext, metadata
-from extproc.server.gateway import Gateway
 from extproc.server.identity import IDENTITY_HEADERS, identify, route
-from extproc.server.settle import settle
+from extproc.server.settle import access_metadata, log_disagreement, settle
 from extproc.server.stream import StreamDriver
 
 log = structlog.get_logger("extproc")
@@ -58,12 +66,13 @@ MAX_USAGE_BODY = 8 << 20
 class RequestProcessor:
     """The phases of one HTTP request."""
 
-    __slots__ = ("_json", "ctx", "driver", "gw", "life", "write_lock", "writer")
+    __slots__ = ("_json", "cfg", "driver", "gw", "s", "started", "write_lock", "writer")
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
-        self.ctx = RequestContext(cfg=gw.config)
-        self.life = Lifecycle()
+        self.cfg = gw.config  # the rules this request started with (a reload does not move it)
+        self.s = Session()
+        self.started = time.perf_counter()
         self.driver: StreamDriver | None = None
         self._json: tuple[bytearray, Any] | None = None  # body read for usage, its decoder
         self.write_lock = asyncio.Lock()
@@ -72,7 +81,19 @@ class RequestProcessor:
     @property
     def request_id(self) -> str:
         """Envoy's request id (or one we made up)."""
-        return self.ctx.request_id
+        return self.s.request_id
+
+    @property
+    def open_lease(self) -> tuple[str, list[str]] | None:
+        """(ledger, concurrency sets) while the reservation is open (renewed by the gateway)."""
+        s = self.s
+        if s.metered and s.ledger and not s.life.settling:
+            return s.ledger, s.slots
+        return None
+
+    def latency_ms(self) -> float:
+        """Milliseconds since the request headers arrived."""
+        return round((time.perf_counter() - self.started) * 1000, 3)
 
     # -- dispatch --------------------------------------------------------------------------
 
@@ -101,55 +122,66 @@ class RequestProcessor:
 
     def reject(self, err: GatewayError) -> wire.ProcessingResponse:
         """The single mapping from a gateway error to the client's HTTP response."""
-        ctx = self.ctx
+        s = self.s
         refused = err.status == 429
         decision = "refused" if refused else "error"
         self.gw.metrics.decisions.labels(decision, err.code).inc()
         log.info(
             "decision",
-            request_id=ctx.request_id,
-            tenant=ctx.tenant.id if ctx.tenant else None,
-            model=ctx.model.name if ctx.model else None,
+            request_id=s.request_id,
+            tenant=s.tenant.id if s.tenant else None,
+            model=s.model.name if s.model else None,
             decision=decision,
             status=err.status,
             code=err.code,
             message=err.message,
-            latency_ms=ctx.latency_ms(),
+            latency_ms=self.latency_ms(),
         )
-        self.life.refuse(Ending.REFUSED if refused else Ending.REJECTED)
-        api = ctx.api or CHAT
+        s.life.refuse(Ending.REFUSED if refused else Ending.REJECTED)
+        api = s.api or CHAT
         return wire.immediate(
             err.status,
             api.error_headers(err),
             api.error_body(err),
             f"ai_quota_{err.code}",
-            metadata(ctx, self.life),
+            access_metadata(s),
         )
 
     # -- request ---------------------------------------------------------------------------
 
     async def on_request_headers(self, hh: Any, req: Any = None) -> wire.ProcessingResponse:
         """Identify the caller; decide how the path is handled."""
-        self.life.advance(Input.REQUEST_HEADERS)
-        ctx = self.ctx
+        s, cfg, gw = self.s, self.cfg, self.gw
+        s.life.advance(Input.REQUEST_HEADERS)
         h = wire.headers_of(hh)
-        ctx.request_id = h.get("x-request-id", "") or f"gen-{id(self):x}-{time.time_ns()}"
-        ctx.path = h.get(":path", "")
-        found = api_for_path(ctx.path)
-        ctx.api = self.gw.bind(found) if found else None  # errors speak the API's own shape
-        structlog.contextvars.bind_contextvars(request_id=ctx.request_id)
-        meta = wire.metadata_of(req) if ctx.cfg.identity.sources != ["api_key"] else None
-        caller = identify(ctx.cfg, h, meta)
-        ctx.key, ctx.tenant = caller.key, caller.tenant
-        kind, api = route(ctx.cfg, ctx.path, h.get(":method", "POST"))
+        request_id = h.get("x-request-id", "") or f"gen-{id(self):x}-{time.time_ns()}"
+        path = h.get(":path", "")
+        found = api_for_path(path)
+        # errors speak the API's own shape, even the caller's identification errors
+        s.identify(Identified(request_id, path, gw.bind(found) if found else None))
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        meta = wire.metadata_of(req) if cfg.identity.sources != ["api_key"] else None
+        caller = identify(cfg, h, meta)
+        kind, api = route(cfg, path, h.get(":method", "POST"))
+        metered_api = gw.bind(api) if api else None
+        ledger = ledger_key(gw.key_prefix, caller.tenant.id, gw.ledger_id(request_id))
+        s.identify(
+            Identified(
+                request_id,
+                path,
+                metered_api if kind == "metered" else s.api,
+                caller.key,
+                caller.tenant,
+                ledger,
+            )
+        )
         if kind != "metered":
             if kind == "rpm_only":
-                await admit_rpm_only(self.gw, ctx)
-            self.life.advance(Input.PASS)
+                await admit_rpm_only(gw, cfg, s)
+            s.life.advance(Input.PASS)
             return wire.continue_request_headers(
                 caller.headers(), IDENTITY_HEADERS, mode=wire.passthrough_mode()
             )
-        ctx.api = self.gw.bind(api) if api else None
         encoding = h.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
             raise UnsupportedRequestEncoding(
@@ -165,63 +197,74 @@ class RequestProcessor:
 
     async def on_request_body(self, body: Any) -> wire.ProcessingResponse:
         """Admit the request. In BUFFERED mode the body is whole even when trailers follow."""
-        self.life.advance(Input.REQUEST_BODY)
-        new_body = await admit_body(self.gw, self.ctx, body.body)
-        self.life.advance(Input.ADMITTED)
+        self.s.life.advance(Input.REQUEST_BODY)
+        new_body = await admit_body(self.gw, self.cfg, self.s, body.body, self.started)
+        self.s.life.advance(Input.ADMITTED)
         return wire.continue_request_body(new_body)
 
     # -- response --------------------------------------------------------------------------
 
     async def on_response_headers(self, hh: Any) -> wire.ProcessingResponse:
-        """Add x-ratelimit-*; choose how the body is metered (:func:`respond.classify`)."""
-        before = self.life.state
-        self.life.advance(Input.RESPONSE_HEADERS)
-        ctx = self.ctx
+        """Add x-ratelimit-*; choose how the body is metered (:func:`classify`)."""
+        s = self.s
+        before = s.life.state
+        s.life.advance(Input.RESPONSE_HEADERS)
         h = wire.headers_of(hh)
-        how = respond.classify(ctx, h, before, end_of_stream=hh.end_of_stream)
+        how = classify(
+            h,
+            before,
+            parsed=s.parsed,
+            admitted=s.admitted,
+            api=s.api,
+            end_of_stream=hh.end_of_stream,
+        )
+        s.respond(Responding(parse_status(h), how))
+        headers_out = list(s.headers_out)
         if how.kind == "local_reply":  # Envoy's own reply (413 before the body reached us...)
-            self.life.name_ending(Ending.LOCAL_REPLY)
+            s.life.name_ending(Ending.LOCAL_REPLY)
             return wire.continue_response_headers()
         if how.kind == "unmetered":  # unmetered path, or admitted unmetered (fail-open)
-            return wire.continue_response_headers(ctx.headers_out)
+            return wire.continue_response_headers(headers_out)
         if how.kind == "upstream_error":
-            self.life.name_ending(Ending.UPSTREAM_ERROR)
-            self.life.advance(Input.END)
+            s.life.name_ending(Ending.UPSTREAM_ERROR)
+            s.life.advance(Input.END)
             self._settle_later()
             return wire.continue_response_headers(
-                ctx.headers_out, metadata=metadata(ctx, self.life, output_tokens=0)
+                headers_out, metadata=access_metadata(s, output_tokens=0)
             )
         if how.kind == "unmeterable":
             return self._unmeterable(how.reason)
         if how.kind == "stream":  # SSE, or SSE under a missing/odd content type
-            self.driver = StreamDriver(self.gw, ctx, self.life, how.decoder)
-            self.life.advance(Input.STREAM_START)
+            self.driver = StreamDriver(self.gw, self.cfg, s, how.decoder)
+            s.life.advance(Input.STREAM_START)
             self.gw.metrics.active_streams.inc()
             return wire.continue_response_headers(
-                ctx.headers_out,
+                headers_out,
                 remove=("content-length", "content-encoding"),
                 mode=wire.full_duplex_mode(),
-                metadata=metadata(ctx, self.life),
+                metadata=access_metadata(s),
             )
         if how.kind == "read_json":
             self._json = (bytearray(), how.decoder)
-            self.life.advance(Input.READ_BODY)
+            s.life.advance(Input.READ_BODY)
             return wire.continue_response_headers(
-                ctx.headers_out, mode=wire.streamed_mode(), metadata=metadata(ctx, self.life)
+                headers_out, mode=wire.streamed_mode(), metadata=access_metadata(s)
             )
-        self.life.advance(Input.END)
+        s.life.advance(Input.END)
         self._settle_later()
-        return wire.continue_response_headers(ctx.headers_out, metadata=metadata(ctx, self.life))
+        return wire.continue_response_headers(headers_out, metadata=access_metadata(s))
 
     def _unmeterable(self, what: str) -> wire.ProcessingResponse:
         """A 2xx response the meter cannot read: refused (fail-closed) or passed (fail-open)."""
-        ctx = self.ctx
-        if ctx.cfg.failure_mode_for(ctx.plan) == "open":
-            log.warning("response_unmetered", request_id=ctx.request_id, reason=what)
-            self.life.advance(Input.END)
+        s = self.s
+        if self.cfg.failure_mode_for(s.plan) == "open":
+            log.warning("response_unmetered", request_id=s.request_id, reason=what)
+            s.life.advance(Input.END)
             self._settle_later()
-            return wire.continue_response_headers(ctx.headers_out)
-        ctx.status = 502
+            return wire.continue_response_headers(list(s.headers_out))
+        responding = s.responding
+        assert responding is not None
+        s.respond(Responding(502, responding.metering))
         self.gw.metrics.stream_cuts.labels(CutReason.UNMETERABLE.value).inc()
         return self.reject(
             UnmeterableResponse(
@@ -232,13 +275,14 @@ class RequestProcessor:
 
     async def on_response_body(self, body: Any) -> list[wire.ProcessingResponse]:
         """Meter SSE (full duplex: we forward) or read a JSON body's usage (streamed)."""
-        self.life.advance(Input.RESPONSE_BODY)
+        s = self.s
+        s.life.advance(Input.RESPONSE_BODY)
         if self.driver is not None:
             out = await self.driver.body(body.body, body.end_of_stream)
-            if self.life.state in (State.DONE, State.CUT):
+            if s.life.ended:
                 self._settle_later()
             return out
-        if self._json is not None and self.life.state is State.READING:
+        if self._json is not None and s.life.state is State.READING:
             buf, decoder = self._json
             if len(buf) < MAX_USAGE_BODY:
                 buf += body.body
@@ -249,14 +293,32 @@ class RequestProcessor:
 
     def _finish_json(self, raw: bytes, decoder: Any) -> dict[str, object]:
         """The JSON body is complete: read its usage, end the request, settle in the background."""
-        respond.read_json_usage(self.gw, self.ctx, raw, decoder)
-        self.life.advance(Input.END)
+        s = self.s
+        assert s.api is not None
+        try:
+            plain = decoder.feed(raw) + decoder.flush() if decoder is not None else raw
+        except Exception:  # noqa: BLE001 - a corrupt body has no usage to read
+            plain = b""
+        usage = s.api.json_usage(plain)
+        if usage is not None:
+            s.report(
+                Reported(
+                    usage.prompt_tokens,
+                    usage.completion_tokens,
+                    usage.cached_input_tokens,
+                    usage.reasoning_tokens,
+                )
+            )
+        figure = s.json_output()
+        if figure is not None:
+            log_disagreement(self.gw, s, "output", figure)
+        s.life.advance(Input.END)
         self._settle_later()
-        return metadata(self.ctx, self.life, output_tokens=self.ctx.usage_output)
+        return access_metadata(s, output_tokens=s.output_decided)
 
     def on_response_trailers(self) -> list[wire.ProcessingResponse]:
         """Trailers pass; a metered stream first flushes what it holds."""
-        self.life.advance(Input.TRAILERS)
+        self.s.life.advance(Input.TRAILERS)
         out = self.driver.trailers() if self.driver is not None else []
         out.append(wire.continue_response_trailers())
         return out
@@ -265,13 +327,14 @@ class RequestProcessor:
 
     def close(self, how: Closed) -> None:
         """The gRPC stream closed: name the ending and settle (once)."""
-        self.life.close(how)
+        complete = self.driver is not None and self.driver.complete
+        self.s.close(how, stream_complete=complete)
         self._settle_later()
 
     async def cut_for_shutdown(self) -> bool:
         """Cut a running stream with ``server_shutdown``; True when one was cut."""
         driver, writer = self.driver, self.writer
-        if driver is None or writer is None or self.life.state is not State.STREAMING:
+        if driver is None or writer is None or self.s.life.state is not State.STREAMING:
             return False
         async with self.write_lock:
             for resp in driver.cut(CutReason.SHUTDOWN):
@@ -281,26 +344,20 @@ class RequestProcessor:
 
     def _settle_later(self) -> None:
         """Settle in the background, once, after the current response is sent."""
-        if not self.life.begin_settlement():
+        if not self.s.life.begin_settlement():
             return
         if self.driver is not None:
             self.gw.metrics.active_streams.dec()
         self.gw.track(asyncio.ensure_future(self._settle()))
 
     async def _settle(self) -> None:
-        if self.life.ending is None:
-            self.life.name_ending(Ending.COMPLETED)
+        s = self.s
+        if s.life.ending is None:
+            s.life.name_ending(Ending.COMPLETED)
         driver = self.driver
-        output: int | None = None
-        if driver is not None:
-            if driver.charge_pending:
-                try:
-                    await asyncio.wait_for(asyncio.shield(driver.collect(wait=True)), 1.0)
-                except Exception as exc:  # noqa: BLE001 - settlement must still run
-                    log.warning("pending_charge_lost", request_id=self.request_id, error=repr(exc))
-            output = driver.output_tokens()
-            if driver.meter.usage is not None:
-                self.ctx.usage_input = driver.meter.usage.prompt_tokens
-                self.ctx.usage_cached_input = driver.meter.usage.cached_input_tokens
-                self.ctx.usage_reasoning = driver.meter.usage.reasoning_tokens
-        await settle(self.gw, self.ctx, self.life, output)
+        if driver is not None and driver.charge_pending:
+            try:
+                await asyncio.wait_for(asyncio.shield(driver.collect(wait=True)), 1.0)
+            except Exception as exc:  # noqa: BLE001 - settlement must still run
+                log.warning("pending_charge_lost", request_id=self.request_id, error=repr(exc))
+        await settle(self.gw, self.cfg, s, driver.end() if driver is not None else None)

@@ -19,9 +19,9 @@ import structlog
 
 from extproc.config.runtime import RuntimeConfig
 from extproc.core.rules import Usage
+from extproc.gateway import Gateway
 from extproc.limiter.base import Reclaimed
 from extproc.records.model import RecordDraft, RecordFormatError
-from extproc.server.gateway import Gateway
 
 log = structlog.get_logger("extproc")
 

@@ -15,7 +15,7 @@ import structlog
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.core.lifecycle import Closed
-from extproc.server.gateway import Gateway
+from extproc.gateway import Gateway
 from extproc.server.processor import RequestProcessor
 
 log = structlog.get_logger("extproc")

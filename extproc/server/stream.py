@@ -3,7 +3,10 @@
 The driver feeds upstream bytes to the sans-IO :class:`StreamMeter`, forwards what it releases,
 starts one charge at a time in the background and applies its answer before the next chunk
 (or waits for it when the meter holds events).  When the quota, the backend or the server ends
-the stream, it renders the API's own error event and moves the lifecycle to CUT.
+the stream, it renders the API's own error event and moves the lifecycle to CUT.  The last
+response of a stream (its end, or the response carrying the API's terminal event, whichever
+comes first) carries the request's final figures as dynamic metadata, so the access log has
+them even when the client closes right after ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -13,20 +16,22 @@ import zlib
 
 import structlog
 
+from extproc.config.runtime import RuntimeConfig
 from extproc.core import admission
 from extproc.core.apis.responses import ResponsesFormat
+from extproc.core.chunks import Usage
 from extproc.core.encoding import BodyDecoder
 from extproc.core.keys import WindowedBucket
-from extproc.core.lifecycle import CutReason, Input, Lifecycle
+from extproc.core.lifecycle import CutReason, Ending, Input
 from extproc.core.meter import Step, StreamMeter
 from extproc.core.responses import cut_error, quota_cut
 from extproc.core.rules import RATE_SCALE, UnconfirmedCharge
+from extproc.core.session import Reported, Session, StreamEnd
 from extproc.errors import LimiterUnavailable
+from extproc.gateway import Gateway
 from extproc.limiter.base import ChargeResult
 from extproc.server import wire
-from extproc.server.admit import buckets_at
-from extproc.server.context import RequestContext, metadata
-from extproc.server.gateway import Gateway
+from extproc.server.settle import access_metadata
 
 log = structlog.get_logger("extproc")
 
@@ -37,13 +42,13 @@ class StreamDriver:
     def __init__(
         self,
         gw: Gateway,
-        ctx: RequestContext,
-        life: Lifecycle,
+        cfg: RuntimeConfig,
+        s: Session,
         decoder: BodyDecoder | None = None,
     ) -> None:
-        cost, model, req, api = ctx.cost, ctx.model, ctx.req, ctx.api
-        assert cost is not None and model is not None and req is not None and api is not None
-        self.gw, self.ctx, self.life = gw, ctx, life
+        cost, req, api, model = s.cost, s.req, s.api, s.model
+        assert cost is not None and req is not None and api is not None and model is not None
+        self.gw, self.cfg, self.s = gw, cfg, s
         self.decoder = decoder
         self.reader = api.stream_reader()
         self.meter = StreamMeter(
@@ -52,9 +57,10 @@ class StreamDriver:
             strict=cost.strict,
             enforce=cost.enforce_stream,
             initial_lease=cost.reserved_output,
-            strip_usage=ctx.cfg.force_include_usage and not req.client_include_usage,
+            strip_usage=cfg.force_include_usage and not req.client_include_usage,
             read=self.reader.read,
         )
+        self._final_sent = False
         self._task: asyncio.Task[ChargeResult] | None = None
         self._charge_buckets: list[WindowedBucket] = []
         self._seq = 0
@@ -66,7 +72,7 @@ class StreamDriver:
     async def body(self, data: bytes, end: bool) -> list[wire.ProcessingResponse]:
         """Responses for one upstream body chunk."""
         meter = self.meter
-        if meter.finished:
+        if self.s.life.ended:
             return []
         if self.decoder is not None:
             try:
@@ -89,23 +95,25 @@ class StreamDriver:
                 or answered.end_stream
             ):
                 out += await self._apply(answered)
-                if meter.finished:
+                if self.s.life.ended:
                     return out
         step = meter.feed(data, end)
         if not (step.charge or step.blocked or step.cut_reason or step.end_stream):
             # The common case: forward what completed, no Redis, no await.
             if step.forward:
-                out.append(wire.streamed_body(step.forward, False))
+                out.append(wire.streamed_body(step.forward, False, self._terminal_metadata()))
             return out
         out += await self._apply(step)
         return out
 
     def trailers(self) -> list[wire.ProcessingResponse]:
         """Upstream trailers: flush what the meter holds before they pass."""
-        if self.meter.finished:
+        if self.s.life.ended:
             return []
         step = self.meter.feed(b"", False)
-        return [wire.streamed_body(step.forward, False)] if step.forward else []
+        if not step.forward:
+            return []
+        return [wire.streamed_body(step.forward, False, self._terminal_metadata())]
 
     async def _apply(self, step: Step) -> list[wire.ProcessingResponse]:
         """Forward what the meter released, start charges, wait when events are held."""
@@ -119,8 +127,8 @@ class StreamDriver:
                 return out
             if step.forward or step.end_stream:
                 if step.end_stream:
-                    self.life.advance(Input.END)
-                meta = self.final_metadata() if step.end_stream else None
+                    self.s.life.advance(Input.END)
+                meta = self.final_metadata() if step.end_stream else self._terminal_metadata()
                 out.append(wire.streamed_body(step.forward, step.end_stream, meta))
             if step.charge:
                 self._start_charge(step.charge)
@@ -128,41 +136,65 @@ class StreamDriver:
                 return out
             answered = await self.collect(wait=True)
             if answered is None:  # nothing in flight: cannot happen, but never stall a stream
-                log.error("blocked_without_charge", request_id=self.ctx.request_id)
+                log.error("blocked_without_charge", request_id=self.s.request_id)
                 answered = meter.stop_enforcing()
             step = answered
 
-    def final_metadata(self) -> dict[str, object]:
-        """Dynamic metadata for the stream's last response."""
-        return metadata(self.ctx, self.life, output_tokens=self.output_tokens())
+    @property
+    def complete(self) -> bool:
+        """The API's terminal event reached the client (the stream completed)."""
+        return self.meter.complete and self.meter.cut_reason is None
 
-    def output_tokens(self) -> int:
-        """Output tokens to settle: the upstream's usage within bounds, else what was counted."""
-        from extproc.server.settle import bounded_usage
-
+    def end(self) -> StreamEnd:
+        """What the meter knows for settlement; the upstream's usage goes to the session."""
         m = self.meter
-        if m.cut_reason is None and m.usage is not None and m.upstream_done:
-            return bounded_usage(self.gw, self.ctx, m.usage.completion_tokens, m.counted)
-        return m.delivered
+        if m.usage is not None:
+            self.s.report(_reported(m.usage))
+        return StreamEnd(
+            counted=m.counted,
+            delivered=m.delivered,
+            complete=m.complete or (m.upstream_done and m.cut_reason is None),
+            cut=m.cut_reason is not None,
+        )
+
+    def final_metadata(self) -> dict[str, object]:
+        """Dynamic metadata for the stream's last response: the final figures (decided once,
+        the same ones settlement charges)."""
+        self._final_sent = True
+        got = self.s.stream_output(self.end())
+        out = got if isinstance(got, int) else got.value
+        if self.complete:
+            self.s.life.name_ending(Ending.COMPLETED)
+        return access_metadata(self.s, output_tokens=out)
+
+    def _terminal_metadata(self) -> dict[str, object] | None:
+        """The final figures on the response carrying the terminal event (once): a client that
+        closes right after ``[DONE]`` leaves no later response to carry them."""
+        if self._final_sent or not self.complete:
+            return None
+        return self.final_metadata()
 
     # -- charges ---------------------------------------------------------------------------
 
     def _start_charge(self, amount: int) -> None:
-        ctx = self.ctx
+        s, gw = self.s, self.gw
         # TPM buckets only, in the order the limiter returns their values.
+        now = gw.clock.now_ms()
         self._charge_buckets = [
-            b for b in buckets_at(self.gw, ctx, self.gw.clock.now_ms()) if b.kind == "tpm"
+            b
+            for b in s.buckets_at(gw.key_prefix, now, self.cfg.reservation_lease_ms)
+            if b.kind == "tpm"
         ]
         self._seq += 1
-        self.gw.metrics.stream_charges.labels("strict" if self.meter.strict else "lazy").inc()
+        gw.metrics.stream_charges.labels("strict" if self.meter.strict else "lazy").inc()
         self._task = asyncio.ensure_future(
-            self.gw.limiter.charge(
-                ctx.ledger,
+            gw.limiter.charge(
+                s.ledger,
                 self._seq,
                 admission.token_charges(self._charge_buckets, amount),
                 amount,
                 strict=self.meter.strict,
-                ledger_ttl_ms=ctx.cfg.ledger_ttl_seconds * 1000,
+                ledger_ttl_ms=self.cfg.ledger_ttl_seconds * 1000,
             )
         )
 
@@ -190,15 +222,15 @@ class StreamDriver:
         except LimiterUnavailable as exc:
             self.gw.metrics.limiter_errors.labels("charge").inc()
             if exc.maybe_ran:  # it may still run once Redis answers: settlement takes it back
-                self.ctx.unconfirmed = UnconfirmedCharge(
+                self.s.unconfirmed = UnconfirmedCharge(
                     self._seq, tuple((b.key, b.rates.output) for b in self._charge_buckets)
                 )
             meter.on_charge_failed()
-            if self.ctx.cfg.failure_mode_for(self.ctx.plan) == "open":
-                log.warning("limiter_unavailable_stream_unmetered", request_id=self.ctx.request_id)
+            if self.cfg.failure_mode_for(self.s.plan) == "open":
+                log.warning("limiter_unavailable_stream_unmetered", request_id=self.s.request_id)
                 return meter.stop_enforcing()
             return meter.fail(CutReason.BACKEND_UNAVAILABLE)
-        self.ctx.account.record_output(self._charge_buckets, res.granted)
+        self.s.account.record_output(self._charge_buckets, res.granted)
         self._last = (self._charge_buckets, res.values)
         self._note_shadow(res.values)
         room = min(
@@ -219,8 +251,8 @@ class StreamDriver:
                 self.gw.metrics.limit_decisions.labels(b.metric, "shadow_cut").inc()
                 log.info(
                     "shadow_limit_exceeded",
-                    request_id=self.ctx.request_id,
-                    tenant=self.ctx.tenant.id if self.ctx.tenant else None,
+                    request_id=self.s.request_id,
+                    tenant=self.s.tenant.id if self.s.tenant else None,
                     limit=admission.describe(b.limit),
                     used=v,
                     would="cut",
@@ -230,34 +262,49 @@ class StreamDriver:
 
     def cut(self, reason: CutReason, message: str | None = None) -> list[wire.ProcessingResponse]:
         """End the stream now with the API's error event for ``reason``."""
-        ctx, meter = self.ctx, self.meter
-        assert ctx.api is not None
-        if meter.finished:
+        s, meter = self.s, self.meter
+        api = s.api
+        assert api is not None
+        if s.life.ended:
             return []
-        self.life.cut(reason)
+        s.life.cut(reason)
         budget = False
         if reason is CutReason.QUOTA_EXHAUSTED:
-            assert ctx.tenant is not None
+            assert s.tenant is not None
             buckets, values = self._last
+            # what each counter will hold once settlement charges what was delivered
             message, budget = quota_cut(
-                tenant=ctx.tenant.id,
-                charged=list(zip(buckets, values, strict=True)),
-                admitted=ctx.buckets,
+                tenant=s.tenant.id,
+                charged=[
+                    (b, v + s.pending_units(b, meter.delivered))
+                    for b, v in zip(buckets, values, strict=True)
+                ],
+                admitted=list(s.buckets),
                 delivered=meter.delivered,
                 now_ms=self.gw.clock.now_ms(),
             )
         err = cut_error(reason.value, message, budget=budget)
-        if isinstance(ctx.api, ResponsesFormat):  # its events are numbered: continue the count
+        if isinstance(api, ResponsesFormat):  # its events are numbered: continue the count
             seq = getattr(self.reader, "last_sequence_number", None)
-            data = meter.cut(ctx.api.cut_events(err, sequence_number=seq))
+            data = meter.cut(api.cut_events(err, sequence_number=seq))
         else:
-            data = meter.cut(ctx.api.cut_events(err))
+            data = meter.cut(api.cut_events(err))
         self.gw.metrics.stream_cuts.labels(reason.value).inc()
         log.info(
             "stream_cut",
-            tenant=ctx.tenant.id if ctx.tenant else None,
+            tenant=s.tenant.id if s.tenant else None,
             reason=reason.value,
             delivered_tokens=meter.delivered,
-            charged=ctx.account.total,
+            charged=s.account.total,
         )
         return [wire.streamed_body(data, True, self.final_metadata())]
+
+
+def _reported(usage: Usage) -> Reported:
+    """The session's record of a stream's ``usage``."""
+    return Reported(
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        usage.cached_input_tokens,
+        usage.reasoning_tokens,
+    )

@@ -11,7 +11,7 @@ from extproc.config.load import key_digest
 from extproc.core.admission import format_amount
 from extproc.core.keys import SLIDING_SCALE, WindowedBucket, windowed
 from extproc.errors import LimiterUnavailable
-from extproc.server.gateway import Gateway
+from extproc.gateway import Gateway
 
 
 class UsageServicer(usage_pb2_grpc.UsageServicer):

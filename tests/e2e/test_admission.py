@@ -8,13 +8,20 @@ import orjson
 import pytest
 import redis
 
+from extproc.core.tokens import TokenizerSpec, count_chat_request
+from extproc.sim.request import chat_prompt_tokens
 from extproc.stack import Stack
+from extproc.tokenizers import load_counter
 from tests.e2e.conftest import client
 from tests.helpers import settled, tpm_used
 
 pytestmark = pytest.mark.e2e
 
 MSG = [{"role": "user", "content": "Say something."}]
+_SPEC = TokenizerSpec(kind="tiktoken", encoding="cl100k_base")
+#: The gateway's count of MSG (charged at admission) and the simulator's (charged at settlement).
+PROMPT = count_chat_request({"messages": MSG}, load_counter(_SPEC), _SPEC)
+ENGINE_PROMPT = chat_prompt_tokens(MSG)
 RL_HEADERS = (
     "x-ratelimit-limit-requests",
     "x-ratelimit-remaining-requests",
@@ -198,24 +205,22 @@ def test_rpm_limit_refuses_with_openai_headers(stack: Stack) -> None:
 
 
 def test_tpm_limit_counts_real_tokens(stack: Stack, rds: redis.Redis) -> None:
-    """TPM admission charges the counted input plus the reserved output, exactly."""
+    """TPM admission charges the counted input plus the reserved output, exactly; settlement
+    holds the upstream's own figures."""
     c = client(stack, "sk-tpm")
-    # non-streaming: input + max_tokens reserved, settled to the actual usage (= max_tokens here)
+    # non-streaming: input + max_tokens reserved, settled to the upstream's usage
     c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=100)
     used = settled(rds, "t-tpm")
-    prompt_tokens = used - 100
-    assert 5 <= prompt_tokens <= 30
+    assert used == ENGINE_PROMPT + 100
+    room = 300 - used
+    # admission reserves the gateway's own count and max_tokens: one token more does not fit
     with pytest.raises(openai.RateLimitError) as info:
-        c.chat.completions.create(
-            model="sim-small", messages=MSG, max_tokens=300 - used - prompt_tokens + 1
-        )
+        c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=room - PROMPT + 1)
     assert info.value.code == "tpm_limit_exceeded" and info.value.type == "tokens"
-    assert info.value.response.headers["x-ratelimit-remaining-tokens"] == str(300 - used)
-    ok = c.chat.completions.create(
-        model="sim-small", messages=MSG, max_tokens=300 - used - prompt_tokens
-    )
+    assert info.value.response.headers["x-ratelimit-remaining-tokens"] == str(room)
+    ok = c.chat.completions.create(model="sim-small", messages=MSG, max_tokens=room - PROMPT)
     assert ok.usage is not None
-    assert settled(rds, "t-tpm", expect=2) == 300
+    assert settled(rds, "t-tpm", expect=2) == used + ENGINE_PROMPT + room - PROMPT
 
 
 def test_request_larger_than_the_limit_says_so(stack: Stack) -> None:

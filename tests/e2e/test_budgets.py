@@ -22,7 +22,7 @@ import redis
 from extproc.records.model import UsageRecord
 from extproc.stack import Stack
 from tests.e2e.conftest import make_stack
-from tests.e2e.test_streaming import MSG, PROMPT
+from tests.e2e.test_streaming import ENGINE_PROMPT, MSG
 from tests.helpers import e2e_rules, settled
 
 pytestmark = pytest.mark.e2e
@@ -165,8 +165,8 @@ def test_settlement_prices_the_real_usage(bstack: Stack, rds: redis.Redis) -> No
     )
     assert comp.usage is not None
     settled(rds, "b-month")
-    # input is the gateway's own count (the model's tokenizer and chat overhead)
-    assert spent(rds, "b-month") == PROMPT * 1_000 + 20 * 2_000
+    # the upstream's own figures (within bounds of the gateway's count) are what is billed
+    assert spent(rds, "b-month") == ENGINE_PROMPT * 1_000 + 20 * 2_000
     # the usage record carries the same cost, in dollars
     deadline = time.monotonic() + 10  # the recorder writes in the background, in batches
     mine: list[UsageRecord] = []
@@ -176,7 +176,7 @@ def test_settlement_prices_the_real_usage(bstack: Stack, rds: redis.Redis) -> No
         time.sleep(0.05)
     [rec] = mine
     assert rec.currency == "USD"
-    assert rec.cost == Decimal(PROMPT * 1_000 + 20 * 2_000).scaleb(-6)
+    assert rec.cost == Decimal(ENGINE_PROMPT * 1_000 + 20 * 2_000).scaleb(-6)
 
 
 def test_concurrency_limit_refuses_a_third_stream_and_frees_slots(
@@ -290,7 +290,7 @@ def test_fallback_model_instead_of_429(bstack: Stack, rds: redis.Redis) -> None:
     small = list(rds.scan_iter("aiq:{b-fb}:tpm:t:sim-small:*"))
     assert all(int(rds.get(k) or 0) == 0 for k in small)
     [everything] = list(rds.scan_iter("aiq:{b-fb}:tpm:t:*:*"))
-    assert int(rds.get(everything) or 0) == PROMPT + 200
+    assert int(rds.get(everything) or 0) == ENGINE_PROMPT + 200
     # a request that fits sim-small's own limit is served by sim-small
     ok = c.chat.completions.with_raw_response.create(model="sim-small", messages=MSG, max_tokens=5)
     assert "x-aiquota-fallback-model" not in ok.headers and ok.parse().model == "sim-small"

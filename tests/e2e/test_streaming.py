@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from extproc.core.tokens import TokenizerSpec, count_chat_request
+from extproc.sim.request import chat_prompt_tokens
 from extproc.stack import Stack
 from extproc.tokenizers import load_counter
 from tests.e2e.conftest import client
@@ -47,6 +48,10 @@ def prompt_tokens() -> int:
 
 
 PROMPT = prompt_tokens()
+#: What the simulator (the upstream) reports as ``prompt_tokens`` for MSG: settlement charges
+#: the upstream's input figure when it is within bounds of the gateway's count.
+ENGINE_PROMPT = chat_prompt_tokens(MSG)
+assert ENGINE_PROMPT != PROMPT  # the tests below tell the two figures apart
 
 
 def test_lazy_stream_is_cut_cleanly_and_the_upstream_stops(stack: Stack, rds: redis.Redis) -> None:

@@ -21,9 +21,9 @@ from extproc.clock import FakeClock
 from extproc.config import load_config_text
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.errors import LimiterUnavailable
+from extproc.gateway import Gateway
 from extproc.limiter.base import AdmitResult, ChargeResult
 from extproc.metrics import Metrics
-from extproc.server.gateway import Gateway
 from extproc.server.servicer import ExternalProcessorServicer
 
 pytestmark = pytest.mark.integration

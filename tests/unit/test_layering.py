@@ -97,6 +97,6 @@ def test_no_import_cycles() -> None:
 def test_the_walker_finds_an_upward_import(tmp_path: Path) -> None:
     """The check itself can fail: a file importing the server is reported."""
     f = tmp_path / "x.py"
-    f.write_text("from extproc.server.gateway import Gateway\nimport grpc\n")
+    f.write_text("from extproc.gateway import Gateway\nimport grpc\n")
     found = imports_of(f)
-    assert "extproc.server.gateway" in found and "grpc" in found
+    assert "extproc.gateway" in found and "grpc" in found

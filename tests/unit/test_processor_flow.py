@@ -14,9 +14,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.clock import FakeClock
 from extproc.config import load_config_text
 from extproc.core.lifecycle import Closed, Ending
+from extproc.gateway import Gateway
 from extproc.limiter.base import Adjustment, AdmitResult, BucketCharge, ChargeResult
 from extproc.metrics import Metrics
-from extproc.server.gateway import Gateway
 from extproc.server.processor import RequestProcessor
 
 pytestmark = pytest.mark.unit
@@ -203,4 +203,4 @@ async def test_settlement_happens_once() -> None:
     proc.close(Closed.EOF)
     await asyncio.gather(*proc.gw.pending)
     assert len(lim.settles) == 1
-    assert proc.life.ending is Ending.CLIENT_DISCONNECTED
+    assert proc.s.life.ending is Ending.CLIENT_DISCONNECTED

@@ -1,14 +1,20 @@
-"""What every request processor of one process shares: the rules (swappable on reload), the
-limiter, the clock, metrics, the set of open requests and the background tasks to drain."""
+"""What every request of one process shares: the rules (swappable on reload), the limiter, the
+clock, metrics, the usage recorder, the registry of open requests and the background tasks to
+drain.
+
+A neutral module: the ext_proc server, the usage API and the admin API all read it; it knows no
+request processor, only the narrow :class:`OpenRequest` protocol (ledger, slots, settling, cut)
+through which lease renewal and the shutdown cut see the requests in flight."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
@@ -17,12 +23,25 @@ from extproc.config.runtime import RuntimeConfig
 from extproc.core.apis.base import ApiFormat
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import Limiter
+from extproc.limiter.kept import SettlementQueue
 from extproc.metrics import Metrics
-from extproc.server.kept import SettlementQueue
 
 if TYPE_CHECKING:
     from extproc.records.writer import UsageRecorder
-    from extproc.server.processor import RequestProcessor
+
+
+class OpenRequest(Protocol):
+    """A request in flight, as the shared registry sees it."""
+
+    @property
+    def open_lease(self) -> tuple[str, list[str]] | None:
+        """(ledger, concurrency sets holding it) while its reservation is open, else None."""
+        ...
+
+    async def cut_for_shutdown(self) -> bool:
+        """Cut a running stream with ``server_shutdown``; True when one was cut."""
+        ...
+
 
 log = structlog.get_logger("extproc")
 
@@ -38,7 +57,7 @@ class Gateway:
     key_prefix: str = "aiq"
     draining: bool = False
     pending: set[asyncio.Task[Any]] = field(default_factory=set)
-    active: set[RequestProcessor] = field(default_factory=set)
+    active: set[OpenRequest] = field(default_factory=set)
     instance: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     # Large prompts are counted in worker threads, this many at a time.
     count_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))
@@ -104,16 +123,20 @@ class Gateway:
     def keep_leases(self) -> None:
         """Start renewing open reservations' leases (once per process)."""
         if self._leases is None or self._leases.done():
-            self._leases = asyncio.ensure_future(self._renew_loop())
+            # Its own (empty) context: it outlives the request whose admission started it, and
+            # must not log with that request's bound fields.
+            loop = asyncio.get_running_loop()
+            self._leases = loop.create_task(self._renew_loop(), context=contextvars.Context())
 
     def open_leases(self) -> dict[str, list[str]]:
         """Ledgers of requests admitted here and not yet settled, each with the concurrency
         sets holding it (renewed together)."""
-        return {
-            p.ctx.ledger: p.ctx.slots
-            for p in list(self.active)
-            if p.ctx.metered and p.ctx.ledger and not p.life.settling
-        }
+        held: dict[str, list[str]] = {}
+        for p in list(self.active):
+            lease = p.open_lease
+            if lease is not None:
+                held[lease[0]] = lease[1]
+        return held
 
     async def _renew_loop(self) -> None:
         while True:

@@ -4,6 +4,7 @@ answers; applying one twice is harmless (the settle script is idempotent by ledg
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections import deque
 from dataclasses import dataclass
 
@@ -58,7 +59,9 @@ class SettlementQueue:
         self.metrics.settlements.labels("deferred").inc()
         self.metrics.settlement_backlog.set(len(self.kept))
         if self._task is None or self._task.done():
-            self._task = asyncio.ensure_future(self._retry_loop())
+            # its own context: it runs on after the request that deferred first is gone
+            loop = asyncio.get_running_loop()
+            self._task = loop.create_task(self._retry_loop(), context=contextvars.Context())
 
     async def _retry_once(self) -> bool:
         """Apply kept settlements in order; False at the first one Redis refuses."""
