@@ -56,7 +56,9 @@ class Ending(Enum):
     PASSTHROUGH = "passthrough"  # an unmetered path
     LOCAL_REPLY = "local_reply"  # Envoy answered before the body reached us (413, 503 ...)
     UPSTREAM_ERROR = "upstream_error"  # a non-2xx response
-    UPSTREAM_RESET = "upstream_reset"  # the response broke off
+    # the response broke off upstream: kept for records written before 2026-12; the processor
+    # cannot tell it from a client leaving (see Lifecycle.close) and names that instead
+    UPSTREAM_RESET = "upstream_reset"
     CLIENT_DISCONNECTED = "client_disconnected"
     SHUTDOWN = "shutdown"  # the processor stopped before the response ended
     INTERNAL_ERROR = "internal_error"
@@ -219,9 +221,11 @@ class Lifecycle:
             elif how is Closed.ERROR:
                 ending = Ending.INTERNAL_ERROR
             elif self._state in _RESPONSE_UNDER_WAY:
-                ending = (
-                    Ending.CLIENT_DISCONNECTED if how is Closed.CANCELLED else Ending.UPSTREAM_RESET
-                )
+                # Envoy 1.40 half-closes or cancels the processor's stream for a client that
+                # leaves and for an upstream that resets alike (measured: either way for
+                # either cause), so the close says nothing about the cause; the client
+                # leaving is by far the common one (Envoy's access log flags DC / UR tell).
+                ending = Ending.CLIENT_DISCONNECTED
             elif self._state is S.PASSTHROUGH:
                 ending = Ending.PASSTHROUGH
             else:

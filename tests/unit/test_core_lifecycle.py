@@ -199,7 +199,7 @@ def test_any_message_order_ends_exactly_once(ops: list[tuple[str, object]], how:
         (
             [Input.REQUEST_HEADERS, Input.ADMITTED, Input.RESPONSE_HEADERS, Input.STREAM_START],
             Closed.EOF,
-            Ending.UPSTREAM_RESET,
+            Ending.CLIENT_DISCONNECTED,
         ),
         (
             [Input.REQUEST_HEADERS, Input.ADMITTED, Input.RESPONSE_HEADERS, Input.READ_BODY],

@@ -1,0 +1,213 @@
+"""Unit tests for the sans-IO request session (extproc.core.session): trusted figures and their
+bounds, decisions made once, settlement arithmetic, and the ending of a stream whose terminal
+event reached the client."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from extproc.config import load_config_text
+from extproc.config.runtime import Model, RuntimeConfig
+from extproc.core import admission
+from extproc.core.admission import Cost
+from extproc.core.apis.base import ParsedRequest
+from extproc.core.lifecycle import Closed, Ending, Input
+from extproc.core.rules import Charging, Usage
+from extproc.core.session import (
+    ABANDONED_TOKENS_PER_SECOND,
+    Admitted,
+    Figure,
+    Identified,
+    Metering,
+    Parsed,
+    Reported,
+    Responding,
+    Session,
+    StreamEnd,
+    bounded_input,
+    bounded_output,
+)
+
+pytestmark = pytest.mark.unit
+
+RULES = """
+models:
+  m: {tokenizer: {kind: tiktoken, encoding: cl100k_base}, max_output_tokens: 1000}
+  est: {tokenizer: {kind: estimate, chars_per_token: 3, safety_factor: 1.25}, max_output_tokens: 1000}
+plans:
+  p: {limits: [{model: "*", per: hour, rpm: 100, tpm: 100000}]}
+tenants:
+  t: {plan: p, keys: [{name: k, plaintext: sk-t}]}
+"""
+
+
+def config() -> RuntimeConfig:
+    """The rules above, compiled."""
+    return load_config_text(RULES)
+
+
+def admitted_session(
+    *, model: str = "m", stream: bool = True, input_tokens: int = 20, strict: bool = False
+) -> Session:
+    """A session admitted for tenant t on ``model`` with a 500-token output budget."""
+    cfg = config()
+    tenant = cfg.tenants["t"]
+    key = next(iter(cfg.keys_by_digest.values()))
+    m: Model = cfg.models[model]
+    s = Session()
+    s.life.advance(Input.REQUEST_HEADERS)
+    s.identify(Identified("r1", "/v1/chat/completions", None, key, tenant, "ledger-1"))
+    req = ParsedRequest(
+        api="chat", model=model, stream=stream, sequences=1, declared_max_output=500, body={}
+    )
+    s.parse(Parsed(req, m))
+    plan = admission.plan_admission(
+        declared_max_output=500,
+        sequences=1,
+        stream=stream,
+        input_tokens=input_tokens,
+        model_name=model,
+        model_cap=1000,
+        max_input_tokens=None,
+        over_cap="clamp",
+        budget_param="max_tokens",
+        charging=Charging(streaming="strict" if strict else "lazy"),
+    )
+    buckets = tuple(s.buckets_at("aiq", 0, 15_000))
+    s.admit(Admitted(m, plan.cost, buckets, 0, ()), admission.admission_usage(plan.cost))
+    s.life.advance(Input.REQUEST_BODY)
+    s.life.advance(Input.ADMITTED)
+    return s
+
+
+@given(reported=st.integers(0, 10_000), counted=st.integers(0, 10_000), high=st.integers(0, 10_000))
+def test_bounded_output_stays_within_bounds(reported: int, counted: int, high: int) -> None:
+    """The charged output is the report when within bounds, else the nearest bound."""
+    got = bounded_output(reported, counted, high)
+    if got.disagreement is None:
+        assert got.value == reported
+    elif got.disagreement == "low":
+        assert reported < got.value == got.bound
+    else:
+        assert reported > got.value == got.bound == high
+
+
+def test_output_below_its_bound_is_charged_the_bound_not_the_recount() -> None:
+    """vLLM's 300 against a recount of 322 is within the tolerance; a report of 5 is not, and
+    what is charged is the documented lower bound, not the recount."""
+    assert bounded_output(300, 322, 1000) == Figure(300, 300, 322)
+    low = bounded_output(5, 322, 1000)
+    assert low.disagreement == "low" and low.value == low.bound < 322
+
+
+@given(reported=st.integers(0, 5_000), counted=st.integers(0, 5_000))
+def test_bounded_input_trusts_the_engine_near_the_count(reported: int, counted: int) -> None:
+    """The upstream's prompt figure is trusted near the gateway's count, clamped elsewhere."""
+    got = bounded_input(reported, counted, unseen=False, ceiling=None)
+    assert got.value == reported or got.disagreement is not None
+    assert got.value <= max(reported, counted * 2 + 64)
+
+
+def test_input_settles_on_the_engine_figure() -> None:
+    """Chat template framing differs from the OpenAI formula: 21 reported for 25 counted is
+    what is billed."""
+    s = admitted_session(input_tokens=25)
+    s.respond(Responding(200, Metering("stream")))
+    s.report(Reported(21, 40))
+    result = s.settlement(0, stream=StreamEnd(counted=41, delivered=41, complete=True, cut=False))
+    assert (result.input, result.output, result.total) == (21, 40, 61)
+
+
+def test_an_estimated_count_stands_against_the_engine() -> None:
+    """A model counted by the estimator keeps its deliberate over-count."""
+    s = admitted_session(model="est", input_tokens=90)
+    s.respond(Responding(200, Metering("stream")))
+    s.report(Reported(30, 10))
+    result = s.settlement(0, stream=StreamEnd(counted=10, delivered=10, complete=True, cut=False))
+    assert result.input == 90
+
+
+def test_stream_output_is_decided_once() -> None:
+    """The figure on the last response is the one settlement charges, even if asked again."""
+    s = admitted_session()
+    s.report(Reported(20, 5))  # far below the recount: a disagreement
+    first = s.stream_output(StreamEnd(counted=100, delivered=100, complete=True, cut=False))
+    again = s.stream_output(StreamEnd(counted=200, delivered=200, complete=True, cut=False))
+    assert first is again
+    assert isinstance(first, Figure) and first.disagreement == "low"
+
+
+def test_a_cut_stream_is_billed_what_was_delivered() -> None:
+    """A cut stream is billed the tokens delivered, whatever the upstream says."""
+    s = admitted_session()
+    s.respond(Responding(200, Metering("stream")))
+    s.report(Reported(20, 999))
+    result = s.settlement(0, stream=StreamEnd(counted=80, delivered=70, complete=False, cut=True))
+    assert result.output == 70
+
+
+def test_non_2xx_settles_to_nothing() -> None:
+    """An upstream error is not charged, input included."""
+    s = admitted_session()
+    s.respond(Responding(503, Metering("upstream_error")))
+    result = s.settlement(0)
+    assert result.total == 0 and result.usage == Usage()
+
+
+@given(ms=st.integers(0, 60_000))
+def test_abandoned_request_pays_what_could_have_been_made(ms: int) -> None:
+    """A request abandoned before its response pays input plus what the upstream could have
+    generated while it ran, never more than the reservation."""
+    s = admitted_session(stream=False)
+    s.close(Closed.CANCELLED)
+    result = s.settlement(ms)
+    cost = s.cost
+    assert cost is not None
+    expected = min(cost.reserved_output, -(-ms * ABANDONED_TOKENS_PER_SECOND // 1000))
+    assert result.ending is Ending.CLIENT_DISCONNECTED
+    assert result.output is not None and abs(result.output - expected) <= 1
+
+
+@pytest.mark.parametrize("how", [Closed.EOF, Closed.CANCELLED])
+def test_terminal_event_seen_means_completed_whoever_closes(how: Closed) -> None:
+    """A client that closes right after [DONE] completed its request."""
+    s = admitted_session()
+    s.life.advance(Input.RESPONSE_HEADERS)
+    s.life.advance(Input.STREAM_START)
+    assert s.close(how, stream_complete=True) is Ending.COMPLETED
+
+
+@pytest.mark.parametrize("how", [Closed.EOF, Closed.CANCELLED])
+def test_a_stream_closed_mid_way_is_a_client_disconnect(how: Closed) -> None:
+    """Envoy closes the processor's stream either way when the client leaves: the ending says
+    the client left, not that the upstream reset."""
+    s = admitted_session()
+    s.life.advance(Input.RESPONSE_HEADERS)
+    s.life.advance(Input.STREAM_START)
+    assert s.close(how) is Ending.CLIENT_DISCONNECTED
+
+
+@given(delivered=st.integers(0, 2_000), charged=st.integers(0, 2_000))
+def test_pending_units_are_what_settlement_adds(delivered: int, charged: int) -> None:
+    """The cut message adds to a counter exactly what settlement will add to it."""
+    s = admitted_session()
+    tpm = [b for b in s.buckets if b.kind == "tpm"]
+    s.account.record_output(tpm, charged)
+    s.respond(Responding(200, Metering("stream")))
+    result = s.settlement(
+        0, stream=StreamEnd(counted=delivered, delivered=delivered, complete=False, cut=True)
+    )
+    adjustments = {a.key: a.amount for a in s.adjustments(result, list(s.buckets))}
+    for b in tpm:
+        assert s.pending_units(b, delivered) == adjustments.get(b.key, 0)
+
+
+def test_cost_is_frozen() -> None:
+    """Phase records are immutable."""
+    s = admitted_session()
+    cost = s.cost
+    assert isinstance(cost, Cost)
+    with pytest.raises(AttributeError):
+        cost.input_tokens = 0  # type: ignore[misc]

@@ -1,0 +1,129 @@
+"""The processor driven with real ext_proc protobufs, for what issue 16 found wrong against a real
+engine: final figures on the response carrying [DONE], a client closing right after it settled
+as completed, one disagreement counted once, and a lagging lazy stream delivered up to its
+quota before the cut."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+import structlog
+from google.protobuf.json_format import MessageToDict
+
+from extproc.core.lifecycle import Closed, CutReason, Ending
+from extproc.core.meter import StreamMeter
+from tests.unit.test_processor_flow import ScriptedLimiter, event, feed, start
+
+pytestmark = pytest.mark.unit
+
+DONE = b"data: [DONE]\n\n"
+
+
+def usage_event(prompt: int, completion: int) -> bytes:
+    """The usage-only chunk the upstream sends before [DONE]."""
+    obj = {
+        "object": "chat.completion.chunk",
+        "choices": [],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
+    }
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def final_fields(resps: list[Any]) -> dict[str, Any] | None:
+    """The ``ai_quota`` metadata of the last response carrying some."""
+    found: dict[str, Any] | None = None
+    for r in resps:
+        if r.HasField("dynamic_metadata"):
+            meta = MessageToDict(r.dynamic_metadata)
+            found = meta.get("envoy.filters.http.ext_proc", meta)
+    return found
+
+
+def disagreements(proc: Any) -> float:
+    """aiq_usage_disagreements_total, all directions."""
+    total = 0.0
+    for metric in proc.gw.metrics.usage_disagreements.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                total += sample.value
+    return total
+
+
+async def test_done_carries_the_final_figures_and_a_close_after_it_is_completed() -> None:
+    """The response forwarding [DONE] carries output_tokens and ending completed; a client
+    that closes before the upstream's end of stream is settled completed, once."""
+    lim = ScriptedLimiter()
+    proc = await start(lim)
+    got: list[Any] = []
+    for w in (" a", " b", " c"):
+        got += await feed(proc, event(w))
+    got += await feed(proc, usage_event(8, 3) + DONE)  # no end_of_stream yet
+    meta = final_fields(got)
+    assert meta is not None
+    flat = str(meta)
+    assert "output_tokens" in flat and "completed" in flat
+    proc.close(Closed.EOF)  # the client closed right after [DONE]
+    await asyncio.gather(*proc.gw.pending)
+    assert proc.s.life.ending is Ending.COMPLETED
+    assert len(lim.settles) == 1
+
+
+async def test_one_disagreement_is_counted_once() -> None:
+    """An upstream reporting far too few tokens is logged and counted once, though the figure
+    is read for the access log and again for settlement."""
+    lim = ScriptedLimiter()
+    proc = await start(lim)
+    for i in range(40):
+        await feed(proc, event(f" w{i}"))
+    await feed(proc, usage_event(8, 1) + DONE, end=True)
+    await asyncio.gather(*proc.gw.pending)
+    assert disagreements(proc) == 1
+
+
+def test_lagging_lazy_stream_is_delivered_up_to_the_quota() -> None:
+    """A backlog held behind an in-flight charge that exhausts the window is delivered up to
+    the room the charge left, then cut (it was dropped whole before)."""
+    m = StreamMeter(count=lambda t: len(t.split()), every=10, strict=False)
+
+    def ev(n: int) -> bytes:
+        obj = {"choices": [{"index": 0, "delta": {"content": " w" * n}}]}
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    step = m.feed(ev(10), False)  # 10 uncharged: a charge of 10 is asked
+    assert step.charge == 10
+    held = m.feed(ev(5) * 6, False)  # 30 more: past 2N while the charge is out -> held
+    assert held.forward.count(b"data:") < 6
+    # the charge answers: exhausted, 12 tokens of room left after it
+    step = m.on_charge(10, True, room=12)
+    if step.charge:  # the held events are charged before they go out
+        step = m.on_charge(step.charge, True, room=12 - step.charge + m._held_tokens)
+    assert step.cut_reason is CutReason.QUOTA_EXHAUSTED
+    assert m.delivered > 10  # some of the backlog went out before the cut
+
+
+async def test_lease_renewal_does_not_log_as_the_request_that_started_it() -> None:
+    """Background tasks run in their own context: no request's bound log fields."""
+    lim = ScriptedLimiter()
+    proc = await start(lim)
+    seen: list[dict[str, Any]] = []
+
+    async def probe() -> None:
+        seen.append(structlog.contextvars.get_contextvars())
+
+    proc.gw._renew_loop = probe  # type: ignore[method-assign]
+    proc.gw._leases = None
+    structlog.contextvars.bind_contextvars(request_id="someone-else")
+    try:
+        proc.gw.keep_leases()
+        assert proc.gw._leases is not None
+        await proc.gw._leases
+    finally:
+        structlog.contextvars.clear_contextvars()
+    assert seen == [{}]
