@@ -4,9 +4,12 @@ Works with a single Redis server or Redis Cluster (every key of a call shares th
 hash tag, so each script runs on one slot).  Any Redis failure becomes
 :class:`extproc.errors.LimiterUnavailable`; how long that can take:
 
-- each attempt is bounded by ``timeout_ms`` (waiting for a pooled connection included: the
-  single-server pool is a ``BlockingConnectionPool`` of ``max_connections``, so a burst beyond
-  it queues for a free connection instead of failing);
+- each attempt is bounded by ``timeout_ms`` of the processor's *running* time (waiting for a
+  pooled connection included: the single-server pool is a ``BlockingConnectionPool`` of
+  ``max_connections``, so a burst beyond it queues for a free connection instead of failing).
+  Time the processor could not run (starved of CPU) is added, up to ``starved_ceiling_s``, so
+  a slow processor is not mistaken for a dead Redis (:mod:`extproc.limiter.starvation`); the
+  sockets' own timeouts are that ceiling;
 - a call that *timed out* (Redis stalled, e.g. a slow command or a fork) is tried again
   ``stall_retries`` times (default once) while the breaker stays closed: every script is
   idempotent by ledger (and sequence number), so a first attempt that ran after all is not
@@ -38,6 +41,7 @@ from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import AdmitResult, ChargeResult, Reclaimed
 from extproc.limiter.breaker import BreakerSettings, BreakerState, CircuitBreaker
+from extproc.limiter.starvation import LoopLag, fair_wait
 
 if TYPE_CHECKING:
     from extproc.metrics import Metrics
@@ -56,6 +60,11 @@ _KIND = {"rpm": "r", "tpm": "t", "concurrency": "c"}
 
 #: Connections per process to a single Redis server; more concurrent calls queue for one.
 DEFAULT_MAX_CONNECTIONS = 128
+
+
+def starved_ceiling_s(timeout_s: float) -> float:
+    """The longest a call may wait, in wall time, while the processor is starved of CPU."""
+    return max(20 * timeout_s, 10.0)
 
 
 def load_script(name: str) -> str:
@@ -84,6 +93,7 @@ class RedisLimiter:
         self._client = client
         self._clock = clock or SystemClock()
         self._timeout = timeout_ms / 1000.0
+        self.lag = LoopLag()
         base = breaker or BreakerSettings()
         self.breaker = CircuitBreaker(
             self._clock, _with_open_s(base, cooldown_ms) if breaker is None else base
@@ -114,7 +124,7 @@ class RedisLimiter:
         finds every connection busy waits for one (within its ``timeout_ms``) instead of
         failing with "Too many connections".
         """
-        t = timeout_ms / 1000.0
+        t = starved_ceiling_s(timeout_ms / 1000.0)  # the per-call bound is fair_wait's
         client: Any
         if url.startswith("redis+cluster://"):
             client = RedisCluster.from_url(
@@ -162,15 +172,16 @@ class RedisLimiter:
         """
         if timeout_ms is not None:
             self._timeout = timeout_ms / 1000.0
+            ceiling = starved_ceiling_s(self._timeout)
             pool = getattr(self._client, "connection_pool", None)
             if isinstance(pool, aioredis.BlockingConnectionPool):
-                pool.timeout = self._timeout
+                pool.timeout = ceiling
                 kwargs = pool.connection_kwargs
-                kwargs["socket_timeout"] = self._timeout
-                kwargs["socket_connect_timeout"] = self._timeout
+                kwargs["socket_timeout"] = ceiling
+                kwargs["socket_connect_timeout"] = ceiling
                 for conn in [*pool._available_connections, *pool._in_use_connections]:
-                    conn.socket_timeout = self._timeout
-                    conn.socket_connect_timeout = self._timeout
+                    conn.socket_timeout = ceiling
+                    conn.socket_connect_timeout = ceiling
         settings = breaker or self.breaker.settings
         if cooldown_ms is not None and breaker is None:
             settings = _with_open_s(settings, cooldown_ms)
@@ -217,8 +228,9 @@ class RedisLimiter:
                 )
             self.round_trips += 1
             try:
-                async with asyncio.timeout(self._timeout):
-                    result = await make()
+                result = await fair_wait(
+                    make(), self._timeout, self.lag, starved_ceiling_s(self._timeout)
+                )
             except asyncio.CancelledError:
                 self.breaker.abandon()
                 raise
@@ -366,6 +378,7 @@ class RedisLimiter:
 
     async def close(self) -> None:
         """Close the connection pool."""
+        self.lag.stop()
         await self._client.aclose()
 
 
