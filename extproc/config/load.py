@@ -309,6 +309,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
             delta_count=delta_counter(counter.count),
             prices=_prices(m.pricing),
             currency=m.pricing.currency if m.pricing else "",
+            continuous_usage=m.stream_usage == "continuous",
         )
     assert fallback_counter is not None
     unknown = Model(

@@ -30,6 +30,8 @@ class Model:
     # prices as rates (micro-units of the currency per million tokens); None: not priced
     prices: Rates | None = None
     currency: str = ""
+    # the upstream reports running usage in every stream chunk when asked (vLLM, SGLang)
+    continuous_usage: bool = False
 
     @property
     def exact_count(self) -> bool:

@@ -150,6 +150,10 @@ class ModelEntry(Strict):
     max_input_tokens: int | None = Field(default=None, ge=1)
     charging: ChargingModel = Field(default_factory=ChargingModel)
     pricing: Pricing | None = None
+    # "continuous": the upstream engine reports running usage in every stream chunk when asked
+    # (vLLM, SGLang: stream_options.continuous_usage_stats); chat and completions streams then
+    # ask for it and are metered by the engine's own count (docs/streaming-counting.md)
+    stream_usage: Literal["final", "continuous"] = "final"
 
 
 class LimitEntry(Strict):

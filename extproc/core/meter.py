@@ -6,6 +6,9 @@ the returned :class:`Step`: forward ``step.forward`` to the client, ask the limi
 :meth:`StreamMeter.on_charge`.  When the limiter says the quota is gone the servicer calls
 :meth:`StreamMeter.cut`, which returns the error event and ``[DONE]`` that end the stream.
 
+Tokens are the engine's own running count when it reports one in every chunk
+(``engine_counts``: vLLM's ``continuous_usage_stats``), otherwise the recount of each delta.
+
 Two ways to charge output (``strict`` flag):
 
 * **lazy** — forward every complete event at once; each time N uncharged tokens have passed,
@@ -63,6 +66,7 @@ class StreamMeter:
         strip_usage: bool = False,
         max_event_bytes: int = 1 << 20,
         read: Callable[[str | None, str], StreamChunk] = _openai_read,
+        engine_counts: bool = False,
     ) -> None:
         self._count = count
         self._read = read
@@ -74,6 +78,9 @@ class StreamMeter:
         self.strict = strict
         self.enforce = enforce
         self._strip_usage = strip_usage
+        # the engine reports its running output count in every chunk: charge by it (the
+        # recount covers chunks that carry none)
+        self._engine_counts = engine_counts
         self._decoder = SSEDecoder(max_event_bytes=max_event_bytes)
         self.lease = initial_lease
         self.leased_total = initial_lease
@@ -123,9 +130,13 @@ class StreamMeter:
             self._terminal = True
             return 0, True
         tokens = 0
-        for _, text in chunk.texts:
-            if text:
-                tokens += self._count(text)
+        if self._engine_counts and chunk.usage is not None:
+            # the engine's running total, less what this stream has already been counted
+            tokens = max(0, chunk.usage.completion_tokens - self.counted)
+        else:
+            for _, text in chunk.texts:
+                if text:
+                    tokens += self._count(text)
         if chunk.is_usage_only and self._strip_usage:
             return tokens, False
         return tokens, True

@@ -132,6 +132,7 @@ def rewrite_body(
     budget: int | None,
     force_include_usage: bool,
     canonical_model: str | None = None,
+    continuous_usage: bool = False,
 ) -> bytes | None:
     """The mutated body to send upstream, or None when nothing needs to change.
 
@@ -139,7 +140,9 @@ def rewrite_body(
     client set above it is lowered to it, and when the client set none, the first budget field
     is added with it (an upstream whose default is "the rest of the context" must not generate
     more than was reserved).  ``force_include_usage`` asks a streaming upstream for the final
-    usage chunk; ``canonical_model`` replaces an alias with the model's real name.
+    usage chunk; ``canonical_model`` replaces an alias with the model's real name;
+    ``continuous_usage`` asks an engine that can (vLLM, SGLang) for the running usage in every
+    chunk (``stream_options.continuous_usage_stats``), which the meter then charges by.
     """
     changed = bool(req.notes.get("normalised"))
     body = req.body
@@ -155,12 +158,16 @@ def rewrite_body(
         if not present and req.budget_fields:
             body[req.budget_fields[0]] = budget
             changed = True
-    if force_include_usage and req.stream and not req.client_include_usage:
+    if req.stream and ((force_include_usage and not req.client_include_usage) or continuous_usage):
         so = body.get("stream_options")
         so = dict(so) if isinstance(so, dict) else {}
-        so["include_usage"] = True
-        body["stream_options"] = so
-        changed = True
+        if force_include_usage or continuous_usage:
+            so["include_usage"] = True
+        if continuous_usage:
+            so["continuous_usage_stats"] = True
+        if so != body.get("stream_options"):
+            body["stream_options"] = so
+            changed = True
     if not changed:
         return None
     return orjson.dumps(body)

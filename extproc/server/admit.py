@@ -133,6 +133,7 @@ async def admit_body(
         budget=attempt.plan.budget,
         force_usage=cfg.force_include_usage and attempt.plan.cost.meter_stream,
         model=model.name if model.known else None,
+        continuous_usage=model.continuous_usage and attempt.plan.cost.meter_stream,
     )
 
 

@@ -59,6 +59,7 @@ class StreamDriver:
             initial_lease=cost.reserved_output,
             strip_usage=cfg.force_include_usage and not req.client_include_usage,
             read=self.reader.read,
+            engine_counts=model.continuous_usage and api.name in ("chat", "completions"),
         )
         self._final_sent = False
         self._task: asyncio.Task[ChargeResult] | None = None

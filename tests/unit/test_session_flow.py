@@ -127,3 +127,69 @@ async def test_lease_renewal_does_not_log_as_the_request_that_started_it() -> No
     finally:
         structlog.contextvars.clear_contextvars()
     assert seen == [{}]
+
+
+def _chunk_with_usage(text: str, completion: int) -> bytes:
+    """A chat chunk carrying the engine's running usage (continuous_usage_stats)."""
+    obj = {
+        "choices": [{"index": 0, "delta": {"content": text}}],
+        "usage": {
+            "prompt_tokens": 7,
+            "completion_tokens": completion,
+            "total_tokens": 7 + completion,
+        },
+    }
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def test_engine_running_usage_is_what_the_meter_counts() -> None:
+    """With the engine's running count in every chunk, a delta the recount would call 4 tokens
+    (a partial UTF-8 sequence decoded as U+FFFD) counts as the 1 the engine generated; a chunk
+    without usage falls back to the recount."""
+    m = StreamMeter(count=lambda t: 4 * len(t), every=1000, strict=False, engine_counts=True)
+    m.feed(_chunk_with_usage("\ufffd", 1), False)
+    m.feed(_chunk_with_usage("\ufffd", 2), False)
+    assert m.counted == 2
+    m.feed(b'data: {"choices":[{"index":0,"delta":{"content":"ab"}}]}\n\n', False)
+    assert m.counted == 2 + 8
+    m.feed(_chunk_with_usage("c", 11), False)  # engine total 11: one more than counted
+    assert m.counted == 11
+
+
+def test_continuous_usage_is_requested_only_for_models_that_say_so() -> None:
+    """stream_options.continuous_usage_stats is added for a model served by such an engine."""
+    from extproc.core.apis.base import RequestLimits
+    from extproc.core.apis.openai import CHAT
+
+    raw = orjson.dumps(
+        {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    )
+    limits = RequestLimits(max_tokens_ceiling=100_000, max_n=8)
+    plain = CHAT.rewrite(CHAT.parse(raw, limits), budget=None, force_usage=True, model=None)
+    assert plain is not None and b"continuous_usage_stats" not in plain
+    body = CHAT.rewrite(
+        CHAT.parse(raw, limits), budget=None, force_usage=True, model=None, continuous_usage=True
+    )
+    assert body is not None
+    assert orjson.loads(body)["stream_options"] == {
+        "include_usage": True,
+        "continuous_usage_stats": True,
+    }
+
+
+def test_stream_usage_continuous_is_read_from_the_rules() -> None:
+    """models.<name>.stream_usage: continuous marks the model as served by such an engine."""
+    from extproc.config import load_config_text
+
+    cfg = load_config_text(
+        """
+models:
+  m: {tokenizer: {kind: tiktoken, encoding: cl100k_base}, max_output_tokens: 100, stream_usage: continuous}
+  n: {tokenizer: {kind: tiktoken, encoding: cl100k_base}, max_output_tokens: 100}
+plans:
+  p: {limits: [{model: "*", per: hour, tpm: 1000}]}
+tenants:
+  t: {plan: p, keys: [{name: k, plaintext: sk-t}]}
+"""
+    )
+    assert cfg.models["m"].continuous_usage and not cfg.models["n"].continuous_usage

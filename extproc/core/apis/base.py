@@ -77,12 +77,15 @@ class ApiFormat(Protocol):
         budget: int | None,
         force_usage: bool,
         model: str | None,
+        continuous_usage: bool = False,
     ) -> bytes | None:
         """The body to forward, or None when unchanged.
 
         ``budget``: the per-sequence output budget admission reserved; the forwarded body must
         carry it (added when absent, lowered when larger). ``force_usage``: ask a streaming
         upstream for usage (chat/completions). ``model``: the canonical model name.
+        ``continuous_usage``: ask the engine for running usage in every chunk (chat/completions
+        on vLLM or SGLang; other APIs ignore it).
         """
         ...
 

@@ -137,7 +137,13 @@ class EmbeddingsFormat:
         return count_embeddings_input(req.body, counter)
 
     def rewrite(
-        self, req: ParsedRequest, *, budget: int | None, force_usage: bool, model: str | None
+        self,
+        req: ParsedRequest,
+        *,
+        budget: int | None,
+        force_usage: bool,
+        model: str | None,
+        continuous_usage: bool = False,
     ) -> bytes | None:
         """Only the canonical model: there is no output budget to write."""
         return rewrite_fields(req, budget=None, model=model)

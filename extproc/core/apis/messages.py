@@ -363,7 +363,13 @@ class MessagesFormat:
         return count_messages_input(req.body, counter, spec)
 
     def rewrite(
-        self, req: ParsedRequest, *, budget: int | None, force_usage: bool, model: str | None
+        self,
+        req: ParsedRequest,
+        *,
+        budget: int | None,
+        force_usage: bool,
+        model: str | None,
+        continuous_usage: bool = False,
     ) -> bytes | None:
         """Canonical model and ``max_tokens`` lowered to the budget.  ``force_usage`` is moot:
         ``message_start``/``message_delta`` always carry usage."""

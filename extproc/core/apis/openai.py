@@ -59,10 +59,20 @@ class OpenAICompletionsFormat:
         return count_completion_prompt(req.body, counter)
 
     def rewrite(
-        self, req: ParsedRequest, *, budget: int | None, force_usage: bool, model: str | None
+        self,
+        req: ParsedRequest,
+        *,
+        budget: int | None,
+        force_usage: bool,
+        model: str | None,
+        continuous_usage: bool = False,
     ) -> bytes | None:
         return rewrite_body(
-            req, budget=budget, force_include_usage=force_usage, canonical_model=model
+            req,
+            budget=budget,
+            force_include_usage=force_usage,
+            canonical_model=model,
+            continuous_usage=continuous_usage,
         )
 
     def stream_reader(self) -> _Reader:

@@ -366,7 +366,13 @@ class ResponsesFormat:
         return count_responses_input(req.body, counter, spec)
 
     def rewrite(
-        self, req: ParsedRequest, *, budget: int | None, force_usage: bool, model: str | None
+        self,
+        req: ParsedRequest,
+        *,
+        budget: int | None,
+        force_usage: bool,
+        model: str | None,
+        continuous_usage: bool = False,
     ) -> bytes | None:
         """Canonical model and ``max_output_tokens`` = budget when absent or larger.
         ``force_usage`` is moot: the terminal event always carries usage."""
