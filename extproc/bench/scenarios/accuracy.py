@@ -23,8 +23,6 @@ from extproc.sim.records import SimRecord
 from extproc.stack import Stack
 from extproc.stats import percentile
 
-_sim_records = system.sim_records
-
 
 async def _wait_window(b: Bench, seconds: float = 45.0) -> None:
     left = 3600 - time.time() % 3600
@@ -101,7 +99,7 @@ async def accuracy(b: Bench, stack: Stack) -> None:
         for _ in range(30):
             recs = {
                 x.client_request_id: x
-                for x in _sim_records(stack.sim_url)
+                for x in system.sim_records(stack.sim_url)
                 if x.client_request_id in ids
             }
             if all(x.finished for x in recs.values()):
