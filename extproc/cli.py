@@ -1,312 +1,114 @@
-"""The ``ai-quota`` command: serve, sim, load, up, check-config, usage, envoy-config."""
+"""The ``ai-quota`` command: wires the sub-commands, each a module with ``configure_parser`` and
+``run`` (the service's own under :mod:`extproc.commands`, the side tools' in their package's
+``cli.py``)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
-import signal
 import sys
-import time
-from pathlib import Path
-from typing import Any
-
-DEMO_CONFIG = "config/demo.yaml"
+from dataclasses import dataclass
 
 
-def _use_uvloop() -> None:
-    try:
-        import uvloop
+@dataclass(frozen=True)
+class Command:
+    """One sub-command: its name, the module that configures and runs it, its help texts."""
 
-        uvloop.install()
-    except ImportError:
-        pass
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    """Run the ext_proc gRPC server."""
-    from extproc.admin.errors import AdminConfigError
-    from extproc.app import serve_forever
-    from extproc.config import ConfigError
-    from extproc.logs import configure_logging
-    from extproc.settings import Settings, SettingsError
-
-    try:
-        settings = Settings.from_env(
-            config=args.config,
-            redis_url=args.redis_url,
-            grpc_address=args.grpc_address,
-            log_format=args.log_format,
-            metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host,
-            workers=args.workers,
-            admin_port=args.admin_port,
-            admin_host=args.admin_host,
-            admin_token_file=args.admin_token_file,
-            admin_tls_cert=args.admin_tls_cert,
-            admin_tls_key=args.admin_tls_key,
-            admin_tls_client_ca=args.admin_tls_client_ca,
-        )
-    except SettingsError as exc:
-        print(f"ai-quota serve: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(settings.log_format, settings.log_level)
-    if settings.workers > 1:
-        return _serve_workers(settings, port_per_worker=bool(args.port_per_worker))
-    if settings.event_loop == "uvloop":
-        _use_uvloop()
-    try:
-        return asyncio.run(serve_forever(settings))
-    except ConfigError as exc:
-        print(f"ai-quota serve: invalid config\n{exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"ai-quota serve: {exc}", file=sys.stderr)
-        return 1
-    except AdminConfigError as exc:
-        print(f"ai-quota serve: {exc}", file=sys.stderr)
-        return 2
+    name: str
+    module: str
+    help: str
+    description: str | None = None
+    #: a side tool: when its optional dependencies are missing, the command says so when run
+    #: (with the extra that installs them) instead of breaking the whole command line
+    optional: bool = False
+    extra: str | None = None
 
 
-def _serve_workers(settings: Any, *, port_per_worker: bool = False) -> int:
-    """N supervised worker processes (see :mod:`extproc.supervisor`)."""
-    from extproc.supervisor import Supervisor
-
-    return Supervisor(settings, port_per_worker=port_per_worker).run()
-
-
-def cmd_check_config(args: argparse.Namespace) -> int:
-    """Validate a rules file: exit 0 when valid, 1 with every error otherwise."""
-    from extproc.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(args.file)
-    except ConfigError as exc:
-        print(str(exc), file=sys.stderr)
-        return 1
-    print(
-        f"{args.file}: OK ({len(cfg.models)} models, {len(cfg.tenants)} tenants, "
-        f"{len(cfg.keys_by_digest)} keys)"
-    )
-    if cfg.plaintext_keys:
-        print(f"{args.file}: warning: {cfg.plaintext_keys} plaintext key(s): for local demos only")
-    print(
-        f"{args.file}: every rule here, failure settings included, applies on SIGHUP without a "
-        "restart; process settings (AIQ_* variables, serve flags) need one"
-    )
-    return 0
-
-
-def cmd_envoy_config(args: argparse.Namespace) -> int:
-    """Print an Envoy bootstrap for the given ports."""
-    from extproc.envoy_config import EnvoyPorts, JwtAuth, render_yaml
-
-    def addrs(values: list[str]) -> tuple[tuple[str, int], ...]:
-        out = []
-        for v in values:
-            host, _, port = v.rpartition(":")
-            out.append((host or "127.0.0.1", int(port)))
-        return tuple(out)
-
-    text = render_yaml(
-        EnvoyPorts(
-            listen_host=args.listen_host,
-            listen_port=args.listen_port,
-            admin_port=args.admin_port,
-            upstreams=addrs(args.upstream or ["127.0.0.1:18080"]),
-            extprocs=addrs(args.extproc or ["127.0.0.1:50051"]),
-            max_body_bytes=args.max_body_bytes,
-            jwt=JwtAuth(
-                issuer=args.jwt_issuer,
-                jwks_path=args.jwks_file,
-                audiences=tuple(args.jwt_audience or ()),
-                required=args.jwt_required,
-            )
-            if args.jwt_issuer
-            else None,
-        ),
-        header="# Generated by `ai-quota envoy-config`; edit the flags, not this file.\n",
-    )
-    if args.jwt_issuer and not args.jwks_file:
-        print("ai-quota envoy-config: --jwt-issuer needs --jwks-file", file=sys.stderr)
-        return 2
-    if args.output:
-        Path(args.output).write_text(text)
-    else:
-        sys.stdout.write(text)
-    return 0
-
-
-_DECISION_FIELDS = (
-    "tenant",
-    "key",
-    "model",
-    "input_tokens",
-    "reserved_output",
-    "stream",
-    "status",
-    "code",
+COMMANDS: tuple[Command, ...] = (
+    Command(
+        "serve",
+        "extproc.commands.serve",
+        "run the ext_proc gRPC service",
+        "Run the ext_proc gRPC service Envoy calls for every request. "
+        "Settings come from AIQ_* environment variables; flags win.",
+    ),
+    Command(
+        "up",
+        "extproc.commands.up",
+        "run the whole local stack (what scripts/run calls)",
+        "Start Redis, the upstream simulator, the ext_proc service and Envoy "
+        "on loopback, in the foreground. Ctrl-C stops everything.",
+    ),
+    Command(
+        "check-config",
+        "extproc.commands.check_config",
+        "validate a rules file (exit 0 valid / 1 invalid)",
+        "Validate a rules file strictly; every error names the file and the path.",
+    ),
+    Command(
+        "envoy-config",
+        "extproc.commands.envoy_config",
+        "print an Envoy bootstrap with the ext_proc filter",
+    ),
+    Command(
+        "sim",
+        "extproc.sim.cli",
+        "run the OpenAI-compatible upstream simulator",
+        "An OpenAI-compatible model server simulator with ground-truth token records.",
+        optional=True,
+        extra="sim",
+    ),
+    Command(
+        "load",
+        "extproc.load.cli",
+        "drive load at one or more OpenAI-compatible endpoints and report",
+        "Load-test harness: concurrent streaming/non-streaming clients, report and plot.",
+        optional=True,
+        extra="load",
+    ),
+    Command(
+        "bench",
+        "extproc.bench.cli",
+        "run the benchmark suite (what scripts/bench calls)",
+        "Benchmarks against baselines measured in the same run: a table and JSON.",
+        optional=True,
+        extra="bench",
+    ),
+    Command(
+        "usage",
+        "extproc.usage.cli",
+        "show where a tenant stands (current windows, limits, resets)",
+        "Ask the running ext_proc service for a tenant's current counters.",
+        optional=True,
+    ),
+    Command(
+        "admin",
+        "extproc.admin.cli",
+        "create, rotate and revoke keys; set and delete tenants (the admin API)",
+        "Change tenants and keys at run time through a replica's admin API "
+        "(ai-quota serve --admin-port); prints JSON.",
+        optional=True,
+    ),
 )
 
 
-def format_log_line(line: str) -> str | None:
-    """One terminal line for an ext_proc JSON log line worth showing in ``ai-quota up``: every
-    admission decision, stream cut and settlement, and any warning or error; None otherwise."""
-    import orjson
-
+def _wire(command: Command, parser: argparse.ArgumentParser) -> None:
+    """Let the command's module configure its parser and run it."""
     try:
-        rec = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return line.rstrip() or None
-    if not isinstance(rec, dict):
-        return None
-    event, level = rec.get("event"), rec.get("level", "info")
-    stamp = str(rec.get("timestamp", ""))[11:19]
-    if event == "decision":
-        fields = " ".join(f"{k}={rec[k]}" for k in _DECISION_FIELDS if rec.get(k) is not None)
-        return f"{stamp} {rec.get('decision', '?'):<9} {fields}"
-    if event in ("stream_cut", "settled"):
-        skip = {"event", "level", "timestamp", "logger"}
-        return f"{stamp} {event:<9} " + " ".join(
-            f"{k}={v}" for k, v in rec.items() if k not in skip
-        )
-    if level in ("warning", "error", "critical"):
-        skip = {"event", "level", "timestamp", "logger"}
-        rest = " ".join(f"{k}={v}" for k, v in rec.items() if k not in skip)
-        return f"{stamp} {level.upper()} {event} {rest}".rstrip()
-    return None
-
-
-class _LogFollower:
-    """Reads what was appended to a log file since the last call."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = path.stat().st_size if path.exists() else 0
-        self._partial = ""
-
-    def new_lines(self) -> list[str]:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return []
-        self.offset += len(data)
-        text = self._partial + data.decode(errors="replace")
-        lines = text.split("\n")
-        self._partial = lines.pop()
-        return lines
-
-
-def cmd_up(args: argparse.Namespace) -> int:
-    """Run Redis, the simulator, the ext_proc service and Envoy in the foreground.
-
-    The terminal shows the banner with the URLs, then one line per decision (and any warning);
-    each process's own output (the Redis banner, Envoy's access log, ...) goes to
-    ``<workdir>/<name>.log``, and the stack's addresses to ``<workdir>/stack.json``.
-    """
-    from extproc.stack import Stack, StackError, StackPorts
-
-    workdir = Path(args.workdir).resolve()
-    stack = Stack(
-        config=args.config,
-        workdir=workdir,
-        ports=StackPorts(
-            envoy=args.port,
-            envoy_admin=args.admin_port,
-            sim=args.sim_port,
-            extproc=args.extproc_port,
-            redis=args.redis_port,
-        ),
-        redis_url=args.redis_url,
-        log_format="json",
-        inherit_output=False,
-        metrics_port=args.metrics_port or 0,
-    )
-    stop = {"flag": False}
-
-    def on_signal(_s: int, _f: object) -> None:
-        stop["flag"] = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    workdir.mkdir(parents=True, exist_ok=True)
-    followers = [_LogFollower(workdir / "extproc0.log")]
-    print("starting Redis, the simulator, ext_proc and Envoy ...", flush=True)
-    try:
-        stack.start()
-    except StackError as exc:
-        print(f"ai-quota up: {exc}", file=sys.stderr)
-        return 1
-    base = stack.base_url
-    metrics = f"http://127.0.0.1:{stack.metrics_port}/metrics" if stack.metrics_port else "off"
-    print(
-        f"""
-ai-quota is up.
-  Envoy (OpenAI API) : {base}
-  Envoy admin        : http://127.0.0.1:{args.admin_port}
-  ext_proc (gRPC)    : 127.0.0.1:{args.extproc_port}   rules: {args.config}
-  simulator          : {stack.sim_url}   (ground truth: {stack.sim_url}/sim/requests)
-  redis              : {stack.effective_redis_url}   (AOF in {workdir})
-  metrics            : {metrics}
-  logs               : {workdir}/*.log (Envoy's access log: envoy0.log)
-  addresses          : {stack.state_file}
-
-Try it (demo keys: sk-demo-standard, sk-demo-tight = 5 RPM / 2,000 TPM, sk-demo-strict,
-sk-demo-budget = $0.02 a month, 2 at once):
-  curl -s {base}/chat/completions -H 'Authorization: Bearer sk-demo-tight' \\
-    -H 'content-type: application/json' \\
-    -d '{{"model":"sim-small","messages":[{{"role":"user","content":"hi"}}],"max_tokens":20}}' -i
-  python -c "import openai; c=openai.OpenAI(base_url='{base}', api_key='sk-demo-tight'); \\
-[print(x.choices[0].delta.content or '', end='', flush=True) for x in c.chat.completions.create(\\
-model='sim-small', messages=[{{'role':'user','content':'hi'}}], max_tokens=1000, stream=True) if x.choices]"
-  ai-quota usage --key sk-demo-tight --address 127.0.0.1:{args.extproc_port}
-
-Ctrl-C stops everything. Decisions:
-""",
-        flush=True,
-    )
-    try:
-        while not stop["flag"]:
-            for f in followers:
-                for line in f.new_lines():
-                    shown = format_log_line(line)
-                    if shown:
-                        print(shown, flush=True)
-            for p in stack.procs:
-                if p.popen.poll() is not None:
-                    print(
-                        f"ai-quota up: {p.name} exited with status {p.popen.returncode}; "
-                        f"stopping (its log: {p.log_path})",
-                        file=sys.stderr,
-                    )
-                    stop["flag"] = True
-            time.sleep(0.2)
-    finally:
-        print("stopping...", file=sys.stderr, flush=True)
-        stack.stop()
-    return 0
-
-
-def _delegate(module: str, parser: argparse.ArgumentParser) -> None:
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as exc:  # a side tool whose optional dependencies are missing
+        mod = importlib.import_module(command.module)
+    except ImportError as exc:
+        if not command.optional:
+            raise
         err = exc
-        parser.set_defaults(func=lambda _a: _missing(module, err))
+        parser.set_defaults(func=lambda _a: _missing(command, err))
         return
     mod.configure_parser(parser)
     parser.set_defaults(func=mod.run)
 
 
-_EXTRAS = {"extproc.sim.cli": "sim", "extproc.load.cli": "load", "extproc.bench.cli": "bench"}
-
-
-def _missing(module: str, exc: Exception) -> int:
-    extra = _EXTRAS.get(module)
-    hint = f" (pip install 'ai-quota[{extra}]')" if extra else ""
-    print(f"ai-quota: {module} is unavailable: {exc}{hint}", file=sys.stderr)
+def _missing(command: Command, exc: Exception) -> int:
+    hint = f" (pip install 'ai-quota[{command.extra}]')" if command.extra else ""
+    print(f"ai-quota: {command.module} is unavailable: {exc}{hint}", file=sys.stderr)
     return 1
 
 
@@ -317,164 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Token-aware RPM/TPM quota gateway for LLM traffic (Envoy ext_proc + Redis).",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    s = sub.add_parser(
-        "serve",
-        help="run the ext_proc gRPC service",
-        description="Run the ext_proc gRPC service Envoy calls for every request. "
-        "Settings come from AIQ_* environment variables; flags win.",
-    )
-    s.add_argument("--config", help=f"rules file (env AIQ_CONFIG, default {DEMO_CONFIG})")
-    s.add_argument(
-        "--redis-url", help="redis://host:port/db or redis+cluster://host:port (env AIQ_REDIS_URL)"
-    )
-    s.add_argument(
-        "--grpc-address",
-        help="host:port to listen on (env AIQ_GRPC_ADDRESS, default 127.0.0.1:50051)",
-    )
-    s.add_argument(
-        "--log-format", choices=["json", "console"], help="log output (env AIQ_LOG_FORMAT)"
-    )
-    s.add_argument(
-        "--metrics-port",
-        type=int,
-        help="serve Prometheus metrics on PORT (with --workers: merged over workers)",
-    )
-    s.add_argument(
-        "--metrics-host",
-        help="address the metrics endpoint listens on (default 127.0.0.1; 0.0.0.0 in a pod)",
-    )
-    s.add_argument(
-        "--workers",
-        type=int,
-        help="N supervised worker processes: restarted when they die, SIGHUP/SIGTERM forwarded "
-        "(env AIQ_WORKERS); they share the port with SO_REUSEPORT unless --port-per-worker",
-    )
-    s.add_argument(
-        "--port-per-worker",
-        action="store_true",
-        help="with --workers N: worker i listens on PORT+i (list each as an Envoy endpoint)",
-    )
-    s.add_argument(
-        "--admin-port",
-        type=int,
-        help="serve the admin API (tenants, keys: docs/admin.md) on this port (env "
-        "AIQ_ADMIN_PORT, default 0: off)",
-    )
-    s.add_argument(
-        "--admin-host", help="address of the admin API (env AIQ_ADMIN_HOST, default 127.0.0.1)"
-    )
-    s.add_argument(
-        "--admin-token-file",
-        help="bearer token of the admin API (env AIQ_ADMIN_TOKEN_FILE; required off loopback)",
-    )
-    s.add_argument("--admin-tls-cert", help="TLS certificate of the admin API (PEM)")
-    s.add_argument("--admin-tls-key", help="TLS private key of the admin API (PEM)")
-    s.add_argument(
-        "--admin-tls-client-ca",
-        help="require client certificates signed by this CA (PEM): mutual TLS "
-        "(env AIQ_ADMIN_TLS_CLIENT_CA)",
-    )
-    s.set_defaults(func=cmd_serve)
-
-    u = sub.add_parser(
-        "up",
-        help="run the whole local stack (what scripts/run calls)",
-        description="Start Redis, the upstream simulator, the ext_proc service and Envoy "
-        "on loopback, in the foreground. Ctrl-C stops everything.",
-    )
-    u.add_argument("--config", default=DEMO_CONFIG, help="rules file (default %(default)s)")
-    u.add_argument("--port", type=int, default=10000, help="Envoy listener (default %(default)s)")
-    u.add_argument("--admin-port", type=int, default=9901, help="Envoy admin (default %(default)s)")
-    u.add_argument("--sim-port", type=int, default=18080, help="simulator (default %(default)s)")
-    u.add_argument(
-        "--extproc-port", type=int, default=50051, help="ext_proc gRPC (default %(default)s)"
-    )
-    u.add_argument(
-        "--redis-port", type=int, default=6379, help="Redis to start (default %(default)s)"
-    )
-    u.add_argument("--redis-url", help="use this Redis instead of starting one")
-    u.add_argument(
-        "--metrics-port", type=int, help="serve the processor's Prometheus metrics on this port"
-    )
-    from extproc.stack import DEFAULT_WORKDIR
-
-    u.add_argument(
-        "--workdir", default=DEFAULT_WORKDIR, help="logs and generated files (default %(default)s)"
-    )
-    u.set_defaults(func=cmd_up)
-
-    c = sub.add_parser(
-        "check-config",
-        help="validate a rules file (exit 0 valid / 1 invalid)",
-        description="Validate a rules file strictly; every error names the file and the path.",
-    )
-    c.add_argument("file", help="the YAML rules file")
-    c.set_defaults(func=cmd_check_config)
-
-    e = sub.add_parser("envoy-config", help="print an Envoy bootstrap with the ext_proc filter")
-    e.add_argument("--listen-host", default="127.0.0.1")
-    e.add_argument("--listen-port", type=int, default=10000)
-    e.add_argument("--admin-port", type=int, default=9901)
-    e.add_argument("--upstream", action="append", help="host:port of the model server (repeatable)")
-    e.add_argument(
-        "--extproc", action="append", help="host:port of an ext_proc replica (repeatable)"
-    )
-    e.add_argument("--max-body-bytes", type=int, default=1_048_576)
-    e.add_argument("-o", "--output", help="write to this file instead of stdout")
-    e.add_argument(
-        "--jwt-issuer", help="verify JWTs from this issuer with jwt_authn (docs/identity.md)"
-    )
-    e.add_argument("--jwks-file", help="local JWKS file for --jwt-issuer")
-    e.add_argument("--jwt-audience", action="append", help="accepted audience (repeatable)")
-    e.add_argument(
-        "--jwt-required",
-        action="store_true",
-        help="refuse requests without a valid token in Envoy (default: API keys still work)",
-    )
-    e.set_defaults(func=cmd_envoy_config)
-
-    _delegate(
-        "extproc.sim.cli",
-        sub.add_parser(
-            "sim",
-            help="run the OpenAI-compatible upstream simulator",
-            description="An OpenAI-compatible model server simulator with ground-truth token records.",
-        ),
-    )
-    _delegate(
-        "extproc.load.cli",
-        sub.add_parser(
-            "load",
-            help="drive load at one or more OpenAI-compatible endpoints and report",
-            description="Load-test harness: concurrent streaming/non-streaming clients, report and plot.",
-        ),
-    )
-    _delegate(
-        "extproc.bench.cli",
-        sub.add_parser(
-            "bench",
-            help="run the benchmark suite (what scripts/bench calls)",
-            description="Benchmarks against baselines measured in the same run: a table and JSON.",
-        ),
-    )
-    _delegate(
-        "extproc.usage.cli",
-        sub.add_parser(
-            "usage",
-            help="show where a tenant stands (current windows, limits, resets)",
-            description="Ask the running ext_proc service for a tenant's current counters.",
-        ),
-    )
-    _delegate(
-        "extproc.admin.cli",
-        sub.add_parser(
-            "admin",
-            help="create, rotate and revoke keys; set and delete tenants (the admin API)",
-            description="Change tenants and keys at run time through a replica's admin API "
-            "(ai-quota serve --admin-port); prints JSON.",
-        ),
-    )
+    for command in COMMANDS:
+        parser = sub.add_parser(command.name, help=command.help, description=command.description)
+        _wire(command, parser)
     return p
 
 

@@ -11,7 +11,8 @@ import structlog
 
 from extproc.admin.auth import TokenFile
 from extproc.admin.rules import Effective, read_file_rules
-from extproc.admin.service import AdminServer, AdminServicer, start_admin_server
+from extproc.admin.server import AdminServer, start_admin_server
+from extproc.admin.service import AdminServicer
 from extproc.admin.store import AdminStore
 from extproc.admin.sync import StoreSync
 from extproc.config.runtime import RuntimeConfig

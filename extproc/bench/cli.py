@@ -16,8 +16,9 @@ from typing import Any
 import orjson
 
 from extproc.bench import runner
+from extproc.bench.plan import Bench, BenchPlan
 from extproc.bench.report import Table, document, render_docs
-from extproc.bench.runner import SECTIONS, Bench, BenchPlan
+from extproc.bench.scenarios import SECTIONS
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

@@ -194,7 +194,7 @@ async def rolling_restart(
 
 async def bench_section(bench: Any, stack: Stack, key: str) -> None:
     """The ``rolling`` bench section: failed requests while one of two replicas is drained and
-    restarted, then killed and restarted (``bench`` is an ``extproc.bench.runner.Bench``)."""
+    restarted, then killed and restarted (``bench`` is an ``extproc.bench.plan.Bench``)."""
     from extproc.bench.report import Row
 
     raw: dict[str, Any] = {}

@@ -119,7 +119,7 @@ async def soak(stack: Stack, seconds: float, rid: Any) -> dict[str, Any]:
 
 
 async def bench_section(bench: Any, stack: Stack, seconds: float) -> None:
-    """Add the soak rows to ``bench`` (an ``extproc.bench.runner.Bench``)."""
+    """Add the soak rows to ``bench`` (an ``extproc.bench.plan.Bench``)."""
     from extproc.bench.report import Row, Target
 
     bench.log(f"soak: {CLIENTS} clients, mixed streams and non-streams, {seconds:.0f} s")

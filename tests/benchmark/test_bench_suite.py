@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from extproc.bench.plan import Bench, BenchPlan
 from extproc.bench.report import document
-from extproc.bench.runner import SECTIONS, Bench, BenchPlan, run
+from extproc.bench.runner import run
+from extproc.bench.scenarios import SECTIONS
 
 pytestmark = pytest.mark.benchmark
 

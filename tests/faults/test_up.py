@@ -16,7 +16,7 @@ import httpx
 import pytest
 import redis
 
-from extproc.cli import format_log_line
+from extproc.commands.log_tail import format_log_line
 from extproc.stack import free_port, port_in_use
 
 pytestmark = pytest.mark.faults

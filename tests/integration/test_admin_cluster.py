@@ -13,7 +13,8 @@ import pytest
 
 from extproc._gen.aiquota.v1 import admin_pb2, admin_pb2_grpc
 from extproc.admin.rules import read_file_rules
-from extproc.admin.service import AdminServicer, start_admin_server
+from extproc.admin.server import start_admin_server
+from extproc.admin.service import AdminServicer
 from extproc.admin.store import AdminStore
 from extproc.admin.sync import StoreSync
 from extproc.app import config_version

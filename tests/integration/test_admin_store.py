@@ -20,8 +20,10 @@ import redis
 import yaml
 
 from extproc._gen.aiquota.v1 import admin_pb2, admin_pb2_grpc
+from extproc.admin.errors import AdminConfigError
 from extproc.admin.rules import Effective, read_file_rules
-from extproc.admin.service import AdminConfigError, AdminServicer, start_admin_server
+from extproc.admin.server import start_admin_server
+from extproc.admin.service import AdminServicer
 from extproc.admin.state import StoredTenant, StoreState
 from extproc.admin.store import AdminStore
 from extproc.admin.sync import StoreSync
@@ -203,6 +205,10 @@ async def test_admin_api_calls(redis_server: RedisServer, tmp_path: Path) -> Non
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await admin.call("CreateKey", admin_pb2.CreateKeyRequest(tenant="nobody", name="k"))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        for tenant, name in (("-bad", "k"), ("new", "bad name")):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await admin.call("CreateKey", admin_pb2.CreateKeyRequest(tenant=tenant, name=name))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert await admin.store.version() == 0  # refused calls write nothing
 
         limit = admin_pb2.Limit(model="m", per="hour", tpm=5000)

@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from extproc.bench.cli import summary
+from extproc.bench.profiling import parse_pyspy_raw
 from extproc.bench.report import (
     Row,
     Table,
@@ -18,7 +19,6 @@ from extproc.bench.report import (
     per_unit_split,
     ratio,
 )
-from extproc.bench.runner import parse_pyspy_raw
 from extproc.stats import median, percentile
 
 pytestmark = pytest.mark.integration

@@ -1,0 +1,36 @@
+"""The benchmark scenarios, one module each, registered in :data:`SCENARIOS`.
+
+To add one: write a module with a ``SCENARIO = Scenario(name, measure, on_main=...)`` and list
+it below.  The order here is the order of ``--only``/``--skip`` choices; the ``on_main``
+scenarios run first (in this order, on one shared main stack), then the others.
+"""
+
+from __future__ import annotations
+
+from extproc.bench.scenarios import (
+    accuracy,
+    admission,
+    profile,
+    rolling,
+    round_trips,
+    soak,
+    streaming,
+    tokenizer,
+    workers,
+)
+from extproc.bench.scenarios.base import Scenario
+
+SCENARIOS: tuple[Scenario, ...] = (
+    admission.SCENARIO,
+    streaming.SCENARIO,
+    round_trips.SCENARIO,
+    tokenizer.SCENARIO,
+    accuracy.SCENARIO,
+    workers.SCENARIO,
+    profile.SCENARIO,
+    rolling.SCENARIO,
+    soak.SCENARIO,
+)
+
+#: The section names, as ``--only`` and ``--skip`` take them.
+SECTIONS: tuple[str, ...] = tuple(s.name for s in SCENARIOS)

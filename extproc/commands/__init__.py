@@ -1,0 +1,8 @@
+"""The ``ai-quota`` sub-commands of the service itself (``serve``, ``up``, ``check-config``,
+``envoy-config``), one module each with ``configure_parser`` and ``run``; the side tools keep
+theirs in their own package's ``cli.py``.  :mod:`extproc.cli` wires them all."""
+
+from __future__ import annotations
+
+#: The rules file ``up`` runs on, and ``serve`` without ``--config``/``AIQ_CONFIG``.
+DEMO_CONFIG = "config/demo.yaml"

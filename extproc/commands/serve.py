@@ -1,0 +1,126 @@
+"""``ai-quota serve``: run the ext_proc gRPC service (one process, or N supervised workers)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+from extproc.commands import DEMO_CONFIG
+
+
+def configure_parser(s: argparse.ArgumentParser) -> None:
+    """Flags of ``ai-quota serve`` (each overrides its ``AIQ_*`` variable)."""
+    s.add_argument("--config", help=f"rules file (env AIQ_CONFIG, default {DEMO_CONFIG})")
+    s.add_argument(
+        "--redis-url", help="redis://host:port/db or redis+cluster://host:port (env AIQ_REDIS_URL)"
+    )
+    s.add_argument(
+        "--grpc-address",
+        help="host:port to listen on (env AIQ_GRPC_ADDRESS, default 127.0.0.1:50051)",
+    )
+    s.add_argument(
+        "--log-format", choices=["json", "console"], help="log output (env AIQ_LOG_FORMAT)"
+    )
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on PORT (with --workers: merged over workers)",
+    )
+    s.add_argument(
+        "--metrics-host",
+        help="address the metrics endpoint listens on (default 127.0.0.1; 0.0.0.0 in a pod)",
+    )
+    s.add_argument(
+        "--workers",
+        type=int,
+        help="N supervised worker processes: restarted when they die, SIGHUP/SIGTERM forwarded "
+        "(env AIQ_WORKERS); they share the port with SO_REUSEPORT unless --port-per-worker",
+    )
+    s.add_argument(
+        "--port-per-worker",
+        action="store_true",
+        help="with --workers N: worker i listens on PORT+i (list each as an Envoy endpoint)",
+    )
+    s.add_argument(
+        "--admin-port",
+        type=int,
+        help="serve the admin API (tenants, keys: docs/admin.md) on this port (env "
+        "AIQ_ADMIN_PORT, default 0: off)",
+    )
+    s.add_argument(
+        "--admin-host", help="address of the admin API (env AIQ_ADMIN_HOST, default 127.0.0.1)"
+    )
+    s.add_argument(
+        "--admin-token-file",
+        help="bearer token of the admin API (env AIQ_ADMIN_TOKEN_FILE; required off loopback)",
+    )
+    s.add_argument("--admin-tls-cert", help="TLS certificate of the admin API (PEM)")
+    s.add_argument("--admin-tls-key", help="TLS private key of the admin API (PEM)")
+    s.add_argument(
+        "--admin-tls-client-ca",
+        help="require client certificates signed by this CA (PEM): mutual TLS "
+        "(env AIQ_ADMIN_TLS_CLIENT_CA)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the ext_proc gRPC server."""
+    from extproc.admin.errors import AdminConfigError
+    from extproc.app import serve_forever
+    from extproc.config import ConfigError
+    from extproc.logs import configure_logging
+    from extproc.settings import Settings, SettingsError
+
+    try:
+        settings = Settings.from_env(
+            config=args.config,
+            redis_url=args.redis_url,
+            grpc_address=args.grpc_address,
+            log_format=args.log_format,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+            workers=args.workers,
+            admin_port=args.admin_port,
+            admin_host=args.admin_host,
+            admin_token_file=args.admin_token_file,
+            admin_tls_cert=args.admin_tls_cert,
+            admin_tls_key=args.admin_tls_key,
+            admin_tls_client_ca=args.admin_tls_client_ca,
+        )
+    except SettingsError as exc:
+        print(f"ai-quota serve: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, settings.log_level)
+    if settings.workers > 1:
+        return _serve_workers(settings, port_per_worker=bool(args.port_per_worker))
+    if settings.event_loop == "uvloop":
+        _use_uvloop()
+    try:
+        return asyncio.run(serve_forever(settings))
+    except ConfigError as exc:
+        print(f"ai-quota serve: invalid config\n{exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"ai-quota serve: {exc}", file=sys.stderr)
+        return 1
+    except AdminConfigError as exc:
+        print(f"ai-quota serve: {exc}", file=sys.stderr)
+        return 2
+
+
+def _use_uvloop() -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+
+def _serve_workers(settings: Any, *, port_per_worker: bool = False) -> int:
+    """N supervised worker processes (see :mod:`extproc.supervisor`)."""
+    from extproc.supervisor import Supervisor
+
+    return Supervisor(settings, port_per_worker=port_per_worker).run()
