@@ -5,6 +5,8 @@ keeps a cancel.  What the answers mean is decided in the core; this module makes
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import time
 from dataclasses import dataclass
 
@@ -310,5 +312,9 @@ async def limiter_admit(
             return None
         raise
     if res.reclaimed:
-        record_reclaimed(gw, cfg, res.reclaimed)
+        # Other requests' records: written after this request's answer is on its way, in a
+        # context of their own (their log lines do not carry this request's fields).
+        asyncio.get_running_loop().call_soon(
+            record_reclaimed, gw, cfg, res.reclaimed, context=contextvars.Context()
+        )
     return res
