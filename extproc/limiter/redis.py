@@ -1,4 +1,5 @@
-"""The Redis limiter: three Lua scripts registered once, a bounded timeout, a circuit breaker.
+"""The Redis limiter: four Lua scripts registered once (admit, charge, settle, and rls for
+the RLS API), a bounded timeout, a circuit breaker.
 
 Works with a single Redis server or Redis Cluster (every key of a call shares the tenant's
 hash tag, so each script runs on one slot).  Any Redis failure becomes
@@ -104,6 +105,7 @@ class RedisLimiter:
         self._admit = client.register_script(load_script("admit"))
         self._charge = client.register_script(load_script("charge"))
         self._settle = client.register_script(load_script("settle"))
+        self._rls = client.register_script(load_script("rls"))
         self._export_state()
 
     @classmethod
@@ -348,6 +350,31 @@ class RedisLimiter:
 
         await self._call("a lease renewal", "renew", run)
 
+    async def rls_check(
+        self, counters: list[tuple[str, int, int, int, int]]
+    ) -> tuple[bool, list[int]]:
+        """Run ``rls.lua``: check every (key, hits, limit, expire-at ms, mode) counter of one
+        RLS request and count them all or none; (admitted, values before the request).
+
+        On Redis Cluster the counters are grouped by slot (keys hash-tagged to one slot are
+        one call); a request whose counters span slots is checked in one call per slot, each
+        all or nothing (docs/rls.md: the slot strategy)."""
+        if not counters:
+            return True, []
+        groups = _by_slot(self._client, counters)
+        admitted, before = True, [0] * len(counters)
+        for idxs in groups:
+            keys = [counters[i][0] for i in idxs]
+            args: list[Any] = []
+            for i in idxs:
+                _, hits, limit, expire, mode = counters[i]
+                args += [hits, limit, expire, mode]
+            res = await self._call("a rate limit check", "rls", _script_call(self._rls, keys, args))
+            admitted = admitted and int(res[0]) == 1
+            for i, v in zip(idxs, res[1], strict=True):
+                before[i] = int(v)
+        return admitted, before
+
     async def read(self, keys: list[str]) -> list[int]:
         """MGET the counters (one slot: all keys share a tenant's hash tag)."""
         if not keys:
@@ -393,6 +420,23 @@ def _previous(keys: list[str], b: BucketCharge) -> list[int]:
         return [0, 0]
     keys.append(b.prev_key)
     return [len(keys), b.prev_weight]
+
+
+def _script_call(script: Any, keys: list[str], args: list[Any]) -> Callable[[], Awaitable[Any]]:
+    """A call of a registered script with these keys and arguments, made when awaited."""
+    return lambda: script(keys=keys, args=args)
+
+
+def _by_slot(client: Any, counters: list[tuple[str, int, int, int, int]]) -> list[list[int]]:
+    """Indexes of ``counters`` per Redis Cluster slot (one group on a single server)."""
+    if not isinstance(client, RedisCluster):
+        return [list(range(len(counters)))]
+    from redis.crc import key_slot
+
+    groups: dict[int, list[int]] = {}
+    for i, c in enumerate(counters):
+        groups.setdefault(key_slot(c[0].encode()), []).append(i)
+    return list(groups.values())
 
 
 def _with_open_s(settings: BreakerSettings, cooldown_ms: int) -> BreakerSettings:

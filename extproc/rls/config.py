@@ -1,0 +1,545 @@
+"""envoyproxy/ratelimit's YAML config format: parsed, validated, compiled into match trees.
+
+One file per domain (like their ``RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/config``), each::
+
+    domain: ai-gateway
+    descriptors:
+      - key: tenant                 # no value: one counter per distinct value
+        descriptors:
+          - key: metric
+            value: rpm              # exact value; "*" anywhere in it is a wildcard
+            rate_limit: {unit: minute, requests_per_unit: 60, name: rpm, replaces: [{name: x}]}
+            shadow_mode: false      # counted and reported, never refuses
+            detailed_metric: false  # metrics per distinct value instead of per rule
+
+plus the keys they accept that change little (``quota_mode``, ``value_to_metric``,
+``share_threshold``, ``metadata``) and one of ours, ``ai_quota``, which makes a rule count in an
+ai-quota bucket (a tenant's RPM or TPM window, see :class:`BucketLink`).
+
+The parser works on PyYAML's node tree, so every error names the file, the line and the path
+(``descriptors[0].descriptors[1].rate_limit.unit``); it collects every error of a file rather
+than stopping at the first.  A set of files compiles into one :class:`RlsConfig` or raises
+:class:`RlsConfigError`; nothing is half-applied.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+#: Seconds per unit, epoch-aligned like theirs (a month is 30 days, a year 365).
+UNIT_SECONDS: dict[str, int] = {
+    "second": 1,
+    "minute": 60,
+    "hour": 3600,
+    "day": 86400,
+    "week": 7 * 86400,
+    "month": 30 * 86400,
+    "year": 365 * 86400,
+}
+#: Units whose windows are the same as ai-quota's fixed windows (a bucket link needs one).
+BUCKET_UNITS = ("second", "minute", "hour", "day")
+MAX_REQUESTS_PER_UNIT = 2**32 - 1
+
+_DESCRIPTOR_KEYS = {
+    "key",
+    "value",
+    "rate_limit",
+    "descriptors",
+    "shadow_mode",
+    "quota_mode",
+    "detailed_metric",
+    "value_to_metric",
+    "share_threshold",
+    "metadata",
+    "ai_quota",
+}
+_RATE_LIMIT_KEYS = {"unit", "requests_per_unit", "unlimited", "name", "replaces"}
+_ROOT_KEYS = {"domain", "descriptors"}
+_LINK_KEYS = {"bucket", "tenant", "model"}
+_SAFE_TENANT = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class RlsConfigError(ValueError):
+    """The config does not load; ``errors`` holds one ``file:line: path: message`` each."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = errors
+        super().__init__("\n".join(errors))
+
+
+@dataclass(frozen=True, slots=True)
+class BucketLink:
+    """A rule that counts in an ai-quota bucket: the ``bucket`` (``rpm`` or ``tpm``) of the
+    tenant named by the value of entry ``tenant`` (a key on the rule's path), for ``model``
+    (``*``: the tenant-wide bucket, or the key of an entry naming the model)."""
+
+    bucket: Literal["rpm", "tpm"]
+    tenant_key: str
+    model_key: str = "*"
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """A ``rate_limit`` block with the flags of the descriptor that holds it."""
+
+    path: str  # their stat key: "domain.key_value.key" (values of value-less keys left out)
+    unit: str  # "" when unlimited
+    requests_per_unit: int
+    unlimited: bool = False
+    name: str = ""
+    replaces: tuple[str, ...] = ()
+    shadow_mode: bool = False
+    quota_mode: bool = False
+    detailed_metric: bool = False
+    metadata: dict[str, Any] | None = None
+    link: BucketLink | None = None
+
+    @property
+    def window_s(self) -> int:
+        """The window's length in seconds (0 when unlimited)."""
+        return UNIT_SECONDS.get(self.unit, 0)
+
+
+@dataclass(slots=True)
+class Node:
+    """One level of a domain's descriptor tree."""
+
+    key: str
+    value: str
+    rule: Rule | None
+    share_threshold: bool = False
+    children: dict[tuple[str, str], Node] = field(default_factory=dict)
+    # wildcard children in declaration order: (key, value split on "*", node)
+    wildcards: list[tuple[str, tuple[str, ...], Node]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Domain:
+    """A domain's tree (the root node has no key) and the file it came from."""
+
+    name: str
+    root: Node
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class RlsConfig:
+    """Every domain, by name."""
+
+    domains: dict[str, Domain] = field(default_factory=dict)
+    sources: tuple[str, ...] = ()
+
+    @property
+    def rules(self) -> int:
+        """How many rate_limit blocks the config holds."""
+        count = 0
+        for d in self.domains.values():
+            stack = [d.root]
+            while stack:
+                n = stack.pop()
+                count += n.rule is not None
+                stack.extend(n.children.values())
+                stack.extend(w[2] for w in n.wildcards)
+        return count
+
+
+# -- parsing -----------------------------------------------------------------------------------
+
+
+class _File:
+    """Errors of one file, each with its line and path."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.errors: list[str] = []
+
+    def error(self, node: yaml.Node | None, path: str, message: str) -> None:
+        line = f"{node.start_mark.line + 1}" if node is not None else "1"
+        where = f" {path}:" if path else ""
+        self.errors.append(f"{self.name}:{line}:{where} {message}")
+
+
+def _mapping(f: _File, node: yaml.Node, path: str, allowed: set[str]) -> dict[str, yaml.Node]:
+    """A mapping node's items by key (unknown and duplicate keys are errors)."""
+    if not isinstance(node, yaml.MappingNode):
+        f.error(node, path, f"expected a mapping, found {_kind(node)}")
+        return {}
+    out: dict[str, yaml.Node] = {}
+    for k, v in node.value:
+        if not isinstance(k, yaml.ScalarNode) or k.tag != "tag:yaml.org,2002:str":
+            f.error(k, path, f"a key must be a string, found {_kind(k)}")
+            continue
+        sub = f"{path}.{k.value}" if path else k.value
+        if k.value not in allowed:
+            f.error(k, sub, f"unknown key '{k.value}' (allowed: {', '.join(sorted(allowed))})")
+            continue
+        if k.value in out:
+            f.error(k, sub, "duplicate key")
+            continue
+        out[k.value] = v
+    return out
+
+
+def _kind(node: yaml.Node) -> str:
+    if isinstance(node, yaml.MappingNode):
+        return "a mapping"
+    if isinstance(node, yaml.SequenceNode):
+        return "a list"
+    tag = node.tag.rsplit(":", 1)[-1]
+    return f"{tag} {node.value!r}" if tag != "null" else "nothing"
+
+
+def _string(f: _File, node: yaml.Node, path: str, *, scalar_ok: bool = False) -> str | None:
+    if isinstance(node, yaml.ScalarNode):
+        if node.tag == "tag:yaml.org,2002:str":
+            return str(node.value)
+        if scalar_ok and node.tag in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float"):
+            return str(node.value)  # `value: 200`: their loader reads it as the string "200"
+    f.error(node, path, f"expected a string, found {_kind(node)}")
+    return None
+
+
+def _bool(f: _File, node: yaml.Node | None, path: str) -> bool:
+    if node is None:
+        return False
+    if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:bool":
+        return bool(yaml.safe_load(node.value))
+    f.error(node, path, f"expected true or false, found {_kind(node)}")
+    return False
+
+
+def _int(f: _File, node: yaml.Node, path: str) -> int | None:
+    if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:int":
+        value = int(yaml.safe_load(node.value))
+        if 0 <= value <= MAX_REQUESTS_PER_UNIT:
+            return value
+        f.error(node, path, f"must be between 0 and {MAX_REQUESTS_PER_UNIT}, found {value}")
+        return None
+    f.error(node, path, f"expected a whole number, found {_kind(node)}")
+    return None
+
+
+def _sequence(f: _File, node: yaml.Node, path: str) -> list[yaml.Node]:
+    if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null":
+        return []
+    if not isinstance(node, yaml.SequenceNode):
+        f.error(node, path, f"expected a list, found {_kind(node)}")
+        return []
+    return list(node.value)
+
+
+def parse_text(text: str, name: str) -> Domain:
+    """One file's domain, or :class:`RlsConfigError` with every error of the file."""
+    f = _File(name)
+    try:
+        doc = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f"{mark.line + 1}" if mark is not None else "1"
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise RlsConfigError([f"{name}:{line}: not valid YAML: {problem}"]) from None
+    if doc is None:
+        raise RlsConfigError([f"{name}:1: the file is empty (expected domain and descriptors)"])
+    items = _mapping(f, doc, "", _ROOT_KEYS)
+    domain = ""
+    if "domain" in items:
+        domain = _string(f, items["domain"], "domain") or ""
+        if not domain and not f.errors:
+            f.error(items["domain"], "domain", "the domain must not be empty")
+    elif isinstance(doc, yaml.MappingNode):
+        f.error(doc, "", "missing key 'domain'")
+    root = Node("", "", None)
+    if "descriptors" in items:
+        _descriptors(f, items["descriptors"], "descriptors", root, stat=domain, keys=[])
+    if f.errors:
+        raise RlsConfigError(f.errors)
+    return Domain(domain, root, name)
+
+
+def _descriptors(
+    f: _File, node: yaml.Node, path: str, parent: Node, *, stat: str, keys: list[str]
+) -> None:
+    for i, item in enumerate(_sequence(f, node, path)):
+        here = f"{path}[{i}]"
+        d = _mapping(f, item, here, _DESCRIPTOR_KEYS)
+        if not d and not isinstance(item, yaml.MappingNode):
+            continue
+        key = _string(f, d["key"], f"{here}.key") if "key" in d else None
+        if "key" not in d:
+            f.error(item, here, "missing key 'key'")
+        elif key == "":
+            f.error(d["key"], f"{here}.key", "the key must not be empty")
+        elif key is not None and "*" in key:
+            f.error(d["key"], f"{here}.key", "a wildcard '*' is allowed in a value, not in a key")
+        value = ""
+        if "value" in d:
+            value = _string(f, d["value"], f"{here}.value", scalar_ok=True) or ""
+        shadow = _bool(f, d.get("shadow_mode"), f"{here}.shadow_mode")
+        quota = _bool(f, d.get("quota_mode"), f"{here}.quota_mode")
+        detailed = _bool(f, d.get("detailed_metric"), f"{here}.detailed_metric")
+        _bool(f, d.get("value_to_metric"), f"{here}.value_to_metric")  # metric names only
+        share = _bool(f, d.get("share_threshold"), f"{here}.share_threshold")
+        if share and "*" not in value:
+            f.error(
+                d["share_threshold"],
+                f"{here}.share_threshold",
+                "share_threshold needs a wildcard value (one containing '*')",
+            )
+        metadata = None
+        if "metadata" in d:
+            meta = yaml.safe_load(yaml.serialize(d["metadata"]))
+            if not isinstance(meta, dict):
+                f.error(d["metadata"], f"{here}.metadata", "expected a mapping")
+            else:
+                metadata = meta
+        if not key:
+            continue
+        path_keys = [*keys, key]
+        final = f"{key}_{value}" if value else key
+        stat_key = f"{stat}.{final}"
+        rule = None
+        if "rate_limit" in d:
+            rule = _rate_limit(
+                f,
+                d["rate_limit"],
+                f"{here}.rate_limit",
+                stat=stat_key,
+                shadow=shadow,
+                quota=quota,
+                detailed=detailed,
+            )
+        link = None
+        if "ai_quota" in d:
+            link = _link(f, d["ai_quota"], f"{here}.ai_quota", path_keys, rule)
+        if rule is not None:
+            rule = Rule(
+                path=rule.path,
+                unit=rule.unit,
+                requests_per_unit=rule.requests_per_unit,
+                unlimited=rule.unlimited,
+                name=rule.name,
+                replaces=rule.replaces,
+                shadow_mode=shadow,
+                quota_mode=quota,
+                detailed_metric=detailed,
+                metadata=metadata,
+                link=link,
+            )
+        child = Node(key, value, rule, share_threshold=share)
+        ident = (key, value)
+        if ident in parent.children or any(
+            w[0] == key and "*".join(w[1]) == value for w in parent.wildcards
+        ):
+            f.error(item, here, f"duplicate descriptor '{stat_key}' (same key and value twice)")
+            continue
+        if "*" in value:
+            parent.wildcards.append((key, tuple(value.split("*")), child))
+        else:
+            parent.children[ident] = child
+        if "descriptors" in d:
+            _descriptors(
+                f, d["descriptors"], f"{here}.descriptors", child, stat=stat_key, keys=path_keys
+            )
+
+
+def _rate_limit(
+    f: _File,
+    node: yaml.Node,
+    path: str,
+    *,
+    stat: str,
+    shadow: bool,
+    quota: bool,
+    detailed: bool,
+) -> Rule | None:
+    r = _mapping(f, node, path, _RATE_LIMIT_KEYS)
+    if not r and not isinstance(node, yaml.MappingNode):
+        return None
+    unlimited = _bool(f, r.get("unlimited"), f"{path}.unlimited")
+    unit = ""
+    if "unit" in r:
+        raw = _string(f, r["unit"], f"{path}.unit")
+        if raw is not None:
+            unit = raw.lower()
+            if unit not in UNIT_SECONDS:
+                f.error(
+                    r["unit"],
+                    f"{path}.unit",
+                    f"invalid unit '{raw}' (one of: {', '.join(UNIT_SECONDS)})",
+                )
+                return None
+            if unlimited:
+                f.error(r["unit"], f"{path}.unit", "an unlimited rate_limit takes no unit")
+    elif not unlimited:
+        f.error(node, path, "missing key 'unit' (or unlimited: true)")
+    rpu = 0
+    if "requests_per_unit" in r:
+        rpu = _int(f, r["requests_per_unit"], f"{path}.requests_per_unit") or 0
+    elif not unlimited:
+        f.error(node, path, "missing key 'requests_per_unit'")
+    name = ""
+    if "name" in r:
+        name = _string(f, r["name"], f"{path}.name") or ""
+    replaces: list[str] = []
+    for j, rep in enumerate(
+        _sequence(f, r["replaces"], f"{path}.replaces") if "replaces" in r else []
+    ):
+        rp = _mapping(f, rep, f"{path}.replaces[{j}]", {"name"})
+        rname = _string(f, rp["name"], f"{path}.replaces[{j}].name") if "name" in rp else ""
+        if not rname:
+            f.error(rep, f"{path}.replaces[{j}]", "a replaces entry needs a non-empty name")
+        elif rname == name:
+            f.error(rep, f"{path}.replaces[{j}]", "a rule cannot replace itself")
+        else:
+            replaces.append(rname)
+    return Rule(
+        path=stat,
+        unit="" if unlimited else unit,
+        requests_per_unit=rpu,
+        unlimited=unlimited,
+        name=name,
+        replaces=tuple(replaces),
+        shadow_mode=shadow,
+        quota_mode=quota,
+        detailed_metric=detailed,
+    )
+
+
+def _link(
+    f: _File, node: yaml.Node, path: str, keys: list[str], rule: Rule | None
+) -> BucketLink | None:
+    m = _mapping(f, node, path, _LINK_KEYS)
+    if not m:
+        if isinstance(node, yaml.MappingNode):
+            f.error(node, path, "missing key 'bucket'")
+        return None
+    if rule is None:
+        f.error(node, path, "ai_quota needs a rate_limit on the same descriptor")
+        return None
+    if rule.unlimited or rule.unit not in BUCKET_UNITS:
+        f.error(
+            node,
+            path,
+            f"an ai-quota bucket counts in fixed windows of {', '.join(BUCKET_UNITS)}; "
+            f"this rule's unit is '{rule.unit or 'unlimited'}'",
+        )
+    bucket = _string(f, m["bucket"], f"{path}.bucket") if "bucket" in m else None
+    if "bucket" not in m:
+        f.error(node, path, "missing key 'bucket' (rpm or tpm)")
+    elif bucket not in ("rpm", "tpm"):
+        f.error(m["bucket"], f"{path}.bucket", f"bucket must be rpm or tpm, found {bucket!r}")
+    tenant = _string(f, m["tenant"], f"{path}.tenant") if "tenant" in m else None
+    if "tenant" not in m:
+        f.error(node, path, "missing key 'tenant' (the descriptor key whose value is the tenant)")
+    elif tenant is not None and tenant not in keys:
+        f.error(
+            m["tenant"],
+            f"{path}.tenant",
+            f"'{tenant}' is not a key on this descriptor's path ({' -> '.join(keys)})",
+        )
+    model = "*"
+    if "model" in m:
+        model = _string(f, m["model"], f"{path}.model") or "*"
+        if model != "*" and model not in keys:
+            f.error(
+                m["model"],
+                f"{path}.model",
+                f"'{model}' is not a key on this descriptor's path ({' -> '.join(keys)}); "
+                "use '*' for the tenant-wide bucket",
+            )
+    if bucket in ("rpm", "tpm") and tenant:
+        return BucketLink(bucket, tenant, model)  # type: ignore[arg-type]
+    return None
+
+
+def valid_tenant(value: str) -> bool:
+    """Whether a descriptor value can name a tenant in a key (what bucket links accept)."""
+    return bool(_SAFE_TENANT.match(value))
+
+
+# -- files -------------------------------------------------------------------------------------
+
+
+def config_files(path: Path) -> list[Path]:
+    """The YAML files a path stands for: the file itself, or a directory's ``*.yaml`` and
+    ``*.yml`` (dot files, editors' temporaries, are left out), sorted by name."""
+    if path.is_dir():
+        return sorted(
+            p
+            for p in path.iterdir()
+            if p.suffix in (".yaml", ".yml") and not p.name.startswith(".") and p.is_file()
+        )
+    return [path]
+
+
+def compile_domains(domains: Iterable[Domain]) -> RlsConfig:
+    """One config from parsed files; a domain defined twice is an error naming both files."""
+    out: dict[str, Domain] = {}
+    errors = []
+    for d in domains:
+        if d.name in out:
+            errors.append(
+                f"{d.source}:1: domain: duplicate domain '{d.name}' (also in {out[d.name].source})"
+            )
+            continue
+        out[d.name] = d
+    if errors:
+        raise RlsConfigError(errors)
+    return RlsConfig(out, tuple(d.source for d in out.values()))
+
+
+def load_path(path: str | Path) -> RlsConfig:
+    """Load a file or a directory of files; every file's errors together, or the config."""
+    p = Path(path)
+    if not p.exists():
+        raise RlsConfigError([f"{p}: no such file or directory"])
+    files = config_files(p)
+    if not files:
+        raise RlsConfigError([f"{p}: no *.yaml or *.yml file in the directory"])
+    domains, errors = [], []
+    for file in files:
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            errors.append(f"{file}: cannot read: {exc}")
+            continue
+        try:
+            domains.append(parse_text(text, str(file)))
+        except RlsConfigError as exc:
+            errors.extend(exc.errors)
+    if errors:
+        raise RlsConfigError(errors)
+    return compile_domains(domains)
+
+
+def signature(path: str | Path) -> tuple[tuple[str, int, int], ...]:
+    """What changes when a config file is written: names, sizes, modification times."""
+    p = Path(path)
+    out = []
+    try:
+        for file in config_files(p):
+            st = file.stat()
+            out.append((str(file), st.st_size, st.st_mtime_ns))
+    except OSError:
+        return ()
+    return tuple(out)
+
+
+def looks_like_rls(path: str | Path) -> bool:
+    """Whether a path is an RLS config (a directory, or a YAML mapping with a ``domain``)."""
+    p = Path(path)
+    if p.is_dir():
+        return True
+    try:
+        doc = yaml.compose(p.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(doc, yaml.MappingNode) and any(
+        isinstance(k, yaml.ScalarNode) and k.value == "domain" for k, _ in doc.value
+    )

@@ -1,0 +1,411 @@
+"""The RLS decision logic, sans-IO: descriptors -> rules -> counter keys -> statuses.
+
+Matching follows envoyproxy/ratelimit: the entries of a descriptor walk the domain's tree one
+level each; at each level an exact ``key``/``value`` child wins, then the first wildcard child
+(in declaration order) whose value pattern matches, then the value-less ``key`` child.  A rule
+applies only when the *last* entry lands on a node with a ``rate_limit``; a walk that runs out
+of tree, or an entry that matches nothing, means no limit.  Counters are per distinct entry
+values (a value-less key or a wildcard counts each value apart), except under
+``share_threshold``, where every value a wildcard matches shares one counter.
+
+Windows are fixed and epoch-aligned (``window = now // unit``; a month is 30 days, a year
+365), as theirs, so a fleet can move from one service to the other mid-window.
+
+Nothing here does IO: :func:`plan` turns a request into counter operations, the caller runs
+them (one Lua call) and :func:`decide` turns the counters' values into the answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from urllib.parse import quote
+
+from extproc.core.keys import EXPIRY_SLACK_MS, bucket_key
+from extproc.core.rules import Limit
+from extproc.rls.config import UNIT_SECONDS, Domain, Node, RlsConfig, Rule, valid_tenant
+
+#: Limits on what one request may carry (an attacker's descriptors become Redis keys).
+MAX_DESCRIPTORS = 64
+MAX_ENTRIES = 32
+MAX_TEXT = 1024
+MAX_UINT32 = 2**32 - 1
+
+
+class Code(IntEnum):
+    """``RateLimitResponse.Code`` values."""
+
+    UNKNOWN = 0
+    OK = 1
+    OVER_LIMIT = 2
+
+
+class RequestError(ValueError):
+    """A request the service refuses to evaluate (answered ``INVALID_ARGUMENT``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """One ``RateLimitDescriptor``: its entries, its own ``hits_addend`` (None: unset) and a
+    limit override from Envoy's route config (``(unit, requests_per_unit)``)."""
+
+    entries: tuple[tuple[str, str], ...]
+    hits_addend: int | None = None
+    override: tuple[str, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """The rule a descriptor matched, and the values its counter key uses."""
+
+    rule: Rule
+    key_values: tuple[str, ...]  # per entry: the value, or a shared wildcard pattern
+
+
+def _wild(parts: tuple[str, ...], value: str) -> bool:
+    """Whether ``value`` matches a value pattern split on ``*`` (each ``*``: any run)."""
+    if len(parts) == 1:
+        return parts[0] == value
+    first, last = parts[0], parts[-1]
+    if len(value) < sum(len(p) for p in parts):
+        return False
+    if not value.startswith(first) or not value.endswith(last):
+        return False
+    rest = value[len(first) : len(value) - len(last)]
+    for mid in parts[1:-1]:
+        idx = rest.find(mid)
+        if idx < 0:
+            return False
+        rest = rest[idx + len(mid) :]
+    return True
+
+
+def _child(node: Node, key: str, value: str) -> tuple[Node | None, str]:
+    """The child an entry moves to, and the value its counter key uses."""
+    exact = node.children.get((key, value))
+    if exact is not None:
+        return exact, value
+    for wkey, parts, child in node.wildcards:
+        if wkey == key and _wild(parts, value):
+            return child, ("*".join(parts) if child.share_threshold else value)
+    return node.children.get((key, "")), value
+
+
+def find(domain: Domain, entries: Sequence[tuple[str, str]]) -> Found | None:
+    """The rule that applies to these entries, or None (no limit)."""
+    node = domain.root
+    values: list[str] = []
+    for i, (key, value) in enumerate(entries):
+        nxt, used = _child(node, key, value)
+        if nxt is None:
+            return None
+        values.append(used)
+        if i == len(entries) - 1:
+            return Found(nxt.rule, tuple(values)) if nxt.rule is not None else None
+        if not nxt.children and not nxt.wildcards:
+            return None  # more entries than the tree is deep
+        node = nxt
+    return None
+
+
+# -- a request -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Counted:
+    """A descriptor whose counter Redis checks (and adds ``hits`` to, when admitted)."""
+
+    key: str
+    hits: int
+    limit: int
+    expire_at_ms: int
+    reset_s: int
+    mode: int  # 0 shadow (never refuses), 1 enforced, 2 quota mode
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """What one descriptor of the request needs: ``rule`` None = no limit applies."""
+
+    descriptor: Descriptor
+    rule: Rule | None
+    hits: int
+    unlimited: bool = False
+    counted: Counted | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A request's descriptors, in order, and the counters to check in one call."""
+
+    domain: str
+    items: tuple[Item, ...]
+    global_shadow: bool = False
+
+    @property
+    def counted(self) -> list[Counted]:
+        """The counters, in descriptor order (a descriptor with none is left out)."""
+        return [i.counted for i in self.items if i.counted is not None]
+
+
+def _check_text(what: str, text: str) -> None:
+    if len(text) > MAX_TEXT:
+        raise RequestError(f"{what} is longer than {MAX_TEXT} characters")
+
+
+def plan(
+    config: RlsConfig,
+    domain: str,
+    descriptors: Sequence[Descriptor],
+    hits_addend: int,
+    now_ms: int,
+    *,
+    prefix: str = "aiq",
+    global_shadow: bool = False,
+) -> Plan:
+    """Match every descriptor, apply ``replaces`` and build the counter keys."""
+    if not domain:
+        raise RequestError("rate limit domain must not be empty")
+    if not descriptors:
+        raise RequestError("rate limit descriptor list must not be empty")
+    if len(descriptors) > MAX_DESCRIPTORS:
+        raise RequestError(f"more than {MAX_DESCRIPTORS} descriptors in one request")
+    _check_text("the domain", domain)
+    for d in descriptors:
+        if len(d.entries) > MAX_ENTRIES:
+            raise RequestError(f"a descriptor has more than {MAX_ENTRIES} entries")
+        for k, v in d.entries:
+            _check_text("a descriptor key", k)
+            _check_text("a descriptor value", v)
+    dom = config.domains.get(domain)
+    found: list[Found | None] = []
+    for d in descriptors:
+        if d.override is not None:
+            unit, rpu = d.override
+            path = domain + "." + ".".join(f"{k}_{v}" if v else k for k, v in d.entries)
+            found.append(Found(Rule(path, unit, rpu), tuple(v for _, v in d.entries)))
+        elif dom is None:
+            found.append(None)
+        else:
+            found.append(find(dom, d.entries))
+    replaced = {name for f in found if f is not None for name in f.rule.replaces}
+    items = []
+    for d, f in zip(descriptors, found, strict=True):
+        hits = d.hits_addend if d.hits_addend is not None else max(1, hits_addend)
+        if f is None or (f.rule.name and f.rule.name in replaced):
+            items.append(Item(d, None, hits))
+            continue
+        rule = f.rule
+        if rule.unlimited:
+            items.append(Item(d, rule, hits, unlimited=True))
+            continue
+        items.append(
+            Item(
+                d,
+                rule,
+                hits,
+                counted=_counted(domain, d, f, hits=hits, now_ms=now_ms, prefix=prefix),
+            )
+        )
+    if global_shadow:
+        items = [
+            Item(i.descriptor, i.rule, i.hits, i.unlimited, _as_shadow(i.counted)) for i in items
+        ]
+    return Plan(domain, tuple(items), global_shadow)
+
+
+def _as_shadow(c: Counted | None) -> Counted | None:
+    if c is None:
+        return None
+    return Counted(c.key, c.hits, c.limit, c.expire_at_ms, c.reset_s, 0)
+
+
+def window(unit_s: int, now_ms: int) -> tuple[int, int]:
+    """(index, end in unix ms) of the epoch-aligned window of ``unit_s`` seconds."""
+    w = unit_s * 1000
+    idx = now_ms // w
+    return idx, (idx + 1) * w
+
+
+def reset_seconds(unit_s: int, now_ms: int) -> int:
+    """Whole seconds until the window ends, as theirs (``unit - now % unit``)."""
+    now_s = now_ms // 1000
+    return unit_s - now_s % unit_s
+
+
+def _counted(
+    domain: str, d: Descriptor, f: Found, *, hits: int, now_ms: int, prefix: str
+) -> Counted:
+    rule = f.rule
+    unit_s = UNIT_SECONDS[rule.unit]
+    idx, end = window(unit_s, now_ms)
+    mode = 0 if rule.shadow_mode else (2 if rule.quota_mode else 1)
+    reset = reset_seconds(unit_s, now_ms)
+    link = rule.link
+    if link is not None:
+        tenant = _entry(d, link.tenant_key)
+        if tenant is None or not valid_tenant(tenant):
+            raise RequestError(
+                f"entry '{link.tenant_key}' must name a tenant (letters, digits, . _ : -; "
+                f"at most 128), found {tenant!r}"
+            )
+        model = "*" if link.model_key == "*" else (_entry(d, link.model_key) or "*")
+        lim = Limit(link.bucket, rule.requests_per_unit, unit_s, model, "tenant")
+        key = bucket_key(prefix, tenant, "", lim, idx)
+    else:
+        tag = quote(f.key_values[0] or d.entries[0][0], safe="")
+        parts = "|".join(
+            f"{quote(k, safe='')}={quote(v, safe='')}"
+            for (k, _), v in zip(d.entries, f.key_values, strict=True)
+        )
+        key = f"{prefix}:{{{tag}}}:rls:{quote(domain, safe='')}:{parts}:{unit_s}:{idx}"
+    return Counted(key, hits, rule.requests_per_unit, end + EXPIRY_SLACK_MS, reset, mode)
+
+
+def _entry(d: Descriptor, key: str) -> str | None:
+    for k, v in d.entries:
+        if k == key:
+            return v
+    return None
+
+
+# -- the answer ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """One ``DescriptorStatus``: ``rule`` None means no ``current_limit``."""
+
+    code: Code
+    rule: Rule | None = None
+    limit_remaining: int = 0
+    reset_s: int = 0
+
+
+@dataclass(slots=True)
+class RuleStats:
+    """What one descriptor adds to its rule's counters (their meanings)."""
+
+    rule: Rule
+    name: str  # the metric's rule label: the rule's path, or the values' (detailed_metric)
+    total_hits: int = 0
+    over_limit: int = 0
+    near_limit: int = 0
+    within_limit: int = 0
+    shadow_mode: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The answer to a request."""
+
+    overall: Code
+    statuses: tuple[Status, ...]
+    headers: tuple[tuple[str, str], ...] = ()
+    stats: tuple[RuleStats, ...] = field(default=())
+    global_shadow_hit: bool = False
+
+
+def decide(
+    p: Plan,
+    before: Sequence[int],
+    admitted: bool,
+    *,
+    near_ratio: float = 0.8,
+    headers: tuple[str, str, str] | None = None,
+) -> Decision:
+    """Statuses and stats from each counter's value before this request (``before``, one per
+    :attr:`Plan.counted`, in order; a descriptor repeated in a request sees the earlier one's
+    hits) and whether the call counted the hits (``admitted``)."""
+    statuses: list[Status] = []
+    stats: list[RuleStats] = []
+    values = iter(before)
+    failed = quota_total = quota_failed = 0
+    pick: Status | None = None
+    for item in p.items:
+        if item.rule is None:
+            statuses.append(Status(Code.OK))
+            continue
+        if item.unlimited or item.counted is None:
+            statuses.append(Status(Code.OK, None, MAX_UINT32))
+            continue
+        c = item.counted
+        prior = int(next(values))
+        after = prior + c.hits
+        limit = c.limit
+        st = RuleStats(item.rule, _metric_name(p.domain, item))
+        st.total_hits = c.hits
+        near = int(limit * near_ratio)
+        over = after > limit
+        if over:
+            if prior >= limit:
+                st.over_limit = c.hits
+            else:
+                st.over_limit = after - limit
+                st.near_limit = limit - max(near, prior)
+            if item.rule.shadow_mode:
+                st.shadow_mode = c.hits if prior >= limit else after - limit
+            code = Code.OK if item.rule.shadow_mode else Code.OVER_LIMIT
+            status = Status(code, item.rule, 0, c.reset_s)
+        else:
+            if after > near:
+                st.near_limit = c.hits if prior >= near else after - near
+            st.within_limit = c.hits
+            left = limit - after if admitted else limit - prior
+            status = Status(Code.OK, item.rule, max(0, min(MAX_UINT32, left)), c.reset_s)
+        stats.append(st)
+        statuses.append(status)
+        if item.rule.quota_mode and not item.rule.shadow_mode:
+            quota_total += 1
+            quota_failed += status.code is Code.OVER_LIMIT
+        elif status.code is Code.OVER_LIMIT:
+            failed += 1
+        if status.code is Code.OVER_LIMIT and not item.rule.quota_mode:
+            pick = status  # an over-limit descriptor is the one the headers describe
+        elif pick is None or (
+            pick.code is not Code.OVER_LIMIT and status.limit_remaining < pick.limit_remaining
+        ):
+            pick = status
+    overall = Code.OK
+    if failed or (quota_total and quota_total == quota_failed):
+        overall = Code.OVER_LIMIT
+    shadow_hit = p.global_shadow and overall is Code.OVER_LIMIT
+    if shadow_hit:
+        overall = Code.OK  # global shadow mode: reported and counted, never refused
+    out_headers: tuple[tuple[str, str], ...] = ()
+    if headers is not None and pick is not None and pick.rule is not None:
+        h_limit, h_remaining, h_reset = headers
+        out_headers = (
+            (h_limit, str(pick.rule.requests_per_unit)),
+            (h_remaining, str(pick.limit_remaining)),
+            (h_reset, str(pick.reset_s)),
+        )
+    return Decision(overall, tuple(statuses), out_headers, tuple(stats), shadow_hit)
+
+
+def _metric_name(domain: str, item: Item) -> str:
+    rule = item.rule
+    assert rule is not None
+    if rule.detailed_metric:
+        return domain + "." + ".".join(f"{k}_{v}" if v else k for k, v in item.descriptor.entries)
+    return rule.path
+
+
+def fail_open(p: Plan) -> Decision:
+    """Redis is unavailable and the failure mode allows: every descriptor OK."""
+    return Decision(Code.OK, tuple(Status(Code.OK) for _ in p.items))
+
+
+def fail_closed(p: Plan) -> Decision:
+    """Redis is unavailable and the failure mode denies: every counted descriptor over."""
+    statuses = []
+    for item in p.items:
+        if item.counted is not None and item.rule is not None:
+            statuses.append(Status(Code.OVER_LIMIT, item.rule, 0, item.counted.reset_s))
+        elif item.unlimited:
+            statuses.append(Status(Code.OK, None, MAX_UINT32))
+        else:
+            statuses.append(Status(Code.OK))
+    refused = any(s.code is Code.OVER_LIMIT for s in statuses)
+    return Decision(Code.OVER_LIMIT if refused else Code.OK, tuple(statuses))
