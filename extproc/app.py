@@ -17,6 +17,10 @@ Shutdown (SIGTERM/SIGINT), in order:
 3. streams still open then are ended with the ``server_shutdown`` cut event and settled;
 4. in-flight and kept settlements are flushed, the Redis pool is closed, the process exits.
 
+The RLS API (envoyproxy/ratelimit's ``ShouldRateLimit``, :mod:`extproc.rls`, docs/rls.md) is
+served by the same server unless ``AIQ_RLS_ADDRESS`` names its own; its config is reloaded on
+SIGHUP and when its files change.
+
 SIGHUP reloads the rules and applies the failure settings (``failure.timeout_ms``,
 ``failure.breaker_cooldown_ms``) to the live limiter; nothing in the rules file needs a restart.
 
@@ -62,7 +66,8 @@ log = structlog.get_logger("extproc")
 
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-_HEALTH_NAMES = ("", EXT_PROC_SERVICE)
+RLS_SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
+_HEALTH_NAMES = ("", EXT_PROC_SERVICE, RLS_SERVICE)
 #: The health name that follows Redis (SERVING while it answers a PING).
 REDIS_HEALTH = "aiquota.v1.Redis"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -109,6 +114,9 @@ class Running:
     ready_task: asyncio.Task[None] | None = None
     stopping: bool = False
     admin: Any = None  # extproc.admin.runtime.AdminRuntime: the store followed, admin API
+    rls: Any = None  # extproc.rls.service.RlsRuntime: the RLS API's config and counters
+    rls_server: Any = None  # the RLS API's own server when AIQ_RLS_ADDRESS is set
+    rls_port: int = 0
 
     async def set_serving(self, serving: bool) -> None:
         """Report SERVING or NOT_SERVING on every health name we answer for."""
@@ -150,6 +158,10 @@ class Running:
         # The server's own grace is longer than ours: streams still open at our deadline are
         # cut by us (an error event the client can read), not cancelled by grpc.
         stopping = asyncio.create_task(self.server.stop(grace + 2.0))
+        if self.rls_server is not None:
+            await self.rls_server.stop(1.0)
+        if self.rls is not None:
+            await self.rls.close()
         deadline = loop.time() + grace
         while self.gateway.active and loop.time() < deadline:  # noqa: ASYNC110 - polls a set
             await asyncio.sleep(0.05)
@@ -220,10 +232,15 @@ async def start(
     for name in (*_HEALTH_NAMES, REDIS_HEALTH):
         await health.set(name, _NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    rls, rls_server, rls_port = _start_rls(
+        settings, lim, clk, mets, server=server, options=options, health=health
+    )
     port = server.add_insecure_port(settings.grpc_address)
     if port == 0:
         raise OSError(f"cannot listen on {settings.grpc_address} (address in use?)")
     await server.start()
+    if rls_server is not None:
+        await rls_server.start()
     # Everything loaded so far (config, tokenizers, protobuf classes) lives for the whole
     # process: keep it out of the collector's full passes.
     gc.collect()
@@ -242,9 +259,59 @@ async def start(
         log.warning(
             "plaintext_keys_in_config", count=cfg.plaintext_keys, note="for local demos only"
         )
-    running = Running(server=server, gateway=gw, port=port, health=health, admin=admin)
+    running = Running(
+        server=server,
+        gateway=gw,
+        port=port,
+        health=health,
+        admin=admin,
+        rls=rls,
+        rls_server=rls_server,
+        rls_port=rls_port or port,
+    )
     running.ready_task = asyncio.create_task(running.wait_ready())
     return running
+
+
+def _start_rls(
+    settings: Settings,
+    limiter: Limiter,
+    clock: Clock,
+    metrics: Metrics,
+    *,
+    server: Any,
+    options: list[tuple[str, int]],
+    health: Any,
+) -> tuple[Any, Any, int]:
+    """The RLS API (docs/rls.md) on the ext_proc server, or on its own at
+    ``settings.rls_address``: (runtime, own server or None, its port or 0)."""
+    from extproc.rls.service import RlsRuntime, RlsSettings, add_rls_service
+
+    rls = RlsRuntime(
+        settings.rls_config,
+        limiter,  # type: ignore[arg-type]  # the Redis limiter (rls_check)
+        clock,
+        metrics.registry,
+        RlsSettings(
+            failure_mode=settings.rls_failure_mode,
+            near_limit_ratio=settings.rls_near_limit_ratio,
+            shadow_mode=settings.rls_shadow_mode,
+            response_headers=settings.rls_response_headers,
+            dynamic_metadata=settings.rls_dynamic_metadata,
+            key_prefix=settings.key_prefix,
+        ),
+    )
+    rls.start_watching(settings.rls_watch_s)
+    if not settings.rls_address:
+        add_rls_service(server, rls)
+        return rls, None, 0
+    own = grpc.aio.server(options=options)
+    add_rls_service(own, rls)
+    health_pb2_grpc.add_HealthServicer_to_server(health, own)
+    port = own.add_insecure_port(settings.rls_address)
+    if port == 0:
+        raise OSError(f"cannot listen on {settings.rls_address} (address in use?)")
+    return rls, own, port
 
 
 async def _start_admin(settings: Settings, gw: Gateway) -> Any:
@@ -309,7 +376,13 @@ async def serve_forever(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: reload_rules(running, settings.config))
+
+    def on_hup() -> None:
+        reload_rules(running, settings.config)
+        if running.rls is not None:
+            running.rls.reload()
+
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
     await stop.wait()
     log.info("shutting_down", in_flight=len(running.gateway.active))
     with contextlib.suppress(NotImplementedError):

@@ -79,6 +79,20 @@ class Settings(BaseSettings):
     admin_tls_key: str = ""
     admin_tls_client_ca: str = ""
     admin_allow_plaintext: bool = False
+    # The RLS API (envoyproxy/ratelimit's ShouldRateLimit, docs/rls.md): its config (a YAML
+    # file or a directory of them, one per domain; "" serves no domain: every answer OK), a
+    # separate listen address ("" = the ext_proc server's), what Redis down answers (allow |
+    # deny | error: gRPC UNAVAILABLE, Envoy's failure_mode_deny decides), their NEAR_LIMIT_RATIO,
+    # SHADOW_MODE, LIMIT_RESPONSE_HEADERS_ENABLED and RESPONSE_DYNAMIC_METADATA, and how often
+    # the files are checked for changes (0: only on SIGHUP).
+    rls_config: str = ""
+    rls_address: str = ""
+    rls_failure_mode: Literal["allow", "deny", "error"] = "error"
+    rls_near_limit_ratio: float = Field(default=0.8, gt=0, le=1)
+    rls_shadow_mode: bool = False
+    rls_response_headers: bool = False
+    rls_dynamic_metadata: bool = False
+    rls_watch_s: float = Field(default=1.0, ge=0)
 
     @field_validator("usage_stream", mode="before")
     @classmethod
@@ -118,7 +132,7 @@ class Settings(BaseSettings):
         ``AIQ_EVENT_LOOP`` (uvloop|asyncio), ``AIQ_SHUTDOWN_GRACE_S``, ``AIQ_DRAIN_NOTICE_S``,
         ``AIQ_ADMIN_STORE``, ``AIQ_ADMIN_PORT``, ``AIQ_ADMIN_HOST``, ``AIQ_ADMIN_TOKEN_FILE``,
         ``AIQ_ADMIN_TLS_CERT``, ``AIQ_ADMIN_TLS_KEY``, ``AIQ_ADMIN_TLS_CLIENT_CA``,
-        ``AIQ_ADMIN_ALLOW_PLAINTEXT`` from
+        ``AIQ_ADMIN_ALLOW_PLAINTEXT``, ``AIQ_RLS_*`` (docs/rls.md) from
         ``env`` (default ``os.environ``); explicit non-None ``overrides`` (CLI flags) win.
 
         Raises :class:`SettingsError` naming every variable whose value is invalid."""

@@ -6,3 +6,5 @@ from __future__ import annotations
 
 #: The rules file ``up`` runs on, and ``serve`` without ``--config``/``AIQ_CONFIG``.
 DEMO_CONFIG = "config/demo.yaml"
+#: The envoyproxy/ratelimit config ``up`` serves on the RLS API (the seed article's).
+DEMO_RLS_CONFIG = "config/ratelimit"

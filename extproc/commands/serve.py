@@ -63,6 +63,16 @@ def configure_parser(s: argparse.ArgumentParser) -> None:
         help="require client certificates signed by this CA (PEM): mutual TLS "
         "(env AIQ_ADMIN_TLS_CLIENT_CA)",
     )
+    s.add_argument(
+        "--rls-config",
+        help="envoyproxy/ratelimit config served by the RLS API: a YAML file or a directory "
+        "of them, one per domain (env AIQ_RLS_CONFIG; docs/rls.md)",
+    )
+    s.add_argument(
+        "--rls-address",
+        help="serve the RLS API on its own host:port (env AIQ_RLS_ADDRESS; default: the "
+        "ext_proc port)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from extproc.app import serve_forever
     from extproc.config import ConfigError
     from extproc.logs import configure_logging
+    from extproc.rls.config import RlsConfigError
     from extproc.settings import Settings, SettingsError
 
     try:
@@ -88,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
             admin_tls_cert=args.admin_tls_cert,
             admin_tls_key=args.admin_tls_key,
             admin_tls_client_ca=args.admin_tls_client_ca,
+            rls_config=args.rls_config,
+            rls_address=args.rls_address,
         )
     except SettingsError as exc:
         print(f"ai-quota serve: {exc}", file=sys.stderr)
@@ -101,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(serve_forever(settings))
     except ConfigError as exc:
         print(f"ai-quota serve: invalid config\n{exc}", file=sys.stderr)
+        return 1
+    except RlsConfigError as exc:
+        print(f"ai-quota serve: invalid RLS config\n{exc}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"ai-quota serve: {exc}", file=sys.stderr)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from extproc.commands import DEMO_CONFIG
+from extproc.commands import DEMO_CONFIG, DEMO_RLS_CONFIG
 from extproc.commands.log_tail import LogFollower, format_log_line
 
 if TYPE_CHECKING:
@@ -32,6 +32,11 @@ def configure_parser(u: argparse.ArgumentParser) -> None:
         "--redis-port", type=int, default=6379, help="Redis to start (default %(default)s)"
     )
     u.add_argument("--redis-url", help="use this Redis instead of starting one")
+    u.add_argument(
+        "--rls-config",
+        default=DEMO_RLS_CONFIG,
+        help="envoyproxy/ratelimit config the RLS API serves (default %(default)s; '' for none)",
+    )
     u.add_argument(
         "--metrics-port", type=int, help="serve the processor's Prometheus metrics on this port"
     )
@@ -97,6 +102,9 @@ def _stack(args: argparse.Namespace, workdir: Path) -> Stack:
         log_format="json",
         inherit_output=False,
         metrics_port=args.metrics_port or 0,
+        extproc_env={"AIQ_RLS_CONFIG": str(Path(args.rls_config).resolve())}
+        if args.rls_config
+        else {},
     )
 
 
@@ -131,6 +139,7 @@ ai-quota is up.
   Envoy (OpenAI API) : {base}
   Envoy admin        : http://127.0.0.1:{args.admin_port}
   ext_proc (gRPC)    : 127.0.0.1:{args.extproc_port}   rules: {args.config}
+  RLS v3 (same port) : 127.0.0.1:{args.extproc_port}   envoyproxy/ratelimit config: {args.rls_config or "none"}
   simulator          : {stack.sim_url}   (ground truth: {stack.sim_url}/sim/requests)
   redis              : {stack.effective_redis_url}   (AOF in {workdir})
   metrics            : {metrics}
