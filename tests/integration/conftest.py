@@ -15,6 +15,7 @@ import redis
 from extproc.limiter.redis import RedisLimiter
 from extproc.stack import free_port, port_in_use
 from tests.helpers import RedisServer
+from tests.rls_support import Server
 
 
 @pytest.fixture
@@ -105,3 +106,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[int]]:
         for pr in procs:
             pr.terminate()
             pr.wait(10)
+
+
+@pytest.fixture
+async def serve(redis_server: RedisServer) -> AsyncIterator[Server]:
+    """``await serve(rls_config, **settings)``: ``ai-quota serve`` in process with the RLS API
+    on the session's redis-server; every server started is stopped after the test."""
+    server = Server(redis_server.url)
+    yield server
+    await server.close()

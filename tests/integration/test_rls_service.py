@@ -5,104 +5,28 @@ the counter shared with ext_proc's admission, reloads, metrics and Redis failure
 from __future__ import annotations
 
 import asyncio
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 import redis
-from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from envoy.service.ratelimit.v3 import rls_pb2
 
-from extproc.app import Running, start
-from extproc.clock import FakeClock
+from extproc.app import Running
 from extproc.config import load_config_text
 from extproc.core.keys import windowed
 from extproc.core.rules import BucketCharge
 from extproc.limiter.redis import RedisLimiter
-from extproc.settings import Settings
 from tests.helpers import RedisServer
+from tests.rls_support import OK, OVER, SEED_DIR, Serve, fake_clock, metric, request
 
 pytestmark = pytest.mark.integration
-
-OK = rls_pb2.RateLimitResponse.OK
-OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
-ROOT = Path(__file__).resolve().parents[2]
-SEED_DIR = ROOT / "config" / "ratelimit"
-MINUTE = 60_000
-
-
-def fake_clock() -> FakeClock:
-    """A fixed instant 1 s into the next minute: every call of a test in one window, and keys
-    expiring (window end + slack) after the test is over."""
-    real = time.time_ns() // 1_000_000
-    return FakeClock((real // MINUTE + 1) * MINUTE + 1_000)
-
-
-Serve = Callable[..., Any]
-
-
-@pytest.fixture
-async def serve(redis_server: RedisServer, tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
-    """Start ``ai-quota serve`` in process with an RLS config; yields a starter."""
-    started: list[Running] = []
-    channels: list[grpc.aio.Channel] = []
-
-    async def run(
-        rls_config: str | Path, *, clock: FakeClock | None = None, redis_url: str = "", **kw: Any
-    ) -> tuple[Any, Running]:
-        settings = Settings(
-            config=str(ROOT / "tests" / "data" / "config" / "minimal.yaml"),
-            redis_url=redis_url or redis_server.url,
-            grpc_address="127.0.0.1:0",
-            key_prefix=f"t{uuid.uuid4().hex[:8]}",
-            admin_store=False,
-            usage_stream="off",
-            rls_config=str(rls_config),
-            rls_watch_s=0.1,
-            **kw,
-        )
-        running = await start(settings, clock=clock or fake_clock())
-        started.append(running)
-        ch = grpc.aio.insecure_channel(f"127.0.0.1:{running.rls_port}")
-        channels.append(ch)
-        return rls_pb2_grpc.RateLimitServiceStub(ch), running
-
-    yield run
-    for ch in channels:
-        await ch.close()
-    for r in started:
-        await r.stop(1.0)
-
-
-def request(
-    domain: str,
-    *descriptors: list[tuple[str, str]] | tuple[list[tuple[str, str]], int],
-    hits: int = 0,
-) -> Any:
-    """A RateLimitRequest; a descriptor given as (entries, n) carries its own hits_addend."""
-    req = rls_pb2.RateLimitRequest(domain=domain, hits_addend=hits)
-    for d in descriptors:
-        entries, own = (d, None) if isinstance(d, list) else d
-        desc = req.descriptors.add()
-        for k, v in entries:
-            desc.entries.add(key=k, value=v)
-        if own is not None:
-            desc.hits_addend.value = own
-    return req
 
 
 def seed(tenant: str, metric: str, model: str = "gpt-4.1") -> list[tuple[str, str]]:
     """The seed's descriptor: tenant, model, metric."""
     return [("tenant", tenant), ("model", model), ("metric", metric)]
-
-
-def metric(running: Running, name: str, **labels: str) -> float:
-    """A sample of the replica's registry (0 when absent)."""
-    v = running.gateway.metrics.registry.get_sample_value(name, labels)
-    return float(v or 0.0)
 
 
 async def test_seed_adapter_flow(serve: Serve) -> None:
