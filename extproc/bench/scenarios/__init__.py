@@ -11,6 +11,7 @@ from extproc.bench.scenarios import (
     accuracy,
     admission,
     profile,
+    rls,
     rolling,
     round_trips,
     soak,
@@ -30,6 +31,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     profile.SCENARIO,
     rolling.SCENARIO,
     soak.SCENARIO,
+    rls.SCENARIO,
 )
 
 #: The section names, as ``--only`` and ``--skip`` take them.
