@@ -194,6 +194,8 @@ class RlsRuntime:
         failed = ""
         if counted:
             try:
+                if not hasattr(self.counters, "rls_check"):  # an in-process test's limiter
+                    raise LimiterUnavailable("this limiter has no RLS counters")
                 admitted, before = await self.counters.rls_check(
                     [(c.key, c.hits, c.limit, c.expire_at_ms, c.mode) for c in counted]
                 )
