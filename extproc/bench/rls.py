@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from extproc.bench.scenarios.base import Stacks
 
 SECTION = "rls"
+LABEL = "10 rls"  # the rows' section, numbered after the runner's
 TENANTS = 16
 #: the seed's shape, with limits no bench request reaches
 CONFIG = """\
@@ -176,7 +177,7 @@ async def measure(b: Bench, stack: Stack, limited: str, baseline: str) -> None:
         for i, q in ((0, "p50"), (1, "p99")):
             rows.add(
                 Row(
-                    SECTION,
+                    LABEL,
                     f"GET through the ratelimit filter, {q} {label}",
                     "ms",
                     med("filter", conc, i),
@@ -187,7 +188,7 @@ async def measure(b: Bench, stack: Stack, limited: str, baseline: str) -> None:
             )
     rows.add(
         Row(
-            SECTION,
+            LABEL,
             "requests per second, c=64",
             "req/s",
             med("filter", "c64", 2),
@@ -197,7 +198,7 @@ async def measure(b: Bench, stack: Stack, limited: str, baseline: str) -> None:
     per_core = [d / c for d, c in zip(raw["decisions"], raw["cpu_s"], strict=True) if c > 0]
     rows.add(
         Row(
-            SECTION,
+            LABEL,
             "RLS decisions per second per core of ai-quota",
             "decisions/s",
             median(per_core) if per_core else None,
