@@ -216,3 +216,19 @@ def test_shipped_demo_config_loads() -> None:
     tpm = model.children[("metric", "tpm")].rule
     assert tpm is not None and tpm.link == BucketLink("tpm", "tenant", "model")
     assert tpm.requests_per_unit == 100_000
+
+
+def test_check_config_cli_on_rls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`ai-quota check-config` takes an RLS directory or file: 0 and a summary, or 1 and
+    every error with file and line."""
+    from extproc.cli import main
+
+    root = Path(__file__).resolve().parents[2] / "config" / "ratelimit"
+    assert main(["check-config", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "OK (RLS config: 1 domain(s) ai-gateway; 2 rate limit(s)" in out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: often}\n")
+    assert main(["check-config", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}:4: descriptors[0].rate_limit.unit: invalid unit 'often'" in err
