@@ -252,3 +252,37 @@ def test_rendered_envoy_bootstrap_validates(tmp_path: Path) -> None:
         check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+SEED_DATA = Path(__file__).resolve().parents[1] / "data" / "ratelimit"
+
+
+async def test_seed_basic_file_as_it_stands(serve: Serve) -> None:
+    """The seed's basic config, unedited (no ai_quota lines), answers the adapter's calls."""
+    stub, _ = await serve(SEED_DATA / "basic")
+    rpm = await stub.ShouldRateLimit(request("ai-gateway", seed("tenant-a", "rpm"), hits=1))
+    tpm = await stub.ShouldRateLimit(request("ai-gateway", seed("tenant-a", "tpm"), hits=3200))
+    assert (rpm.overall_code, rpm.statuses[0].limit_remaining) == (OK, 59)
+    assert (tpm.overall_code, tpm.statuses[0].limit_remaining) == (OK, 96_800)
+    huge = await stub.ShouldRateLimit(request("ai-gateway", seed("tenant-a", "tpm"), hits=200_000))
+    assert huge.overall_code == OVER
+
+
+async def test_seed_plan_variant(serve: Serve) -> None:
+    """The seed's plan variant: the plan picks the limit, the tenant keeps its own counter."""
+    stub, _ = await serve(SEED_DATA / "plans")
+
+    def planned(tenant: str, plan: str, metric: str) -> list[tuple[str, str]]:
+        return [("tenant", tenant), ("plan", plan), ("model", "gpt-4.1"), ("metric", metric)]
+
+    std = await stub.ShouldRateLimit(request("ai-gateway", planned("a", "standard", "rpm")))
+    ent = await stub.ShouldRateLimit(request("ai-gateway", planned("b", "enterprise", "tpm")))
+    assert std.statuses[0].current_limit.requests_per_unit == 60
+    assert ent.statuses[0].current_limit.requests_per_unit == 2_000_000
+    for _ in range(59):
+        await stub.ShouldRateLimit(request("ai-gateway", planned("a", "standard", "rpm")))
+    over = await stub.ShouldRateLimit(request("ai-gateway", planned("a", "standard", "rpm")))
+    other = await stub.ShouldRateLimit(request("ai-gateway", planned("c", "standard", "rpm")))
+    assert over.overall_code == OVER and other.overall_code == OK
+    unknown = await stub.ShouldRateLimit(request("ai-gateway", planned("a", "gold", "rpm")))
+    assert unknown.overall_code == OK and not unknown.statuses[0].HasField("current_limit")
