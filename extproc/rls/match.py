@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from urllib.parse import quote
+from functools import lru_cache
+from urllib.parse import quote as _quote
 
 from extproc.core.keys import EXPIRY_SLACK_MS, bucket_key
 from extproc.core.rules import Limit
@@ -149,6 +150,12 @@ class Plan:
         return [i.counted for i in self.items if i.counted is not None]
 
 
+@lru_cache(maxsize=8192)
+def _q(text: str) -> str:
+    """``text`` percent-encoded for a key (every byte but letters, digits and ``_.-~``)."""
+    return _quote(text, safe="")
+
+
 def _check_text(what: str, text: str) -> None:
     if len(text) > MAX_TEXT:
         raise RequestError(f"{what} is longer than {MAX_TEXT} characters")
@@ -254,12 +261,11 @@ def _counted(
         lim = Limit(link.bucket, rule.requests_per_unit, unit_s, model, "tenant")
         key = bucket_key(prefix, tenant, "", lim, idx)
     else:
-        tag = quote(f.key_values[0] or d.entries[0][0], safe="")
+        tag = _q(f.key_values[0] or d.entries[0][0])
         parts = "|".join(
-            f"{quote(k, safe='')}={quote(v, safe='')}"
-            for (k, _), v in zip(d.entries, f.key_values, strict=True)
+            f"{_q(k)}={_q(v)}" for (k, _), v in zip(d.entries, f.key_values, strict=True)
         )
-        key = f"{prefix}:{{{tag}}}:rls:{quote(domain, safe='')}:{parts}:{unit_s}:{idx}"
+        key = f"{prefix}:{{{tag}}}:rls:{_q(domain)}:{parts}:{unit_s}:{idx}"
     return Counted(key, hits, rule.requests_per_unit, end + EXPIRY_SLACK_MS, reset, mode)
 
 

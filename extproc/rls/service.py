@@ -102,20 +102,36 @@ class RlsMetrics:
         self.config_loads = Counter(
             "aiq_rls_config_loads", "RLS config loads by outcome", ["outcome"], registry=r
         )
+        self._rules: dict[tuple[str, str], tuple[Any, Any, Any, Any, Any]] = {}
 
     def add(self, domain: str, stats: tuple[match.RuleStats, ...]) -> None:
         """Count one decision's per-rule stats."""
         for st in stats:
-            lab = (domain, st.name)
-            self.total_hits.labels(*lab).inc(st.total_hits)
+            total, over, near, within, shadow = self._children(domain, st.name)
+            total.inc(st.total_hits)
             if st.over_limit:
-                self.over_limit.labels(*lab).inc(st.over_limit)
+                over.inc(st.over_limit)
             if st.near_limit:
-                self.near_limit.labels(*lab).inc(st.near_limit)
+                near.inc(st.near_limit)
             if st.within_limit:
-                self.within_limit.labels(*lab).inc(st.within_limit)
+                within.inc(st.within_limit)
             if st.shadow_mode:
-                self.shadow_mode.labels(*lab).inc(st.shadow_mode)
+                shadow.inc(st.shadow_mode)
+
+    def _children(self, domain: str, rule: str) -> tuple[Any, Any, Any, Any, Any]:
+        """The five counters of a rule (looked up once per rule and kept)."""
+        got = self._rules.get((domain, rule))
+        if got is None:
+            got = (
+                self.total_hits.labels(domain, rule),
+                self.over_limit.labels(domain, rule),
+                self.near_limit.labels(domain, rule),
+                self.within_limit.labels(domain, rule),
+                self.shadow_mode.labels(domain, rule),
+            )
+            if len(self._rules) < 10_000:  # detailed_metric: unbounded values, bounded cache
+                self._rules[(domain, rule)] = got
+        return got
 
 
 class RlsRuntime:
@@ -222,7 +238,7 @@ class RlsRuntime:
         code = "OVER_LIMIT" if decision.overall is match.Code.OVER_LIMIT else "OK"
         self.metrics.requests.labels(code).inc()
         if decision.overall is match.Code.OVER_LIMIT:
-            log.info("rls_decision", domain=p.domain, code=code, descriptors=len(p.items))
+            log.debug("rls_decision", domain=p.domain, code=code, descriptors=len(p.items))
         return self._response(request, p, decision)
 
     def _response(self, request: Any, p: match.Plan, decision: match.Decision) -> Any:
