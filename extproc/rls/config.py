@@ -199,7 +199,11 @@ def _string(f: _File, node: yaml.Node, path: str, *, scalar_ok: bool = False) ->
     if isinstance(node, yaml.ScalarNode):
         if node.tag == "tag:yaml.org,2002:str":
             return str(node.value)
-        if scalar_ok and node.tag in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float"):
+        if scalar_ok and node.tag in (
+            "tag:yaml.org,2002:int",
+            "tag:yaml.org,2002:float",
+            "tag:yaml.org,2002:bool",
+        ):
             return str(node.value)  # `value: 200`: their loader reads it as the string "200"
     f.error(node, path, f"expected a string, found {_kind(node)}")
     return None

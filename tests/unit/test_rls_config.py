@@ -232,3 +232,12 @@ def test_check_config_cli_on_rls(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main(["check-config", str(bad)]) == 1
     err = capsys.readouterr().err
     assert f"{bad}:4: descriptors[0].rate_limit.unit: invalid unit 'often'" in err
+
+
+def test_scalar_values_are_their_text() -> None:
+    """`value: 200` and `value: true` match the descriptor values "200" and "true"."""
+    d = parse_text(
+        "domain: d\ndescriptors:\n  - key: code\n    value: 200\n  - key: b\n    value: true\n",
+        "v.yaml",
+    )
+    assert ("code", "200") in d.root.children and ("b", "true") in d.root.children
