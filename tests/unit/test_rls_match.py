@@ -345,3 +345,21 @@ def test_key_text_is_quoted() -> None:
     c = cfg(PRECEDENCE)
     key = plan(c, "d", [Descriptor((("k", "x|y=z"),))], 1, NOW).counted[0].key
     assert re.search(r":rls:d:k=x%7Cy%3Dz:60:\d+$", key)
+
+
+def test_matcher_is_sans_io() -> None:
+    """extproc.rls.match imports no IO library and nothing above the core but the config."""
+    import ast
+    from pathlib import Path
+
+    src = Path(match.__file__).read_text("utf-8")
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    io = {"grpc", "redis", "aiohttp", "envoy", "prometheus_client", "structlog", "asyncio"}
+    assert not {n.split(".")[0] for n in names} & io
+    project = {n for n in names if n.startswith("extproc")}
+    assert project <= {"extproc.core.keys", "extproc.core.rules", "extproc.rls.config"}
