@@ -32,6 +32,7 @@ MAX_DESCRIPTORS = 64
 MAX_ENTRIES = 32
 MAX_TEXT = 1024
 MAX_UINT32 = 2**32 - 1
+MAX_HITS = 2**32
 
 
 class Code(IntEnum):
@@ -200,6 +201,9 @@ def plan(
     items = []
     for d, f in zip(descriptors, found, strict=True):
         hits = d.hits_addend if d.hits_addend is not None else max(1, hits_addend)
+        # past every limit (uint32) anyway; keeps a shadow counter from overflowing Redis's
+        # 64-bit integers (an INCRBY error would count against the breaker)
+        hits = min(hits, MAX_HITS)
         if f is None or (f.rule.name and f.rule.name in replaced):
             items.append(Item(d, None, hits))
             continue
@@ -261,7 +265,8 @@ def _counted(
         lim = Limit(link.bucket, rule.requests_per_unit, unit_s, model, "tenant")
         key = bucket_key(prefix, tenant, "", lim, idx)
     else:
-        tag = _q(f.key_values[0] or d.entries[0][0])
+        first = (f.key_values[0] or d.entries[0][0]) if d.entries else domain
+        tag = _q(first)
         parts = "|".join(
             f"{_q(k)}={_q(v)}" for (k, _), v in zip(d.entries, f.key_values, strict=True)
         )

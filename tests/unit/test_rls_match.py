@@ -363,3 +363,14 @@ def test_matcher_is_sans_io() -> None:
     assert not {n.split(".")[0] for n in names} & io
     project = {n for n in names if n.startswith("extproc")}
     assert project <= {"extproc.core.keys", "extproc.core.rules", "extproc.rls.config"}
+
+
+def test_huge_hits_and_entryless_override() -> None:
+    """hits_addend past 2^32 is capped (still over every limit); an override without entries
+    gets a key tagged by the domain."""
+    c = cfg(PRECEDENCE)
+    p = plan(c, "d", [Descriptor((("k", "a"),), hits_addend=2**63)], 1, NOW)
+    assert p.counted[0].hits == 2**32
+    assert decide(p, [0], False).overall is Code.OVER_LIMIT
+    bare = plan(c, "d", [Descriptor((), override=("minute", 3))], 1, NOW).counted[0]
+    assert bare.key.startswith("aiq:{d}:rls:d::60:") and bare.limit == 3
