@@ -92,6 +92,11 @@ class Supervisor:
             "AIQ_ADMIN_TLS_KEY": s.admin_tls_key,
             "AIQ_ADMIN_TLS_CLIENT_CA": s.admin_tls_client_ca,
             "AIQ_ADMIN_ALLOW_PLAINTEXT": "1" if s.admin_allow_plaintext else "0",
+            # the RLS API (docs/rls.md): every worker serves it; its own port per worker too
+            "AIQ_RLS_CONFIG": s.rls_config,
+            "AIQ_RLS_ADDRESS": _nth_address(s.rls_address, w.index)
+            if self.port_per_worker
+            else s.rls_address,
         }
         if self._multiproc_dir:
             env["PROMETHEUS_MULTIPROC_DIR"] = self._multiproc_dir
@@ -196,3 +201,11 @@ class Supervisor:
                 log.info("workers_stopped", statuses={str(i): c for i, c in statuses.items()})
                 return 1 if bad else 0
             time.sleep(0.05)
+
+
+def _nth_address(address: str, index: int) -> str:
+    """``host:port`` moved ``index`` ports up ("" stays "")."""
+    if not address:
+        return ""
+    host, _, port = address.rpartition(":")
+    return f"{host}:{int(port) + index}"

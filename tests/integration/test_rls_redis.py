@@ -167,3 +167,44 @@ def wait_value(fn: Callable[[], int], want: int, timeout: float = 20.0) -> bool:
             pass
         time.sleep(0.05)
     return False
+
+
+def test_workers_serve_rls_from_the_flag(redis_server: RedisServer, tmp_path: Path) -> None:
+    """`serve --workers 2 --rls-config DIR`: each worker serves the RLS API on the shared
+    port, and the counters are one (fresh connections land on either worker)."""
+    cfg = tmp_path / "rls"
+    cfg.mkdir()
+    (cfg / "w.yaml").write_text(
+        "domain: w\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 6}\n"
+    )
+    port = free_port()
+    env = {
+        **os.environ,
+        "AIQ_CONFIG": str(ROOT / "tests" / "data" / "config" / "minimal.yaml"),
+        "AIQ_REDIS_URL": redis_server.url,
+        "AIQ_ADMIN_STORE": "0",
+        "AIQ_USAGE_STREAM": "off",
+        "AIQ_KEY_PREFIX": f"wk{uuid.uuid4().hex[:6]}",
+    }
+    proc = subprocess.Popen(  # noqa: S603
+        [
+            *(sys.executable, "-m", "extproc", "serve", "--workers", "2"),
+            *("--grpc-address", f"127.0.0.1:{port}", "--rls-config", str(cfg)),
+        ],
+        env=env,
+        stdout=(tmp_path / "serve.log").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+
+        def call() -> int:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:  # a new connection each
+                stub = rls_pb2_grpc.RateLimitServiceStub(ch)
+                r = stub.ShouldRateLimit(request("w", [("k", "v")]), timeout=5)
+                return int(r.statuses[0].limit_remaining)
+
+        assert wait_value(call, 5)
+        assert [call() for _ in range(5)] == [4, 3, 2, 1, 0]
+    finally:
+        proc.terminate()
+        proc.wait(20)
