@@ -216,8 +216,11 @@ class RedisLimiter:
 
     # -- calls -------------------------------------------------------------------------------
 
-    async def _call(self, what: str, script: str, make: Callable[[], Awaitable[T]]) -> T:
-        """Run ``make()`` against Redis under the timeout, the stall retry and the breaker."""
+    async def _call(
+        self, what: str, script: str, make: Callable[[], Awaitable[T]], *, retry: bool = True
+    ) -> T:
+        """Run ``make()`` against Redis under the timeout, the stall retry (``retry``: the
+        call is idempotent) and the breaker."""
         attempt = 0
         maybe_ran = False  # an attempt timed out: Redis may still run it when it wakes up
         while True:
@@ -242,7 +245,7 @@ class RedisLimiter:
                 self._observe(script, "timeout" if timed_out else "error", started)
                 self.breaker.record(False)
                 self._export_state()
-                if timed_out and attempt < self.stall_retries:
+                if retry and timed_out and attempt < self.stall_retries:
                     attempt += 1
                     continue
                 raise LimiterUnavailable(
@@ -369,7 +372,10 @@ class RedisLimiter:
             for i in idxs:
                 _, hits, limit, expire, mode = counters[i]
                 args += [hits, limit, expire, mode]
-            res = await self._call("a rate limit check", "rls", _script_call(self._rls, keys, args))
+            # not retried after a timeout: rls.lua has no ledger, a second run would count twice
+            res = await self._call(
+                "a rate limit check", "rls", _script_call(self._rls, keys, args), retry=False
+            )
             admitted = admitted and int(res[0]) == 1
             for i, v in zip(idxs, res[1], strict=True):
                 before[i] = int(v)

@@ -208,3 +208,53 @@ def test_workers_serve_rls_from_the_flag(redis_server: RedisServer, tmp_path: Pa
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+async def test_a_stalled_check_is_not_retried(tmp_path: Path) -> None:
+    """A check that times out is not sent again (rls.lua has no ledger): Redis, once awake,
+    runs it at most once, and the caller got LimiterUnavailable."""
+    import asyncio
+    import threading
+
+    from extproc.errors import LimiterUnavailable
+
+    server = RedisServer(tmp_path / "redis", extra=["--enable-debug-command", "yes"])
+    lim = RedisLimiter.from_url(server.url, timeout_ms=100)
+    try:
+        a = key()
+        await lim.rls_check([(a, 1, 100, far_ms(), 1)])  # scripts loaded, connection open
+        sleeper = threading.Thread(target=_debug_sleep, args=(server.port,))
+        sleeper.start()
+        await asyncio.to_thread(_wait_blocked, server.port)
+        calls = lim.round_trips
+        with pytest.raises(LimiterUnavailable):
+            await lim.rls_check([(a, 5, 100, far_ms(), 1)])
+        assert lim.round_trips - calls == 1
+        sleeper.join()
+        r = redis.Redis(port=server.port)
+        assert int(r.get(a) or 0) in (1, 6)  # ran once after waking, or never; never twice
+    finally:
+        await lim.close()
+        server.stop()
+
+
+def _debug_sleep(port: int) -> None:
+    """Block the server for 0.6 s (DEBUG SLEEP)."""
+    redis.Redis(port=port).execute_command("DEBUG", "SLEEP", "0.6")  # type: ignore[no-untyped-call]
+
+
+def _wait_blocked(port: int) -> None:
+    """Return once a PING goes unanswered for 50 ms (the server is asleep); a raw socket,
+    since redis-py retries a timed-out read on its own."""
+    import socket
+
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+            sock.sendall(b"PING\r\n")
+            sock.settimeout(0.05)
+            try:
+                sock.recv(16)
+            except TimeoutError:
+                return
+    pytest.fail("the server never blocked")
