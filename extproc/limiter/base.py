@@ -42,6 +42,27 @@ class ChargeResult:
     values: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """One request's settlement, as :meth:`Limiter.settle` takes it (for batches)."""
+
+    ledger: str
+    adjustments: list[Adjustment]
+    ledger_ttl_ms: int
+    cancel: bool = False
+    unconfirmed: UnconfirmedCharge | None = None
+
+
+class BatchSettler(Protocol):
+    """A limiter that settles many requests per round trip (:class:`RedisLimiter`)."""
+
+    async def settle_many(self, items: list[Settlement]) -> list[bool | None]:
+        """Settle each item once, as :meth:`Limiter.settle` would: per item, True applied,
+        False already settled (by this call or an earlier one), None not settled because its
+        call failed (Redis unavailable; retrying it is harmless).  Never raises for Redis."""
+        ...
+
+
 class Limiter(Protocol):
     """Shared counters. Implementations raise :class:`extproc.errors.LimiterUnavailable`."""
 

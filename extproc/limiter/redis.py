@@ -37,12 +37,13 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import AbstractConnection, Connection
+from redis.crc import key_slot
 
 from extproc.clock import Clock, SystemClock
 from extproc.core.keys import EXPIRY_SLACK_MS, open_key
 from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 from extproc.errors import LimiterUnavailable
-from extproc.limiter.base import AdmitResult, ChargeResult, Reclaimed
+from extproc.limiter.base import AdmitResult, ChargeResult, Reclaimed, Settlement
 from extproc.limiter.breaker import BreakerSettings, BreakerState, CircuitBreaker
 from extproc.limiter.starvation import LoopLag, fair_wait
 
@@ -60,6 +61,10 @@ _ERRORS = (
 )
 
 _KIND = {"rpm": "r", "tpm": "t", "concurrency": "c"}
+
+#: Most requests settled by one script call (a script blocks Redis while it runs: 64
+#: settlements take well under a millisecond).
+MAX_SETTLEMENTS_PER_CALL = 64
 
 #: Connections per process to a single Redis server; more concurrent calls queue for one.
 DEFAULT_MAX_CONNECTIONS = 128
@@ -377,17 +382,49 @@ class RedisLimiter:
         cancel: bool = False,
         unconfirmed: UnconfirmedCharge | None = None,
     ) -> bool:
-        """Run ``settle.lua`` once per request."""
-        seq = unconfirmed.seq if unconfirmed else 0
-        args: list[Any] = [ledger_ttl_ms, "1" if cancel else "0", seq, len(adjustments)]
-        for a in adjustments:
-            args += [a.amount, a.expire_at_ms]
-        keys = [ledger] + [a.key for a in adjustments] + [open_key(ledger)]
-        for key, rate in unconfirmed.rates if unconfirmed else ():
-            keys.append(key)
-            args.append(rate)
+        """Run ``settle.lua`` for one request."""
+        keys: list[str] = []
+        args: list[Any] = [1]
+        _pack_settlement(
+            keys, args, Settlement(ledger, adjustments, ledger_ttl_ms, cancel, unconfirmed)
+        )
         res = await self._call("settlement", "settle", lambda: self._settle(keys=keys, args=args))
-        return bool(int(res))
+        return bool(int(res[0]))
+
+    async def settle_many(self, items: list[Settlement]) -> list[bool | None]:
+        """Settle many requests with few ``settle.lua`` calls: one per Cluster slot (every
+        slot on a single server) and per :data:`MAX_SETTLEMENTS_PER_CALL`; each item is
+        idempotent by its ledger, as with :meth:`settle`.  Per item: True applied, False
+        already settled, None its call failed (retrying it is harmless)."""
+        out: list[bool | None] = [None] * len(items)
+        groups: dict[int, list[int]] = {}
+        cluster = isinstance(self._client, RedisCluster)
+        for i, item in enumerate(items):
+            groups.setdefault(key_slot(item.ledger.encode()) if cluster else 0, []).append(i)
+        calls: list[list[int]] = []
+        for idx in groups.values():
+            for start in range(0, len(idx), MAX_SETTLEMENTS_PER_CALL):
+                calls.append(idx[start : start + MAX_SETTLEMENTS_PER_CALL])
+
+        async def one(idx: list[int]) -> None:
+            keys: list[str] = []
+            args: list[Any] = [len(idx)]
+            for i in idx:
+                _pack_settlement(keys, args, items[i])
+            try:
+                res = await self._call(
+                    "settlement", "settle", lambda: self._settle(keys=keys, args=args)
+                )
+            except LimiterUnavailable:
+                return
+            for i, v in zip(idx, res, strict=True):
+                out[i] = bool(int(v))
+
+        if len(calls) == 1:
+            await one(calls[0])
+        else:
+            await asyncio.gather(*(one(c) for c in calls))
+        return out
 
     async def renew(
         self, ledgers: list[str], until_ms: int, *, held: dict[str, list[str]] | None = None
@@ -468,6 +505,26 @@ class RedisLimiter:
         """Close the connection pool."""
         self.lag.stop()
         await self._client.aclose()
+
+
+def _pack_settlement(keys: list[str], args: list[Any], s: Settlement) -> None:
+    """Append one request's KEYS and ARGV slices for ``settle.lua``."""
+    unconfirmed = s.unconfirmed.rates if s.unconfirmed else ()
+    keys.append(s.ledger)
+    keys.append(open_key(s.ledger))
+    args += [
+        s.ledger_ttl_ms,
+        "1" if s.cancel else "0",
+        s.unconfirmed.seq if s.unconfirmed else 0,
+        len(s.adjustments),
+        len(unconfirmed),
+    ]
+    for a in s.adjustments:
+        keys.append(a.key)
+        args += [a.amount, a.expire_at_ms]
+    for key, rate in unconfirmed:
+        keys.append(key)
+        args.append(rate)
 
 
 def _str(value: Any) -> str:
