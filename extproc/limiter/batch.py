@@ -1,0 +1,280 @@
+"""Batched settlement: many requests' settlements in one Redis call per short tick.
+
+Two layers:
+
+- :class:`SettleBacklog`, the decisions without I/O: what to send and when (a tick after the
+  first settlement waits, at once while more than a batch is waiting, after a growing backoff
+  once a call failed), what a failed call puts back (at the front, in order), what a full
+  backlog drops (the oldest).  Time is passed in; nothing awaits.
+- :class:`SettlementBatcher`, the asyncio driver: :meth:`~SettlementBatcher.submit` never
+  blocks nor awaits; one background task sends the due batch through
+  :meth:`extproc.limiter.base.BatchSettler.settle_many` and reports each outcome.
+
+Every settlement is idempotent by its ledger (``settle.lua``), so a call that failed after
+Redis ran it (a timeout) is simply sent again: the retry answers "already settled" for what
+ran, and applies the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from extproc.limiter.base import BatchSettler, Settlement
+
+log = structlog.get_logger("extproc")
+
+#: Seconds the first settlement waits for others to join its call.
+DEFAULT_TICK_S = 0.002
+#: Most settlements sent per batch (the limiter splits it further per Cluster slot and per
+#: script call).
+DEFAULT_MAX_BATCH = 256
+#: Most settlements kept while Redis does not take them; beyond it the oldest is dropped.
+DEFAULT_MAX_BACKLOG = 10_000
+#: Retry delay after a failed call, doubled per consecutive failure up to the maximum.
+DEFAULT_BACKOFF_S = 0.05
+DEFAULT_MAX_BACKOFF_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSettings:
+    """How :class:`SettleBacklog` batches and retries."""
+
+    tick_s: float = DEFAULT_TICK_S
+    max_batch: int = DEFAULT_MAX_BATCH
+    max_backlog: int = DEFAULT_MAX_BACKLOG
+    backoff_s: float = DEFAULT_BACKOFF_S
+    max_backoff_s: float = DEFAULT_MAX_BACKOFF_S
+
+    def __post_init__(self) -> None:
+        if not self.tick_s >= 0:
+            raise ValueError(f"tick_s must be >= 0, got {self.tick_s!r}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch!r}")
+        if self.max_backlog < self.max_batch:
+            raise ValueError(
+                f"max_backlog ({self.max_backlog}) must be >= max_batch ({self.max_batch})"
+            )
+        if not 0 < self.backoff_s <= self.max_backoff_s:
+            raise ValueError(
+                f"need 0 < backoff_s ({self.backoff_s}) <= max_backoff_s ({self.max_backoff_s})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one call did with one settlement: True applied, False already settled."""
+
+    settlement: Settlement
+    applied: bool
+
+
+class SettleBacklog:
+    """Waiting settlements and when to send them (sans-IO: the caller passes the time).
+
+    One batch is in flight at a time: :meth:`take` hands it out, :meth:`finish` takes the
+    per-item results back (None for an item whose call failed: it returns to the front)."""
+
+    def __init__(self, settings: BatchSettings | None = None) -> None:
+        self.settings = settings or BatchSettings()
+        self._waiting: deque[Settlement] = deque()
+        self._in_flight: list[Settlement] | None = None
+        self._due: float | None = None
+        self._failures = 0
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        """Settlements not yet applied (waiting and in flight)."""
+        return len(self._waiting) + len(self._in_flight or ())
+
+    @property
+    def failures(self) -> int:
+        """Consecutive failed calls (0 once a call succeeds)."""
+        return self._failures
+
+    def add(self, item: Settlement, now: float) -> Settlement | None:
+        """Queue ``item``; returns the oldest waiting settlement when the backlog was full
+        (it is dropped: the caller logs it)."""
+        lost = None
+        if len(self) >= self.settings.max_backlog and self._waiting:
+            lost = self._waiting.popleft()
+            self.dropped += 1
+        self._waiting.append(item)
+        if self._due is None:
+            self._due = now + self.settings.tick_s
+        return lost
+
+    def next_send_at(self) -> float | None:
+        """When the next batch is due (None: nothing waits, or a batch is in flight)."""
+        if self._in_flight is not None or not self._waiting:
+            return None
+        return self._due
+
+    def take(self, now: float) -> list[Settlement]:
+        """The batch to send now, oldest first (empty when none is due)."""
+        due = self.next_send_at()
+        if due is None or now < due:
+            return []
+        n = min(self.settings.max_batch, len(self._waiting))
+        batch = [self._waiting.popleft() for _ in range(n)]
+        self._in_flight = batch
+        self._due = None
+        return batch
+
+    def finish(self, results: list[bool | None], now: float) -> list[Outcome]:
+        """Results of the in-flight batch (one per item, in order); returns what was settled.
+        Unsettled items go back to the front in their order and wait a backoff."""
+        batch = self._in_flight
+        if batch is None:
+            raise RuntimeError("finish() without a batch in flight")
+        if len(results) != len(batch):
+            raise ValueError(f"{len(results)} results for a batch of {len(batch)}")
+        self._in_flight = None
+        done = [Outcome(s, r) for s, r in zip(batch, results, strict=True) if r is not None]
+        failed = [s for s, r in zip(batch, results, strict=True) if r is None]
+        if failed:
+            self._waiting.extendleft(reversed(failed))
+            self._failures += 1
+            delay = self.settings.backoff_s * 2 ** (self._failures - 1)
+            self._due = now + min(delay, self.settings.max_backoff_s)
+        else:
+            self._failures = 0
+            # what arrived while this batch was in flight has waited a call already: at once
+            self._due = now if self._waiting else None
+        return done
+
+    def fail(self, now: float) -> None:
+        """The in-flight call raised: every item of it is retried."""
+        if self._in_flight is not None:
+            self.finish([None] * len(self._in_flight), now)
+
+    def drain(self) -> list[Settlement]:
+        """Everything not applied (waiting and in flight), removed."""
+        left = [*(self._in_flight or ()), *self._waiting]
+        self._waiting.clear()
+        self._in_flight = None
+        self._due = None
+        return left
+
+
+class SettlementBatcher:
+    """Sends queued settlements in batches from one background task (asyncio driver of
+    :class:`SettleBacklog`).
+
+    ``on_settled(outcome)`` runs for every settlement Redis took (applied, or found already
+    settled); ``on_dropped(settlement)`` for one the full backlog pushed out.  Both run on
+    the event loop and must not block."""
+
+    def __init__(
+        self,
+        settler: BatchSettler,
+        settings: BatchSettings | None = None,
+        *,
+        on_settled: Callable[[Outcome], None] | None = None,
+        on_dropped: Callable[[Settlement], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settler = settler
+        self.backlog = SettleBacklog(settings)
+        self.on_settled = on_settled
+        self.on_dropped = on_dropped
+        self.clock = clock
+        self.calls = 0
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self.backlog)
+
+    def submit(self, item: Settlement) -> None:
+        """Queue a settlement (never blocks; starts the sender task on first use)."""
+        if self._closed:
+            raise RuntimeError("the settlement batcher is closed")
+        lost = self.backlog.add(item, self.clock())
+        if lost is not None:
+            log.error("settlement_dropped", ledger=lost.ledger, backlog=len(self.backlog))
+            if self.on_dropped is not None:
+                self.on_dropped(lost)
+        self._idle.clear()
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            due = self.backlog.next_send_at()
+            if due is None:
+                if not len(self.backlog):
+                    self._idle.set()
+                    if self._closed:
+                        return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            delay = due - self.clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            batch = self.backlog.take(self.clock())
+            if not batch:
+                continue
+            await self._send(batch)
+
+    async def _send(self, batch: list[Settlement]) -> None:
+        self.calls += 1
+        try:
+            results = await self.settler.settle_many(batch)
+        except asyncio.CancelledError:
+            self.backlog.fail(self.clock())
+            raise
+        except Exception:
+            log.exception("settlement_batch_failed", size=len(batch))
+            self.backlog.fail(self.clock())
+            return
+        failures = self.backlog.failures
+        done = self.backlog.finish(results, self.clock())
+        if self.backlog.failures > failures:
+            log.warning(
+                "settlements_deferred",
+                failed=len(batch) - len(done),
+                backlog=len(self.backlog),
+                retry_in_s=round((self.backlog.next_send_at() or 0) - self.clock(), 3),
+            )
+        elif failures:
+            log.info("settlements_recovered", backlog=len(self.backlog))
+        if self.on_settled is not None:
+            for outcome in done:
+                try:
+                    self.on_settled(outcome)
+                except Exception:
+                    log.exception("settlement_callback_failed", ledger=outcome.settlement.ledger)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until every submitted settlement was taken by Redis; False on timeout."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self, grace_s: float) -> list[Settlement]:
+        """Stop taking settlements, keep sending for up to ``grace_s`` seconds, and return
+        what Redis still has not taken (the caller logs it)."""
+        self._closed = True
+        self._wake.set()
+        if len(self.backlog):
+            await self.wait_idle(grace_s)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        return self.backlog.drain()

@@ -1,0 +1,127 @@
+"""The batched-settlement backlog's decisions (sans-IO): when a batch goes, what a failure puts
+back and when it is retried, what a full backlog drops."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.core.rules import Adjustment
+from extproc.limiter.base import Settlement
+from extproc.limiter.batch import BatchSettings, SettleBacklog
+
+pytestmark = pytest.mark.unit
+
+
+def s(i: int) -> Settlement:
+    return Settlement(f"t:{{a}}:req:{i}", [Adjustment("t:{a}:tpm", -i, 1)], 60_000)
+
+
+def ledgers(items: list[Settlement]) -> list[str]:
+    return [x.ledger for x in items]
+
+
+def test_first_settlement_waits_one_tick_for_others() -> None:
+    """Nothing goes before a tick has passed since the first settlement; then all go at once."""
+    b = SettleBacklog(BatchSettings(tick_s=0.01))
+    b.add(s(1), 100.0)
+    b.add(s(2), 100.005)
+    assert b.next_send_at() == pytest.approx(100.01)
+    assert b.take(100.009) == []
+    assert ledgers(b.take(100.01)) == ledgers([s(1), s(2)])
+    assert b.next_send_at() is None  # in flight: nothing else is sent
+    assert [o.applied for o in b.finish([True, False], 100.02)] == [True, False]
+    assert len(b) == 0 and b.next_send_at() is None
+
+
+def test_batches_are_capped_and_the_rest_goes_at_once() -> None:
+    """More than max_batch waiting: the first call takes max_batch, the rest is due right after."""
+    b = SettleBacklog(BatchSettings(tick_s=0.01, max_batch=3, max_backlog=10))
+    for i in range(5):
+        b.add(s(i), 0.0)
+    first = b.take(0.01)
+    assert ledgers(first) == ledgers([s(0), s(1), s(2)])
+    b.finish([True] * 3, 0.02)
+    assert b.next_send_at() == 0.02
+    assert ledgers(b.take(0.02)) == ledgers([s(3), s(4)])
+
+
+def test_arrivals_during_a_call_go_right_after_it() -> None:
+    """What arrives while a batch is in flight is sent when it returns, without a new tick."""
+    b = SettleBacklog(BatchSettings(tick_s=0.01))
+    b.add(s(1), 0.0)
+    b.take(0.01)
+    b.add(s(2), 0.012)
+    assert b.next_send_at() is None
+    b.finish([True], 0.015)
+    assert b.next_send_at() == 0.015
+    assert ledgers(b.take(0.015)) == [s(2).ledger]
+
+
+def test_failed_items_return_to_the_front_in_order_with_a_doubling_backoff() -> None:
+    """Unsettled items go back before newer ones; each consecutive failure doubles the wait up
+    to the maximum, and a success resets it."""
+    b = SettleBacklog(BatchSettings(tick_s=0.0, backoff_s=0.1, max_backoff_s=0.3))
+    b.add(s(1), 0.0)
+    b.add(s(2), 0.0)
+    b.take(0.0)
+    b.add(s(3), 0.0)
+    done = b.finish([None, True], 1.0)  # the call settled s(2) but not s(1)
+    assert ledgers([o.settlement for o in done]) == [s(2).ledger]
+    assert b.failures == 1 and b.next_send_at() == pytest.approx(1.1)
+    assert b.take(1.05) == []
+    assert ledgers(b.take(1.1)) == ledgers([s(1), s(3)])
+    b.fail(2.0)
+    assert b.next_send_at() == pytest.approx(2.2)
+    b.take(2.2)
+    b.fail(3.0)
+    assert b.next_send_at() == pytest.approx(3.3)  # capped at max_backoff_s
+    assert ledgers(b.take(3.3)) == ledgers([s(1), s(3)])
+    b.finish([True, True], 4.0)
+    assert b.failures == 0 and len(b) == 0
+
+
+def test_a_full_backlog_drops_the_oldest_waiting_settlement() -> None:
+    """At max_backlog the oldest waiting item is dropped and handed back to be logged."""
+    b = SettleBacklog(BatchSettings(max_batch=2, max_backlog=3))
+    assert [b.add(s(i), 0.0) for i in range(3)] == [None, None, None]
+    lost = b.add(s(3), 0.0)
+    assert lost is not None and lost.ledger == s(0).ledger
+    assert b.dropped == 1 and len(b) == 3
+    assert ledgers(b.drain()) == ledgers([s(1), s(2), s(3)])
+    assert len(b) == 0
+
+
+def test_drain_returns_in_flight_and_waiting_items() -> None:
+    """On shutdown, the batch in flight and the waiting ones are all handed back."""
+    b = SettleBacklog(BatchSettings(tick_s=0.0))
+    b.add(s(1), 0.0)
+    b.take(0.0)
+    b.add(s(2), 0.0)
+    assert ledgers(b.drain()) == ledgers([s(1), s(2)])
+
+
+def test_result_count_must_match_the_batch() -> None:
+    """A settler answering for the wrong number of items is a clear error, not a silent loss."""
+    b = SettleBacklog()
+    b.add(s(1), 0.0)
+    b.take(1.0)
+    with pytest.raises(ValueError, match="2 results for a batch of 1"):
+        b.finish([True, True], 1.0)
+    with pytest.raises(RuntimeError, match="without a batch"):
+        SettleBacklog().finish([], 0.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tick_s": -1.0}, "tick_s"),
+        ({"max_batch": 0}, "max_batch"),
+        ({"max_batch": 10, "max_backlog": 5}, "max_backlog"),
+        ({"backoff_s": 0.0}, "backoff_s"),
+        ({"backoff_s": 3.0, "max_backoff_s": 2.0}, "backoff_s"),
+    ],
+)
+def test_settings_reject_nonsense(kwargs: dict[str, float], message: str) -> None:
+    """Negative ticks, empty batches, a backlog smaller than a batch, bad backoffs are refused."""
+    with pytest.raises(ValueError, match=message):
+        BatchSettings(**kwargs)  # type: ignore[arg-type]
