@@ -53,6 +53,18 @@ class Settlement:
     unconfirmed: UnconfirmedCharge | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """One stream charge, as :meth:`Limiter.charge` takes it (for batches)."""
+
+    ledger: str
+    seq: int
+    buckets: list[BucketCharge]
+    amount: int
+    strict: bool
+    ledger_ttl_ms: int
+
+
 class BatchSettler(Protocol):
     """A limiter that settles many requests per round trip (:class:`RedisLimiter`)."""
 
@@ -60,6 +72,15 @@ class BatchSettler(Protocol):
         """Settle each item once, as :meth:`Limiter.settle` would: per item, True applied,
         False already settled (by this call or an earlier one), None not settled because its
         call failed (Redis unavailable; retrying it is harmless).  Never raises for Redis."""
+        ...
+
+
+class BatchCharger(Protocol):
+    """A limiter that charges many streams per round trip (:class:`RedisLimiter`)."""
+
+    async def charge_many(self, items: list[Charge]) -> list[ChargeResult | None]:
+        """Charge each item as :meth:`Limiter.charge` would (idempotent by ledger and
+        sequence number); None for an item whose call failed.  Never raises for Redis."""
         ...
 
 

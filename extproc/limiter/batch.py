@@ -1,18 +1,21 @@
-"""Batched settlement: many requests' settlements in one Redis call per short tick.
+"""Batched settlement (and stream charges): many requests' calls in one Redis call per tick.
 
 Two layers:
 
-- :class:`SettleBacklog`, the decisions without I/O: what to send and when (a tick after the
+- :class:`Backlog`, the decisions without I/O: what to send and when (a tick after the
   first settlement waits, at once while more than a batch is waiting, after a growing backoff
   once a call failed), what a failed call puts back (at the front, in order), what a full
   backlog drops (the oldest).  Time is passed in; nothing awaits.
-- :class:`SettlementBatcher`, the asyncio driver: :meth:`~SettlementBatcher.submit` never
-  blocks nor awaits; one background task sends the due batch through
-  :meth:`extproc.limiter.base.BatchSettler.settle_many` and reports each outcome.
+- :class:`Batcher`, the asyncio driver: :meth:`~Batcher.submit` never blocks nor awaits; one
+  background task sends the due batch and reports each outcome.  :class:`SettlementBatcher`
+  sends through :meth:`extproc.limiter.base.BatchSettler.settle_many`,
+  :class:`ChargeBatcher` (lazy stream charges) through
+  :meth:`extproc.limiter.base.BatchCharger.charge_many`.
 
-Every settlement is idempotent by its ledger (``settle.lua``), so a call that failed after
-Redis ran it (a timeout) is simply sent again: the retry answers "already settled" for what
-ran, and applies the rest.
+Every settlement is idempotent by its ledger (``settle.lua``), every charge by its ledger and
+sequence number (``charge.lua``), so a call that failed after Redis ran it (a timeout) is
+simply sent again: the retry answers "already settled" (or the charge's recorded grant) for
+what ran, and applies the rest.
 """
 
 from __future__ import annotations
@@ -21,14 +24,24 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import structlog
 
-from extproc.limiter.base import BatchSettler, Settlement
+from extproc.limiter.base import (
+    BatchCharger,
+    BatchSettler,
+    Charge,
+    ChargeResult,
+    Settlement,
+)
 
 log = structlog.get_logger("extproc")
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 #: Seconds the first settlement waits for others to join its call.
 DEFAULT_TICK_S = 0.002
@@ -44,7 +57,7 @@ DEFAULT_MAX_BACKOFF_S = 2.0
 
 @dataclass(frozen=True, slots=True)
 class BatchSettings:
-    """How :class:`SettleBacklog` batches and retries."""
+    """How a :class:`Backlog` batches and retries."""
 
     tick_s: float = DEFAULT_TICK_S
     max_batch: int = DEFAULT_MAX_BATCH
@@ -68,23 +81,24 @@ class BatchSettings:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
-    """What one call did with one settlement: True applied, False already settled."""
+class Outcome(Generic[T, R]):
+    """What Redis answered for one item (a settlement: True applied, False already settled;
+    a charge: its :class:`~extproc.limiter.base.ChargeResult`)."""
 
-    settlement: Settlement
-    applied: bool
+    item: T
+    result: R
 
 
-class SettleBacklog:
-    """Waiting settlements and when to send them (sans-IO: the caller passes the time).
+class Backlog(Generic[T, R]):
+    """Waiting items and when to send them (sans-IO: the caller passes the time).
 
     One batch is in flight at a time: :meth:`take` hands it out, :meth:`finish` takes the
     per-item results back (None for an item whose call failed: it returns to the front)."""
 
     def __init__(self, settings: BatchSettings | None = None) -> None:
         self.settings = settings or BatchSettings()
-        self._waiting: deque[Settlement] = deque()
-        self._in_flight: list[Settlement] | None = None
+        self._waiting: deque[T] = deque()
+        self._in_flight: list[T] | None = None
         self._due: float | None = None
         self._failures = 0
         self.dropped = 0
@@ -98,9 +112,9 @@ class SettleBacklog:
         """Consecutive failed calls (0 once a call succeeds)."""
         return self._failures
 
-    def add(self, item: Settlement, now: float) -> Settlement | None:
-        """Queue ``item``; returns the oldest waiting settlement when the backlog was full
-        (it is dropped: the caller logs it)."""
+    def add(self, item: T, now: float) -> T | None:
+        """Queue ``item``; returns the oldest waiting item when the backlog was full (it is
+        dropped: the caller logs it)."""
         lost = None
         if len(self) >= self.settings.max_backlog and self._waiting:
             lost = self._waiting.popleft()
@@ -116,7 +130,7 @@ class SettleBacklog:
             return None
         return self._due
 
-    def take(self, now: float) -> list[Settlement]:
+    def take(self, now: float) -> list[T]:
         """The batch to send now, oldest first (empty when none is due)."""
         due = self.next_send_at()
         if due is None or now < due:
@@ -127,9 +141,10 @@ class SettleBacklog:
         self._due = None
         return batch
 
-    def finish(self, results: list[bool | None], now: float) -> list[Outcome]:
-        """Results of the in-flight batch (one per item, in order); returns what was settled.
-        Unsettled items go back to the front in their order and wait a backoff."""
+    def finish(self, results: Sequence[R | None], now: float) -> list[Outcome[T, R]]:
+        """Results of the in-flight batch (one per item, in order, None where the call
+        failed); returns what Redis took.  Failed items go back to the front in their order
+        and wait a backoff."""
         batch = self._in_flight
         if batch is None:
             raise RuntimeError("finish() without a batch in flight")
@@ -154,7 +169,7 @@ class SettleBacklog:
         if self._in_flight is not None:
             self.finish([None] * len(self._in_flight), now)
 
-    def drain(self) -> list[Settlement]:
+    def drain(self) -> list[T]:
         """Everything not applied (waiting and in flight), removed."""
         left = [*(self._in_flight or ()), *self._waiting]
         self._waiting.clear()
@@ -163,27 +178,29 @@ class SettleBacklog:
         return left
 
 
-class SettlementBatcher:
-    """Sends queued settlements in batches from one background task (asyncio driver of
-    :class:`SettleBacklog`).
+class Batcher(Generic[T, R]):
+    """Sends queued items in batches from one background task (asyncio driver of
+    :class:`Backlog`); ``send(batch)`` answers per item (None: not taken, retry).
 
-    ``on_settled(outcome)`` runs for every settlement Redis took (applied, or found already
-    settled); ``on_dropped(settlement)`` for one the full backlog pushed out.  Both run on
-    the event loop and must not block."""
+    ``on_result(outcome)`` runs for every item Redis took; ``on_dropped(item)`` for one the
+    full backlog pushed out.  Both run on the event loop and must not block.  ``what`` names
+    the items in log events (``settlement_dropped``...)."""
 
     def __init__(
         self,
-        settler: BatchSettler,
+        send: Callable[[list[T]], Awaitable[list[R | None]]],
         settings: BatchSettings | None = None,
         *,
-        on_settled: Callable[[Outcome], None] | None = None,
-        on_dropped: Callable[[Settlement], None] | None = None,
+        on_result: Callable[[Outcome[T, R]], None] | None = None,
+        on_dropped: Callable[[T], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        what: str = "item",
     ) -> None:
-        self.settler = settler
-        self.backlog = SettleBacklog(settings)
-        self.on_settled = on_settled
+        self.send = send
+        self.backlog: Backlog[T, R] = Backlog(settings)
+        self.on_result = on_result
         self.on_dropped = on_dropped
+        self.what = what
         self.clock = clock
         self.calls = 0
         self._wake = asyncio.Event()
@@ -195,13 +212,17 @@ class SettlementBatcher:
     def __len__(self) -> int:
         return len(self.backlog)
 
-    def submit(self, item: Settlement) -> None:
-        """Queue a settlement (never blocks; starts the sender task on first use)."""
+    def submit(self, item: T) -> None:
+        """Queue an item (never blocks; starts the sender task on first use)."""
         if self._closed:
-            raise RuntimeError("the settlement batcher is closed")
+            raise RuntimeError(f"the {self.what} batcher is closed")
         lost = self.backlog.add(item, self.clock())
         if lost is not None:
-            log.error("settlement_dropped", ledger=lost.ledger, backlog=len(self.backlog))
+            log.error(
+                f"{self.what}_dropped",
+                ledger=getattr(lost, "ledger", None),
+                backlog=len(self.backlog),
+            )
             if self.on_dropped is not None:
                 self.on_dropped(lost)
         self._idle.clear()
@@ -228,37 +249,39 @@ class SettlementBatcher:
                 continue
             await self._send(batch)
 
-    async def _send(self, batch: list[Settlement]) -> None:
+    async def _send(self, batch: list[T]) -> None:
         self.calls += 1
         try:
-            results = await self.settler.settle_many(batch)
+            results = await self.send(batch)
         except asyncio.CancelledError:
             self.backlog.fail(self.clock())
             raise
         except Exception:
-            log.exception("settlement_batch_failed", size=len(batch))
+            log.exception(f"{self.what}_batch_failed", size=len(batch))
             self.backlog.fail(self.clock())
             return
         failures = self.backlog.failures
         done = self.backlog.finish(results, self.clock())
         if self.backlog.failures > failures:
             log.warning(
-                "settlements_deferred",
+                f"{self.what}_batch_deferred",
                 failed=len(batch) - len(done),
                 backlog=len(self.backlog),
                 retry_in_s=round((self.backlog.next_send_at() or 0) - self.clock(), 3),
             )
         elif failures:
-            log.info("settlements_recovered", backlog=len(self.backlog))
-        if self.on_settled is not None:
+            log.info(f"{self.what}_batch_recovered", backlog=len(self.backlog))
+        if self.on_result is not None:
             for outcome in done:
                 try:
-                    self.on_settled(outcome)
+                    self.on_result(outcome)
                 except Exception:
-                    log.exception("settlement_callback_failed", ledger=outcome.settlement.ledger)
+                    log.exception(
+                        f"{self.what}_callback_failed", ledger=getattr(outcome.item, "ledger", None)
+                    )
 
     async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until every submitted settlement was taken by Redis; False on timeout."""
+        """Wait until every submitted item was taken by Redis; False on timeout."""
         try:
             async with asyncio.timeout(timeout_s):
                 await self._idle.wait()
@@ -266,9 +289,9 @@ class SettlementBatcher:
             return False
         return True
 
-    async def close(self, grace_s: float) -> list[Settlement]:
-        """Stop taking settlements, keep sending for up to ``grace_s`` seconds, and return
-        what Redis still has not taken (the caller logs it)."""
+    async def close(self, grace_s: float) -> list[T]:
+        """Stop taking items, keep sending for up to ``grace_s`` seconds, and return what
+        Redis still has not taken (the caller logs it)."""
         self._closed = True
         self._wake.set()
         if len(self.backlog):
@@ -278,3 +301,50 @@ class SettlementBatcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         return self.backlog.drain()
+
+
+class SettlementBatcher(Batcher[Settlement, bool]):
+    """Settlements, many per ``settle.lua`` call: ``on_result`` gets True (applied) or
+    False (already settled) per settlement."""
+
+    def __init__(
+        self,
+        settler: BatchSettler,
+        settings: BatchSettings | None = None,
+        *,
+        on_result: Callable[[Outcome[Settlement, bool]], None] | None = None,
+        on_dropped: Callable[[Settlement], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(
+            settler.settle_many,
+            settings,
+            on_result=on_result,
+            on_dropped=on_dropped,
+            clock=clock,
+            what="settlement",
+        )
+
+
+class ChargeBatcher(Batcher[Charge, ChargeResult]):
+    """Lazy stream charges, many per ``charge.lua`` call: ``on_result`` gets each charge's
+    :class:`~extproc.limiter.base.ChargeResult` (``exhausted``: cut the stream).  Strict
+    charges gate delivery and stay synchronous (:meth:`Limiter.charge`)."""
+
+    def __init__(
+        self,
+        charger: BatchCharger,
+        settings: BatchSettings | None = None,
+        *,
+        on_result: Callable[[Outcome[Charge, ChargeResult]], None] | None = None,
+        on_dropped: Callable[[Charge], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(
+            charger.charge_many,
+            settings,
+            on_result=on_result,
+            on_dropped=on_dropped,
+            clock=clock,
+            what="charge",
+        )

@@ -43,7 +43,7 @@ from extproc.clock import Clock, SystemClock
 from extproc.core.keys import EXPIRY_SLACK_MS, open_key
 from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 from extproc.errors import LimiterUnavailable
-from extproc.limiter.base import AdmitResult, ChargeResult, Reclaimed, Settlement
+from extproc.limiter.base import AdmitResult, Charge, ChargeResult, Reclaimed, Settlement
 from extproc.limiter.breaker import BreakerSettings, BreakerState, CircuitBreaker
 from extproc.limiter.starvation import LoopLag, fair_wait
 
@@ -62,9 +62,9 @@ _ERRORS = (
 
 _KIND = {"rpm": "r", "tpm": "t", "concurrency": "c"}
 
-#: Most requests settled by one script call (a script blocks Redis while it runs: 64
+#: Most settlements or charges in one script call (a script blocks Redis while it runs: 64
 #: settlements take well under a millisecond).
-MAX_SETTLEMENTS_PER_CALL = 64
+MAX_ITEMS_PER_CALL = 64
 
 #: Connections per process to a single Redis server; more concurrent calls queue for one.
 DEFAULT_MAX_CONNECTIONS = 128
@@ -360,18 +360,37 @@ class RedisLimiter:
         strict: bool,
         ledger_ttl_ms: int,
     ) -> ChargeResult:
-        """Run ``charge.lua``: a lazy batch or a strict lease."""
-        args: list[Any] = [seq, amount, "1" if strict else "0", ledger_ttl_ms]
-        keys = [ledger] + [b.key for b in buckets]
-        for b in buckets:
-            args += [b.limit, b.expire_at_ms, b.rate, int(b.shadow)]
-            args += _previous(keys, b)
+        """Run ``charge.lua`` for one stream: a lazy batch or a strict lease."""
+        keys: list[str] = []
+        args: list[Any] = [1]
+        _pack_charge(keys, args, Charge(ledger, seq, buckets, amount, strict, ledger_ttl_ms))
         res = await self._call(
             "a stream charge", "charge", lambda: self._charge(keys=keys, args=args)
         )
-        return ChargeResult(
-            granted=int(res[0]), exhausted=bool(int(res[1])), values=tuple(int(v) for v in res[2])
-        )
+        return _charge_result(res[0])
+
+    async def charge_many(self, items: list[Charge]) -> list[ChargeResult | None]:
+        """Charge many streams with few ``charge.lua`` calls (grouped as :meth:`settle_many`);
+        per item its result, or None when its call failed (retrying it is harmless: each
+        charge is idempotent by ledger and sequence number)."""
+        out: list[ChargeResult | None] = [None] * len(items)
+
+        async def one(idx: list[int]) -> None:
+            keys: list[str] = []
+            args: list[Any] = [len(idx)]
+            for i in idx:
+                _pack_charge(keys, args, items[i])
+            try:
+                res = await self._call(
+                    "a stream charge", "charge", lambda: self._charge(keys=keys, args=args)
+                )
+            except LimiterUnavailable:
+                return
+            for i, v in zip(idx, res, strict=True):
+                out[i] = _charge_result(v)
+
+        await self._per_slot([c.ledger for c in items], one)
+        return out
 
     async def settle(
         self,
@@ -393,18 +412,10 @@ class RedisLimiter:
 
     async def settle_many(self, items: list[Settlement]) -> list[bool | None]:
         """Settle many requests with few ``settle.lua`` calls: one per Cluster slot (every
-        slot on a single server) and per :data:`MAX_SETTLEMENTS_PER_CALL`; each item is
+        slot on a single server) and per :data:`MAX_ITEMS_PER_CALL`; each item is
         idempotent by its ledger, as with :meth:`settle`.  Per item: True applied, False
         already settled, None its call failed (retrying it is harmless)."""
         out: list[bool | None] = [None] * len(items)
-        groups: dict[int, list[int]] = {}
-        cluster = isinstance(self._client, RedisCluster)
-        for i, item in enumerate(items):
-            groups.setdefault(key_slot(item.ledger.encode()) if cluster else 0, []).append(i)
-        calls: list[list[int]] = []
-        for idx in groups.values():
-            for start in range(0, len(idx), MAX_SETTLEMENTS_PER_CALL):
-                calls.append(idx[start : start + MAX_SETTLEMENTS_PER_CALL])
 
         async def one(idx: list[int]) -> None:
             keys: list[str] = []
@@ -420,11 +431,28 @@ class RedisLimiter:
             for i, v in zip(idx, res, strict=True):
                 out[i] = bool(int(v))
 
-        if len(calls) == 1:
-            await one(calls[0])
-        else:
-            await asyncio.gather(*(one(c) for c in calls))
+        await self._per_slot([s.ledger for s in items], one)
         return out
+
+    async def _per_slot(
+        self, ledgers: list[str], call: Callable[[list[int]], Awaitable[None]]
+    ) -> None:
+        """Run ``call`` on the item indexes of each script call: one group per Cluster slot
+        (every item on a single server), at most :data:`MAX_ITEMS_PER_CALL` per call; several
+        calls run concurrently."""
+        groups: dict[int, list[int]] = {}
+        cluster = isinstance(self._client, RedisCluster)
+        for i, ledger in enumerate(ledgers):
+            groups.setdefault(key_slot(ledger.encode()) if cluster else 0, []).append(i)
+        calls = [
+            idx[start : start + MAX_ITEMS_PER_CALL]
+            for idx in groups.values()
+            for start in range(0, len(idx), MAX_ITEMS_PER_CALL)
+        ]
+        if len(calls) == 1:
+            await call(calls[0])
+        elif calls:
+            await asyncio.gather(*(call(c) for c in calls))
 
     async def renew(
         self, ledgers: list[str], until_ms: int, *, held: dict[str, list[str]] | None = None
@@ -505,6 +533,25 @@ class RedisLimiter:
         """Close the connection pool."""
         self.lag.stop()
         await self._client.aclose()
+
+
+def _pack_charge(keys: list[str], args: list[Any], c: Charge) -> None:
+    """Append one stream charge's KEYS and ARGV slices for ``charge.lua``."""
+    keys.append(c.ledger)
+    keys += [b.key for b in c.buckets]
+    head = len(args)
+    args += [c.seq, c.amount, "1" if c.strict else "0", c.ledger_ttl_ms, len(c.buckets), 0]
+    first_prev = len(keys)
+    for b in c.buckets:
+        args += [b.limit, b.expire_at_ms, b.rate, int(b.shadow)]
+        args += _previous(keys, b)
+    args[head + 5] = len(keys) - first_prev
+
+
+def _charge_result(v: Any) -> ChargeResult:
+    return ChargeResult(
+        granted=int(v[0]), exhausted=bool(int(v[1])), values=tuple(int(x) for x in v[2])
+    )
 
 
 def _pack_settlement(keys: list[str], args: list[Any], s: Settlement) -> None:

@@ -61,9 +61,9 @@ async def test_settlements_survive_a_stall_and_land_once(own_redis: RedisServer)
         )
         assert res.admitted
         leds.append(led)
-    seen: list[Outcome] = []
+    seen: list[Outcome[Settlement, bool]] = []
     batcher = SettlementBatcher(
-        lim, BatchSettings(tick_s=0.002, max_batch=64, backoff_s=0.05), on_settled=seen.append
+        lim, BatchSettings(tick_s=0.002, max_batch=64, backoff_s=0.05), on_result=seen.append
     )
     stalling = threading.Event()
 
@@ -89,7 +89,7 @@ async def test_settlements_survive_a_stall_and_land_once(own_redis: RedisServer)
         left = await batcher.close(2.0)
         await lim.close()
     assert left == []
-    assert sorted(o.settlement.ledger for o in seen) == sorted(leds)
+    assert sorted(o.item.ledger for o in seen) == sorted(leds)
     r = own_redis.client()
     assert r.get(f"{t}:tpm") == str(70 * 200)
     assert {r.hget(led, "state") for led in leds} == {"settled"}

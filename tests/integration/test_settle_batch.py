@@ -10,9 +10,9 @@ import uuid
 import pytest
 
 from extproc.core.rules import RATE_SCALE, Adjustment, BucketCharge, UnconfirmedCharge
-from extproc.limiter.base import Settlement
-from extproc.limiter.batch import BatchSettings, Outcome, SettlementBatcher
-from extproc.limiter.redis import MAX_SETTLEMENTS_PER_CALL, RedisLimiter
+from extproc.limiter.base import Charge, ChargeResult, Settlement
+from extproc.limiter.batch import BatchSettings, ChargeBatcher, Outcome, SettlementBatcher
+from extproc.limiter.redis import MAX_ITEMS_PER_CALL, RedisLimiter
 from tests.helpers import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -171,7 +171,7 @@ async def test_large_batches_are_split_per_call(
 ) -> None:
     """More settlements than one script call takes go in several calls, all applied once."""
     t = tenant()
-    n = MAX_SETTLEMENTS_PER_CALL * 2 + 5
+    n = MAX_ITEMS_PER_CALL * 2 + 5
     items = [refund(t, await admit(limiter, t, str(i), 10), 3) for i in range(n)]
     before = limiter.round_trips
     assert await limiter.settle_many(items) == [True] * n
@@ -202,8 +202,8 @@ async def test_batcher_settles_concurrent_requests_in_few_calls(
     counters exact, in far fewer calls than settlements."""
     t = tenant()
     leds = [await admit(limiter, t, str(i), 100) for i in range(300)]
-    seen: list[Outcome] = []
-    batcher = SettlementBatcher(limiter, BatchSettings(tick_s=0.005), on_settled=seen.append)
+    seen: list[Outcome[Settlement, bool]] = []
+    batcher = SettlementBatcher(limiter, BatchSettings(tick_s=0.005), on_result=seen.append)
 
     async def request(led: str) -> None:
         await asyncio.sleep(0)
@@ -211,10 +211,99 @@ async def test_batcher_settles_concurrent_requests_in_few_calls(
 
     await asyncio.gather(*(request(led) for led in leds))
     assert await batcher.wait_idle(10.0)
-    assert sorted(o.settlement.ledger for o in seen) == sorted(leds)
-    assert all(o.applied for o in seen)
+    assert sorted(o.item.ledger for o in seen) == sorted(leds)
+    assert all(o.result for o in seen)
     assert batcher.calls <= 300 // 16
     assert redis_server.client().get(f"{t}:tpm") == str(60 * 300)
     assert await batcher.close(1.0) == []
     with pytest.raises(RuntimeError, match="closed"):
         batcher.submit(refund(t, leds[0], 1))
+
+
+def tpm_bucket(t: str, limit: int, *, prev: bool = False) -> BucketCharge:
+    """A per-token bucket; with ``prev``, sliding: half of the previous window still counts."""
+    if prev:
+        return BucketCharge(
+            f"{t}:tpm", "tpm", 0, limit, far(), prev_key=f"{t}:tpm:prev", prev_weight=500_000
+        )
+    return BucketCharge(f"{t}:tpm", "tpm", 0, limit, far())
+
+
+async def test_charge_batches_match_single_charges(
+    limiter: RedisLimiter, redis_server: RedisServer
+) -> None:
+    """Lazy and strict charges of several streams (a sliding bucket among them) in one call
+    grant what one-by-one calls grant; replaying the batch charges nothing again."""
+
+    async def scenario(batched: bool) -> tuple[list[tuple[int, bool, tuple[int, ...]]], list[str]]:
+        t1, t2, t3 = tenant(), tenant(), tenant()
+        r = redis_server.client()
+        r.set(f"{t3}:tpm:prev", 400)  # 200 of it counts in the sliding window
+        leds = [await admit(limiter, t, "s", 10) for t in (t1, t2, t3)]
+        items = [
+            Charge(leds[0], 1, [tpm_bucket(t1, 10**9)], 64, False, TTL),
+            Charge(leds[1], 1, [tpm_bucket(t2, 100)], 64, True, TTL),
+            Charge(leds[1], 2, [tpm_bucket(t2, 100)], 64, True, TTL),  # only 26 fit
+            Charge(leds[2], 1, [tpm_bucket(t3, 300, prev=True)], 64, False, TTL),
+            Charge(leds[2], 2, [tpm_bucket(t3, 300, prev=True)], 64, False, TTL),
+        ]
+        if batched:
+            got = await limiter.charge_many(items)
+        else:
+            got = [
+                await limiter.charge(
+                    c.ledger, c.seq, c.buckets, c.amount, strict=c.strict, ledger_ttl_ms=TTL
+                )
+                for c in items
+            ]
+        results = [(g.granted, g.exhausted, g.values) for g in got if g is not None]
+        assert len(results) == len(items)
+        counters = [str(r.get(f"{t}:tpm")) for t in (t1, t2, t3)]
+        return results, counters
+
+    one_by_one = await scenario(batched=False)
+    batched = await scenario(batched=True)
+    assert batched == one_by_one
+    grants = [g for g, _, _ in batched[0]]
+    assert grants == [64, 64, 26, 64, 64]
+    # t1: 10 + 64; t2: 10 + 64 + 26 (strict, full); t3: 10 + 128 (lazy, over 300 with prev)
+    assert batched[1] == ["74", "100", "138"]
+    assert batched[0][4][1] is True  # 138 + 200 > 300: the lazy stream is cut
+
+
+async def test_replayed_charge_batch_charges_nothing(
+    limiter: RedisLimiter, redis_server: RedisServer
+) -> None:
+    """The same batch sent twice (a retry after a timeout) adds nothing; each replayed
+    charge answers its recorded grant."""
+    t = tenant()
+    leds = [await admit(limiter, t, str(i), 0) for i in range(20)]
+    items = [Charge(led, 1, [tpm_bucket(t, 10**9)], 50, False, TTL) for led in leds]
+    first = await limiter.charge_many(items)
+    again = await limiter.charge_many(items)
+    assert [g.granted for g in first if g] == [50] * 20
+    assert [g.granted for g in again if g] == [50] * 20
+    assert redis_server.client().get(f"{t}:tpm") == str(50 * 20)
+
+
+async def test_charge_batcher_reports_every_charge(
+    limiter: RedisLimiter, redis_server: RedisServer
+) -> None:
+    """200 lazy charges of 50 streams submitted concurrently: each answered once through
+    on_result, the counter exact, in far fewer calls than charges."""
+    t = tenant()
+    leds = [await admit(limiter, t, str(i), 0) for i in range(50)]
+    seen: list[Outcome[Charge, ChargeResult]] = []
+    batcher = ChargeBatcher(limiter, BatchSettings(tick_s=0.005), on_result=seen.append)
+    for seq in range(1, 5):
+        for led in leds:
+            batcher.submit(Charge(led, seq, [tpm_bucket(t, 10**9)], 64, False, TTL))
+        await asyncio.sleep(0)
+    assert await batcher.wait_idle(10.0)
+    assert len(seen) == 200 and all(o.result.granted == 64 for o in seen)
+    assert sorted((o.item.ledger, o.item.seq) for o in seen) == sorted(
+        (led, s) for s in range(1, 5) for led in leds
+    )
+    assert batcher.calls <= 200 // 16
+    assert redis_server.client().get(f"{t}:tpm") == str(64 * 200)
+    await batcher.close(1.0)

@@ -7,7 +7,7 @@ import pytest
 
 from extproc.core.rules import Adjustment
 from extproc.limiter.base import Settlement
-from extproc.limiter.batch import BatchSettings, SettleBacklog
+from extproc.limiter.batch import Backlog, BatchSettings
 
 pytestmark = pytest.mark.unit
 
@@ -22,20 +22,20 @@ def ledgers(items: list[Settlement]) -> list[str]:
 
 def test_first_settlement_waits_one_tick_for_others() -> None:
     """Nothing goes before a tick has passed since the first settlement; then all go at once."""
-    b = SettleBacklog(BatchSettings(tick_s=0.01))
+    b = Backlog[Settlement, bool](BatchSettings(tick_s=0.01))
     b.add(s(1), 100.0)
     b.add(s(2), 100.005)
     assert b.next_send_at() == pytest.approx(100.01)
     assert b.take(100.009) == []
     assert ledgers(b.take(100.01)) == ledgers([s(1), s(2)])
     assert b.next_send_at() is None  # in flight: nothing else is sent
-    assert [o.applied for o in b.finish([True, False], 100.02)] == [True, False]
+    assert [o.result for o in b.finish([True, False], 100.02)] == [True, False]
     assert len(b) == 0 and b.next_send_at() is None
 
 
 def test_batches_are_capped_and_the_rest_goes_at_once() -> None:
     """More than max_batch waiting: the first call takes max_batch, the rest is due right after."""
-    b = SettleBacklog(BatchSettings(tick_s=0.01, max_batch=3, max_backlog=10))
+    b = Backlog[Settlement, bool](BatchSettings(tick_s=0.01, max_batch=3, max_backlog=10))
     for i in range(5):
         b.add(s(i), 0.0)
     first = b.take(0.01)
@@ -47,7 +47,7 @@ def test_batches_are_capped_and_the_rest_goes_at_once() -> None:
 
 def test_arrivals_during_a_call_go_right_after_it() -> None:
     """What arrives while a batch is in flight is sent when it returns, without a new tick."""
-    b = SettleBacklog(BatchSettings(tick_s=0.01))
+    b = Backlog[Settlement, bool](BatchSettings(tick_s=0.01))
     b.add(s(1), 0.0)
     b.take(0.01)
     b.add(s(2), 0.012)
@@ -60,13 +60,13 @@ def test_arrivals_during_a_call_go_right_after_it() -> None:
 def test_failed_items_return_to_the_front_in_order_with_a_doubling_backoff() -> None:
     """Unsettled items go back before newer ones; each consecutive failure doubles the wait up
     to the maximum, and a success resets it."""
-    b = SettleBacklog(BatchSettings(tick_s=0.0, backoff_s=0.1, max_backoff_s=0.3))
+    b = Backlog[Settlement, bool](BatchSettings(tick_s=0.0, backoff_s=0.1, max_backoff_s=0.3))
     b.add(s(1), 0.0)
     b.add(s(2), 0.0)
     b.take(0.0)
     b.add(s(3), 0.0)
     done = b.finish([None, True], 1.0)  # the call settled s(2) but not s(1)
-    assert ledgers([o.settlement for o in done]) == [s(2).ledger]
+    assert ledgers([o.item for o in done]) == [s(2).ledger]
     assert b.failures == 1 and b.next_send_at() == pytest.approx(1.1)
     assert b.take(1.05) == []
     assert ledgers(b.take(1.1)) == ledgers([s(1), s(3)])
@@ -82,7 +82,7 @@ def test_failed_items_return_to_the_front_in_order_with_a_doubling_backoff() -> 
 
 def test_a_full_backlog_drops_the_oldest_waiting_settlement() -> None:
     """At max_backlog the oldest waiting item is dropped and handed back to be logged."""
-    b = SettleBacklog(BatchSettings(max_batch=2, max_backlog=3))
+    b = Backlog[Settlement, bool](BatchSettings(max_batch=2, max_backlog=3))
     assert [b.add(s(i), 0.0) for i in range(3)] == [None, None, None]
     lost = b.add(s(3), 0.0)
     assert lost is not None and lost.ledger == s(0).ledger
@@ -93,7 +93,7 @@ def test_a_full_backlog_drops_the_oldest_waiting_settlement() -> None:
 
 def test_drain_returns_in_flight_and_waiting_items() -> None:
     """On shutdown, the batch in flight and the waiting ones are all handed back."""
-    b = SettleBacklog(BatchSettings(tick_s=0.0))
+    b = Backlog[Settlement, bool](BatchSettings(tick_s=0.0))
     b.add(s(1), 0.0)
     b.take(0.0)
     b.add(s(2), 0.0)
@@ -102,13 +102,13 @@ def test_drain_returns_in_flight_and_waiting_items() -> None:
 
 def test_result_count_must_match_the_batch() -> None:
     """A settler answering for the wrong number of items is a clear error, not a silent loss."""
-    b = SettleBacklog()
+    b = Backlog[Settlement, bool]()
     b.add(s(1), 0.0)
     b.take(1.0)
     with pytest.raises(ValueError, match="2 results for a batch of 1"):
         b.finish([True, True], 1.0)
     with pytest.raises(RuntimeError, match="without a batch"):
-        SettleBacklog().finish([], 0.0)
+        Backlog[Settlement, bool]().finish([], 0.0)
 
 
 @pytest.mark.parametrize(
