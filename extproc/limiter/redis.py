@@ -193,7 +193,6 @@ class RedisLimiter:
                 socket_connect_timeout=t,
                 max_connections=max_connections,
             )
-            use_hiredis_packing(client)
         else:
             pool = aioredis.BlockingConnectionPool.from_url(
                 url,
