@@ -36,7 +36,7 @@ import redis
 from redis.asyncio.connection import Connection
 
 from extproc.core.rules import Adjustment, BucketCharge
-from extproc.limiter.base import Settlement
+from extproc.limiter.base import SettleCall
 from extproc.limiter.batch import BatchSettings, SettlementBatcher
 from extproc.limiter.redis import RedisLimiter
 from extproc.stack import free_port
@@ -100,7 +100,7 @@ class Arm:
         if self.batcher is None:
             await self.lim.settle(led, adjustments, ledger_ttl_ms=TTL)
         else:
-            self.batcher.submit(Settlement(led, adjustments, TTL))
+            self.batcher.submit(SettleCall(led, adjustments, TTL))
 
     async def run(self, n: int, concurrency: int) -> tuple[float, float]:
         """CPU µs of this process per request, Redis calls per request."""

@@ -43,7 +43,7 @@ class ChargeResult:
 
 
 @dataclass(frozen=True, slots=True)
-class Settlement:
+class SettleCall:
     """One request's settlement, as :meth:`Limiter.settle` takes it (for batches)."""
 
     ledger: str
@@ -54,7 +54,7 @@ class Settlement:
 
 
 @dataclass(frozen=True, slots=True)
-class Charge:
+class ChargeCall:
     """One stream charge, as :meth:`Limiter.charge` takes it (for batches)."""
 
     ledger: str
@@ -68,7 +68,7 @@ class Charge:
 class BatchSettler(Protocol):
     """A limiter that settles many requests per round trip (:class:`RedisLimiter`)."""
 
-    async def settle_many(self, items: list[Settlement]) -> list[bool | None]:
+    async def settle_many(self, items: list[SettleCall]) -> list[bool | None]:
         """Settle each item once, as :meth:`Limiter.settle` would: per item, True applied,
         False already settled (by this call or an earlier one), None not settled because its
         call failed (Redis unavailable; retrying it is harmless).  Never raises for Redis."""
@@ -78,7 +78,7 @@ class BatchSettler(Protocol):
 class BatchCharger(Protocol):
     """A limiter that charges many streams per round trip (:class:`RedisLimiter`)."""
 
-    async def charge_many(self, items: list[Charge]) -> list[ChargeResult | None]:
+    async def charge_many(self, items: list[ChargeCall]) -> list[ChargeResult | None]:
         """Charge each item as :meth:`Limiter.charge` would (idempotent by ledger and
         sequence number); None for an item whose call failed.  Never raises for Redis."""
         ...

@@ -33,9 +33,9 @@ import structlog
 from extproc.limiter.base import (
     BatchCharger,
     BatchSettler,
-    Charge,
+    ChargeCall,
     ChargeResult,
-    Settlement,
+    SettleCall,
 )
 
 log = structlog.get_logger("extproc")
@@ -303,7 +303,7 @@ class Batcher(Generic[T, R]):
         return self.backlog.drain()
 
 
-class SettlementBatcher(Batcher[Settlement, bool]):
+class SettlementBatcher(Batcher[SettleCall, bool]):
     """Settlements, many per ``settle.lua`` call: ``on_result`` gets True (applied) or
     False (already settled) per settlement."""
 
@@ -312,8 +312,8 @@ class SettlementBatcher(Batcher[Settlement, bool]):
         settler: BatchSettler,
         settings: BatchSettings | None = None,
         *,
-        on_result: Callable[[Outcome[Settlement, bool]], None] | None = None,
-        on_dropped: Callable[[Settlement], None] | None = None,
+        on_result: Callable[[Outcome[SettleCall, bool]], None] | None = None,
+        on_dropped: Callable[[SettleCall], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(
@@ -326,7 +326,7 @@ class SettlementBatcher(Batcher[Settlement, bool]):
         )
 
 
-class ChargeBatcher(Batcher[Charge, ChargeResult]):
+class ChargeBatcher(Batcher[ChargeCall, ChargeResult]):
     """Lazy stream charges, many per ``charge.lua`` call: ``on_result`` gets each charge's
     :class:`~extproc.limiter.base.ChargeResult` (``exhausted``: cut the stream).  Strict
     charges gate delivery and stay synchronous (:meth:`Limiter.charge`)."""
@@ -336,8 +336,8 @@ class ChargeBatcher(Batcher[Charge, ChargeResult]):
         charger: BatchCharger,
         settings: BatchSettings | None = None,
         *,
-        on_result: Callable[[Outcome[Charge, ChargeResult]], None] | None = None,
-        on_dropped: Callable[[Charge], None] | None = None,
+        on_result: Callable[[Outcome[ChargeCall, ChargeResult]], None] | None = None,
+        on_dropped: Callable[[ChargeCall], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(

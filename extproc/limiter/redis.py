@@ -43,7 +43,7 @@ from extproc.clock import Clock, SystemClock
 from extproc.core.keys import EXPIRY_SLACK_MS, open_key
 from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 from extproc.errors import LimiterUnavailable
-from extproc.limiter.base import AdmitResult, Charge, ChargeResult, Reclaimed, Settlement
+from extproc.limiter.base import AdmitResult, ChargeCall, ChargeResult, Reclaimed, SettleCall
 from extproc.limiter.breaker import BreakerSettings, BreakerState, CircuitBreaker
 from extproc.limiter.starvation import LoopLag, fair_wait
 
@@ -362,13 +362,13 @@ class RedisLimiter:
         """Run ``charge.lua`` for one stream: a lazy batch or a strict lease."""
         keys: list[str] = []
         args: list[Any] = [1]
-        _pack_charge(keys, args, Charge(ledger, seq, buckets, amount, strict, ledger_ttl_ms))
+        _pack_charge(keys, args, ChargeCall(ledger, seq, buckets, amount, strict, ledger_ttl_ms))
         res = await self._call(
             "a stream charge", "charge", lambda: self._charge(keys=keys, args=args)
         )
         return _charge_result(res[0])
 
-    async def charge_many(self, items: list[Charge]) -> list[ChargeResult | None]:
+    async def charge_many(self, items: list[ChargeCall]) -> list[ChargeResult | None]:
         """Charge many streams with few ``charge.lua`` calls (grouped as :meth:`settle_many`);
         per item its result, or None when its call failed (retrying it is harmless: each
         charge is idempotent by ledger and sequence number)."""
@@ -404,12 +404,12 @@ class RedisLimiter:
         keys: list[str] = []
         args: list[Any] = [1]
         _pack_settlement(
-            keys, args, Settlement(ledger, adjustments, ledger_ttl_ms, cancel, unconfirmed)
+            keys, args, SettleCall(ledger, adjustments, ledger_ttl_ms, cancel, unconfirmed)
         )
         res = await self._call("settlement", "settle", lambda: self._settle(keys=keys, args=args))
         return bool(int(res[0]))
 
-    async def settle_many(self, items: list[Settlement]) -> list[bool | None]:
+    async def settle_many(self, items: list[SettleCall]) -> list[bool | None]:
         """Settle many requests with few ``settle.lua`` calls: one per Cluster slot (every
         slot on a single server) and per :data:`MAX_ITEMS_PER_CALL`; each item is
         idempotent by its ledger, as with :meth:`settle`.  Per item: True applied, False
@@ -534,7 +534,7 @@ class RedisLimiter:
         await self._client.aclose()
 
 
-def _pack_charge(keys: list[str], args: list[Any], c: Charge) -> None:
+def _pack_charge(keys: list[str], args: list[Any], c: ChargeCall) -> None:
     """Append one stream charge's KEYS and ARGV slices for ``charge.lua``."""
     keys.append(c.ledger)
     keys += [b.key for b in c.buckets]
@@ -553,7 +553,7 @@ def _charge_result(v: Any) -> ChargeResult:
     )
 
 
-def _pack_settlement(keys: list[str], args: list[Any], s: Settlement) -> None:
+def _pack_settlement(keys: list[str], args: list[Any], s: SettleCall) -> None:
     """Append one request's KEYS and ARGV slices for ``settle.lua``."""
     unconfirmed = s.unconfirmed.rates if s.unconfirmed else ()
     keys.append(s.ledger)

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from extproc.core.rules import Adjustment, BucketCharge
-from extproc.limiter.base import Settlement
+from extproc.limiter.base import SettleCall
 from extproc.limiter.batch import BatchSettings, Outcome, SettlementBatcher
 from extproc.limiter.redis import RedisLimiter
 from tests.helpers import RedisServer
@@ -61,7 +61,7 @@ async def test_settlements_survive_a_stall_and_land_once(own_redis: RedisServer)
         )
         assert res.admitted
         leds.append(led)
-    seen: list[Outcome[Settlement, bool]] = []
+    seen: list[Outcome[SettleCall, bool]] = []
     batcher = SettlementBatcher(
         lim, BatchSettings(tick_s=0.002, max_batch=64, backoff_s=0.05), on_result=seen.append
     )
@@ -78,7 +78,7 @@ async def test_settlements_survive_a_stall_and_land_once(own_redis: RedisServer)
     await wait_for(stalling.is_set, 5.0)
     try:
         for i, led in enumerate(leds):
-            batcher.submit(Settlement(led, [Adjustment(f"{t}:tpm", -30, far())], TTL))
+            batcher.submit(SettleCall(led, [Adjustment(f"{t}:tpm", -30, far())], TTL))
             if i % 20 == 19:
                 await asyncio.sleep(0.02)  # requests finishing over time, during the stall
         await wait_for(lambda: batcher.backlog.failures > 0, 5.0)

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from extproc.core.rules import RATE_SCALE, Adjustment, BucketCharge, UnconfirmedCharge
-from extproc.limiter.base import Charge, ChargeResult, Settlement
+from extproc.limiter.base import ChargeCall, ChargeResult, SettleCall
 from extproc.limiter.batch import BatchSettings, ChargeBatcher, Outcome, SettlementBatcher
 from extproc.limiter.redis import MAX_ITEMS_PER_CALL, RedisLimiter
 from tests.helpers import RedisServer
@@ -48,8 +48,8 @@ async def admit(lim: RedisLimiter, t: str, req: str, tokens: int, *, lease: bool
     return led
 
 
-def refund(t: str, led: str, amount: int) -> Settlement:
-    return Settlement(led, [Adjustment(f"{t}:tpm", -amount, far())], TTL)
+def refund(t: str, led: str, amount: int) -> SettleCall:
+    return SettleCall(led, [Adjustment(f"{t}:tpm", -amount, far())], TTL)
 
 
 @pytest.fixture
@@ -115,9 +115,9 @@ async def test_batched_and_single_settlement_agree(
         assert ch.granted == 20  # ran, but its answer is taken as lost below
         items = [
             refund(t, led_a, 60),
-            Settlement(led_b, [Adjustment(f"{t}:tpm", 25, far())], TTL),
-            Settlement(led_c, [Adjustment(f"{t}:tpm", -100, far())], TTL, cancel=True),
-            Settlement(
+            SettleCall(led_b, [Adjustment(f"{t}:tpm", 25, far())], TTL),
+            SettleCall(led_c, [Adjustment(f"{t}:tpm", -100, far())], TTL, cancel=True),
+            SettleCall(
                 led_d,
                 [Adjustment(f"{t}:tpm", 5, far())],
                 TTL,
@@ -202,7 +202,7 @@ async def test_batcher_settles_concurrent_requests_in_few_calls(
     counters exact, in far fewer calls than settlements."""
     t = tenant()
     leds = [await admit(limiter, t, str(i), 100) for i in range(300)]
-    seen: list[Outcome[Settlement, bool]] = []
+    seen: list[Outcome[SettleCall, bool]] = []
     batcher = SettlementBatcher(limiter, BatchSettings(tick_s=0.005), on_result=seen.append)
 
     async def request(led: str) -> None:
@@ -241,11 +241,11 @@ async def test_charge_batches_match_single_charges(
         r.set(f"{t3}:tpm:prev", 400)  # 200 of it counts in the sliding window
         leds = [await admit(limiter, t, "s", 10) for t in (t1, t2, t3)]
         items = [
-            Charge(leds[0], 1, [tpm_bucket(t1, 10**9)], 64, False, TTL),
-            Charge(leds[1], 1, [tpm_bucket(t2, 100)], 64, True, TTL),
-            Charge(leds[1], 2, [tpm_bucket(t2, 100)], 64, True, TTL),  # only 26 fit
-            Charge(leds[2], 1, [tpm_bucket(t3, 300, prev=True)], 64, False, TTL),
-            Charge(leds[2], 2, [tpm_bucket(t3, 300, prev=True)], 64, False, TTL),
+            ChargeCall(leds[0], 1, [tpm_bucket(t1, 10**9)], 64, False, TTL),
+            ChargeCall(leds[1], 1, [tpm_bucket(t2, 100)], 64, True, TTL),
+            ChargeCall(leds[1], 2, [tpm_bucket(t2, 100)], 64, True, TTL),  # only 26 fit
+            ChargeCall(leds[2], 1, [tpm_bucket(t3, 300, prev=True)], 64, False, TTL),
+            ChargeCall(leds[2], 2, [tpm_bucket(t3, 300, prev=True)], 64, False, TTL),
         ]
         if batched:
             got = await limiter.charge_many(items)
@@ -278,7 +278,7 @@ async def test_replayed_charge_batch_charges_nothing(
     charge answers its recorded grant."""
     t = tenant()
     leds = [await admit(limiter, t, str(i), 0) for i in range(20)]
-    items = [Charge(led, 1, [tpm_bucket(t, 10**9)], 50, False, TTL) for led in leds]
+    items = [ChargeCall(led, 1, [tpm_bucket(t, 10**9)], 50, False, TTL) for led in leds]
     first = await limiter.charge_many(items)
     again = await limiter.charge_many(items)
     assert [g.granted for g in first if g] == [50] * 20
@@ -293,11 +293,11 @@ async def test_charge_batcher_reports_every_charge(
     on_result, the counter exact, in far fewer calls than charges."""
     t = tenant()
     leds = [await admit(limiter, t, str(i), 0) for i in range(50)]
-    seen: list[Outcome[Charge, ChargeResult]] = []
+    seen: list[Outcome[ChargeCall, ChargeResult]] = []
     batcher = ChargeBatcher(limiter, BatchSettings(tick_s=0.005), on_result=seen.append)
     for seq in range(1, 5):
         for led in leds:
-            batcher.submit(Charge(led, seq, [tpm_bucket(t, 10**9)], 64, False, TTL))
+            batcher.submit(ChargeCall(led, seq, [tpm_bucket(t, 10**9)], 64, False, TTL))
         await asyncio.sleep(0)
     assert await batcher.wait_idle(10.0)
     assert len(seen) == 200 and all(o.result.granted == 64 for o in seen)

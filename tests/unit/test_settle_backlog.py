@@ -6,23 +6,23 @@ from __future__ import annotations
 import pytest
 
 from extproc.core.rules import Adjustment
-from extproc.limiter.base import Settlement
+from extproc.limiter.base import SettleCall
 from extproc.limiter.batch import Backlog, BatchSettings
 
 pytestmark = pytest.mark.unit
 
 
-def s(i: int) -> Settlement:
-    return Settlement(f"t:{{a}}:req:{i}", [Adjustment("t:{a}:tpm", -i, 1)], 60_000)
+def s(i: int) -> SettleCall:
+    return SettleCall(f"t:{{a}}:req:{i}", [Adjustment("t:{a}:tpm", -i, 1)], 60_000)
 
 
-def ledgers(items: list[Settlement]) -> list[str]:
+def ledgers(items: list[SettleCall]) -> list[str]:
     return [x.ledger for x in items]
 
 
 def test_first_settlement_waits_one_tick_for_others() -> None:
     """Nothing goes before a tick has passed since the first settlement; then all go at once."""
-    b = Backlog[Settlement, bool](BatchSettings(tick_s=0.01))
+    b = Backlog[SettleCall, bool](BatchSettings(tick_s=0.01))
     b.add(s(1), 100.0)
     b.add(s(2), 100.005)
     assert b.next_send_at() == pytest.approx(100.01)
@@ -35,7 +35,7 @@ def test_first_settlement_waits_one_tick_for_others() -> None:
 
 def test_batches_are_capped_and_the_rest_goes_at_once() -> None:
     """More than max_batch waiting: the first call takes max_batch, the rest is due right after."""
-    b = Backlog[Settlement, bool](BatchSettings(tick_s=0.01, max_batch=3, max_backlog=10))
+    b = Backlog[SettleCall, bool](BatchSettings(tick_s=0.01, max_batch=3, max_backlog=10))
     for i in range(5):
         b.add(s(i), 0.0)
     first = b.take(0.01)
@@ -47,7 +47,7 @@ def test_batches_are_capped_and_the_rest_goes_at_once() -> None:
 
 def test_arrivals_during_a_call_go_right_after_it() -> None:
     """What arrives while a batch is in flight is sent when it returns, without a new tick."""
-    b = Backlog[Settlement, bool](BatchSettings(tick_s=0.01))
+    b = Backlog[SettleCall, bool](BatchSettings(tick_s=0.01))
     b.add(s(1), 0.0)
     b.take(0.01)
     b.add(s(2), 0.012)
@@ -60,7 +60,7 @@ def test_arrivals_during_a_call_go_right_after_it() -> None:
 def test_failed_items_return_to_the_front_in_order_with_a_doubling_backoff() -> None:
     """Unsettled items go back before newer ones; each consecutive failure doubles the wait up
     to the maximum, and a success resets it."""
-    b = Backlog[Settlement, bool](BatchSettings(tick_s=0.0, backoff_s=0.1, max_backoff_s=0.3))
+    b = Backlog[SettleCall, bool](BatchSettings(tick_s=0.0, backoff_s=0.1, max_backoff_s=0.3))
     b.add(s(1), 0.0)
     b.add(s(2), 0.0)
     b.take(0.0)
@@ -82,7 +82,7 @@ def test_failed_items_return_to_the_front_in_order_with_a_doubling_backoff() -> 
 
 def test_a_full_backlog_drops_the_oldest_waiting_settlement() -> None:
     """At max_backlog the oldest waiting item is dropped and handed back to be logged."""
-    b = Backlog[Settlement, bool](BatchSettings(max_batch=2, max_backlog=3))
+    b = Backlog[SettleCall, bool](BatchSettings(max_batch=2, max_backlog=3))
     assert [b.add(s(i), 0.0) for i in range(3)] == [None, None, None]
     lost = b.add(s(3), 0.0)
     assert lost is not None and lost.ledger == s(0).ledger
@@ -93,7 +93,7 @@ def test_a_full_backlog_drops_the_oldest_waiting_settlement() -> None:
 
 def test_drain_returns_in_flight_and_waiting_items() -> None:
     """On shutdown, the batch in flight and the waiting ones are all handed back."""
-    b = Backlog[Settlement, bool](BatchSettings(tick_s=0.0))
+    b = Backlog[SettleCall, bool](BatchSettings(tick_s=0.0))
     b.add(s(1), 0.0)
     b.take(0.0)
     b.add(s(2), 0.0)
@@ -102,13 +102,13 @@ def test_drain_returns_in_flight_and_waiting_items() -> None:
 
 def test_result_count_must_match_the_batch() -> None:
     """A settler answering for the wrong number of items is a clear error, not a silent loss."""
-    b = Backlog[Settlement, bool]()
+    b = Backlog[SettleCall, bool]()
     b.add(s(1), 0.0)
     b.take(1.0)
     with pytest.raises(ValueError, match="2 results for a batch of 1"):
         b.finish([True, True], 1.0)
     with pytest.raises(RuntimeError, match="without a batch"):
-        Backlog[Settlement, bool]().finish([], 0.0)
+        Backlog[SettleCall, bool]().finish([], 0.0)
 
 
 @pytest.mark.parametrize(
