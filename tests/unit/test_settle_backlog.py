@@ -7,7 +7,7 @@ import pytest
 
 from extproc.core.rules import Adjustment
 from extproc.limiter.base import SettleCall
-from extproc.limiter.batch import Backlog, BatchSettings
+from extproc.limiter.batch import Backlog, Batcher, BatchSettings, Outcome
 
 pytestmark = pytest.mark.unit
 
@@ -125,3 +125,53 @@ def test_settings_reject_nonsense(kwargs: dict[str, float], message: str) -> Non
     """Negative ticks, empty batches, a backlog smaller than a batch, bad backoffs are refused."""
     with pytest.raises(ValueError, match=message):
         BatchSettings(**kwargs)  # type: ignore[arg-type]
+
+
+async def test_batcher_retries_a_call_that_raised_and_reports_each_item_once() -> None:
+    """A send that raises (a bug, not Redis) is retried after the backoff; every item is then
+    reported exactly once, in order, and a callback that raises does not stop the others."""
+    calls: list[list[str]] = []
+
+    async def send(batch: list[SettleCall]) -> list[bool | None]:
+        calls.append(ledgers(batch))
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return [True] * len(batch)
+
+    seen: list[str] = []
+
+    def on_result(o: Outcome[SettleCall, bool]) -> None:
+        seen.append(o.item.ledger)
+        if o.item.ledger == s(1).ledger:
+            raise ValueError("a broken callback")
+
+    b: Batcher[SettleCall, bool] = Batcher(
+        send, BatchSettings(tick_s=0.0, backoff_s=0.01), on_result=on_result
+    )
+    for i in range(3):
+        b.submit(s(i))
+    assert await b.wait_idle(5.0)
+    assert calls == [ledgers([s(0), s(1), s(2)])] * 2
+    assert seen == ledgers([s(0), s(1), s(2)])
+    assert b.backlog.failures == 0
+    assert await b.close(1.0) == []
+
+
+async def test_batcher_hands_back_what_was_never_taken_on_close() -> None:
+    """Redis never answers: close() returns every item still kept, and the full backlog's
+    overflow went to on_dropped."""
+
+    async def send(batch: list[SettleCall]) -> list[bool | None]:
+        return [None] * len(batch)
+
+    dropped: list[SettleCall] = []
+    b: Batcher[SettleCall, bool] = Batcher(
+        send,
+        BatchSettings(tick_s=0.0, max_batch=2, max_backlog=3, backoff_s=0.01),
+        on_dropped=dropped.append,
+    )
+    for i in range(5):
+        b.submit(s(i))
+    left = await b.close(0.1)
+    assert ledgers(dropped) == ledgers([s(0), s(1)])
+    assert sorted(ledgers(left)) == sorted(ledgers([s(2), s(3), s(4)]))
