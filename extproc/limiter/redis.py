@@ -374,7 +374,7 @@ class RedisLimiter:
         charge is idempotent by ledger and sequence number)."""
         out: list[ChargeResult | None] = [None] * len(items)
 
-        async def one(idx: list[int]) -> None:
+        async def one(idx: list[int]) -> bool:
             keys: list[str] = []
             args: list[Any] = [len(idx)]
             for i in idx:
@@ -384,9 +384,10 @@ class RedisLimiter:
                     "a stream charge", "charge", lambda: self._charge(keys=keys, args=args)
                 )
             except LimiterUnavailable:
-                return
+                return False
             for i, v in zip(idx, res, strict=True):
                 out[i] = _charge_result(v)
+            return True
 
         await self._per_slot([c.ledger for c in items], one)
         return out
@@ -416,7 +417,7 @@ class RedisLimiter:
         already settled, None its call failed (retrying it is harmless)."""
         out: list[bool | None] = [None] * len(items)
 
-        async def one(idx: list[int]) -> None:
+        async def one(idx: list[int]) -> bool:
             keys: list[str] = []
             args: list[Any] = [len(idx)]
             for i in idx:
@@ -426,32 +427,36 @@ class RedisLimiter:
                     "settlement", "settle", lambda: self._settle(keys=keys, args=args)
                 )
             except LimiterUnavailable:
-                return
+                return False
             for i, v in zip(idx, res, strict=True):
                 out[i] = bool(int(v))
+            return True
 
         await self._per_slot([s.ledger for s in items], one)
         return out
 
     async def _per_slot(
-        self, ledgers: list[str], call: Callable[[list[int]], Awaitable[None]]
+        self, ledgers: list[str], call: Callable[[list[int]], Awaitable[bool]]
     ) -> None:
         """Run ``call`` on the item indexes of each script call: one group per Cluster slot
-        (every item on a single server), at most :data:`MAX_ITEMS_PER_CALL` per call; several
-        calls run concurrently."""
+        (every item on a single server), at most :data:`MAX_ITEMS_PER_CALL` per call.  A
+        group's calls run one after another, in item order, and stop at the first that
+        fails (a ledger's items must apply in order: a later charge must not run before an
+        earlier one that will be retried); different slots run concurrently."""
         groups: dict[int, list[int]] = {}
         cluster = isinstance(self._client, RedisCluster)
         for i, ledger in enumerate(ledgers):
             groups.setdefault(key_slot(ledger.encode()) if cluster else 0, []).append(i)
-        calls = [
-            idx[start : start + MAX_ITEMS_PER_CALL]
-            for idx in groups.values()
-            for start in range(0, len(idx), MAX_ITEMS_PER_CALL)
-        ]
-        if len(calls) == 1:
-            await call(calls[0])
-        elif calls:
-            await asyncio.gather(*(call(c) for c in calls))
+
+        async def in_order(idx: list[int]) -> None:
+            for start in range(0, len(idx), MAX_ITEMS_PER_CALL):
+                if not await call(idx[start : start + MAX_ITEMS_PER_CALL]):
+                    return
+
+        if len(groups) == 1:
+            await in_order(next(iter(groups.values())))
+        elif groups:
+            await asyncio.gather(*(in_order(idx) for idx in groups.values()))
 
     async def renew(
         self, ledgers: list[str], until_ms: int, *, held: dict[str, list[str]] | None = None

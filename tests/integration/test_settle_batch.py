@@ -307,3 +307,18 @@ async def test_charge_batcher_reports_every_charge(
     assert batcher.calls <= 200 // 16
     assert redis_server.client().get(f"{t}:tpm") == str(64 * 200)
     await batcher.close(1.0)
+
+
+async def test_one_streams_charges_apply_in_order_across_calls(
+    limiter: RedisLimiter, redis_server: RedisServer
+) -> None:
+    """150 consecutive charges of one stream span three script calls: they run in order, so
+    every one is granted (a later call running first would make the earlier ones replays)."""
+    t = tenant()
+    led = await admit(limiter, t, "long", 0)
+    items = [ChargeCall(led, seq, [tpm_bucket(t, 10**9)], 8, False, TTL) for seq in range(1, 151)]
+    before = limiter.round_trips
+    got = await limiter.charge_many(items)
+    assert limiter.round_trips - before == 3
+    assert [g.granted if g else None for g in got] == [8] * 150
+    assert redis_server.client().get(f"{t}:tpm") == str(8 * 150)
