@@ -22,7 +22,8 @@ from extproc.clock import Clock
 from extproc.config.runtime import RuntimeConfig
 from extproc.core.apis.base import ApiFormat
 from extproc.errors import LimiterUnavailable
-from extproc.limiter.base import Limiter
+from extproc.limiter.base import Limiter, SettleCall
+from extproc.limiter.batch import Outcome, SettlementBatcher
 from extproc.limiter.kept import SettlementQueue
 from extproc.metrics import Metrics
 
@@ -63,6 +64,8 @@ class Gateway:
     count_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))
     _serial: itertools.count[int] = field(default_factory=itertools.count)
     _settlements: SettlementQueue | None = None
+    # Settlements go to Redis many per call, from one background task (when the limiter can)
+    _batcher: SettlementBatcher | None = None
     # Open reservations are leased (``failure.reservation_lease_seconds``) and renewed every
     # third of it while their request runs; a processor that dies stops renewing, and the
     # tenant's next admission refunds what it had reserved (the bound on what a SIGKILL leaks).
@@ -109,6 +112,38 @@ class Gateway:
         if self._settlements is None:
             self._settlements = SettlementQueue(self.limiter, self.metrics)
         return self._settlements
+
+    @property
+    def settle_batcher(self) -> SettlementBatcher | None:
+        """The settlement batcher, when the limiter settles many per call (started lazily,
+        in a context of its own)."""
+        if self._batcher is None:
+            if not hasattr(self.limiter, "settle_many"):
+                return None
+            self._batcher = SettlementBatcher(
+                self.limiter,  # type: ignore[arg-type]
+                on_result=self._settled,
+                on_dropped=self._settlement_dropped,
+            )
+        return self._batcher
+
+    def submit_settlement(self, call: SettleCall) -> None:
+        """Queue a settlement for the next batch (never blocks), in the batcher's own context."""
+        batcher = self.settle_batcher
+        assert batcher is not None
+        contextvars.Context().run(batcher.submit, call)
+        self.metrics.settlement_backlog.set(len(batcher))
+
+    def _settled(self, outcome: Outcome[SettleCall, bool]) -> None:
+        if outcome.result:
+            self.metrics.settlements.labels("applied").inc()
+        else:  # our own retried call found it applied (it never applies twice)
+            self.metrics.duplicate_hits.labels("settle").inc()
+        if self._batcher is not None:
+            self.metrics.settlement_backlog.set(len(self._batcher))
+
+    def _settlement_dropped(self, call: SettleCall) -> None:
+        self.metrics.settlements.labels("dropped").inc()
 
     def track(self, task: asyncio.Task[Any]) -> None:
         """Keep a background task alive until it ends (settlements are drained on shutdown)."""
@@ -162,5 +197,13 @@ class Gateway:
         """Wait for in-flight settlements, then retry the kept ones once more."""
         if self.pending:
             await asyncio.wait(list(self.pending), timeout=grace_s)
+        if self._batcher is not None:
+            left = await self._batcher.close(grace_s)
+            if left:
+                log.error(
+                    "settlements_lost_on_shutdown",
+                    count=len(left),
+                    ledgers=[c.ledger for c in left[:20]],
+                )
         if self._settlements is not None:
             await self._settlements.flush(grace_s)

@@ -17,10 +17,11 @@ import structlog
 
 from extproc.config.runtime import RuntimeConfig
 from extproc.core.lifecycle import Ending
-from extproc.core.rules import Usage
+from extproc.core.rules import Adjustment, Usage
 from extproc.core.session import Figure, Session, Settlement, StreamEnd
 from extproc.errors import LimiterUnavailable
 from extproc.gateway import Gateway
+from extproc.limiter.base import SettleCall
 from extproc.limiter.kept import Kept
 from extproc.records.model import UsageRecord, record_id_for
 
@@ -88,6 +89,19 @@ async def settle(gw: Gateway, cfg: RuntimeConfig, s: Session, stream: StreamEnd 
     # Called even with nothing to correct: the ledger is marked settled, so it is never
     # reclaimed as abandoned and a replay is a no-op.
     ttl = cfg.ledger_ttl_seconds * 1000
+    if gw.settle_batcher is not None:
+        # many requests' settlements per Redis call, retried until Redis takes them
+        gw.submit_settlement(SettleCall(s.ledger, adjustments, ttl, unconfirmed=s.unconfirmed))
+    else:
+        await _settle_now(gw, s, adjustments, ttl, delta)
+    _count_tokens(gw, s, result, total)
+    _log_settled(s, result, total, delta)
+
+
+async def _settle_now(
+    gw: Gateway, s: Session, adjustments: list[Adjustment], ttl: int, delta: int
+) -> None:
+    """One settlement, one call (a limiter that cannot batch); kept for retry on failure."""
     try:
         if await gw.limiter.settle(
             s.ledger, adjustments, ledger_ttl_ms=ttl, unconfirmed=s.unconfirmed
@@ -101,6 +115,9 @@ async def settle(gw: Gateway, cfg: RuntimeConfig, s: Session, stream: StreamEnd 
             Kept(s.ledger, adjustments, ttl, s.request_id, unconfirmed=s.unconfirmed)
         )
         log.warning("settlement_deferred", request_id=s.request_id, delta=delta)
+
+
+def _count_tokens(gw: Gateway, s: Session, result: Settlement, total: int) -> None:
     gw.metrics.tokens.labels("net").inc(max(0, total))
     final = result.usage
     if s.model is not None:
@@ -112,7 +129,6 @@ async def settle(gw: Gateway, cfg: RuntimeConfig, s: Session, stream: StreamEnd 
         ):
             if n:
                 gw.metrics.model_tokens.labels(s.model.name, kind).inc(n)
-    _log_settled(s, result, total, delta)
 
 
 def _record(gw: Gateway, s: Session, result: Settlement, now_ms: int) -> None:
