@@ -57,6 +57,7 @@ from extproc.gateway import Gateway
 from extproc.limiter.base import Limiter
 from extproc.limiter.redis import RedisLimiter
 from extproc.metrics import Metrics
+from extproc.ports import ListenError, add_grpc_port, serve_metrics
 from extproc.records.writer import make_recorder
 from extproc.server.servicer import ExternalProcessorServicer
 from extproc.settings import Settings
@@ -222,25 +223,30 @@ async def start(
     )
     gw.install(cfg, version)
     admin = None
-    if config is None and limiter is None and settings.admin_store:
-        admin = await _start_admin(settings, gw)
-    options = [("grpc.so_reuseport", 1 if settings.workers > 1 or settings.reuse_port else 0)]
-    server = grpc.aio.server(options=options)
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessorServicer(gw), server)
-    _add_usage_service(server, gw)
-    health = health_aio.HealthServicer()
-    for name in (*_HEALTH_NAMES, REDIS_HEALTH):
-        await health.set(name, _NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    rls, rls_server, rls_port = _start_rls(
-        settings, lim, clk, mets, server=server, options=options, health=health
-    )
-    port = server.add_insecure_port(settings.grpc_address)
-    if port == 0:
-        raise OSError(f"cannot listen on {settings.grpc_address} (address in use?)")
-    await server.start()
-    if rls_server is not None:
-        await rls_server.start()
+    rls = None
+    try:
+        if config is None and limiter is None and settings.admin_store:
+            admin = await _start_admin(settings, gw)
+        options = [("grpc.so_reuseport", 1 if settings.workers > 1 or settings.reuse_port else 0)]
+        server = grpc.aio.server(options=options)
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessorServicer(gw), server)
+        _add_usage_service(server, gw)
+        health = health_aio.HealthServicer()
+        for name in (*_HEALTH_NAMES, REDIS_HEALTH):
+            await health.set(name, _NOT_SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        rls, rls_server, rls_port = _start_rls(
+            settings, lim, clk, mets, server=server, options=options, health=health
+        )
+        port = add_grpc_port(server, settings.grpc_address, what="ext_proc gRPC API")
+        await server.start()
+        if rls_server is not None:
+            await rls_server.start()
+    except BaseException:
+        # What was built so far holds connections and tasks: close it, or the process hangs
+        # on its way out instead of reporting the error.
+        await _close_partial(gw, admin, rls)
+        raise
     # Everything loaded so far (config, tokenizers, protobuf classes) lives for the whole
     # process: keep it out of the collector's full passes.
     gc.collect()
@@ -301,17 +307,32 @@ def _start_rls(
             key_prefix=settings.key_prefix,
         ),
     )
-    rls.start_watching(settings.rls_watch_s)
     if not settings.rls_address:
         add_rls_service(server, rls)
+        rls.start_watching(settings.rls_watch_s)
         return rls, None, 0
     own = grpc.aio.server(options=options)
     add_rls_service(own, rls)
     health_pb2_grpc.add_HealthServicer_to_server(health, own)
-    port = own.add_insecure_port(settings.rls_address)
-    if port == 0:
-        raise OSError(f"cannot listen on {settings.rls_address} (address in use?)")
+    port = add_grpc_port(own, settings.rls_address, what="RLS API")
+    rls.start_watching(settings.rls_watch_s)  # once bound: a failed start leaves no task
     return rls, own, port
+
+
+async def _close_partial(gw: Gateway, admin: Any, rls: Any = None) -> None:
+    """Close what a failed ``start`` had built (admin store follower, RLS config watch,
+    recorder, limiter)."""
+    if admin is not None:
+        with contextlib.suppress(Exception):
+            await admin.close()
+    if rls is not None:
+        with contextlib.suppress(Exception):
+            await rls.close()
+    if gw.recorder is not None:
+        with contextlib.suppress(Exception):
+            await gw.recorder.close(0.0)
+    with contextlib.suppress(Exception):
+        await gw.limiter.close()
 
 
 async def _start_admin(settings: Settings, gw: Gateway) -> Any:
@@ -365,13 +386,13 @@ async def serve_forever(settings: Settings) -> int:
     streams."""
     running = await start(settings)
     if settings.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(
-            settings.metrics_port,
-            addr=settings.metrics_host,
-            registry=running.gateway.metrics.registry,
-        )
+        try:
+            serve_metrics(
+                settings.metrics_port, settings.metrics_host, running.gateway.metrics.registry
+            )
+        except ListenError:
+            await running.stop(0.0)  # nothing was served yet: close what start() opened
+            raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
