@@ -6,7 +6,9 @@ NOT_SERVING until the rules are loaded and Redis has answered once, then SERVING
 outage does not flip them (every replica shares Redis: taking every replica out would fail all
 traffic, where the plans' ``failure_mode`` decides per plan).  The service ``aiquota.v1.Redis``
 reports whether this replica's Redis answers now (a PING every 2 s), for whoever wants to watch
-or gate on it.
+or gate on it; the gauge ``aiq_redis_reachable`` follows it (an idle replica sees Redis go too).
+The service ``aiquota.v1.Config`` reports NOT_SERVING while the last SIGHUP reload failed (the
+replica runs its previous rules; gauge ``aiq_config_reload_failed``), SERVING once rules load.
 
 Shutdown (SIGTERM/SIGINT), in order:
 
@@ -71,6 +73,8 @@ RLS_SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 _HEALTH_NAMES = ("", EXT_PROC_SERVICE, RLS_SERVICE)
 #: The health name that follows Redis (SERVING while it answers a PING).
 REDIS_HEALTH = "aiquota.v1.Redis"
+#: The health name that follows the rules file: NOT_SERVING while the last reload failed.
+CONFIG_HEALTH = "aiquota.v1.Config"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -118,11 +122,24 @@ class Running:
     rls: Any = None  # extproc.rls.service.RlsRuntime: the RLS API's config and counters
     rls_server: Any = None  # the RLS API's own server when AIQ_RLS_ADDRESS is set
     rls_port: int = 0
+    _health_updates: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def set_serving(self, serving: bool) -> None:
         """Report SERVING or NOT_SERVING on every health name we answer for."""
         for name in _HEALTH_NAMES:
             await self.health.set(name, _SERVING if serving else _NOT_SERVING)
+
+    def note_reload(self, ok: bool) -> None:
+        """A rules reload worked or failed: the gauge and the ``aiquota.v1.Config`` health."""
+        self.gateway.metrics.config_reload_failed.set(0 if ok else 1)
+        try:
+            task = asyncio.get_running_loop().create_task(
+                self.health.set(CONFIG_HEALTH, _SERVING if ok else _NOT_SERVING)
+            )
+        except RuntimeError:  # no event loop (a synchronous caller): the gauge alone
+            return
+        self._health_updates.add(task)
+        task.add_done_callback(self._health_updates.discard)
 
     async def wait_ready(self, interval_s: float = 0.5, watch_s: float = 2.0) -> None:
         """NOT_SERVING until Redis answers a PING, then SERVING; from then on
@@ -133,6 +150,7 @@ class Running:
             ok = ping is None or await ping()
             if ok != redis_ok:
                 await self.health.set(REDIS_HEALTH, _SERVING if ok else _NOT_SERVING)
+                self.gateway.metrics.redis_reachable.set(1 if ok else 0)
                 if ready:
                     (log.info if ok else log.warning)("redis_health", serving=ok)
                 redis_ok = ok
@@ -234,6 +252,7 @@ async def start(
         health = health_aio.HealthServicer()
         for name in (*_HEALTH_NAMES, REDIS_HEALTH):
             await health.set(name, _NOT_SERVING)
+        await health.set(CONFIG_HEALTH, _SERVING)  # the rules loaded, or start() failed
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         rls, rls_server, rls_port = _start_rls(
             settings, lim, clk, mets, server=server, options=options, health=health
@@ -367,10 +386,12 @@ def reload_rules(running: Running, path: str) -> bool:
         if isinstance(exc.__cause__, TokenizerLoadError):
             metrics.tokenizer_load_failures.inc()
         log.error("config_reload_failed", error=str(exc))
+        running.note_reload(False)
         return False
     running.gateway.install(cfg, version)
     apply_failure_settings(running.gateway.limiter, cfg)
     metrics.config_reloads.labels("ok").inc()
+    running.note_reload(True)
     log.info(
         "config_reloaded",
         config=path,
