@@ -1,7 +1,7 @@
 """The admin API on the real stack: a key created with ``ai-quota admin`` works through Envoy
 with the openai SDK on both processor replicas (each replica's metrics show it served), and
 each refuses it (401) once it is revoked.  The 1 s propagation bound is the bench's to measure
-(``scripts/bench --sections admin``), not a test's."""
+(``scripts/bench --only admin``), not a test's."""
 
 from __future__ import annotations
 

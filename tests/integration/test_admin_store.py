@@ -71,7 +71,7 @@ class Replica:
 
 
 #: How long a test waits for an event before failing: generous, the machine may be busy.  The
-#: 1 s propagation bound of docs/admin.md is measured by the bench (``--sections admin``).
+#: 1 s propagation bound of docs/admin.md is measured by the bench (``scripts/bench --only admin``).
 EVENT_S = 15.0
 
 
