@@ -132,7 +132,7 @@ def route(cfg: RuntimeConfig, path: str, method: str) -> tuple[Route, ApiFormat 
     api = api_for_path(path) if method == "POST" else None
     if api is not None:
         return "metered", api
-    if path_allowed(path, cfg.allowed_paths) or path_allowed(path, cfg.public_paths):
+    if path_allowed(path, cfg.allowed_paths):
         return "pass", None
     policy = cfg.other_paths
     if policy == "reject":
@@ -145,11 +145,11 @@ def route(cfg: RuntimeConfig, path: str, method: str) -> tuple[Route, ApiFormat 
 
 
 def public_path(cfg: RuntimeConfig, path: str, method: str) -> bool:
-    """Whether ``path`` passes without an identity: listed in ``paths.public`` and not a
-    metered API call."""
+    """Whether ``path`` passes without an identity: allow-listed (``paths.allow``), listed in
+    ``paths.public`` too, and not a metered API call."""
     if method == "POST" and api_for_path(path) is not None:
         return False
-    return path_allowed(path, cfg.public_paths)
+    return path_allowed(path, cfg.allowed_paths) and path_allowed(path, cfg.public_paths)
 
 
 def presented_key(h: dict[str, str]) -> str:

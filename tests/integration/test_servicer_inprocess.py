@@ -280,6 +280,17 @@ async def test_an_empty_public_list_makes_allow_listed_paths_need_a_key() -> Non
         assert r.WhichOneof("response") == "request_headers"
 
 
+async def test_a_public_path_left_out_of_allow_is_not_public() -> None:
+    """paths.allow: [] with the default public list: /v1/models follows paths.other (404
+    with reject) for a caller with a key, and stays a 401 without one."""
+    rules = RULES.replace("paths: {other: %s}", "paths: {other: reject, allow: []}")
+    async for s in serve(rules=rules):
+        [r] = await Call(s.stub).send(req_headers(path="/v1/models", key="", **{":method": "GET"}))
+        assert immediate(r)[0] == 401
+        [r] = await Call(s.stub).send(req_headers(path="/v1/models", **{":method": "GET"}))
+        assert immediate(r)[0] == 404
+
+
 async def test_rpm_only_counts_one_request() -> None:
     async for s in serve("rpm_only"):
         c = Call(s.stub)
