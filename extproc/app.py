@@ -6,7 +6,9 @@ NOT_SERVING until the rules are loaded and Redis has answered once, then SERVING
 outage does not flip them (every replica shares Redis: taking every replica out would fail all
 traffic, where the plans' ``failure_mode`` decides per plan).  The service ``aiquota.v1.Redis``
 reports whether this replica's Redis answers now (a PING every 2 s), for whoever wants to watch
-or gate on it.
+or gate on it; the gauge ``aiq_redis_reachable`` follows it (an idle replica sees Redis go too).
+The service ``aiquota.v1.Config`` reports NOT_SERVING while the last SIGHUP reload failed (the
+replica runs its previous rules; gauge ``aiq_config_reload_failed``), SERVING once rules load.
 
 Shutdown (SIGTERM/SIGINT), in order:
 
@@ -57,6 +59,7 @@ from extproc.gateway import Gateway
 from extproc.limiter.base import Limiter
 from extproc.limiter.redis import RedisLimiter
 from extproc.metrics import Metrics
+from extproc.ports import ListenError, add_grpc_port, serve_metrics
 from extproc.records.writer import make_recorder
 from extproc.server.servicer import ExternalProcessorServicer
 from extproc.settings import Settings
@@ -70,6 +73,8 @@ RLS_SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 _HEALTH_NAMES = ("", EXT_PROC_SERVICE, RLS_SERVICE)
 #: The health name that follows Redis (SERVING while it answers a PING).
 REDIS_HEALTH = "aiquota.v1.Redis"
+#: The health name that follows the rules file: NOT_SERVING while the last reload failed.
+CONFIG_HEALTH = "aiquota.v1.Config"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -117,11 +122,24 @@ class Running:
     rls: Any = None  # extproc.rls.service.RlsRuntime: the RLS API's config and counters
     rls_server: Any = None  # the RLS API's own server when AIQ_RLS_ADDRESS is set
     rls_port: int = 0
+    _health_updates: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def set_serving(self, serving: bool) -> None:
         """Report SERVING or NOT_SERVING on every health name we answer for."""
         for name in _HEALTH_NAMES:
             await self.health.set(name, _SERVING if serving else _NOT_SERVING)
+
+    def note_reload(self, ok: bool) -> None:
+        """A rules reload worked or failed: the gauge and the ``aiquota.v1.Config`` health."""
+        self.gateway.metrics.config_reload_failed.set(0 if ok else 1)
+        try:
+            task = asyncio.get_running_loop().create_task(
+                self.health.set(CONFIG_HEALTH, _SERVING if ok else _NOT_SERVING)
+            )
+        except RuntimeError:  # no event loop (a synchronous caller): the gauge alone
+            return
+        self._health_updates.add(task)
+        task.add_done_callback(self._health_updates.discard)
 
     async def wait_ready(self, interval_s: float = 0.5, watch_s: float = 2.0) -> None:
         """NOT_SERVING until Redis answers a PING, then SERVING; from then on
@@ -132,6 +150,7 @@ class Running:
             ok = ping is None or await ping()
             if ok != redis_ok:
                 await self.health.set(REDIS_HEALTH, _SERVING if ok else _NOT_SERVING)
+                self.gateway.metrics.redis_reachable.set(1 if ok else 0)
                 if ready:
                     (log.info if ok else log.warning)("redis_health", serving=ok)
                 redis_ok = ok
@@ -222,25 +241,31 @@ async def start(
     )
     gw.install(cfg, version)
     admin = None
-    if config is None and limiter is None and settings.admin_store:
-        admin = await _start_admin(settings, gw)
-    options = [("grpc.so_reuseport", 1 if settings.workers > 1 or settings.reuse_port else 0)]
-    server = grpc.aio.server(options=options)
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessorServicer(gw), server)
-    _add_usage_service(server, gw)
-    health = health_aio.HealthServicer()
-    for name in (*_HEALTH_NAMES, REDIS_HEALTH):
-        await health.set(name, _NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    rls, rls_server, rls_port = _start_rls(
-        settings, lim, clk, mets, server=server, options=options, health=health
-    )
-    port = server.add_insecure_port(settings.grpc_address)
-    if port == 0:
-        raise OSError(f"cannot listen on {settings.grpc_address} (address in use?)")
-    await server.start()
-    if rls_server is not None:
-        await rls_server.start()
+    rls = None
+    try:
+        if config is None and limiter is None and settings.admin_store:
+            admin = await _start_admin(settings, gw)
+        options = [("grpc.so_reuseport", 1 if settings.workers > 1 or settings.reuse_port else 0)]
+        server = grpc.aio.server(options=options)
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessorServicer(gw), server)
+        _add_usage_service(server, gw)
+        health = health_aio.HealthServicer()
+        for name in (*_HEALTH_NAMES, REDIS_HEALTH):
+            await health.set(name, _NOT_SERVING)
+        await health.set(CONFIG_HEALTH, _SERVING)  # the rules loaded, or start() failed
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        rls, rls_server, rls_port = _start_rls(
+            settings, lim, clk, mets, server=server, options=options, health=health
+        )
+        port = add_grpc_port(server, settings.grpc_address, what="ext_proc gRPC API")
+        await server.start()
+        if rls_server is not None:
+            await rls_server.start()
+    except BaseException:
+        # What was built so far holds connections and tasks: close it, or the process hangs
+        # on its way out instead of reporting the error.
+        await _close_partial(gw, admin, rls)
+        raise
     # Everything loaded so far (config, tokenizers, protobuf classes) lives for the whole
     # process: keep it out of the collector's full passes.
     gc.collect()
@@ -301,17 +326,32 @@ def _start_rls(
             key_prefix=settings.key_prefix,
         ),
     )
-    rls.start_watching(settings.rls_watch_s)
     if not settings.rls_address:
         add_rls_service(server, rls)
+        rls.start_watching(settings.rls_watch_s)
         return rls, None, 0
     own = grpc.aio.server(options=options)
     add_rls_service(own, rls)
     health_pb2_grpc.add_HealthServicer_to_server(health, own)
-    port = own.add_insecure_port(settings.rls_address)
-    if port == 0:
-        raise OSError(f"cannot listen on {settings.rls_address} (address in use?)")
+    port = add_grpc_port(own, settings.rls_address, what="RLS API")
+    rls.start_watching(settings.rls_watch_s)  # once bound: a failed start leaves no task
     return rls, own, port
+
+
+async def _close_partial(gw: Gateway, admin: Any, rls: Any = None) -> None:
+    """Close what a failed ``start`` had built (admin store follower, RLS config watch,
+    recorder, limiter)."""
+    if admin is not None:
+        with contextlib.suppress(Exception):
+            await admin.close()
+    if rls is not None:
+        with contextlib.suppress(Exception):
+            await rls.close()
+    if gw.recorder is not None:
+        with contextlib.suppress(Exception):
+            await gw.recorder.close(0.0)
+    with contextlib.suppress(Exception):
+        await gw.limiter.close()
 
 
 async def _start_admin(settings: Settings, gw: Gateway) -> Any:
@@ -346,10 +386,12 @@ def reload_rules(running: Running, path: str) -> bool:
         if isinstance(exc.__cause__, TokenizerLoadError):
             metrics.tokenizer_load_failures.inc()
         log.error("config_reload_failed", error=str(exc))
+        running.note_reload(False)
         return False
     running.gateway.install(cfg, version)
     apply_failure_settings(running.gateway.limiter, cfg)
     metrics.config_reloads.labels("ok").inc()
+    running.note_reload(True)
     log.info(
         "config_reloaded",
         config=path,
@@ -365,13 +407,13 @@ async def serve_forever(settings: Settings) -> int:
     streams."""
     running = await start(settings)
     if settings.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(
-            settings.metrics_port,
-            addr=settings.metrics_host,
-            registry=running.gateway.metrics.registry,
-        )
+        try:
+            serve_metrics(
+                settings.metrics_port, settings.metrics_host, running.gateway.metrics.registry
+            )
+        except ListenError:
+            await running.stop(0.0)  # nothing was served yet: close what start() opened
+            raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -18,6 +18,12 @@ docs/operations.md):
   retried on another replica (``previous_hosts`` predicate).  Envoy buffers the stream's messages
   for that (``setBufferBodyForRetry``); once the processor has answered, a failure is not
   retried (the request may already be admitted).
+
+Trusted identity headers (the ``header`` identity source, docs/identity.md): the first HTTP
+filter is a ``header_mutation`` that removes ``trusted_headers`` from every client request, so
+only a filter placed after it (``identity_filters``: ext_authz, Lua, ...) can set them before
+ext_proc reads them.  A route's ``request_headers_to_remove`` would not do: the router applies it
+after every filter, ext_proc included, has seen the client's value.
 """
 
 from __future__ import annotations
@@ -44,6 +50,10 @@ ACCESS_LOG_FORMAT: dict[str, str] = {
 }
 
 
+#: The header identity source's default header names (extproc.config.schema.HeaderIdentity).
+DEFAULT_TRUSTED_HEADERS = ("x-authenticated-tenant", "x-authenticated-user")
+
+
 @dataclass(frozen=True)
 class EnvoyPorts:
     """Where Envoy listens and what it talks to."""
@@ -63,6 +73,11 @@ class EnvoyPorts:
     # Identity from a JWT: Envoy's jwt_authn verifies it against a local JWKS file and puts the
     # payload in metadata, which ext_proc forwards to the processor (docs/identity.md).
     jwt: JwtAuth | None = None
+    # Identity headers only a filter of ours may set (identity.header in the rules): removed
+    # from every client request before any other filter runs.
+    trusted_headers: tuple[str, ...] = DEFAULT_TRUSTED_HEADERS
+    # Filters that set them (ext_authz, Lua, ...): placed after the removal, before ext_proc.
+    identity_filters: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,6 +125,17 @@ def _jwt_filter(j: JwtAuth) -> dict[str, Any]:
     }
 
 
+def _strip_headers(names: tuple[str, ...]) -> dict[str, Any]:
+    """The first filter: client-sent copies of the trusted identity headers are removed."""
+    return {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {"request_mutations": [{"remove": n.lower()} for n in names]},
+        },
+    }
+
+
 def _decompressor(direction: str) -> dict[str, Any]:
     """gzip decoding for one direction: requests before ext_proc reads them, responses
     before it meters them (the processor still decodes what slips past, see core/encoding)."""
@@ -138,6 +164,10 @@ def _decompressor(direction: str) -> dict[str, Any]:
 
 def _hcm(name: str, with_filter: bool, p: EnvoyPorts) -> dict[str, Any]:
     filters: list[dict[str, Any]] = []
+    if with_filter and p.trusted_headers:
+        filters.append(_strip_headers(p.trusted_headers))
+    if with_filter:
+        filters.extend(p.identity_filters)
     if with_filter and p.jwt is not None:
         filters.append(_jwt_filter(p.jwt))
     if with_filter:

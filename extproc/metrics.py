@@ -108,6 +108,12 @@ class Metrics:
         self.redis_pool_in_use = Gauge(
             "aiq_redis_pool_in_use", "Redis connections checked out of the pool", registry=r
         )
+        self.redis_reachable = Gauge(
+            "aiq_redis_reachable",
+            "1 while this replica's Redis answers its health PING (every 2 s; the "
+            "aiquota.v1.Redis health state), else 0; traffic or not",
+            registry=r,
+        )
         self.breaker_state = Gauge(
             "aiq_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", registry=r
         )
@@ -120,6 +126,12 @@ class Metrics:
         )
         self.config_reloads = Counter(
             "aiq_config_reloads", "Rules reloads by outcome", ["outcome"], registry=r
+        )
+        self.config_reload_failed = Gauge(
+            "aiq_config_reload_failed",
+            "1 while the last rules reload (SIGHUP) failed and the replica runs its previous "
+            "rules (the aiquota.v1.Config health state), 0 once rules load",
+            registry=r,
         )
         self.config_reload_time = Gauge(
             "aiq_config_last_reload_timestamp_seconds",

@@ -34,7 +34,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from extproc.envoy_config import EnvoyPorts, JwtAuth, render_yaml
 
@@ -131,6 +131,8 @@ class Stack:
     baseline_port: int = 0
     # Envoy verifies JWTs with this provider (identity from jwt_authn metadata).
     envoy_jwt: JwtAuth | None = None
+    # Envoy filters that set the trusted identity headers (after Envoy removed the client's).
+    envoy_identity_filters: tuple[dict[str, Any], ...] = ()
     # Benchmarks: run this command instead of ``python -m extproc serve`` for each processor
     # (it reads the same AIQ_* environment, e.g. a do-nothing processor or ``serve --workers 2``).
     extproc_argv: Sequence[str] = ()
@@ -304,6 +306,7 @@ class Stack:
                     extprocs=tuple(("127.0.0.1", p) for p in self.extproc_ports),
                     with_baseline_listener=self.baseline_port + i if self.baseline_port else 0,
                     jwt=self.envoy_jwt,
+                    identity_filters=self.envoy_identity_filters,
                 )
                 path = self.workdir / f"envoy{i}.yaml"
                 path.write_text(render_yaml(cfg))

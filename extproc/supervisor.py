@@ -111,15 +111,15 @@ class Supervisor:
         log.info("worker_started", worker=w.index, pid=w.popen.pid, address=w.address)
 
     def _serve_metrics(self) -> None:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
         from prometheus_client.multiprocess import MultiProcessCollector
+
+        from extproc.ports import serve_metrics
 
         assert self._multiproc_dir is not None
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=self._multiproc_dir)  # type: ignore[no-untyped-call]
-        start_http_server(
-            self.settings.metrics_port, addr=self.settings.metrics_host, registry=registry
-        )
+        serve_metrics(self.settings.metrics_port, self.settings.metrics_host, registry)
 
     def _on_exit(self, w: Worker, code: int) -> None:
         assert w.popen is not None

@@ -14,6 +14,7 @@ from extproc._gen.aiquota.v1 import admin_pb2_grpc
 from extproc.admin.auth import BearerAuth, TokenFile, check_listen, server_credentials
 from extproc.admin.errors import AdminConfigError
 from extproc.admin.service import AdminServicer
+from extproc.ports import add_grpc_port
 
 log = structlog.get_logger("extproc.admin")
 
@@ -63,13 +64,8 @@ async def start_admin_server(
     )
     admin_pb2_grpc.add_AdminServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    if tls_cert and tls_key:
-        creds = server_credentials(tls_cert, tls_key, tls_client_ca)
-        bound = server.add_secure_port(address, creds)
-    else:
-        bound = server.add_insecure_port(address)
-    if bound == 0:
-        raise OSError(f"cannot listen on {address} for the admin API (address in use?)")
+    creds = server_credentials(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None
+    bound = add_grpc_port(server, address, what="admin API", credentials=creds)
     await server.start()
     log.info(
         "admin_serving",

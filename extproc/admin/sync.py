@@ -66,6 +66,7 @@ class StoreSync:
         self._failed_version = -1
         self._installed_at = 0.0
         self._down = False
+        self._stopping = False
 
     async def start(self, timeout_s: float = 1.0) -> None:
         """Load the snapshot (Redis not answering within ``timeout_s``: start with the file
@@ -83,6 +84,7 @@ class StoreSync:
 
     async def stop(self) -> None:
         """Stop following the store."""
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
         if self._tasks:
@@ -175,14 +177,16 @@ class StoreSync:
 
     async def _listen(self) -> None:
         # On Redis Cluster the subscription is on the node the channel hashes to; PUBLISH
-        # reaches every node of the cluster, so any node would do.
-        while True:
+        # reaches every node of the cluster, so any node would do.  The loop also ends on
+        # ``_stopping``: redis-py's pubsub read can swallow a cancellation (its own read
+        # timeout firing at the same moment), and a task that lives on holds the process.
+        while not self._stopping:
             pubsub: Any = None
             try:
                 pubsub = self.store.client.pubsub()
                 await pubsub.subscribe(self.store.channel)
                 await self.refresh()  # whatever changed while not subscribed
-                while True:
+                while not self._stopping:
                     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if msg is not None:
                         await self.refresh()

@@ -29,6 +29,13 @@ def configure_parser(e: argparse.ArgumentParser) -> None:
         action="store_true",
         help="refuse requests without a valid token in Envoy (default: API keys still work)",
     )
+    e.add_argument(
+        "--trusted-header",
+        action="append",
+        help="an identity header only Envoy's own filters may set (identity.header in the rules): "
+        "removed from client requests first (repeatable; default x-authenticated-tenant and "
+        "x-authenticated-user)",
+    )
 
 
 def _addresses(values: list[str]) -> tuple[tuple[str, int], ...]:
@@ -42,7 +49,7 @@ def _addresses(values: list[str]) -> tuple[tuple[str, int], ...]:
 
 def run(args: argparse.Namespace) -> int:
     """Print an Envoy bootstrap for the given ports."""
-    from extproc.envoy_config import EnvoyPorts, JwtAuth, render_yaml
+    from extproc.envoy_config import DEFAULT_TRUSTED_HEADERS, EnvoyPorts, JwtAuth, render_yaml
 
     text = render_yaml(
         EnvoyPorts(
@@ -52,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
             upstreams=_addresses(args.upstream or ["127.0.0.1:18080"]),
             extprocs=_addresses(args.extproc or ["127.0.0.1:50051"]),
             max_body_bytes=args.max_body_bytes,
+            trusted_headers=tuple(args.trusted_header or DEFAULT_TRUSTED_HEADERS),
             jwt=JwtAuth(
                 issuer=args.jwt_issuer,
                 jwks_path=args.jwks_file,

@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from extproc.app import serve_forever
     from extproc.config import ConfigError
     from extproc.logs import configure_logging
+    from extproc.ports import ListenError
     from extproc.rls.config import RlsConfigError
     from extproc.settings import Settings, SettingsError
 
@@ -107,7 +108,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     configure_logging(settings.log_format, settings.log_level)
     if settings.workers > 1:
-        return _serve_workers(settings, port_per_worker=bool(args.port_per_worker))
+        try:
+            return _serve_workers(settings, port_per_worker=bool(args.port_per_worker))
+        except ListenError as exc:  # the parent's metrics port
+            print(f"ai-quota serve: {exc}", file=sys.stderr)
+            return 2
     if settings.event_loop == "uvloop":
         _use_uvloop()
     try:
@@ -118,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
     except RlsConfigError as exc:
         print(f"ai-quota serve: invalid RLS config\n{exc}", file=sys.stderr)
         return 1
+    except ListenError as exc:  # a port in use: one line naming it
+        print(f"ai-quota serve: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"ai-quota serve: {exc}", file=sys.stderr)
         return 1

@@ -425,6 +425,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         metered_paths=frozenset(cfg.paths.metered),
         other_paths=cfg.paths.other,
         allowed_paths=tuple(cfg.paths.allow),
+        public_paths=tuple(cfg.paths.public),
         max_body_bytes=cfg.requests.max_body_bytes,
         count_deadline_ms=cfg.requests.count_deadline_ms,
         max_tokens_ceiling=cfg.requests.max_tokens_ceiling,

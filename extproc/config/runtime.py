@@ -106,6 +106,8 @@ class RuntimeConfig:
     plan_failure_modes: dict[str, Literal["closed", "open"]] = field(default_factory=dict)
     # plan -> requested model -> fallback model (canonical names)
     fallbacks: dict[str, dict[str, str]] = field(default_factory=dict)
+    # allow-listed paths that pass without an identity (load balancer probes, model listings)
+    public_paths: tuple[str, ...] = ()
 
     def resolve_model(self, name: str) -> Model | None:
         """The configured model for ``name`` or one of its aliases."""

@@ -256,14 +256,19 @@ class TenantEntry(Strict):
 class PathsPolicy(Strict):
     """What happens to paths other than the metered API endpoints.
 
-    ``allow`` lists paths that pass unmetered (a trailing ``*`` matches any rest); every other
-    path follows ``other``: ``reject`` (404, the default: an endpoint the gateway does not meter
-    may generate tokens for free), ``rpm_only`` (counted as a request, no tokens) or
+    ``allow`` lists paths that pass unmetered with a valid identity (a trailing ``*`` matches
+    any rest); those of them also in ``public`` pass without one (a load balancer's probe, a
+    client's model listing; a key that is presented must still be valid); every other path
+    follows ``other``: ``reject`` (404, the default: an endpoint the gateway does not meter may
+    generate tokens for free), ``rpm_only`` (counted as a request, no tokens) or
     ``passthrough`` (unmetered, at your own risk).
     """
 
     other: Literal["passthrough", "reject", "rpm_only"] = "reject"
     allow: list[str] = Field(
+        default_factory=lambda: ["/v1/models", "/v1/models/*", "/health", "/ping", "/version"]
+    )
+    public: list[str] = Field(
         default_factory=lambda: ["/v1/models", "/v1/models/*", "/health", "/ping", "/version"]
     )
     metered: list[str] = Field(

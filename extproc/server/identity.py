@@ -10,7 +10,8 @@ The caller comes from the sources ``identity.sources`` lists, in order:
 * ``header``: headers an earlier Envoy filter set after removing the client's own.
 
 A client's own ``x-quota-*`` headers are replaced by ours.  A path is a metered API, an
-allow-listed path (unmetered) or "other", handled by ``paths.other``.
+allow-listed path (unmetered; ``paths.public`` ones need no identity) or "other", handled by
+``paths.other``.
 """
 
 from __future__ import annotations
@@ -141,6 +142,14 @@ def route(cfg: RuntimeConfig, path: str, method: str) -> tuple[Route, ApiFormat 
             "paths.allow."
         )
     return ("rpm_only" if policy == "rpm_only" else "pass"), None
+
+
+def public_path(cfg: RuntimeConfig, path: str, method: str) -> bool:
+    """Whether ``path`` passes without an identity: allow-listed (``paths.allow``), listed in
+    ``paths.public`` too, and not a metered API call."""
+    if method == "POST" and api_for_path(path) is not None:
+        return False
+    return path_allowed(path, cfg.allowed_paths) and path_allowed(path, cfg.public_paths)
 
 
 def presented_key(h: dict[str, str]) -> str:

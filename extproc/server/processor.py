@@ -44,6 +44,7 @@ from extproc.core.session import (
     parse_status,
 )
 from extproc.errors import (
+    AuthenticationError,
     BadRequest,
     GatewayError,
     InternalError,
@@ -53,7 +54,7 @@ from extproc.errors import UnsupportedEncoding as UnsupportedRequestEncoding
 from extproc.gateway import Gateway
 from extproc.server import wire
 from extproc.server.admit import admit_body, admit_rpm_only
-from extproc.server.identity import IDENTITY_HEADERS, identify, route
+from extproc.server.identity import IDENTITY_HEADERS, identify, presented_key, public_path, route
 from extproc.server.settle import access_metadata, log_disagreement, settle
 from extproc.server.stream import StreamDriver
 
@@ -161,8 +162,17 @@ class RequestProcessor:
         s.identify(Identified(request_id, path, gw.bind(found) if found else None))
         structlog.contextvars.bind_contextvars(request_id=request_id)
         meta = wire.metadata_of(req) if cfg.identity.sources != ["api_key"] else None
-        caller = identify(cfg, h, meta)
-        kind, api = route(cfg, path, h.get(":method", "POST"))
+        method = h.get(":method", "POST")
+        try:
+            caller = identify(cfg, h, meta)
+        except AuthenticationError:
+            # a public path (a probe, a model listing) needs no identity; a key that is
+            # presented must still be valid
+            if presented_key(h) or not public_path(cfg, path, method):
+                raise
+            s.life.advance(Input.PASS)
+            return wire.continue_request_headers([], IDENTITY_HEADERS, mode=wire.passthrough_mode())
+        kind, api = route(cfg, path, method)
         metered_api = gw.bind(api) if api else None
         ledger = ledger_key(gw.key_prefix, caller.tenant.id, gw.ledger_id(request_id))
         s.identify(

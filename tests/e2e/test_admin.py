@@ -1,6 +1,7 @@
 """The admin API on the real stack: a key created with ``ai-quota admin`` works through Envoy
-with the openai SDK on both processor replicas, and is refused (401) within a second of its
-revocation."""
+with the openai SDK on both processor replicas (each replica's metrics show it served), and
+each refuses it (401) once it is revoked.  The 1 s propagation bound is the bench's to measure
+(``scripts/bench --only admin``), not a test's."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.stack import Stack, free_port
+from extproc.stack import Stack, free_port, port_in_use
 from tests.e2e.conftest import client, make_stack
 from tests.helpers import e2e_rules
 
@@ -37,7 +40,10 @@ def admin_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stac
         "AIQ_ADMIN_TOKEN_FILE": str(token),
         "AIQ_REUSEPORT": "1",
     }
-    s = make_stack(workdir, extprocs=2, rules=e2e_rules(), extproc_env=env)
+    metrics = free_port()
+    while port_in_use(metrics + 1):  # replica i serves metrics on metrics + i
+        metrics = free_port()
+    s = make_stack(workdir, extprocs=2, rules=e2e_rules(), extproc_env=env, metrics_port=metrics)
     yield s, port, token
     s.stop()
 
@@ -63,42 +69,73 @@ def admin(port: int, token: Path, *argv: str) -> Any:
     return json.loads(out.stdout)
 
 
-def test_a_created_key_works_and_is_refused_within_a_second_of_revocation(
+def test_a_created_key_works_on_both_replicas_and_is_refused_by_both_once_revoked(
     admin_stack: tuple[Stack, int, Path],
 ) -> None:
-    """A key made with ``ai-quota admin create-key`` works through Envoy on both replicas and
-    gets a 401 within a second of ``revoke-key``; the file's own keys keep working."""
+    """A key made with ``ai-quota admin create-key`` is admitted through Envoy by each of the
+    two replicas (their own metrics say which served), and after ``revoke-key`` each refuses
+    it (401); the file's own keys keep working."""
     stack, port, token = admin_stack
     admin(port, token, "set-tenant", "--tenant", "t-platform", "--plan", "big")
     made = admin(port, token, "create-key", "--tenant", "t-platform", "--name", "platform-1")
     sdk = client(stack, made["api_key"])
-    deadline = time.monotonic() + 1.0
-    while True:  # every replica has it within a second (usually at once)
+
+    def call() -> int:
         try:
-            sdk.chat.completions.create(model="sim-small", messages=MSG, max_tokens=2)
-            break
+            raw = sdk.chat.completions.with_raw_response.create(
+                model="sim-small", messages=MSG, max_tokens=2
+            )
         except openai.AuthenticationError:
-            assert time.monotonic() < deadline, "the new key was not accepted within 1 s"
-            time.sleep(0.05)
-    for _ in range(6):  # Envoy spreads these over both replicas
-        raw = sdk.chat.completions.with_raw_response.create(
-            model="sim-small", messages=MSG, max_tokens=2
+            return 401
+        assert raw.headers["x-ratelimit-limit-requests"] == "100000"  # plan big
+        return raw.status_code
+
+    # Until each replica has admitted the key once (Envoy spreads requests over both; one
+    # that has not caught up yet answers 401 meanwhile).
+    base = decisions(stack, "admitted", "ok")
+    until(
+        lambda: (
+            call() == 200 and all(decisions(stack, "admitted", "ok")[i] > base[i] for i in (0, 1))
         )
-        assert raw.status_code == 200
-        assert raw.headers["x-ratelimit-limit-requests"] == "100000"
+    )
+    assert [call() for _ in range(4)] == [200] * 4
 
     admin(port, token, "revoke-key", made["key_id"])
-    revoked_at = time.monotonic()
-    while True:
-        try:
-            sdk.chat.completions.create(model="sim-small", messages=MSG, max_tokens=2)
-        except openai.AuthenticationError:
-            break
-        assert time.monotonic() - revoked_at < 1.0, "a revoked key still worked after 1 s"
-        time.sleep(0.02)
-    assert time.monotonic() - revoked_at < 1.0
-    for _ in range(6):
-        with pytest.raises(openai.AuthenticationError):
-            sdk.chat.completions.create(model="sim-small", messages=MSG, max_tokens=2)
+    base = decisions(stack, "error", "invalid_api_key")
+    until(
+        lambda: (
+            call() == 401
+            and all(decisions(stack, "error", "invalid_api_key")[i] > base[i] for i in (0, 1))
+        )
+    )
+    assert [call() for _ in range(4)] == [401] * 4
     # the file's keys never stopped working
     client(stack, "sk-std").chat.completions.create(model="sim-small", messages=MSG, max_tokens=2)
+
+
+def decisions(stack: Stack, decision: str, code: str) -> list[float]:
+    """``aiq_decisions_total{decision, code}`` of each replica, from its own metrics port."""
+    out = []
+    for i in range(2):
+        url = f"http://127.0.0.1:{stack.metrics_port + i}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:  # noqa: S310 - loopback
+            text = r.read().decode()
+        value = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = sample.labels
+                if sample.name == "aiq_decisions_total" and (
+                    labels.get("decision"),
+                    labels.get("code"),
+                ) == (decision, code):
+                    value = sample.value
+        out.append(value)
+    return out
+
+
+def until(check: Callable[[], bool], within_s: float = 30.0) -> None:
+    """Call ``check`` until it holds (the event), failing after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < deadline, "not within the deadline"
+        time.sleep(0.02)

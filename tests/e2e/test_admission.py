@@ -257,8 +257,25 @@ def test_upstream_error_refunds_tokens_but_counts_the_request(
     assert tpm_used(rds, "t-uperr", "rpm") == 1
 
 
+def test_health_and_model_listing_need_no_key(stack: Stack) -> None:
+    """A load balancer's GET /health and a client's GET /v1/models pass without an API key
+    (paths.public); a metered call without one is still a 401."""
+    base = stack.base_url.removesuffix("/v1")
+    health = httpx.get(f"{base}/health", timeout=10)
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    models = httpx.get(f"{base}/v1/models", timeout=10)
+    assert models.status_code == 200, models.text
+    assert any(m["id"] == "sim-small" for m in models.json()["data"])
+    chat = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"model": "sim-small", "messages": [{"role": "user", "content": "hi"}]},
+        timeout=10,
+    )
+    assert chat.status_code == 401 and chat.json()["error"]["code"] == "invalid_api_key"
+
+
 def test_other_paths_pass_through_with_a_valid_key(stack: Stack) -> None:
-    """/v1/models is not metered but still needs a valid key."""
+    """/v1/models is not metered; a key that is presented must be valid."""
     models = client(stack, "sk-passthru").models.list()
     assert any(m.id == "sim-small" for m in models.data)
     with pytest.raises(openai.AuthenticationError):

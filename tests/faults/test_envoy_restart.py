@@ -37,7 +37,7 @@ def test_envoy_killed_mid_stream_settles_what_was_forwarded(estack: Stack) -> No
     rds = redis.Redis(port=estack.ports.redis)
     received: list[int] = []
     lock = threading.Lock()
-    started = threading.Barrier(STREAMS + 1)
+    delivering = threading.Semaphore(0)  # released once per stream, at its 20th token
 
     def run(i: int) -> None:
         got = 0
@@ -52,8 +52,8 @@ def test_envoy_killed_mid_stream_settles_what_was_forwarded(estack: Stack) -> No
             for ch in stream:
                 if ch.choices and ch.choices[0].delta.content:
                     got += 1
-                    if got == 1:
-                        started.wait(20)
+                    if got == 20:  # well into its stream
+                        delivering.release()
         except (openai.APIError, httpx.HTTPError):
             pass
         with lock:
@@ -62,8 +62,8 @@ def test_envoy_killed_mid_stream_settles_what_was_forwarded(estack: Stack) -> No
     threads = [threading.Thread(target=run, args=(i,)) for i in range(STREAMS)]
     for t in threads:
         t.start()
-    started.wait(30)
-    time.sleep(0.5)
+    for _ in range(STREAMS):  # every stream is delivering
+        assert delivering.acquire(timeout=30)
     estack.signal("envoy0", signal.SIGKILL)
     estack.proc("envoy0").popen.wait(10)
     for t in threads:

@@ -39,6 +39,21 @@ def kstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s.stop()
 
 
+async def leases_ended(rds: redis.Redis, tenant: str) -> None:
+    """Wait until every open reservation of ``tenant`` is past its lease deadline (by the
+    Redis server's clock), i.e. the dead processor's reservations may be reclaimed."""
+    key = f"aiq:{{{tenant}}}:open"
+    deadline = time.monotonic() + LEASE_S + 30
+    while True:
+        secs, micros = rds.time()
+        now_ms = secs * 1000 + micros // 1000
+        if not rds.zrangebyscore(key, f"({now_ms}", "+inf"):
+            assert rds.zcard(key) > 0  # the dead ones are still there, to be reclaimed
+            return
+        assert time.monotonic() < deadline, "the dead reservations' leases never ended"
+        await asyncio.sleep(0.05)
+
+
 async def _slow_request(url: str) -> int:
     async with httpx.AsyncClient(timeout=30) as c:
         try:
@@ -68,7 +83,7 @@ async def test_sigkill_leaks_reservations_only_for_the_lease(kstack: Stack) -> N
     assert all(s != 200 for s in statuses)  # they died with their processor
     kstack.restart("extproc0")
     kstack.wait_extprocs_healthy()
-    await asyncio.sleep(LEASE_S + 0.5)
+    await leases_ended(rds, "t-std")
     # The next admission of the tenant reclaims the dead reservations.
     async with httpx.AsyncClient(timeout=30) as c:
         r = await c.post(
@@ -177,7 +192,7 @@ async def test_sigkill_mid_stream_still_leaves_a_usage_record_per_request(kstack
     assert _records_after(rds, after, "t-std") == []  # nobody settled them
     kstack.restart("extproc0")
     kstack.wait_extprocs_healthy()
-    await asyncio.sleep(LEASE_S + 0.5)
+    await leases_ended(rds, "t-std")
     async with httpx.AsyncClient(timeout=30) as c:
         r = await c.post(
             f"{kstack.base_url}/chat/completions",

@@ -40,7 +40,7 @@ def test_a_15s_freeze_cuts_streams_cleanly_and_bills_exactly_what_was_delivered(
     rds = redis.Redis(port=zstack.ports.redis)
     results: list[tuple[int, Exception | None]] = []
     lock = threading.Lock()
-    started = threading.Barrier(STREAMS + 1)
+    delivering = threading.Semaphore(0)  # released once per stream, at its 20th token
 
     def run() -> None:
         c = client(zstack, "sk-frz")
@@ -53,13 +53,11 @@ def test_a_15s_freeze_cuts_streams_cleanly_and_bills_exactly_what_was_delivered(
                 max_tokens=400,
                 extra_headers={"x-sim-itl-ms": "20"},
             )
-            first = True
             for ch in stream:
                 if ch.choices and ch.choices[0].delta.content:
                     got += 1
-                    if first:
-                        first = False
-                        started.wait(20)
+                    if got == 20:  # past its first charges (every 16 tokens)
+                        delivering.release()
         except openai.APIError as exc:
             err = exc
         with lock:
@@ -68,11 +66,16 @@ def test_a_15s_freeze_cuts_streams_cleanly_and_bills_exactly_what_was_delivered(
     threads = [threading.Thread(target=run) for _ in range(STREAMS)]
     for t in threads:
         t.start()
-    started.wait(30)  # every stream is delivering
-    time.sleep(0.3)
+    for _ in range(STREAMS):  # every stream is delivering
+        assert delivering.acquire(timeout=30)
     zstack.signal("redis", signal.SIGSTOP)
+    frozen_at = time.monotonic()
     try:
-        time.sleep(1.0)
+        # every stream is cut while Redis is frozen (its next charge cannot be made)
+        for t in threads:
+            t.join(FREEZE_S - 2)
+        with lock:
+            assert len(results) == STREAMS, "streams still running with Redis frozen"
         # New requests during the freeze: a JSON 503, not a hang.
         during = []
         for _ in range(3):
@@ -84,7 +87,8 @@ def test_a_15s_freeze_cuts_streams_cleanly_and_bills_exactly_what_was_delivered(
             )
             during.append((r.status_code, r.json()["error"]["code"]))
         assert during == [(503, "quota_backend_unavailable")] * 3
-        time.sleep(FREEZE_S - 1.0)
+        # the fault itself: Redis stays frozen for FREEZE_S in all
+        time.sleep(max(0.0, FREEZE_S - (time.monotonic() - frozen_at)))
     finally:
         zstack.signal("redis", signal.SIGCONT)
     for t in threads:

@@ -16,6 +16,8 @@ from pathlib import Path
 import grpc
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from extproc.core.rules import BucketCharge
 from extproc.errors import LimiterUnavailable
@@ -63,6 +65,28 @@ def stall_in_thread(port: int, command: list[str], delay: float) -> threading.Th
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
+
+
+async def stalled(port: int, within_s: float = 5.0) -> None:
+    """Wait until Redis has stopped answering (a DEBUG SLEEP or CLIENT PAUSE in effect): a PING
+    on a fresh connection gets no answer within 20 ms."""
+    deadline = time.monotonic() + within_s
+
+    def answers() -> bool:
+        c = redis.Redis(
+            port=port, socket_timeout=0.02, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
+        )
+        try:
+            c.ping()
+            return True
+        except redis.TimeoutError:
+            return False
+        finally:
+            c.close()
+
+    while await asyncio.to_thread(answers):
+        assert time.monotonic() < deadline, "Redis never stalled"
+        await asyncio.sleep(0.002)
 
 
 async def test_streams_ride_out_a_04s_stall(own_redis: RedisServer) -> None:
@@ -135,7 +159,7 @@ async def test_400_concurrent_calls_queue_for_the_pool(own_redis: RedisServer) -
     lim = RedisLimiter.from_url(own_redis.url, timeout_ms=1000, max_connections=64, metrics=metrics)
     await lim.read([f"{tag()}:x"])  # one connection made before the burst
     stall = stall_in_thread(own_redis.port, ["CLIENT", "PAUSE", "120", "ALL"], 0.0)
-    await asyncio.sleep(0.03)
+    await stalled(own_redis.port)
     tags = [tag() for _ in range(400)]
     results = await asyncio.gather(
         *(
@@ -181,7 +205,10 @@ async def test_dead_redis_opens_on_rate_and_probes_close_it(own_redis: RedisServ
         assert lim.round_trips == trips
     finally:
         os.kill(own_redis.proc.pid, signal.SIGCONT)
-    await asyncio.sleep(0.35)
+    deadline = time.monotonic() + 5
+    while lim.breaker.state is BreakerState.OPEN:  # until its open_s has passed
+        assert time.monotonic() < deadline, "the breaker never left OPEN"
+        await asyncio.sleep(0.01)
     assert lim.breaker.state is BreakerState.HALF_OPEN
     assert await lim.read([f"{t}:x"]) == [0]
     assert await lim.read([f"{t}:x"]) == [0]
@@ -198,14 +225,14 @@ async def test_configure_changes_the_timeout_of_a_live_limiter(own_redis: RedisS
     t = tag()
     await lim.read([f"{t}:x"])
     stall = stall_in_thread(own_redis.port, ["DEBUG", "SLEEP", "0.6"], 0.0)
-    await asyncio.sleep(0.05)
+    await stalled(own_redis.port)
     with pytest.raises(LimiterUnavailable):
         await lim.read([f"{t}:x"])
     stall.join()
     lim.configure(timeout_ms=2000)
     assert lim.timeout_ms == 2000
     stall = stall_in_thread(own_redis.port, ["DEBUG", "SLEEP", "0.6"], 0.0)
-    await asyncio.sleep(0.05)
+    await stalled(own_redis.port)
     assert await lim.read([f"{t}:x"]) == [0]
     stall.join()
     await lim.close()

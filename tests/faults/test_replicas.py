@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from extproc.bench.rolling import rolling_restart
+from extproc.settings import Settings
 from extproc.stack import Stack
 from tests.e2e.conftest import make_stack
 
@@ -40,6 +41,9 @@ async def test_drain_and_restart_of_one_replica_fails_nothing(two: Stack) -> Non
     by = summary["by_phase"]
     assert isinstance(by, dict)
     assert all(by[p]["requests"] > 0 for p in ("fault", "gone", "back")), summary
+    # the replica served on through its drain notice (the stack keeps the default) before exiting
+    notice = Settings.model_fields["drain_notice_s"].default
+    assert isinstance(summary["drain_s"], float) and summary["drain_s"] >= notice, summary
 
 
 async def test_sigkill_fails_at_most_the_streams_on_the_killed_replica(two: Stack) -> None:

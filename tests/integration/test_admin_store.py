@@ -29,6 +29,7 @@ from extproc.admin.store import AdminStore
 from extproc.admin.sync import StoreSync
 from extproc.app import config_version, reload_rules, start
 from extproc.config.load import key_digest
+from extproc.metrics import Metrics
 from extproc.settings import Settings
 from extproc.stack import free_port
 from tests.helpers import RedisServer
@@ -69,6 +70,11 @@ class Replica:
         return self.eff is not None and key_digest(secret) in self.eff.config.keys_by_digest
 
 
+#: How long a test waits for an event before failing: generous, the machine may be busy.  The
+#: 1 s propagation bound of docs/admin.md is measured by the bench (``scripts/bench --only admin``).
+EVENT_S = 15.0
+
+
 async def within(seconds: float, check: Callable[[], bool]) -> float:
     """Seconds until ``check()`` holds (fails after ``seconds``)."""
     start = time.monotonic()
@@ -77,6 +83,23 @@ async def within(seconds: float, check: Callable[[], bool]) -> float:
             raise AssertionError(f"not within {seconds} s")
         await asyncio.sleep(0.01)
     return time.monotonic() - start
+
+
+async def subscribed(ports: list[int], channel: str, count: int) -> None:
+    """Wait until ``count`` clients subscribe to ``channel`` (summed over the Redis nodes at
+    ``ports``: on a cluster each subscriber is on one node)."""
+
+    def numsub() -> int:
+        total = 0
+        for port in ports:
+            with redis.Redis(port=port) as r:
+                total += sum(int(n) for _ch, n in r.pubsub_numsub(channel))
+        return total
+
+    deadline = time.monotonic() + EVENT_S
+    while (n := await asyncio.to_thread(numsub)) < count:
+        assert time.monotonic() < deadline, f"{n} of {count} subscriptions on {channel}"
+        await asyncio.sleep(0.02)
 
 
 class Admin:
@@ -258,10 +281,11 @@ async def test_admin_api_calls(redis_server: RedisServer, tmp_path: Path) -> Non
         assert version.store_version == state.version
 
 
-async def test_two_replicas_see_a_new_key_and_its_revocation_within_a_second(
+async def test_two_subscribed_replicas_and_a_polling_one_see_a_new_key_and_its_revocation(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    """Two subscribed replicas and one polling replica see a new key and its revocation within 1 s."""
+    """Two replicas told by pub/sub (their 60 s poll cannot be what told them) and one that
+    only polls see a new key and its revocation."""
     async with admin_api(redis_server, tmp_path) as admin:
         rules = read_file_rules(str(admin.rules_path), config_version)
         replicas = [Replica(), Replica(), Replica()]
@@ -278,23 +302,21 @@ async def test_two_replicas_see_a_new_key_and_its_revocation_within_a_second(
         try:
             for s in syncs:
                 await s.start()
-            await asyncio.sleep(0.2)  # the subscriptions are in place
+            await subscribed([redis_server.port], admin.store.channel, 2)
             created = await admin.call(
                 "CreateKey", admin_pb2.CreateKeyRequest(tenant="acme", name="acme-2")
             )
             secret = created.api_key
-            took = [await within(1.0, lambda r=r: r.knows(secret)) for r in replicas]
-            assert max(took) < 1.0
+            for r in replicas:
+                await within(EVENT_S, lambda r=r: r.knows(secret))
             assert syncs[2].state.version == created.version
             eff = replicas[0].eff
             assert eff is not None and eff.version != rules.version
             assert all(r.eff is not None and r.eff.version == eff.version for r in replicas)
 
             await admin.call("RevokeKey", admin_pb2.RevokeKeyRequest(key_id=created.key_id))
-            start = time.monotonic()
             for r in replicas:
-                await within(1.0, lambda r=r: not r.knows(secret))
-            assert time.monotonic() - start < 1.0
+                await within(EVENT_S, lambda r=r: not r.knows(secret))
             assert all(r.knows("sk-acme") for r in replicas)  # the file's key throughout
         finally:
             for s in syncs:
@@ -316,7 +338,7 @@ async def test_a_rotated_key_ends_with_its_grace(redis_server: RedisServer, tmp_
             new = await admin.call(
                 "RotateKey", admin_pb2.RotateKeyRequest(key_id=old.key_id, grace_seconds=1.0)
             )
-            await within(1.0, lambda: replica.knows(new.api_key))
+            await within(EVENT_S, lambda: replica.knows(new.api_key))
             assert replica.knows(old.api_key)  # in its grace
             ends = await within(2.0, lambda: not replica.knows(old.api_key))
             assert ends > 0.3
@@ -332,7 +354,8 @@ async def test_a_replica_keeps_its_snapshot_while_redis_is_down(tmp_path: Path) 
     rules = read_file_rules(str(write_rules(tmp_path)), config_version)
     replica = Replica()
     store = AdminStore.from_url(server.url, prefix=prefix(), timeout_s=0.3)
-    sync = StoreSync(store, rules, replica.apply, poll_s=0.1)
+    metrics = Metrics()
+    sync = StoreSync(store, rules, replica.apply, poll_s=0.1, metrics=metrics)
     try:
         secret = "sk-stored"
 
@@ -345,8 +368,13 @@ async def test_a_replica_keeps_its_snapshot_while_redis_is_down(tmp_path: Path) 
         await store.update(change)
         await sync.start()
         assert replica.knows(secret)
+        assert metrics.registry.get_sample_value("aiq_admin_store_reachable") == 1
         server.stop()
-        await asyncio.sleep(0.5)  # several failed polls
+        # the poll has failed (the replica says so) ...
+        await within(
+            EVENT_S, lambda: metrics.registry.get_sample_value("aiq_admin_store_reachable") == 0
+        )
+        # ... and the snapshot is still in force
         assert replica.knows(secret) and sync.state.version == 1
     finally:
         await sync.stop()
@@ -414,7 +442,7 @@ async def test_serve_with_the_admin_api(redis_server: RedisServer, tmp_path: Pat
         assert code == 0 and made["version"] == "1"  # int64 is a string in proto JSON
         code, key = await asyncio.to_thread(cli, "create-key", "--tenant", "team", "--name", "k1")
         assert code == 0
-        await within(1.0, lambda: key_digest(key["api_key"]) in gw.config.keys_by_digest)
+        await within(EVENT_S, lambda: key_digest(key["api_key"]) in gw.config.keys_by_digest)
         assert gw.config.tenants["team"].plan == "pro"
         code, version = await asyncio.to_thread(cli, "version")
         assert version["config_version"] != file_version == version["file_version"]
@@ -440,7 +468,7 @@ async def test_serve_with_the_admin_api(redis_server: RedisServer, tmp_path: Pat
 
         code, _ = await asyncio.to_thread(cli, "revoke-key", key["key_id"])
         assert code == 0
-        await within(1.0, lambda: key_digest(key["api_key"]) not in gw.config.keys_by_digest)
+        await within(EVENT_S, lambda: key_digest(key["api_key"]) not in gw.config.keys_by_digest)
     finally:
         await running.stop(0.5)
 

@@ -70,6 +70,28 @@ CASES: list[dict[str, Any]] = [
             fires("AiQuotaRedisUnreachable", "5m", severity="critical", instance="a:9090"),
         ],
     },
+    {  # an idle replica (no Redis calls at all) whose health PING fails; another that answers
+        "input_series": [
+            series("aiq_redis_reachable", "", "1 1 0x10"),
+            series("aiq_redis_reachable", "", "1x12", "b:9090"),
+        ],
+        "alert_rule_test": [
+            silent("AiQuotaRedisUnreachable", "1m"),
+            fires("AiQuotaRedisUnreachable", "3m", severity="critical", instance="a:9090"),
+        ],
+    },
+    {  # a reload fails and keeps firing (past any counter window) until one works
+        "input_series": [
+            series("aiq_config_reload_failed", "", "0 0 1x30 0x5"),
+            series("aiq_config_reload_failed", "", "0x38", "b:9090"),
+        ],
+        "alert_rule_test": [
+            silent("AiQuotaConfigReloadFailed", "30s"),
+            fires("AiQuotaConfigReloadFailed", "2m", instance="a:9090"),
+            fires("AiQuotaConfigReloadFailed", "15m", instance="a:9090"),
+            silent("AiQuotaConfigReloadFailed", "17m"),
+        ],
+    },
     {  # a replica that cannot read the admin store; another that can
         "input_series": [
             series("aiq_admin_store_reachable", "", "1 1 0x10"),
@@ -123,6 +145,8 @@ CASES: list[dict[str, Any]] = [
             series("aiq_config_version_info", 'version="1a2b3c4d5e6f"', "1x40"),
             series("aiq_config_version_info", 'version="1a2b3c4d5e6f"', "1x40", "b:9090"),
             series("aiq_breaker_state", "", "0x40"),
+            series("aiq_redis_reachable", "", "1x40"),
+            series("aiq_config_reload_failed", "", "0x40"),
             series("aiq_admin_store_reachable", "", "1x40"),
             series("aiq_redis_call_seconds_count", 'script="admit",outcome="ok"', "0+100x40"),
             series("aiq_redis_call_seconds_count", 'script="admit",outcome="error"', "0x40"),
@@ -140,6 +164,7 @@ CASES: list[dict[str, Any]] = [
                 "AiQuotaConfigVersionsDiffer",
                 "AiQuotaBreakerOpen",
                 "AiQuotaRedisUnreachable",
+                "AiQuotaConfigReloadFailed",
                 "AiQuotaAdminStoreUnreachable",
                 "AiQuotaAdminUnauthenticatedCalls",
                 "AiQuotaRefusalSpike",

@@ -1,8 +1,8 @@
 """A real Prometheus scraping two real ``ai-quota serve`` replicas, with the repo's alert rules
 and dashboard queries: the metrics the processes export are the ones the rules and panels
 read (names, labels, types), so alerts fire on a real fault and every panel query returns
-data.  Faults: the replicas run different rules files (versions differ), then Redis freezes
-(the admin store becomes unreachable).  The rules' ``for:`` durations are set to 0 here so the
+data.  Faults: the replicas run different rules files (versions differ), a rules reload fails
+on one, then Redis freezes while the replicas are idle (the admin store and Redis unreachable).  The rules' ``for:`` durations are set to 0 here so the
 test does not wait for them (promtool tests the durations: test_alert_rules.py)."""
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from extproc.app import CONFIG_HEALTH, REDIS_HEALTH
 from extproc.stack import free_port
 from tests.helpers import RedisServer
 from tests.unit.test_deploy_observability import _as_prometheus_sees_it, dashboard_exprs
@@ -69,6 +72,15 @@ class Prometheus:
             time.sleep(0.5)
 
 
+def health(port: int, service: str) -> str:
+    """A replica's ``grpc.health.v1`` status for ``service``."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5
+        )
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path / "redis")
@@ -94,15 +106,17 @@ def test_prometheus_fires_the_repos_alerts_on_real_replicas(
 
     procs: list[subprocess.Popen[bytes]] = []
     metrics_ports = []
+    grpc_ports = []
     try:
         for path in files:
             port = free_port()
             metrics_ports.append(port)
+            grpc_ports.append(free_port())
             env = {
                 **os.environ,
                 "AIQ_CONFIG": str(path),
                 "AIQ_REDIS_URL": own_redis.url,
-                "AIQ_GRPC_ADDRESS": f"127.0.0.1:{free_port()}",
+                "AIQ_GRPC_ADDRESS": f"127.0.0.1:{grpc_ports[-1]}",
                 "AIQ_METRICS_PORT": str(port),
                 "AIQ_USAGE_STREAM": "off",
             }
@@ -168,24 +182,47 @@ def test_prometheus_fires_the_repos_alerts_on_real_replicas(
             prom.query(_as_prometheus_sees_it(expr))
         assert prom.query('aiq_admin_store_reachable{job="ai-quota"} == 1')
 
-        # Redis freezes: both replicas' admin store polls fail
-        os.kill(own_redis.proc.pid, signal.SIGSTOP)
+        assert "AiQuotaRedisUnreachable" not in firing
+        assert "AiQuotaConfigReloadFailed" not in firing
+        assert [health(p, CONFIG_HEALTH) for p in grpc_ports] == ["SERVING"] * 2
+
+        # a reload of replica a that fails: its alert fires (and only its), its Config health
+        # turns NOT_SERVING; a reload that works resolves both
+        files[0].write_text("models: [not, a, mapping\n")
+        procs[0].send_signal(signal.SIGHUP)
         firing = prom.until(
-            lambda: (
-                prom.firing()
-                if len(prom.firing().get("AiQuotaAdminStoreUnreachable", [])) == 2
-                else None
-            ),
-            "AiQuotaAdminStoreUnreachable firing for both replicas",
+            lambda: prom.firing() if "AiQuotaConfigReloadFailed" in prom.firing() else None,
+            "AiQuotaConfigReloadFailed firing",
         )
-        assert {a["instance"] for a in firing["AiQuotaAdminStoreUnreachable"]} == {
-            f"127.0.0.1:{p}" for p in metrics_ports
-        }
-        os.kill(own_redis.proc.pid, signal.SIGCONT)
+        assert [a["instance"] for a in firing["AiQuotaConfigReloadFailed"]] == [
+            f"127.0.0.1:{metrics_ports[0]}"
+        ]
+        assert [health(p, CONFIG_HEALTH) for p in grpc_ports] == ["NOT_SERVING", "SERVING"]
+        files[0].write_text(yaml.safe_dump(demo, sort_keys=False))
+        procs[0].send_signal(signal.SIGHUP)
         prom.until(
-            lambda: "AiQuotaAdminStoreUnreachable" not in prom.firing(),
-            "AiQuotaAdminStoreUnreachable resolved once Redis answers",
+            lambda: "AiQuotaConfigReloadFailed" not in prom.firing(),
+            "AiQuotaConfigReloadFailed resolved by a reload that works",
         )
+        assert health(grpc_ports[0], CONFIG_HEALTH) == "SERVING"
+
+        # Redis freezes while no request comes in: both replicas' admin store polls fail, and
+        # their health PINGs: the Redis alert fires for idle replicas too
+        os.kill(own_redis.proc.pid, signal.SIGSTOP)
+        both = {f"127.0.0.1:{p}" for p in metrics_ports}
+        for alert in ("AiQuotaAdminStoreUnreachable", "AiQuotaRedisUnreachable"):
+            firing = prom.until(
+                lambda a=alert: prom.firing() if len(prom.firing().get(a, [])) == 2 else None,
+                f"{alert} firing for both replicas",
+            )
+            assert {a["instance"] for a in firing[alert]} == both
+        assert [health(p, REDIS_HEALTH) for p in grpc_ports] == ["NOT_SERVING"] * 2
+        assert not prom.query('sum(aiq_redis_call_seconds_count{job="ai-quota"}) > 0')  # idle
+        os.kill(own_redis.proc.pid, signal.SIGCONT)
+        for alert in ("AiQuotaAdminStoreUnreachable", "AiQuotaRedisUnreachable"):
+            prom.until(
+                lambda a=alert: a not in prom.firing(), f"{alert} resolved once Redis answers"
+            )
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)

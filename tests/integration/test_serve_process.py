@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -83,3 +84,51 @@ def test_serve_with_an_invalid_config_exits_1(tmp_path: Path) -> None:
     )
     assert p.returncode == 1
     assert f"{bad}:1:1: models: " in p.stderr
+
+
+@pytest.mark.parametrize(
+    ("role", "flags", "what"),
+    [
+        ("grpc", [], "ext_proc gRPC API"),
+        ("admin", ["--admin-port", "{port}", "--admin-token-file", "{token}"], "admin API"),
+        ("metrics", ["--metrics-port", "{port}"], "Prometheus metrics"),
+        ("metrics", ["--metrics-port", "{port}", "--workers", "2"], "Prometheus metrics"),
+    ],
+    ids=["grpc", "admin", "metrics", "metrics-workers"],
+)
+def test_serve_with_a_port_in_use_exits_2_naming_it(
+    redis_server: RedisServer, tmp_path: Path, role: str, flags: list[str], what: str
+) -> None:
+    """A port already taken stops start-up with exit 2 and one line naming the address."""
+    token = tmp_path / "admin-token"
+    token.write_text("t-" + "x" * 40 + "\n")
+    token.chmod(0o600)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = int(taken.getsockname()[1])
+        grpc_port = busy if role == "grpc" else free_port()
+        env = {
+            **os.environ,
+            "AIQ_CONFIG": str(ROOT / "config/demo.yaml"),
+            "AIQ_REDIS_URL": redis_server.url,
+            "AIQ_GRPC_ADDRESS": f"127.0.0.1:{grpc_port}",
+        }
+        args = [f.format(port=busy, token=token) for f in flags]
+        try:
+            p = subprocess.run(
+                [sys.executable, "-m", "extproc", "serve", *args],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=30,  # it used to hang here: what start-up had built was never closed
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"serve did not exit with its {role} port in use: {exc.stderr!r}")
+    assert p.returncode == 2, p.stderr[-2000:]
+    mine = [line for line in p.stderr.splitlines() if line.startswith("ai-quota serve:")]
+    assert mine == [
+        f"ai-quota serve: cannot listen on 127.0.0.1:{busy} for the {what}: Address already in use"
+    ]
+    assert "Traceback" not in p.stderr

@@ -248,6 +248,49 @@ async def test_allow_listed_path_passes_unmetered(srv: Served) -> None:
     assert not srv.lim.admits
 
 
+async def test_public_paths_pass_without_a_key_but_not_with_a_wrong_one(srv: Served) -> None:
+    """GET /health and /v1/models need no identity (paths.public); a presented key must still
+    be valid, a metered call still needs one, and a client's x-quota-* headers are removed."""
+    for path in ("/health", "/v1/models", "/v1/models/m"):
+        c = Call(srv.stub)
+        [r] = await c.send(req_headers(path=path, key="", **{":method": "GET"}))
+        assert r.WhichOneof("response") == "request_headers", path
+        mutation = r.request_headers.response.header_mutation
+        assert "x-quota-tenant" in mutation.remove_headers
+        assert not mutation.set_headers
+    for path, key, method in (
+        ("/v1/models", "sk-wrong", "GET"),
+        ("/v1/chat/completions", "", "POST"),
+    ):
+        c = Call(srv.stub)
+        [r] = await c.send(req_headers(path=path, key=key, **{":method": method}))
+        status, body, _ = immediate(r)
+        assert status == 401, (path, body)
+    assert not srv.lim.admits
+
+
+async def test_an_empty_public_list_makes_allow_listed_paths_need_a_key() -> None:
+    """paths.public: [] keeps /v1/models allowed and unmetered, for identified callers only."""
+    rules = RULES.replace("paths: {other: %s}", "paths: {other: reject, public: []}")
+    async for s in serve(rules=rules):
+        [r] = await Call(s.stub).send(req_headers(path="/v1/models", key="", **{":method": "GET"}))
+        status, _, _ = immediate(r)
+        assert status == 401
+        [r] = await Call(s.stub).send(req_headers(path="/v1/models", **{":method": "GET"}))
+        assert r.WhichOneof("response") == "request_headers"
+
+
+async def test_a_public_path_left_out_of_allow_is_not_public() -> None:
+    """paths.allow: [] with the default public list: /v1/models follows paths.other (404
+    with reject) for a caller with a key, and stays a 401 without one."""
+    rules = RULES.replace("paths: {other: %s}", "paths: {other: reject, allow: []}")
+    async for s in serve(rules=rules):
+        [r] = await Call(s.stub).send(req_headers(path="/v1/models", key="", **{":method": "GET"}))
+        assert immediate(r)[0] == 401
+        [r] = await Call(s.stub).send(req_headers(path="/v1/models", **{":method": "GET"}))
+        assert immediate(r)[0] == 404
+
+
 async def test_rpm_only_counts_one_request() -> None:
     async for s in serve("rpm_only"):
         c = Call(s.stub)

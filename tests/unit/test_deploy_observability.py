@@ -262,6 +262,8 @@ def test_dashboard_covers_the_metric_groups() -> None:
         "aiq_usage_disagreements_total",
         "aiq_config_version_info",
         "aiq_usage_record_backlog",
+        "aiq_redis_reachable",
+        "aiq_config_reload_failed",
     ):
         assert name in used, name
 
@@ -310,5 +312,7 @@ def test_alerts_cover_the_failure_modes() -> None:
         "aiq_settlement_backlog",
         "aiq_usage_record_backlog",
         "aiq_tokenizer_load_failures_total",
+        "aiq_redis_reachable",
+        "aiq_config_reload_failed",
     ):
         assert name in used, name

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from extproc.bench.scenarios import (
     accuracy,
+    admin,
     admission,
     profile,
     rls,
@@ -32,6 +33,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     rolling.SCENARIO,
     soak.SCENARIO,
     rls.SCENARIO,
+    admin.SCENARIO,
 )
 
 #: The section names, as ``--only`` and ``--skip`` take them.
