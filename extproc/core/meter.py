@@ -94,6 +94,7 @@ class StreamMeter:
         self.delivered = 0
         self.counted = 0
         self.events = 0
+        self.text_events = 0  # events carrying output text: each is at least one token
         self.malformed_events = 0
         self.exhausted = False
         self.upstream_done = False
@@ -130,6 +131,8 @@ class StreamMeter:
             self._terminal = True
             return 0, True
         tokens = 0
+        if chunk.texts:
+            self.text_events += 1
         if self._engine_counts and chunk.usage is not None:
             # the engine's running total, less what this stream has already been counted
             tokens = max(0, chunk.usage.completion_tokens - self.counted)

@@ -24,6 +24,7 @@ from extproc.core.session import (
     Session,
     ShadowOutcome,
     fallback_for,
+    run_ahead_budget,
     shadow_outcome,
 )
 from extproc.errors import (
@@ -103,7 +104,15 @@ async def admit_body(
         attempt, model = second, alt
     cost = attempt.plan.cost if attempt.result is not None else None
     headers = fallback_headers
+    budget = attempt.plan.budget
     if attempt.result is not None:
+        budget = run_ahead_budget(
+            budget,
+            buckets=attempt.buckets,
+            values=attempt.result.values,
+            cost=attempt.plan.cost,
+            sequences=req.sequences,
+        )
         values = attempt.result.values
         headers += tuple(
             admission.rate_limit_headers(list(attempt.buckets), values, attempt.now).as_pairs()
@@ -132,7 +141,7 @@ async def admit_body(
     )
     return api.rewrite(
         req,
-        budget=attempt.plan.budget,
+        budget=budget,
         force_usage=cfg.force_include_usage and attempt.plan.cost.meter_stream,
         model=model.name if model.known else None,
         continuous_usage=model.continuous_usage and attempt.plan.cost.meter_stream,

@@ -156,6 +156,7 @@ class StreamDriver:
             delivered=m.delivered,
             complete=m.complete or (m.upstream_done and m.cut_reason is None),
             cut=m.cut_reason is not None,
+            text_events=m.text_events,
         )
 
     def final_metadata(self) -> dict[str, object]:
