@@ -52,22 +52,25 @@ CHAT_TEMPLATE = (
 )
 MAX_MODEL_LEN = 4096
 
-_WORDS = (
+_SENTENCE = (
     "the quota gateway counts tokens for every tenant and key while the model server streams "
     "answers back through envoy redis holds shared counters per window a request is admitted "
     "when its estimate fits the budget otherwise it is refused with a retry after header "
     "streams are metered as they pass and cut when the limit is reached billing follows what "
     "was delivered to the client operators read usage records and alerts from prometheus "
     "a small model generates random text quickly on a single core of a shared machine"
-).split()
+)
+_WORDS = _SENTENCE.split()
 _CODE = [
     "def count(text: str) -> int:\n    return len(text.split())\n",
     "for i in range(10):\n    print(i, i * i)\n",
     "class Window:\n    def __init__(self, size):\n        self.size = size\n",
     'if __name__ == "__main__":\n    main()\n',
-    "{\"model\": \"tiny\", \"stream\": true, \"max_tokens\": 64}\n",
+    '{"model": "tiny", "stream": true, "max_tokens": 64}\n',
 ]
-_EMOJI = "😀😁😂🤣😃😄😅😆😉😊😋😎😍😘🥰🙂🤗🤩🤔🤨😐😑😶🙄😏😣😥😮🤐😯😪😫🥱😴😌😛🚀🔥✨🎉👍👋🙏💡📈🌍"
+_EMOJI = (
+    "😀😁😂🤣😃😄😅😆😉😊😋😎😍😘🥰🙂🤗🤩🤔🤨😐😑😶🙄😏😣😥😮🤐😯😪😫🥱😴😌😛🚀🔥✨🎉👍👋🙏💡📈🌍"
+)
 
 
 def _cjk_chars(rng: random.Random) -> str:
@@ -94,8 +97,10 @@ def corpus(lines: int = 20000) -> list[str]:
         elif kind == 3:
             # Zipf-like: early characters far more frequent, so BPE merges some pairs
             n = rng.randint(5, 40)
-            text = "".join(cjk[min(len(cjk) - 1, int(rng.paretovariate(1.2)) - 1)] for _ in range(n))
-            out.append(text + rng.choice("，。！？"))
+            text = "".join(
+                cjk[min(len(cjk) - 1, int(rng.paretovariate(1.2)) - 1)] for _ in range(n)
+            )
+            out.append(text + rng.choice("\uff0c\u3002\uff01\uff1f"))  # full-width , . ! ?
         else:
             n = rng.randint(1, 6)
             out.append(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,20 +20,27 @@ import anthropic
 import openai
 import pytest
 import redis
+from anthropic.types import MessageParam
+from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 from tokenizers import Tokenizer
 
-from extproc.bench.vllm import SERVED_NAME, Engine, EngineMetrics, wait_idle, wait_metrics
+from extproc.bench.vllm import (
+    RUN_AHEAD_BOUND,
+    SERVED_NAME,
+    Engine,
+    EngineMetrics,
+    wait_idle,
+    wait_metrics,
+    wait_settled,
+)
 from extproc.stack import Stack
-from tests.engine.conftest import EVERY
-from tests.helpers import settled
 
 pytestmark = pytest.mark.engine
 
-MSG = [{"role": "user", "content": "Tell me a long story about quotas."}]
-#: Tokens an engine may generate past the last one delivered before a cut stops it: the
-#: processor meters every EVERY tokens, and the engine keeps decoding until Envoy's reset reaches
-#: it (measured 10-15 per stream on a pinned 2-core machine).
-RUN_AHEAD_BOUND = 2 * EVERY + 16
+MSG: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Tell me a long story about quotas."}
+]
+AMSG: list[MessageParam] = [{"role": "user", "content": "Tell me a long story about quotas."}]
 
 
 def oai(gateway: Stack, key: str) -> openai.OpenAI:
@@ -57,15 +65,20 @@ def claude(gateway: Stack, key: str) -> anthropic.Anthropic:
     )
 
 
-def access_log(gateway: Stack, tenant: str) -> list[dict[str, Any]]:
-    """Envoy's access-log lines of ``tenant`` (the gateway's per-request figures)."""
-    out = []
-    for line in (gateway.workdir / "envoy0.log").read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            if rec.get("tenant") == tenant:
-                out.append(rec)
-    return out
+def access_log(gateway: Stack, tenant: str, want: int = 1) -> list[dict[str, Any]]:
+    """Envoy's access-log lines of ``tenant`` (the gateway's per-request figures), waiting up
+    to 3 s for ``want`` of them (Envoy flushes its log every 250 ms)."""
+    deadline = time.monotonic() + 3
+    while True:
+        out = []
+        for line in (gateway.workdir / "envoy0.log").read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                rec = json.loads(line)
+                if rec.get("tenant") == tenant:
+                    out.append(rec)
+        if len(out) >= want or time.monotonic() > deadline:
+            return out
+        time.sleep(0.05)
 
 
 @dataclass
@@ -78,7 +91,10 @@ class Measured:
 
     def explain(self, gateway: Stack, tenant: str) -> str:
         """Figures for an assertion message."""
-        gw = [(r.get("input_tokens"), r.get("output_tokens"), r.get("ending")) for r in access_log(gateway, tenant)]
+        gw = [
+            (r.get("input_tokens"), r.get("output_tokens"), r.get("ending"))
+            for r in access_log(gateway, tenant, len(self.reported))
+        ]
         return (
             f"billed {self.billed}; engine prompt {self.engine.prompt_tokens} + generation "
             f"{self.engine.generation_tokens} = {self.engine.tokens}; responses reported "
@@ -93,7 +109,7 @@ def measure(
     wait for the tenant's settlements."""
     before = wait_idle(engine.metrics_url)
     reported = run()
-    billed = settled(grds, f"e-{tenant}", expect=max(1, len(reported)))
+    billed = wait_settled(grds, f"e-{tenant}")
     after = wait_idle(engine.metrics_url)
     return Measured(billed, after - before, reported)
 
@@ -116,7 +132,10 @@ def test_chat_bill_equals_engine(engine: Engine, gateway: Stack, grds: redis.Red
 
     def run() -> list[tuple[int, int]]:
         r = c.chat.completions.create(
-            model=SERVED_NAME, messages=MSG, max_tokens=60, extra_body=IGNORE_EOS  # type: ignore[arg-type]
+            model=SERVED_NAME,
+            messages=MSG,
+            max_tokens=60,
+            extra_body=IGNORE_EOS,
         )
         assert r.usage is not None and r.choices[0].message.content
         return [(r.usage.prompt_tokens, r.usage.completion_tokens)]
@@ -135,7 +154,7 @@ def test_chat_stream_bill_equals_engine(engine: Engine, gateway: Stack, grds: re
             text = ""
             for ch in c.chat.completions.create(
                 model=SERVED_NAME,
-                messages=MSG,  # type: ignore[arg-type]
+                messages=MSG,
                 max_tokens=max_tokens,
                 stream=True,
                 stream_options={"include_usage": True},
@@ -236,7 +255,7 @@ def test_messages_bill_equals_engine(engine: Engine, gateway: Stack, grds: redis
     c = claude(gateway, "messages")
 
     def run() -> list[tuple[int, int]]:
-        r = c.messages.create(model=SERVED_NAME, max_tokens=60, messages=MSG)  # type: ignore[arg-type]
+        r = c.messages.create(model=SERVED_NAME, max_tokens=60, messages=AMSG)
         return [(r.usage.input_tokens, r.usage.output_tokens)]
 
     check_exact(measure(engine, grds, "messages", run), gateway, "messages")
@@ -249,7 +268,7 @@ def test_messages_stream_bill_equals_engine(
     c = claude(gateway, "messagesstream")
 
     def run() -> list[tuple[int, int]]:
-        with c.messages.stream(model=SERVED_NAME, max_tokens=200, messages=MSG) as s:  # type: ignore[arg-type]
+        with c.messages.stream(model=SERVED_NAME, max_tokens=200, messages=AMSG) as s:
             for _ in s.text_stream:
                 pass
             final = s.get_final_message()
@@ -300,7 +319,12 @@ def test_cjk_and_emoji_stream_bill_equals_engine(
         text = ""
         for ch in c.chat.completions.create(
             model=SERVED_NAME,
-            messages=[{"role": "user", "content": "用中文讲一个故事 🙂"}],
+            messages=[
+                {
+                    "role": "user",
+                    "content": "\u7528\u4e2d\u6587\u8bb2\u4e00\u4e2a\u6545\u4e8b \U0001f642",
+                }
+            ],
             max_tokens=300,
             stream=True,
             stream_options={"include_usage": True},
@@ -331,7 +355,7 @@ class CutStream:
     finish_reason: str | None
 
 
-def _tokens_in(ch: Any) -> int:
+def _tokens_in(ch: ChatCompletionChunk) -> int:
     n = 0
     for choice in ch.choices or []:
         lp = getattr(choice, "logprobs", None)
@@ -347,7 +371,7 @@ def cut_stream(c: openai.OpenAI, max_tokens: int) -> CutStream:
     try:
         for ch in c.chat.completions.create(
             model=SERVED_NAME,
-            messages=MSG,  # type: ignore[arg-type]
+            messages=MSG,
             max_tokens=max_tokens,
             stream=True,
             logprobs=True,
@@ -368,7 +392,7 @@ async def acut_stream(c: openai.AsyncOpenAI, max_tokens: int) -> CutStream:
     try:
         stream = await c.chat.completions.create(
             model=SERVED_NAME,
-            messages=MSG,  # type: ignore[arg-type]
+            messages=MSG,
             max_tokens=max_tokens,
             stream=True,
             logprobs=True,
@@ -402,7 +426,7 @@ def test_cut_bills_what_was_delivered(
     assert isinstance(s.error, openai.APIError), s
     assert s.finish_reason is None
     delta = _after_cut(engine, before)
-    billed = settled(grds, f"e-{kind}")
+    billed = wait_settled(grds, f"e-{kind}")
     delivered_total = delta.prompt_tokens + s.delivered
     excess = delta.generation_tokens - s.delivered
     info = (
@@ -434,7 +458,7 @@ def test_eight_concurrent_cut_streams(
 
     streams = asyncio.run(go())
     delta = _after_cut(engine, before)
-    billed = settled(grds, f"e-{kind}")
+    billed = wait_settled(grds, f"e-{kind}")
     delivered = sum(s.delivered for s in streams)
     cut = [s for s in streams if s.error is not None]
     excess = delta.generation_tokens - delivered
