@@ -324,6 +324,7 @@ ENGINE_TENANTS = {
     "cutstrict": "strict300",
     "conclazy": "lazy1500",
     "concstrict": "strict1500",
+    "lagging": "lazy300",
 }
 
 

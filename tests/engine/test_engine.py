@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -144,28 +146,33 @@ def test_chat_bill_equals_engine(engine: Engine, gateway: Stack, grds: redis.Red
 
 
 def test_chat_stream_bill_equals_engine(engine: Engine, gateway: Stack, grds: redis.Redis) -> None:
-    """Chat completions streamed (usage asked for): the counters rise by the engine's count."""
+    """Chat completions streamed (usage asked for): the counters rise by the engine's count;
+    the per-token logprobs the cut tests count deliveries with add up to that count too."""
     c = oai(gateway, "chatstream")
 
     def run() -> list[tuple[int, int]]:
         out = []
-        for max_tokens in (300, 200):
+        for max_tokens, logprobs in ((300, True), (200, False)):
             usage = None
             text = ""
+            entries = 0
             for ch in c.chat.completions.create(
                 model=SERVED_NAME,
                 messages=MSG,
                 max_tokens=max_tokens,
                 stream=True,
                 stream_options={"include_usage": True},
+                logprobs=logprobs,
                 extra_body=IGNORE_EOS,
             ):
                 if ch.choices and ch.choices[0].delta.content:
                     text += ch.choices[0].delta.content
+                entries += _tokens_in(ch)
                 if ch.usage is not None:
                     usage = ch.usage
             assert usage is not None and text
             assert usage.completion_tokens == max_tokens
+            assert entries == (max_tokens if logprobs else 0)
             out.append((usage.prompt_tokens, usage.completion_tokens))
         return out
 
@@ -472,3 +479,68 @@ def test_eight_concurrent_cut_streams(
     assert billed == delta.prompt_tokens + delivered, info
     if kind == "concstrict":
         assert 0.99 * limit <= delta.prompt_tokens + delivered <= limit, info
+
+
+def test_run_ahead_when_the_processor_lags(
+    engine: Engine, gateway: Stack, grds: redis.Redis
+) -> None:
+    """The processor freezes mid-stream: the engine may not run ahead of what was metered by
+    more than the bound (Envoy must pause reading the upstream, not buffer it), and the cut
+    still bills what was delivered."""
+    c = oai(gateway, "lagging")
+    before = wait_idle(engine.metrics_url)
+    seen = {"delivered": 0}
+    froze = threading.Event()
+    ahead: dict[str, int] = {}
+
+    def freeze() -> None:
+        # once 40 tokens arrived, freeze the processor until the engine has generated 200
+        # tokens past them (or 4 s: under Envoy's 5 s message timeout), then thaw it
+        deadline = time.monotonic() + 60
+        while seen["delivered"] < 40 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gateway.signal("extproc0", signal.SIGSTOP)
+        froze.set()
+        try:
+            m = wait_metrics(
+                engine.metrics_url,
+                lambda m: m.generation_tokens - before.generation_tokens >= seen["delivered"] + 200,
+                timeout=4,
+            )
+        except Exception:
+            m = engine.metrics()
+        finally:
+            gateway.signal("extproc0", signal.SIGCONT)
+        ahead["while_frozen"] = m.generation_tokens - before.generation_tokens - seen["delivered"]
+
+    t = threading.Thread(target=freeze, daemon=True)
+    t.start()
+    error: Exception | None = None
+    try:
+        for ch in c.chat.completions.create(
+            model=SERVED_NAME,
+            messages=MSG,
+            max_tokens=1500,
+            stream=True,
+            logprobs=True,
+            extra_body=IGNORE_EOS,
+        ):
+            seen["delivered"] += _tokens_in(ch)
+    except openai.APIError as exc:
+        error = exc
+    t.join(10)
+    assert froze.is_set()
+    delta = _after_cut(engine, before)
+    billed = wait_settled(grds, "e-lagging")
+    excess = delta.generation_tokens - seen["delivered"]
+    info = (
+        f"billed {billed}; engine prompt {delta.prompt_tokens}, generated "
+        f"{delta.generation_tokens}, delivered {seen['delivered']} (excess {excess}, "
+        f"ahead while frozen {ahead.get('while_frozen')}); error {error!r}"
+    )
+    assert isinstance(error, openai.APIError), info
+    # what the engine computed beyond what reached the (frozen) processor: bounded only if
+    # Envoy stops reading the upstream when the processor does not keep up
+    assert ahead["while_frozen"] <= RUN_AHEAD_BOUND, info
+    assert 0 <= excess <= RUN_AHEAD_BOUND, info
+    assert billed == delta.prompt_tokens + seen["delivered"], info
