@@ -318,6 +318,8 @@ ENGINE_TENANTS = {
     "responsesstream": "big",
     "messages": "big",
     "messagesstream": "big",
+    "words": "big",
+    "ascii": "big",
     "cjk": "big",
     "bytes": "big",
     "cutlazy": "lazy300",

@@ -284,7 +284,7 @@ def test_messages_stream_bill_equals_engine(
     check_exact(measure(engine, grds, "messagesstream", run), gateway, "messagesstream")
 
 
-# -- CJK and emoji: byte-level tokens ------------------------------------------------------
+# -- kinds of output: words, code-like ASCII, CJK and emoji, byte tokens -------------------
 
 
 def _is_cjk_or_emoji(ch: str) -> bool:
@@ -292,31 +292,42 @@ def _is_cjk_or_emoji(ch: str) -> bool:
     return 0x3000 <= o <= 0x9FFF or 0xFF00 <= o <= 0xFFEF or o >= 0x1F000 or 0x2600 <= o <= 0x27BF
 
 
-def cjk_token_ids(engine: Engine, *, partial: bool) -> list[int]:
-    """Token ids that decode to CJK or emoji; with ``partial`` also the tokens that are only
-    part of a character's UTF-8 bytes (they decode to U+FFFD on their own)."""
+def token_ids(engine: Engine, kind: str) -> list[int]:
+    """Token ids the engine may sample for an output of ``kind``: ``words`` (a space and ASCII
+    letters), ``ascii`` (any printable ASCII: code, punctuation, word pieces), ``cjk`` (whole CJK
+    characters or emoji), ``bytes`` (those and the tokens that are only part of a character's
+    UTF-8 bytes, which decode to U+FFFD on their own)."""
     assert engine.model is not None
     tok = Tokenizer.from_file(str(engine.model / "tokenizer.json"))
+    special = set(tok.get_vocab(with_added_tokens=True)) - set(
+        tok.get_vocab(with_added_tokens=False)
+    )
     ids = []
     for i in range(tok.get_vocab_size()):
         text = tok.decode([i])
-        if not text:
+        if not text or tok.id_to_token(i) in special:
             continue
-        if "\ufffd" in text:
-            if partial:
-                ids.append(i)
-        elif any(_is_cjk_or_emoji(ch) for ch in text):
+        partial = "\ufffd" in text
+        if kind == "words":
+            ok = text.startswith(" ") and text[1:].isascii() and text[1:].isalpha()
+        elif kind == "ascii":
+            ok = text.isascii() and text.isprintable()
+        elif kind == "cjk":
+            ok = not partial and any(_is_cjk_or_emoji(ch) for ch in text)
+        else:
+            ok = partial or any(_is_cjk_or_emoji(ch) for ch in text)
+        if ok:
             ids.append(i)
     return ids
 
 
-@pytest.mark.parametrize("kind", ["cjk", "bytes"])
-def test_cjk_and_emoji_stream_bill_equals_engine(
+@pytest.mark.parametrize("kind", ["words", "ascii", "cjk", "bytes"])
+def test_output_kinds_bill_equals_engine(
     engine: Engine, gateway: Stack, grds: redis.Redis, kind: str
 ) -> None:
-    """CJK and emoji output (whole-character tokens, then byte tokens too): the bill is the
-    engine's count, whatever re-tokenising the text would give."""
-    ids = cjk_token_ids(engine, partial=kind == "bytes")
+    """Words, code-like ASCII, CJK and emoji (whole characters, then byte tokens too) streamed:
+    the bill is the engine's count, whatever re-tokenising the text would give."""
+    ids = token_ids(engine, kind)
     assert len(ids) > 50, len(ids)
     c = oai(gateway, kind)
     texts: list[str] = []
@@ -346,7 +357,8 @@ def test_cjk_and_emoji_stream_bill_equals_engine(
         return [(usage.prompt_tokens, usage.completion_tokens)]
 
     m = measure(engine, grds, kind, run)
-    assert any(_is_cjk_or_emoji(ch) for ch in texts[0]), texts[0][:200]
+    if kind in ("cjk", "bytes"):
+        assert any(_is_cjk_or_emoji(ch) for ch in texts[0]), texts[0][:200]
     check_exact(m, gateway, kind)
 
 
@@ -500,6 +512,7 @@ def test_run_ahead_when_the_processor_lags(
         while seen["delivered"] < 40 and time.monotonic() < deadline:
             time.sleep(0.01)
         gateway.signal("extproc0", signal.SIGSTOP)
+        t0 = time.monotonic()
         froze.set()
         try:
             m = wait_metrics(
@@ -511,6 +524,7 @@ def test_run_ahead_when_the_processor_lags(
             m = engine.metrics()
         finally:
             gateway.signal("extproc0", signal.SIGCONT)
+        ahead["frozen_ms"] = round(1000 * (time.monotonic() - t0))
         ahead["while_frozen"] = m.generation_tokens - before.generation_tokens - seen["delivered"]
 
     t = threading.Thread(target=freeze, daemon=True)
@@ -536,7 +550,8 @@ def test_run_ahead_when_the_processor_lags(
     info = (
         f"billed {billed}; engine prompt {delta.prompt_tokens}, generated "
         f"{delta.generation_tokens}, delivered {seen['delivered']} (excess {excess}, "
-        f"ahead while frozen {ahead.get('while_frozen')}); error {error!r}"
+        f"ahead while frozen {ahead.get('while_frozen')} in {ahead.get('frozen_ms')} ms); "
+        f"error {error!r}"
     )
     assert isinstance(error, openai.APIError), info
     # what the engine computed beyond what reached the (frozen) processor: bounded only if
