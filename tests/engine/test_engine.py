@@ -506,8 +506,9 @@ def test_run_ahead_when_the_processor_lags(
     ahead: dict[str, int] = {}
 
     def freeze() -> None:
-        # once 40 tokens arrived, freeze the processor until the engine has generated 200
-        # tokens past them (or 4 s: under Envoy's 5 s message timeout), then thaw it
+        # once 40 tokens arrived, freeze the processor until the engine has generated 150
+        # tokens past them or for 3 s (well under Envoy's 5 s ext_proc message timeout: past it
+        # the stream is reset), then thaw it
         deadline = time.monotonic() + 60
         while seen["delivered"] < 40 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -517,8 +518,8 @@ def test_run_ahead_when_the_processor_lags(
         try:
             m = wait_metrics(
                 engine.metrics_url,
-                lambda m: m.generation_tokens - before.generation_tokens >= seen["delivered"] + 200,
-                timeout=4,
+                lambda m: m.generation_tokens - before.generation_tokens >= seen["delivered"] + 150,
+                timeout=3,
             )
         except Exception:
             m = engine.metrics()
