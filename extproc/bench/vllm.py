@@ -351,6 +351,8 @@ def engine_rules(tokenizer_json: Path, tenants: dict[str, str] | None = None) ->
             SERVED_NAME: {
                 "tokenizer": {"kind": "huggingface", "path": str(tokenizer_json)},
                 "max_output_tokens": 2048,
+                # vLLM reports its running usage in every chunk when asked
+                "stream_usage": "continuous",
             }
         },
         "plans": {
