@@ -326,7 +326,7 @@ ENGINE_TENANTS = {
     "cutstrict": "strict300",
     "conclazy": "lazy1500",
     "concstrict": "strict1500",
-    "lagging": "lazy300",
+    "lagging": "lazy100",
 }
 
 
@@ -357,6 +357,7 @@ def engine_rules(tokenizer_json: Path, tenants: dict[str, str] | None = None) ->
         },
         "plans": {
             "big": plan(10_000_000),
+            "lazy100": plan(100),
             "lazy300": plan(300),
             "strict300": plan(300, "strict"),
             "lazy1500": plan(1500),

@@ -496,21 +496,24 @@ def test_eight_concurrent_cut_streams(
 def test_run_ahead_when_the_processor_lags(
     engine: Engine, gateway: Stack, grds: redis.Redis
 ) -> None:
-    """The processor freezes mid-stream: the engine may not run ahead of what was metered by
-    more than the bound (Envoy must pause reading the upstream, not buffer it), and the cut
-    still bills what was delivered."""
+    """The processor freezes mid-stream: however long it lags, the engine computes at most the
+    tenant's room plus the bound (vLLM does not pause for a client that stops reading, so no
+    Envoy buffer limit can bound this: the budget forwarded to the engine has to), and the cut
+    bills what was delivered."""
+    limit = 100  # the lag100 plan
     c = oai(gateway, "lagging")
     before = wait_idle(engine.metrics_url)
     seen = {"delivered": 0}
     froze = threading.Event()
     ahead: dict[str, int] = {}
+    target = {"generated": limit + RUN_AHEAD_BOUND}  # past room + bound whatever the prompt
 
     def freeze() -> None:
-        # once 40 tokens arrived, freeze the processor until the engine has generated 150
-        # tokens past them or for 3 s (well under Envoy's 5 s ext_proc message timeout: past it
-        # the stream is reset), then thaw it
+        # once 10 tokens arrived, freeze the processor until the engine has generated far past
+        # the tenant's room, or for 3 s (well under Envoy's 5 s ext_proc message timeout: past
+        # it the stream is reset), then thaw it
         deadline = time.monotonic() + 60
-        while seen["delivered"] < 40 and time.monotonic() < deadline:
+        while seen["delivered"] < 10 and time.monotonic() < deadline:
             time.sleep(0.01)
         gateway.signal("extproc0", signal.SIGSTOP)
         t0 = time.monotonic()
@@ -518,7 +521,7 @@ def test_run_ahead_when_the_processor_lags(
         try:
             m = wait_metrics(
                 engine.metrics_url,
-                lambda m: m.generation_tokens - before.generation_tokens >= seen["delivered"] + 150,
+                lambda m: m.generation_tokens - before.generation_tokens >= target["generated"],
                 timeout=3,
             )
         except Exception:
@@ -526,7 +529,9 @@ def test_run_ahead_when_the_processor_lags(
         finally:
             gateway.signal("extproc0", signal.SIGCONT)
         ahead["frozen_ms"] = round(1000 * (time.monotonic() - t0))
-        ahead["while_frozen"] = m.generation_tokens - before.generation_tokens - seen["delivered"]
+        ahead["generated"] = m.generation_tokens - before.generation_tokens
+        ahead["running"] = m.running
+        ahead["while_frozen"] = ahead["generated"] - seen["delivered"]
 
     t = threading.Thread(target=freeze, daemon=True)
     t.start()
@@ -548,15 +553,21 @@ def test_run_ahead_when_the_processor_lags(
     delta = _after_cut(engine, before)
     billed = wait_settled(grds, "e-lagging")
     excess = delta.generation_tokens - seen["delivered"]
+    room = limit - delta.prompt_tokens
     info = (
-        f"billed {billed}; engine prompt {delta.prompt_tokens}, generated "
-        f"{delta.generation_tokens}, delivered {seen['delivered']} (excess {excess}, "
-        f"ahead while frozen {ahead.get('while_frozen')} in {ahead.get('frozen_ms')} ms); "
-        f"error {error!r}"
+        f"limit {limit}, billed {billed}; engine prompt {delta.prompt_tokens}, generated "
+        f"{delta.generation_tokens}, delivered {seen['delivered']} (excess {excess}); while "
+        f"frozen {ahead.get('frozen_ms')} ms the engine generated {ahead.get('generated')}, "
+        f"{ahead.get('while_frozen')} ahead of delivery; error {error!r}"
     )
+    if (
+        ahead["generated"] < target["generated"]
+        and ahead["running"]
+        and (delta.generation_tokens <= room + RUN_AHEAD_BOUND)
+    ):
+        # the engine was still running but too slow on this machine to pass the room in 3 s
+        pytest.skip(f"inconclusive: the engine generated too slowly to test the bound: {info}")
     assert isinstance(error, openai.APIError), info
-    # what the engine computed beyond what reached the (frozen) processor: bounded only if
-    # Envoy stops reading the upstream when the processor does not keep up
-    assert ahead["while_frozen"] <= RUN_AHEAD_BOUND, info
+    assert delta.generation_tokens <= room + RUN_AHEAD_BOUND, info
     assert 0 <= excess <= RUN_AHEAD_BOUND, info
     assert billed == delta.prompt_tokens + seen["delivered"], info
