@@ -9,7 +9,8 @@ Three figures, each against the engine's ``/metrics``:
 * **strict utilisation**: what a strict-mode tenant received by the engine's count (prompt +
   tokens delivered, counted from per-token logprobs) over its limit (target >= 99 %, <= 100 %);
 * **run-ahead**: generated - delivered per cut stream (tokens the engine computed that no client
-  received), one stream and eight at once, lazy and strict.
+  received), one stream and eight at once, lazy and strict; and, with the processor frozen
+  mid-stream, what the engine generated beyond the tenant's room.
 
 ``python -m extproc.bench.engine`` prints the figures as JSON.
 """
@@ -18,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,7 @@ from extproc.bench.vllm import (
     RUN_AHEAD_BOUND,
     SERVED_NAME,
     Engine,
+    EngineError,
     EngineMetrics,
     engine_python,
     pin_self,
@@ -120,8 +124,10 @@ async def request(
     stream: bool,
     max_tokens: int,
     logprobs: bool = False,
+    on_tokens: Callable[[int], None] | None = None,
 ) -> Outcome:
-    """One request through the gateway, read to its end (SSE parsed line by line)."""
+    """One request through the gateway, read to its end (SSE parsed line by line);
+    ``on_tokens`` is called with the tokens received so far as they arrive."""
     headers = {"authorization": f"Bearer {key}", "x-api-key": key}
     if api == "messages":
         headers["anthropic-version"] = "2023-06-01"
@@ -155,6 +161,8 @@ async def request(
             for choice in obj.get("choices") or []:
                 lp = choice.get("logprobs") or {}
                 out.delivered += len(lp.get("content") or [])
+            if on_tokens is not None:
+                on_tokens(out.delivered)
             if api == "messages":
                 if obj.get("type") == "message_start":
                     msg_in = int(obj["message"]["usage"]["input_tokens"])
@@ -174,6 +182,7 @@ class EngineBench:
     drift: dict[str, dict[str, int]] = field(default_factory=dict)
     strict: dict[str, Any] = field(default_factory=dict)
     run_ahead: dict[str, dict[str, Any]] = field(default_factory=dict)
+    lagging: dict[str, Any] = field(default_factory=dict)
     engine_start_s: float = 0.0
 
 
@@ -267,6 +276,74 @@ async def cuts(
                 }
 
 
+async def lagging(
+    res: EngineBench, engine: Engine, gw: Stack, rds: redis.Redis, limit: int = 100
+) -> None:
+    """A stream whose processor freezes (SIGSTOP) after 10 delivered tokens, until the engine
+    has generated ``limit + RUN_AHEAD_BOUND`` or for 3 s: what the engine computed against the
+    tenant's room (vLLM keeps generating for a reader that stops)."""
+    base = gw.base_url.removesuffix("/v1")
+    before = wait_idle(engine.metrics_url)
+    started = asyncio.Event()
+
+    def on_tokens(n: int) -> None:
+        if n >= 10:
+            started.set()
+
+    async with aiohttp.ClientSession() as s:
+        reader = asyncio.create_task(
+            request(
+                s,
+                base,
+                "sk-lagging",
+                "chat",
+                stream=True,
+                max_tokens=1500,
+                logprobs=True,
+                on_tokens=on_tokens,
+            )
+        )
+        waiter = asyncio.create_task(started.wait())
+        await asyncio.wait([reader, waiter], timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        gw.signal("extproc0", signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            frozen = await asyncio.to_thread(
+                _wait_generated, engine, before, limit + RUN_AHEAD_BOUND, 3.0
+            )
+        finally:
+            gw.signal("extproc0", signal.SIGCONT)
+        frozen_s = time.monotonic() - t0
+        out = await reader
+    d = _delta(engine, before)
+    billed = await asyncio.to_thread(wait_settled, rds, "e-lagging")
+    res.lagging = {
+        "limit": limit,
+        "room": limit - d.prompt_tokens,
+        "frozen_s": round(frozen_s, 3),
+        "generated_while_frozen": frozen.generation_tokens - before.generation_tokens,
+        "engine_generation": d.generation_tokens,
+        "delivered": out.delivered,
+        "cut": out.cut,
+        "generated_beyond_room": d.generation_tokens - (limit - d.prompt_tokens),
+        "billed_minus_delivered": billed - (d.prompt_tokens + out.delivered),
+    }
+
+
+def _wait_generated(
+    engine: Engine, before: EngineMetrics, tokens: int, timeout: float
+) -> EngineMetrics:
+    try:
+        return wait_metrics(
+            engine.metrics_url,
+            lambda m: m.generation_tokens - before.generation_tokens >= tokens,
+            timeout=timeout,
+        )
+    except EngineError:
+        return engine.metrics()
+
+
 async def measure(
     workdir: Path, *, requests: int = 3, concurrency: int = 8, log: Any = None
 ) -> EngineBench:
@@ -290,6 +367,8 @@ async def measure(
         await drift(res, engine, gw, rds, requests)
         say("engine: cut streams (run-ahead, strict utilisation)")
         await cuts(res, engine, gw, rds, concurrency)
+        say("engine: a stream whose processor freezes")
+        await lagging(res, engine, gw, rds)
     finally:
         if gw is not None:
             gw.stop()
@@ -341,6 +420,20 @@ async def bench_section(bench: Any) -> None:
                 target=f"<= {RUN_AHEAD_BOUND}",
                 met=ra["run_ahead_per_cut"] <= RUN_AHEAD_BOUND,
                 note=f"{ra['cut']}/{ra['streams']} cut; billed - delivered {ra['billed_minus_delivered']}",
+            )
+        )
+    lag = res.lagging
+    if lag:
+        bench.table.add(
+            Row(
+                "9 engine",
+                "tokens the engine generated beyond the tenant's room, processor frozen",
+                "tokens",
+                float(lag["generated_beyond_room"]),
+                target=f"<= {RUN_AHEAD_BOUND}",
+                met=lag["generated_beyond_room"] <= RUN_AHEAD_BOUND,
+                note=f"room {lag['room']}, frozen {lag['frozen_s']} s, "
+                f"{lag['generated_while_frozen']} generated meanwhile, {lag['delivered']} delivered",
             )
         )
     bench.raw["engine"] = asdict(res)
