@@ -138,6 +138,9 @@ class Stack:
     extproc_argv: Sequence[str] = ()
     # Prometheus port of the first processor (replica i serves ``metrics_port + i``); 0: none.
     metrics_port: int = 0
+    # Envoy routes to this upstream instead of the simulator (a real model server; the
+    # simulator still starts). ``(host, port)``.
+    upstream: tuple[str, int] | None = None
 
     @property
     def envoy_ports(self) -> list[int]:
@@ -302,7 +305,7 @@ class Stack:
                 cfg = EnvoyPorts(
                     listen_port=port,
                     admin_port=self.ports.envoy_admin + i,
-                    upstreams=(("127.0.0.1", self.ports.sim),),
+                    upstreams=(self.upstream or ("127.0.0.1", self.ports.sim),),
                     extprocs=tuple(("127.0.0.1", p) for p in self.extproc_ports),
                     with_baseline_listener=self.baseline_port + i if self.baseline_port else 0,
                     jwt=self.envoy_jwt,

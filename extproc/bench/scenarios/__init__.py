@@ -11,6 +11,7 @@ from extproc.bench.scenarios import (
     accuracy,
     admin,
     admission,
+    engine,
     profile,
     rls,
     rolling,
@@ -34,6 +35,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     soak.SCENARIO,
     rls.SCENARIO,
     admin.SCENARIO,
+    engine.SCENARIO,
 )
 
 #: The section names, as ``--only`` and ``--skip`` take them.

@@ -1,0 +1,1 @@
+"""Tests against a real model server (vLLM's CPU build serving a tiny local model)."""
