@@ -16,6 +16,7 @@ import time
 import anthropic
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.bench.rolling import Outcome, steady_load
 from tests.compose.conftest import ComposeProject, docker, wait_for
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.compose
 
 STANDARD = "sk-demo-standard"
 TIGHT = "sk-demo-tight"
-MESSAGES: list[dict[str, str]] = [{"role": "user", "content": "hi"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
 
 def _openai(p: ComposeProject, key: str) -> openai.OpenAI:
