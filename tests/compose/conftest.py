@@ -234,3 +234,30 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeProject
             timeout=180,
             check=False,
         )
+        _remove_stale_images()
+
+
+def _remove_stale_images() -> None:
+    """Compose labels the images it builds with the project name, so each session's build
+    re-tags ai-quota:*, leaving the previous session's images dangling: remove those (only
+    dangling images built by a project of these tests)."""
+    ids = docker(
+        "images", "-q", "--filter", "dangling=true", "--filter", "label=com.docker.compose.project"
+    ).split()
+    if not ids:
+        return
+    listing = docker(
+        "image",
+        "inspect",
+        "--format",
+        '{{.Id}} {{index .Config.Labels "com.docker.compose.project"}}',
+        *sorted(set(ids)),
+        check=False,
+    )
+    stale = [
+        line.split()[0]
+        for line in listing.splitlines()
+        if len(line.split()) == 2 and line.split()[1].startswith("aiq-test-")
+    ]
+    if stale:
+        docker("rmi", *stale, check=False)

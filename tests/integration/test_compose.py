@@ -168,6 +168,13 @@ def test_every_image_is_pinned() -> None:
             assert _is_pinned(service["image"]), f"{name}: image tag {service['image']!r}"
 
 
+def test_the_simulator_runs_the_image_extproc_builds() -> None:
+    """sim has no build of its own: it runs the tag extproc builds, so one build serves both."""
+    services = _services()
+    assert "build" not in services["sim"] and "build" in services["extproc"]
+    assert services["sim"]["image"] == services["extproc"]["image"]
+
+
 def test_base_image_is_a_build_argument_with_the_official_image_by_default() -> None:
     """compose/Dockerfile builds FROM ${BASE_IMAGE}; its default and the compose file's default
     for AIQ_BASE_IMAGE are the same official python slim-bookworm image, and the variable
