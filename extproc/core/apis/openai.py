@@ -10,6 +10,7 @@ from __future__ import annotations
 import orjson
 
 from extproc.core.apis.base import ApiName, ParsedRequest, RequestLimits
+from extproc.core.chat_template import chat_conversation, count_templated, template_of
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage, parse_event_data
 from extproc.core.request import parse_request, rewrite_body
 from extproc.core.responses import error_body, error_headers, sse_error_event
@@ -55,6 +56,14 @@ class OpenAICompletionsFormat:
 
     def count_input(self, req: ParsedRequest, counter: TokenCounter, spec: TokenizerSpec) -> int:
         if self.name == "chat":
+            template = template_of(counter)
+            if template is not None:
+                conversation = chat_conversation(req.body, template.content_format, spec)
+                n = count_templated(
+                    template, conversation, req.body, counter, tools=req.body.get("tools")
+                )
+                if n is not None:
+                    return n
             return count_chat_request(req.body, counter, spec)
         return count_completion_prompt(req.body, counter)
 

@@ -60,6 +60,12 @@ from extproc.core.apis.common import (
     require_model,
     rewrite_fields,
 )
+from extproc.core.chat_template import (
+    count_templated,
+    function_tools,
+    responses_conversation,
+    template_of,
+)
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
 from extproc.core.responses import error_body, error_headers
 from extproc.core.tokens import PromptShapeError, TokenCounter, TokenizerSpec
@@ -362,7 +368,16 @@ class ResponsesFormat:
         )
 
     def count_input(self, req: ParsedRequest, counter: TokenCounter, spec: TokenizerSpec) -> int:
-        """Input tokens (see the module docstring)."""
+        """Input tokens: the model's chat template rendered when it has one and the body
+        renders, else the framing formula (see the module docstring)."""
+        template = template_of(counter)
+        if template is not None:
+            conversation = responses_conversation(req.body, template.content_format, spec)
+            tools = function_tools(req.body.get("tools"), "responses")
+            if tools is not False:
+                n = count_templated(template, conversation, req.body, counter, tools=tools)
+                if n is not None:
+                    return n
         return count_responses_input(req.body, counter, spec)
 
     def rewrite(
