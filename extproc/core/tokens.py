@@ -43,6 +43,7 @@ __all__ = [
     "TokenizerSpec",
     "count_chat_request",
     "count_completion_prompt",
+    "count_stream_delta",
     "delta_counter",
     "split_for_counting",
 ]
@@ -204,26 +205,51 @@ def _check_size(text: str, max_chars: int, name: str) -> None:
 # --------------------------------------------------------------------------- counters
 
 
+#: What a decoder puts in place of bytes that are not (yet) valid UTF-8.
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def count_stream_delta(text: str, count: Callable[[str], int]) -> int:
+    """Tokens of one streamed delta, each U+FFFD counted as one token.
+
+    A byte-level model emits the bytes of a character that is not in its vocabulary (CJK,
+    emoji) as separate tokens; the server's detokenizer shows a byte that is not valid UTF-8 as
+    U+FFFD.  Re-encoding that character costs 1 to 3 tokens depending on the vocabulary, but the
+    engine spent at most one token per replacement character (a token holding several invalid
+    bytes yields one character per byte).  So the text between replacement characters is counted
+    with ``count`` and each replacement character as one token; text without one is counted as
+    it is.
+    """
+    if REPLACEMENT_CHAR not in text:
+        return count(text)
+    total = 0
+    for piece in text.split(REPLACEMENT_CHAR):
+        if piece:
+            total += count(piece)
+    return total + text.count(REPLACEMENT_CHAR)
+
+
 def delta_counter(
     count: Callable[[str], int], *, max_len: int = 32, max_entries: int = 65_536
 ) -> Callable[[str], int]:
-    """``count`` memoised for short texts: the per-delta counter of streams.
+    """``count`` memoised for short texts, with :func:`count_stream_delta`'s rule for replacement
+    characters: the per-delta counter of streams.
 
     Streamed deltas are short and repeat a lot (" the", ","); a dictionary hit costs far
     less than running the BPE, and keeps the tokenizer's large tables out of the CPU cache
-    on the per-chunk path.  Exact: a hit returns what ``count`` returned for the same text.
+    on the per-chunk path.  Exact: a hit returns what was computed for the same text.
     The table is cleared when it reaches ``max_entries``, so memory stays bounded.
     """
     cache: dict[str, int] = {}
 
     def counted(text: str) -> int:
         if len(text) > max_len:
-            return count(text)
+            return count_stream_delta(text, count)
         n = cache.get(text)
         if n is None:
             if len(cache) >= max_entries:
                 cache.clear()
-            n = cache[text] = count(text)
+            n = cache[text] = count_stream_delta(text, count)
         return n
 
     return counted
