@@ -68,6 +68,7 @@ from extproc.core.chat_template import (
     template_of,
 )
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
+from extproc.core.responses import sse_cut_event
 from extproc.core.tokens import PromptShapeError, TokenCounter, TokenizerSpec
 from extproc.errors import BadRequest, GatewayError, QuotaExceeded
 
@@ -455,8 +456,9 @@ class MessagesFormat:
 
     def cut_events(self, err: GatewayError) -> bytes:
         """``event: error`` with the Anthropic error object; the SDKs raise on it.  Nothing
-        follows (no ``message_stop``, no ``[DONE]``)."""
-        return b"event: error\ndata: " + orjson.dumps(self._error_object(err)) + b"\n\n"
+        follows (no ``message_stop``, no ``[DONE]``); a comment line carries the message
+        (:func:`~extproc.core.responses.sse_cut_event`)."""
+        return sse_cut_event(self._error_object(err), err.message)
 
 
 MESSAGES = MessagesFormat()

@@ -13,14 +13,14 @@ from extproc.core.apis.base import ApiName, ParsedRequest, RequestLimits
 from extproc.core.chat_template import chat_conversation, count_templated, template_of
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage, parse_event_data
 from extproc.core.request import parse_request, rewrite_body
-from extproc.core.responses import error_body, error_headers, sse_error_event
+from extproc.core.responses import error_body, error_headers, sse_cut_event
 from extproc.core.tokens import (
     TokenCounter,
     TokenizerSpec,
     count_chat_request,
     count_completion_prompt,
 )
-from extproc.errors import GatewayError
+from extproc.errors import ErrorBody, GatewayError
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -101,7 +101,10 @@ class OpenAICompletionsFormat:
         return error_headers(err)
 
     def cut_events(self, err: GatewayError) -> bytes:
-        return sse_error_event(err.message, error_type=err.error_type, code=err.code) + DONE_EVENT
+        """``event: error`` with the OpenAI error object, and no ``data: [DONE]`` after it (a
+        terminator would let clients that only look for it count the stream as a success)."""
+        body = ErrorBody(err.message, err.error_type, err.code, err.param).as_dict()
+        return sse_cut_event(body, err.message)
 
 
 CHAT = OpenAICompletionsFormat("chat")

@@ -67,7 +67,7 @@ from extproc.core.chat_template import (
     template_of,
 )
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
-from extproc.core.responses import error_body, error_headers
+from extproc.core.responses import error_body, error_headers, sse_cut_event
 from extproc.core.tokens import PromptShapeError, TokenCounter, TokenizerSpec
 from extproc.errors import BadRequest, ErrorBody, GatewayError
 
@@ -421,7 +421,8 @@ class ResponsesFormat:
         ``last_sequence_number``, when given; else 0), plus an ``error`` object with the same
         message: the openai SDK raises ``APIError`` for stream data carrying a non-empty
         ``error`` and would otherwise yield a plain ``ResponseErrorEvent`` and carry on.  No
-        ``data: [DONE]``: the Responses API never sends one and the SDK needs none."""
+        ``data: [DONE]``: the Responses API never sends one and the SDK needs none.  Rendered by
+        :func:`~extproc.core.responses.sse_cut_event` (a comment line carries the message)."""
         seq = 0 if sequence_number is None else sequence_number + 1
         inner = ErrorBody(err.message, err.error_type, err.code, err.param).as_dict()["error"]
         data = {
@@ -432,7 +433,7 @@ class ResponsesFormat:
             "sequence_number": seq,
             "error": inner,
         }
-        return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
+        return sse_cut_event(data, err.message)
 
 
 RESPONSES = ResponsesFormat()
