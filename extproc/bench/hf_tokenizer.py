@@ -26,7 +26,7 @@ def write(out: Path) -> Path:
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     definition = KNOWN_ENCODINGS[BUNDLED_ENCODING]
-    converter = TikTokenConverter(  # type: ignore[no-untyped-call]
+    converter = TikTokenConverter(
         vocab_file=bundled_cl100k_path(),
         pattern=definition.pat_str,
         extra_special_tokens=list(definition.special_tokens),
