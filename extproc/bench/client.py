@@ -123,6 +123,8 @@ async def _read_stream(resp: aiohttp.ClientResponse, res: Result, t0: float) -> 
         now = time.perf_counter()
         for ev in decoder.feed(piece):
             _on_event(ev, res, now, t0)
+        if res.cut:  # the gateway aborts the response after a cut's error event
+            return
     for ev in decoder.flush():
         _on_event(ev, res, time.perf_counter(), t0)
 

@@ -317,6 +317,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         aliases=(),
         tokenizer=fallback_spec,
         counter=fallback_counter,
+        delta_count=delta_counter(fallback_counter.count),
         max_output_tokens=cfg.unknown_models.max_output_tokens,
         max_input_tokens=None,
         known=False,

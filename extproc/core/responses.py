@@ -44,6 +44,20 @@ def sse_error_event(message: str, *, error_type: str, code: str) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
+def sse_cut_event(data: object, message: str) -> bytes:
+    """The event that ends a cut stream, in every API: ``event: error``, a comment line with the
+    message on one line, then ``data`` as JSON.
+
+    Each part is there for a client that reads only that part: the openai and anthropic SDKs
+    raise on the data's error object (the openai SDK for ``data: {"error": ...}`` with or
+    without an event name), GuideLLM on a data line with ``error``, aiperf on any event named
+    ``error`` (it reports the event's first comment as the message), and SSE parsers skip
+    comments.  Nothing follows it: no ``data: [DONE]``, and the gateway then aborts the HTTP
+    response (see ``extproc.server.stream``), the only signal inference-perf reads."""
+    comment = " ".join(message.split()).encode()
+    return b"event: error\n: " + comment + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
 def quota_cut_message(
     *,
     tenant: str,

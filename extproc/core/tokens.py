@@ -23,9 +23,12 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 import orjson
+
+if TYPE_CHECKING:
+    from extproc.core.chat_template import ChatTemplate
 
 __all__ = [
     "DEFAULT_MAX_CHARS",
@@ -40,6 +43,7 @@ __all__ = [
     "TokenizerSpec",
     "count_chat_request",
     "count_completion_prompt",
+    "count_stream_delta",
     "delta_counter",
     "split_for_counting",
 ]
@@ -201,26 +205,51 @@ def _check_size(text: str, max_chars: int, name: str) -> None:
 # --------------------------------------------------------------------------- counters
 
 
+#: What a decoder puts in place of bytes that are not (yet) valid UTF-8.
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def count_stream_delta(text: str, count: Callable[[str], int]) -> int:
+    """Tokens of one streamed delta, each U+FFFD counted as one token.
+
+    A byte-level model emits the bytes of a character that is not in its vocabulary (CJK,
+    emoji) as separate tokens; the server's detokenizer shows a byte that is not valid UTF-8 as
+    U+FFFD.  Re-encoding that character costs 1 to 3 tokens depending on the vocabulary, but the
+    engine spent at most one token per replacement character (a token holding several invalid
+    bytes yields one character per byte).  So the text between replacement characters is counted
+    with ``count`` and each replacement character as one token; text without one is counted as
+    it is.
+    """
+    if REPLACEMENT_CHAR not in text:
+        return count(text)
+    total = 0
+    for piece in text.split(REPLACEMENT_CHAR):
+        if piece:
+            total += count(piece)
+    return total + text.count(REPLACEMENT_CHAR)
+
+
 def delta_counter(
     count: Callable[[str], int], *, max_len: int = 32, max_entries: int = 65_536
 ) -> Callable[[str], int]:
-    """``count`` memoised for short texts: the per-delta counter of streams.
+    """``count`` memoised for short texts, with :func:`count_stream_delta`'s rule for replacement
+    characters: the per-delta counter of streams.
 
     Streamed deltas are short and repeat a lot (" the", ","); a dictionary hit costs far
     less than running the BPE, and keeps the tokenizer's large tables out of the CPU cache
-    on the per-chunk path.  Exact: a hit returns what ``count`` returned for the same text.
+    on the per-chunk path.  Exact: a hit returns what was computed for the same text.
     The table is cleared when it reaches ``max_entries``, so memory stays bounded.
     """
     cache: dict[str, int] = {}
 
     def counted(text: str) -> int:
         if len(text) > max_len:
-            return count(text)
+            return count_stream_delta(text, count)
         n = cache.get(text)
         if n is None:
             if len(cache) >= max_entries:
                 cache.clear()
-            n = cache[text] = count(text)
+            n = cache[text] = count_stream_delta(text, count)
         return n
 
     return counted
@@ -266,9 +295,14 @@ class TiktokenCounter:
 class HuggingFaceCounter:
     """Counts tokens with a Hugging Face ``tokenizers.Tokenizer``, without special tokens.
 
-    Long texts are encoded in pieces like :class:`TiktokenCounter`; for pre-tokenizers
-    that mark word starts (SentencePiece ``▁``) a cut may add about one token per piece,
-    which only ever over-counts.
+    Special-token text in the input (``<|user|>``) is one token each, as the tokenizer (and the
+    model server) reads it.  Long texts are first cut around special-token text, which the
+    tokenizer never merges with its neighbours (so the cut is exact), then encoded in pieces
+    like :class:`TiktokenCounter`; for pre-tokenizers that mark word starts (SentencePiece
+    ``▁``) such a piece cut may add about one token per piece, which only ever over-counts.
+
+    ``chat_template``: the model's compiled chat template when its ``tokenizer_config.json``
+    has one (:mod:`extproc.core.chat_template` counts chat input by rendering it).
     """
 
     def __init__(
@@ -278,28 +312,62 @@ class HuggingFaceCounter:
         name: str,
         max_chars: int = DEFAULT_MAX_CHARS,
         max_piece_chars: int = DEFAULT_MAX_PIECE_CHARS,
+        chat_template: ChatTemplate | None = None,
     ) -> None:
         """Wrap a loaded ``tokenizers.Tokenizer``."""
         self.tokenizer = tokenizer
         self.name = name
         self.max_chars = max_chars
         self.max_piece_chars = max_piece_chars
+        self.chat_template = chat_template
+        self._specials = _special_pattern(tokenizer)
 
     def _encode_len(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
-    def count(self, text: str) -> int:
-        """Return the token count of ``text`` without the tokenizer's special tokens."""
-        _check_size(text, self.max_chars, self.name)
+    def _count_plain(self, text: str) -> int:
         if len(text) <= self.max_piece_chars:
             return self._encode_len(text)
         split = split_for_counting(text, self.max_piece_chars)
         total = sum(self._encode_len(piece) for piece in split.pieces)
         return total + split.hard_cuts * HARD_CUT_SLACK_TOKENS
 
+    def count(self, text: str) -> int:
+        """Return the token count of ``text`` without the tokenizer's special tokens."""
+        _check_size(text, self.max_chars, self.name)
+        if len(text) <= self.max_piece_chars:
+            return self._encode_len(text)
+        if self._specials is None:
+            return self._count_plain(text)
+        total = 0
+        pos = 0
+        for m in self._specials.finditer(text):
+            if m.start() > pos:
+                total += self._count_plain(text[pos : m.start()])
+            total += 1
+            pos = m.end()
+        if pos < len(text):
+            total += self._count_plain(text[pos:])
+        return total
+
     def __repr__(self) -> str:
         """Show which tokenizer file this counter uses."""
         return f"HuggingFaceCounter({self.name!r})"
+
+
+def _special_pattern(tokenizer: Any) -> re.Pattern[str] | None:
+    """A pattern matching the tokenizer's special-token texts (longest first), or None."""
+    get = getattr(tokenizer, "get_added_tokens_decoder", None)
+    if get is None:
+        return None
+    texts = sorted(
+        {t.content for t in get().values() if getattr(t, "special", False) and t.content},
+        key=len,
+        reverse=True,
+    )
+    if not texts:
+        return None
+    return re.compile("|".join(re.escape(t) for t in texts))
 
 
 class EstimateCounter:

@@ -259,8 +259,8 @@ class Runner:
                 text = state.on_event(payload)
                 if text:
                     self._add_delta(rec, text, at)
-            if state.done:
-                break
+            if state.done or state.error is not None:
+                break  # after a cut's error event the gateway aborts the response
         if not state.done:
             for payload in data_payloads(decoder.flush()):
                 text = state.on_event(payload)

@@ -35,6 +35,9 @@ from extproc.server.settle import access_metadata
 
 log = structlog.get_logger("extproc")
 
+#: Envoy's ``%RESPONSE_CODE_DETAILS%`` for a cut stream.
+CUT_DETAILS = "ai_quota_stream_cut"
+
 
 class StreamDriver:
     """Owns one stream's meter and its pending charge."""
@@ -299,7 +302,14 @@ class StreamDriver:
             delivered_tokens=meter.delivered,
             charged=s.account.total,
         )
-        return [wire.streamed_body(data, True, self.final_metadata())]
+        # The error event, then an immediate response: the response has started, so Envoy
+        # resets it (HTTP/1.1: the connection closes before the last chunk; HTTP/2: RST_STREAM)
+        # after delivering the event.  Clients that look at nothing but the transport
+        # (inference-perf) see the cut as a failed request, not a short success.
+        return [
+            wire.streamed_body(data, False, self.final_metadata()),
+            wire.immediate(err.status, [], b"", CUT_DETAILS),
+        ]
 
 
 def _reported(usage: Usage) -> Reported:

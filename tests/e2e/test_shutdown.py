@@ -1,5 +1,5 @@
 """SIGTERM's deadline: streams still running when the shutdown grace ends are cut with the
-``server_shutdown`` error event and ``[DONE]``, and settled for what was delivered
+``server_shutdown`` error event (then the response is aborted), and settled for what was delivered
 (docs/semantics.md, docs/operations.md "Draining")."""
 
 from __future__ import annotations
@@ -62,15 +62,20 @@ def _raw_stream(stack: Stack, out: dict[str, object], started: threading.Event) 
     lines: list[str] = []
     body = {"model": "sim-small", "messages": MSG, "max_tokens": MAX_TOKENS, "stream": True}
     headers = {"authorization": "Bearer sk-std", **SLOW}
-    with (
-        httpx.Client(timeout=60) as http,
-        http.stream("POST", f"{stack.base_url}/chat/completions", json=body, headers=headers) as r,
-    ):
-        out["status"] = r.status_code
-        for line in r.iter_lines():
-            lines.append(line)
-            if sum(1 for x in lines if x.startswith("data: {")) == 20:
-                started.set()
+    try:
+        with (
+            httpx.Client(timeout=60) as http,
+            http.stream(
+                "POST", f"{stack.base_url}/chat/completions", json=body, headers=headers
+            ) as r,
+        ):
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                lines.append(line)
+                if sum(1 for x in lines if x.startswith("data: {")) == 20:
+                    started.set()
+    except httpx.RemoteProtocolError as exc:
+        out["aborted"] = exc
     out["lines"] = lines
 
 
@@ -84,8 +89,8 @@ def _content(event: str) -> str:
 def test_streams_open_at_the_deadline_are_cut_with_server_shutdown_and_settled(
     short_grace: Stack,
 ) -> None:
-    """Two streams outlive the 1 s grace: each ends with the `server_shutdown` error event then
-    `data: [DONE]`, the openai SDK raises it, and each tenant is charged input plus what it got."""
+    """Two streams outlive the 1 s grace: each ends with the `server_shutdown` error event, no
+    `data: [DONE]`, then an aborted response; the openai SDK raises it, and each tenant is charged input plus what it got."""
     rds = redis.Redis(port=short_grace.ports.redis, decode_responses=True)
     prompt = client(short_grace, "sk-closed").chat.completions.create(
         model="sim-small", messages=MSG, max_tokens=1
@@ -121,14 +126,17 @@ def test_streams_open_at_the_deadline_are_cut_with_server_shutdown_and_settled(
     got = int(str(sdk["got"]))
     assert 20 <= got < MAX_TOKENS
 
-    # on the wire: content, then the server_shutdown error event, then [DONE] as the last event
+    # on the wire: content, then the server_shutdown error event (event: error) as the last
+    # event, no [DONE], and the response aborted rather than ended
     assert raw["status"] == 200
+    assert isinstance(raw.get("aborted"), httpx.RemoteProtocolError), raw.get("aborted")
     lines = raw["lines"]
     assert isinstance(lines, list)
     events = [x for x in lines if x.startswith("data: ")]
-    assert events[-1] == "data: [DONE]", events[-3:]
-    assert '"code":"server_shutdown"' in events[-2].replace(" ", ""), events[-3:]
-    chunks = [e for e in events[:-2] if _content(e)]
+    assert "data: [DONE]" not in events
+    assert '"code":"server_shutdown"' in events[-1].replace(" ", ""), events[-3:]
+    assert "event: error" in lines
+    chunks = [e for e in events[:-1] if _content(e)]
     assert 20 <= len(chunks) < MAX_TOKENS
 
     # settled for what was delivered: the prompt and the tokens received, not the reservation

@@ -55,10 +55,12 @@ assert ENGINE_PROMPT != PROMPT  # the tests below tell the two figures apart
 
 
 def test_lazy_stream_is_cut_cleanly_and_the_upstream_stops(stack: Stack, rds: redis.Redis) -> None:
-    """Over budget, the client gets an OpenAI error event and [DONE]; the upstream is disconnected."""
+    """Over budget, the client gets an OpenAI error event (the SDK's APIError, not a connection
+    error); the upstream is disconnected."""
     c = client(stack, "sk-cut")
     got, err = stream_and_count(c, max_tokens=1000)
     assert isinstance(err, openai.APIError)
+    assert not isinstance(err, openai.APIConnectionError)
     assert "Rate limit reached for tokens" in err.message and "t-cut" in err.message
     assert 0 < got < 1000
     rec = records(stack, "t-cut")[-1]
@@ -73,23 +75,36 @@ def test_lazy_stream_is_cut_cleanly_and_the_upstream_stops(stack: Stack, rds: re
     assert info.value.code == "tpm_limit_exceeded"
 
 
-def test_cut_stream_bytes_end_with_error_event_and_done(stack: Stack, rds: redis.Redis) -> None:
-    """On the wire the cut stream ends with one error event and data: [DONE], then a clean close."""
+def test_cut_stream_bytes_end_with_error_event_then_an_abort(
+    stack: Stack, rds: redis.Redis
+) -> None:
+    """On the wire the cut stream ends with one ``event: error`` (a comment line with the
+    message, the OpenAI error object as data), no [DONE], then the response is aborted: the
+    HTTP/1.1 body never gets its last chunk, so clients that only watch the transport see a
+    failed request."""
     body = orjson.dumps({"model": "sim-small", "messages": MSG, "max_tokens": 1000, "stream": True})
-    with httpx.stream(
-        "POST",
-        f"{stack.base_url}/chat/completions",
-        content=body,
-        headers={"authorization": "Bearer sk-meta", "content-type": "application/json"},
-    ) as r:
+    raw = b""
+    with (
+        pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"),
+        httpx.stream(
+            "POST",
+            f"{stack.base_url}/chat/completions",
+            content=body,
+            headers={"authorization": "Bearer sk-meta", "content-type": "application/json"},
+        ) as r,
+    ):
         assert r.status_code == 200
-        raw = b"".join(r.iter_bytes())
+        for piece in r.iter_bytes():
+            raw += piece
     events = [e for e in raw.split(b"\n\n") if e]
-    assert events[-1] == b"data: [DONE]"
-    err = orjson.loads(events[-2].removeprefix(b"data: "))["error"]
+    assert b"[DONE]" not in raw
+    head, comment, data = events[-1].split(b"\n")
+    assert head == b"event: error"
+    err = orjson.loads(data.removeprefix(b"data: "))["error"]
     assert err["code"] == "tpm_limit_exceeded" and err["type"] == "tokens"
     assert "resets in" in err["message"]
-    for e in events[:-2]:
+    assert comment == b": " + err["message"].encode()
+    for e in events[:-1]:
         assert e.startswith(b"data: {")
         assert "error" not in orjson.loads(e.removeprefix(b"data: "))
 

@@ -1,7 +1,8 @@
 """The real ``openai`` and ``anthropic`` SDKs against a tiny local SSE server that replays the
 recorded-style streams of ``tests/data/sse/`` and the bytes the API formats render: a normal
-stream is read to its end, a stream cut with ``cut_events(...)`` makes the SDK raise with the
-gateway's message, and an admission 429 from ``error_body``/``error_headers`` becomes the
+stream is read to its end, a stream cut with ``cut_events(...)`` and then aborted the way the
+gateway aborts it (the HTTP/1.1 body ends without its last chunk) makes the SDK raise the
+gateway's message as an API error, not a transport error, and an admission 429 from ``error_body``/``error_headers`` becomes the
 SDK's ``RateLimitError`` with ``retry-after`` readable.
 
 Why the Responses cut carries an ``error`` object besides the documented top-level ``code`` /
@@ -22,6 +23,7 @@ import pytest
 
 from extproc.core.apis.embeddings import EMBEDDINGS
 from extproc.core.apis.messages import MESSAGES
+from extproc.core.apis.openai import CHAT, COMPLETIONS
 from extproc.core.apis.responses import RESPONSES, ResponsesReader
 from extproc.errors import QuotaExceeded, RateLimitHeaders, StreamCut
 from tests.apis_support import sse_bytes
@@ -56,6 +58,7 @@ class Reply:
     status: int
     headers: list[tuple[str, str]]
     body: list[bytes]
+    abort: bool = False  # chunked, and the connection closes before the last chunk
 
 
 @dataclass
@@ -66,12 +69,17 @@ class Upstream:
     replies: dict[str, Reply] = field(default_factory=dict)
     seen: list[dict[str, str]] = field(default_factory=list)
 
-    def stream(self, path: str, *pieces: bytes) -> None:
+    def stream(self, path: str, *pieces: bytes, abort: bool = False) -> None:
         self.replies[path] = Reply(
             200,
             [("content-type", "text/event-stream"), ("cache-control", "no-cache")],
             list(pieces),
+            abort,
         )
+
+    def cut(self, path: str, *pieces: bytes) -> None:
+        """``pieces`` (the cut event last), then the abort the gateway sends after a cut."""
+        self.stream(path, *pieces, abort=True)
 
     def error(self, path: str, status: int, body: bytes, headers: list[tuple[str, str]]) -> None:
         self.replies[path] = Reply(status, headers, [body])
@@ -88,11 +96,14 @@ def _handler(upstream: Upstream) -> type[http.server.BaseHTTPRequestHandler]:
             for name, value in reply.headers:
                 self.send_header(name, value)
             self.send_header("connection", "close")
+            if reply.abort:
+                self.send_header("transfer-encoding", "chunked")
             self.end_headers()
             for piece in reply.body:  # one write per piece, flushed: a real stream
-                self.wfile.write(piece)
+                chunk = b"%x\r\n%s\r\n" % (len(piece), piece) if reply.abort else piece
+                self.wfile.write(chunk)
                 self.wfile.flush()
-            self.close_connection = True
+            self.close_connection = True  # an aborted body never gets its 0-length chunk
 
         def log_message(self, format: str, *args: object) -> None:
             pass
@@ -147,6 +158,70 @@ def responses_prefix(count: int) -> tuple[list[bytes], int]:
     return prefix, reader.last_sequence_number
 
 
+# --------------------------------------------------------------------------- chat, completions
+
+
+def test_chat_cut_raises_api_error_with_the_message(upstream: Upstream) -> None:
+    """The chat cut (event: error, comment, error data, abort) is the SDK's APIError."""
+    prefix = events("chat_include_usage.sse")[:4]
+    upstream.cut("/v1/chat/completions", *prefix, CHAT.cut_events(CUT))
+    received: list[str] = []
+    with pytest.raises(openai.APIError) as info:
+        for chunk in oai(upstream).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+        ):
+            if chunk.choices and chunk.choices[0].delta.content:
+                received.append(chunk.choices[0].delta.content)
+    assert not isinstance(info.value, openai.APIConnectionError)
+    assert info.value.message == CUT.message
+    assert info.value.code == "tpm_limit_exceeded"
+    assert received  # the deltas before the cut reached the caller
+
+
+def test_chat_stream_helper_raises_on_the_cut(upstream: Upstream) -> None:
+    """``chat.completions.stream`` raises the cut as an APIError too."""
+    upstream.cut(
+        "/v1/chat/completions", *events("chat_include_usage.sse")[:3], CHAT.cut_events(CUT)
+    )
+    with (
+        pytest.raises(openai.APIError, match="resets in 41s") as info,
+        oai(upstream).chat.completions.stream(
+            model="m", messages=[{"role": "user", "content": "hi"}]
+        ) as stream,
+    ):
+        for _ in stream:
+            pass
+    assert not isinstance(info.value, openai.APIConnectionError)
+
+
+async def test_chat_async_client_raises_on_the_cut(upstream: Upstream) -> None:
+    """The async client raises the same APIError before it notices the aborted body."""
+    upstream.cut(
+        "/v1/chat/completions", *events("chat_include_usage.sse")[:2], CHAT.cut_events(CUT)
+    )
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{upstream.port}/v1", api_key="sk-test", max_retries=0
+    )
+    stream = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+    )
+    with pytest.raises(openai.APIError) as info:
+        async for _ in stream:
+            pass
+    assert not isinstance(info.value, openai.APIConnectionError)
+    assert info.value.message == CUT.message
+    await client.close()
+
+
+def test_completions_cut_raises_api_error(upstream: Upstream) -> None:
+    """Legacy completions end a cut the same way, and the SDK raises it."""
+    upstream.cut("/v1/completions", *events("completions.sse")[:2], COMPLETIONS.cut_events(CUT))
+    with pytest.raises(openai.APIError) as info:
+        for _ in oai(upstream).completions.create(model="m", prompt="once", stream=True):
+            pass
+    assert info.value.message == CUT.message
+
+
 # --------------------------------------------------------------------------- Responses
 
 
@@ -163,7 +238,7 @@ def test_responses_normal_stream_reads_to_the_end(upstream: Upstream) -> None:
 
 def test_responses_cut_raises_api_error(upstream: Upstream) -> None:
     prefix, last = responses_prefix(9)  # created, in_progress, item, part, 5 deltas
-    upstream.stream("/v1/responses", *prefix, RESPONSES.cut_events(CUT, sequence_number=last))
+    upstream.cut("/v1/responses", *prefix, RESPONSES.cut_events(CUT, sequence_number=last))
     received = []
     with pytest.raises(openai.APIError) as info:
         for event in oai(upstream).responses.create(model="m", input="tides?", stream=True):
@@ -178,7 +253,7 @@ def test_responses_cut_raises_api_error(upstream: Upstream) -> None:
 
 def test_responses_stream_helper_raises_on_the_cut(upstream: Upstream) -> None:
     prefix, last = responses_prefix(7)
-    upstream.stream("/v1/responses", *prefix, RESPONSES.cut_events(CUT, sequence_number=last))
+    upstream.cut("/v1/responses", *prefix, RESPONSES.cut_events(CUT, sequence_number=last))
     with (
         pytest.raises(openai.APIError, match="resets in 41s"),
         oai(upstream).responses.stream(model="m", input="tides?") as stream,
@@ -189,7 +264,7 @@ def test_responses_stream_helper_raises_on_the_cut(upstream: Upstream) -> None:
 
 async def test_responses_async_client_raises_on_the_cut(upstream: Upstream) -> None:
     prefix, last = responses_prefix(6)
-    upstream.stream("/v1/responses", *prefix, RESPONSES.cut_events(CUT, sequence_number=last))
+    upstream.cut("/v1/responses", *prefix, RESPONSES.cut_events(CUT, sequence_number=last))
     client = openai.AsyncOpenAI(
         base_url=f"http://127.0.0.1:{upstream.port}/v1", api_key="sk-test", max_retries=0
     )
@@ -248,7 +323,7 @@ def test_messages_normal_stream_and_key_header(upstream: Upstream) -> None:
 
 def test_messages_create_stream_raises_on_the_cut(upstream: Upstream) -> None:
     prefix = events("messages_text.sse")[:6]  # start, block start, ping, 3 deltas
-    upstream.stream("/v1/messages", *prefix, MESSAGES.cut_events(CUT))
+    upstream.cut("/v1/messages", *prefix, MESSAGES.cut_events(CUT))
     received = []
     with pytest.raises(anthropic.APIStatusError) as info:
         for event in claude(upstream).messages.create(
@@ -269,7 +344,7 @@ def test_messages_create_stream_raises_on_the_cut(upstream: Upstream) -> None:
 
 def test_messages_stream_helper_raises_on_the_cut(upstream: Upstream) -> None:
     prefix = events("messages_thinking_tool.sse")[:10]
-    upstream.stream("/v1/messages", *prefix, MESSAGES.cut_events(CUT))
+    upstream.cut("/v1/messages", *prefix, MESSAGES.cut_events(CUT))
     with (
         pytest.raises(anthropic.APIStatusError, match="resets in 41s"),
         claude(upstream).messages.stream(
@@ -280,7 +355,7 @@ def test_messages_stream_helper_raises_on_the_cut(upstream: Upstream) -> None:
 
 
 async def test_messages_async_client_raises_on_the_cut(upstream: Upstream) -> None:
-    upstream.stream("/v1/messages", *events("messages_text.sse")[:4], MESSAGES.cut_events(CUT))
+    upstream.cut("/v1/messages", *events("messages_text.sse")[:4], MESSAGES.cut_events(CUT))
     client = anthropic.AsyncAnthropic(
         base_url=f"http://127.0.0.1:{upstream.port}", api_key="k", max_retries=0
     )

@@ -27,8 +27,9 @@ def _transcript(eol: str, *, cut: bool) -> bytes:
     ]
     out = f": keep-alive comment{eol}{eol}".encode()
     out += b"".join(_event(c, eol) for c in chunks)
-    if cut:
-        out += _event({"error": {"type": "tokens", "code": "tpm_limit_exceeded"}}, eol)
+    if cut:  # the gateway's cut: event: error, a comment, the error; no [DONE] after it
+        error = _event({"error": {"type": "tokens", "code": "tpm_limit_exceeded"}}, eol)
+        return out + f"event: error{eol}: quota gone{eol}".encode() + error
     return out + f"data: [DONE]{eol}{eol}".encode()
 
 
@@ -67,6 +68,6 @@ async def test_stream_counted_for_every_line_ending(sse_server: str, eol: str, c
         res = await send(session, f"{sse_server}/{eol}/{cut}/v1", "sk-x", Shape(stream=True))
     assert res.status == 200 and res.error == ""
     assert res.tokens == 5  # the empty role delta carries no content
-    assert res.done is True
+    assert res.done is (cut == "whole")
     assert res.cut is (cut == "cut")
     assert res.ttft is not None and res.first_chunk_at is not None

@@ -199,3 +199,42 @@ def test_sse_error_event_any_message(message: str) -> None:
     assert len(events) == 1
     assert events[0].data is not None
     assert orjson.loads(events[0].data)["error"]["message"] == message
+
+
+_CUT_FORMATS = ["chat", "completions", "responses", "messages"]
+
+
+def _cut_bytes(api: str, err: GatewayError) -> bytes:
+    from extproc.core.apis.messages import MESSAGES
+    from extproc.core.apis.openai import CHAT, COMPLETIONS
+    from extproc.core.apis.responses import RESPONSES
+
+    if api == "responses":
+        return RESPONSES.cut_events(err, sequence_number=41)
+    if api == "messages":
+        return MESSAGES.cut_events(err)
+    return (CHAT if api == "chat" else COMPLETIONS).cut_events(err)
+
+
+@pytest.mark.parametrize("api", _CUT_FORMATS)
+@given(message=st.text(min_size=1, max_size=200))
+def test_cut_event_shape_every_client_reads_as_an_error(api: str, message: str) -> None:
+    """Every API's cut: one event named ``error``, a one-line comment with the message, data
+    whose error object carries the message, and no [DONE] or other terminator after it."""
+    from extproc.errors import StreamCut
+
+    err = StreamCut(message, status=429, error_type="tokens", code="tpm_limit_exceeded")
+    raw = _cut_bytes(api, err)
+    dec = SSEDecoder()
+    events = dec.feed(raw)
+    assert dec.pending_bytes == 0 and len(events) == 1
+    (ev,) = events
+    assert ev.event == "error" and ev.data is not None
+    assert b"[DONE]" not in raw
+    lines = raw.split(b"\n")
+    assert lines[0] == b"event: error"
+    assert lines[1] == b": " + " ".join(message.split()).encode()  # aiperf's message
+    data = orjson.loads(ev.data)
+    inner = data["error"]
+    assert inner["message"] == message
+    assert inner.get("code", "tpm_limit_exceeded") == "tpm_limit_exceeded"

@@ -182,15 +182,20 @@ async def test_strict_holds_then_releases_in_order() -> None:
 
 
 async def test_strict_refused_renewal_cuts_with_error_event() -> None:
-    """A renewal granting nothing ends the stream with an error event and [DONE]."""
+    """A renewal granting nothing ends the stream with an error event, then an immediate
+    response that makes Envoy abort the started response (no [DONE], no clean end)."""
     lim = ScriptedLimiter(grant=4, exhausted_after=1)
     proc = await start(lim, "strict")
     got = await feed(proc, b"".join(event(f" x{i}") for i in range(20)))
-    data, eos = forwarded(got)
-    assert eos
-    tail = data.rsplit(b"\n\n", 3)
-    assert data.endswith(b"data: [DONE]\n\n")
-    assert b'"code":"tpm_limit_exceeded"' in tail[-3]
+    data, eos = forwarded(got[:-1])
+    assert not eos
+    last = data.rsplit(b"\n\n", 2)[-2]
+    assert last.startswith(b"event: error\n: Rate limit reached for tokens")
+    assert b'"code":"tpm_limit_exceeded"' in last
+    assert b"[DONE]" not in data
+    abort = got[-1]
+    assert abort.WhichOneof("response") == "immediate_response"
+    assert abort.immediate_response.details == "ai_quota_stream_cut"
     assert proc.driver is not None and proc.driver.meter.delivered <= 8
 
 

@@ -106,5 +106,6 @@ class ApiFormat(Protocol):
         ...
 
     def cut_events(self, err: GatewayError) -> bytes:
-        """The SSE bytes that end a stream cut for ``err`` (the SDK raises it), terminator included."""
+        """The SSE event that ends a stream cut for ``err`` (the SDKs raise on it); nothing follows
+        it, and the server aborts the HTTP response after it."""
         ...

@@ -61,7 +61,14 @@ from extproc.core.apis.common import (
     require_model,
     rewrite_fields,
 )
+from extproc.core.chat_template import (
+    count_templated,
+    function_tools,
+    messages_conversation,
+    template_of,
+)
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
+from extproc.core.responses import sse_cut_event
 from extproc.core.tokens import PromptShapeError, TokenCounter, TokenizerSpec
 from extproc.errors import BadRequest, GatewayError, QuotaExceeded
 
@@ -359,7 +366,16 @@ class MessagesFormat:
         )
 
     def count_input(self, req: ParsedRequest, counter: TokenCounter, spec: TokenizerSpec) -> int:
-        """Input tokens (see the module docstring)."""
+        """Input tokens: the model's chat template rendered when it has one and the body
+        renders, else the framing formula (see the module docstring)."""
+        template = template_of(counter)
+        if template is not None:
+            conversation = messages_conversation(req.body, template.content_format, spec)
+            tools = function_tools(req.body.get("tools"), "messages")
+            if tools is not False:
+                n = count_templated(template, conversation, req.body, counter, tools=tools)
+                if n is not None:
+                    return n
         return count_messages_input(req.body, counter, spec)
 
     def rewrite(
@@ -440,8 +456,9 @@ class MessagesFormat:
 
     def cut_events(self, err: GatewayError) -> bytes:
         """``event: error`` with the Anthropic error object; the SDKs raise on it.  Nothing
-        follows (no ``message_stop``, no ``[DONE]``)."""
-        return b"event: error\ndata: " + orjson.dumps(self._error_object(err)) + b"\n\n"
+        follows (no ``message_stop``, no ``[DONE]``); a comment line carries the message
+        (:func:`~extproc.core.responses.sse_cut_event`)."""
+        return sse_cut_event(self._error_object(err), err.message)
 
 
 MESSAGES = MessagesFormat()

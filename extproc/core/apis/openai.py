@@ -10,16 +10,17 @@ from __future__ import annotations
 import orjson
 
 from extproc.core.apis.base import ApiName, ParsedRequest, RequestLimits
+from extproc.core.chat_template import chat_conversation, count_templated, template_of
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage, parse_event_data
 from extproc.core.request import parse_request, rewrite_body
-from extproc.core.responses import error_body, error_headers, sse_error_event
+from extproc.core.responses import error_body, error_headers, sse_cut_event
 from extproc.core.tokens import (
     TokenCounter,
     TokenizerSpec,
     count_chat_request,
     count_completion_prompt,
 )
-from extproc.errors import GatewayError
+from extproc.errors import ErrorBody, GatewayError
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -55,6 +56,14 @@ class OpenAICompletionsFormat:
 
     def count_input(self, req: ParsedRequest, counter: TokenCounter, spec: TokenizerSpec) -> int:
         if self.name == "chat":
+            template = template_of(counter)
+            if template is not None:
+                conversation = chat_conversation(req.body, template.content_format, spec)
+                n = count_templated(
+                    template, conversation, req.body, counter, tools=req.body.get("tools")
+                )
+                if n is not None:
+                    return n
             return count_chat_request(req.body, counter, spec)
         return count_completion_prompt(req.body, counter)
 
@@ -92,7 +101,10 @@ class OpenAICompletionsFormat:
         return error_headers(err)
 
     def cut_events(self, err: GatewayError) -> bytes:
-        return sse_error_event(err.message, error_type=err.error_type, code=err.code) + DONE_EVENT
+        """``event: error`` with the OpenAI error object, and no ``data: [DONE]`` after it (a
+        terminator would let clients that only look for it count the stream as a success)."""
+        body = ErrorBody(err.message, err.error_type, err.code, err.param).as_dict()
+        return sse_cut_event(body, err.message)
 
 
 CHAT = OpenAICompletionsFormat("chat")

@@ -60,8 +60,14 @@ from extproc.core.apis.common import (
     require_model,
     rewrite_fields,
 )
+from extproc.core.chat_template import (
+    count_templated,
+    function_tools,
+    responses_conversation,
+    template_of,
+)
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
-from extproc.core.responses import error_body, error_headers
+from extproc.core.responses import error_body, error_headers, sse_cut_event
 from extproc.core.tokens import PromptShapeError, TokenCounter, TokenizerSpec
 from extproc.errors import BadRequest, ErrorBody, GatewayError
 
@@ -362,7 +368,16 @@ class ResponsesFormat:
         )
 
     def count_input(self, req: ParsedRequest, counter: TokenCounter, spec: TokenizerSpec) -> int:
-        """Input tokens (see the module docstring)."""
+        """Input tokens: the model's chat template rendered when it has one and the body
+        renders, else the framing formula (see the module docstring)."""
+        template = template_of(counter)
+        if template is not None:
+            conversation = responses_conversation(req.body, template.content_format, spec)
+            tools = function_tools(req.body.get("tools"), "responses")
+            if tools is not False:
+                n = count_templated(template, conversation, req.body, counter, tools=tools)
+                if n is not None:
+                    return n
         return count_responses_input(req.body, counter, spec)
 
     def rewrite(
@@ -406,7 +421,8 @@ class ResponsesFormat:
         ``last_sequence_number``, when given; else 0), plus an ``error`` object with the same
         message: the openai SDK raises ``APIError`` for stream data carrying a non-empty
         ``error`` and would otherwise yield a plain ``ResponseErrorEvent`` and carry on.  No
-        ``data: [DONE]``: the Responses API never sends one and the SDK needs none."""
+        ``data: [DONE]``: the Responses API never sends one and the SDK needs none.  Rendered by
+        :func:`~extproc.core.responses.sse_cut_event` (a comment line carries the message)."""
         seq = 0 if sequence_number is None else sequence_number + 1
         inner = ErrorBody(err.message, err.error_type, err.code, err.param).as_dict()["error"]
         data = {
@@ -417,7 +433,7 @@ class ResponsesFormat:
             "sequence_number": seq,
             "error": inner,
         }
-        return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
+        return sse_cut_event(data, err.message)
 
 
 RESPONSES = ResponsesFormat()
