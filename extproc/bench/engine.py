@@ -140,39 +140,55 @@ async def request(
         if not stream:
             out.usage = _usage_of(api, await r.json())
             return out
-        # Messages streams split usage: input in message_start, output in message_delta.
-        msg_in = 0
-        async for raw in r.content:
-            line = raw.decode(errors="replace").strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                continue
-            try:
-                obj = json.loads(data)
-            except ValueError:
-                continue
-            if not isinstance(obj, dict):
-                continue
-            if "error" in obj or obj.get("type") == "error":
-                out.cut = True
-                continue
-            for choice in obj.get("choices") or []:
-                lp = choice.get("logprobs") or {}
-                out.delivered += len(lp.get("content") or [])
-            if on_tokens is not None:
-                on_tokens(out.delivered)
-            if api == "messages":
-                if obj.get("type") == "message_start":
-                    msg_in = int(obj["message"]["usage"]["input_tokens"])
-                elif obj.get("type") == "message_delta":
-                    out.usage = (msg_in, int(obj["usage"]["output_tokens"]))
-            else:
-                u = _usage_of(api, obj)
-                if u is not None:
-                    out.usage = u
+        try:
+            await _read_events(r, api, out, on_tokens)
+        except aiohttp.ClientPayloadError:
+            # the gateway aborts the response after a cut's error event (so every client
+            # counts the cut as an error): the event was read, the abort ends the body
+            if not out.cut:
+                raise
         return out
+
+
+async def _read_events(
+    r: aiohttp.ClientResponse,
+    api: str,
+    out: Outcome,
+    on_tokens: Callable[[int], None] | None,
+) -> None:
+    """Read one SSE response's events into ``out`` (tokens delivered, usage, whether cut).
+    Messages streams split usage: input in message_start, output in message_delta."""
+    msg_in = 0
+    async for raw in r.content:
+        line = raw.decode(errors="replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            continue
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        if "error" in obj or obj.get("type") == "error":
+            out.cut = True
+            continue
+        for choice in obj.get("choices") or []:
+            lp = choice.get("logprobs") or {}
+            out.delivered += len(lp.get("content") or [])
+        if on_tokens is not None:
+            on_tokens(out.delivered)
+        if api == "messages":
+            if obj.get("type") == "message_start":
+                msg_in = int(obj["message"]["usage"]["input_tokens"])
+            elif obj.get("type") == "message_delta":
+                out.usage = (msg_in, int(obj["usage"]["output_tokens"]))
+        else:
+            u = _usage_of(api, obj)
+            if u is not None:
+                out.usage = u
 
 
 @dataclass
