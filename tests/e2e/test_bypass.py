@@ -70,9 +70,21 @@ def post(
     path: str = "/chat/completions",
     headers: dict[str, str] | None = None,
 ) -> httpx.Response:
+    """POST and read the whole response; a stream the gateway cut is aborted after its error
+    event (so every client counts it as an error): what arrived before the abort is the body."""
     h = {"authorization": f"Bearer sk-b-{who}", "content-type": "application/json"}
     h.update(headers or {})
-    return httpx.post(f"{stack.base_url}{path}", headers=h, content=orjson.dumps(body), timeout=30)
+    url = f"{stack.base_url}{path}"
+    with httpx.stream("POST", url, headers=h, content=orjson.dumps(body), timeout=30) as r:
+        got = bytearray()
+        try:
+            for part in r.iter_raw():
+                got += part
+        except httpx.RemoteProtocolError:
+            assert b"event: error" in got, "the response broke off without a cut's error event"
+        return httpx.Response(
+            r.status_code, headers=r.headers, content=bytes(got), request=r.request
+        )
 
 
 def record(stack: Stack, tenant: str) -> dict[str, Any]:
