@@ -15,25 +15,12 @@ from google.protobuf.json_format import MessageToDict
 
 from extproc.core.lifecycle import Closed, CutReason, Ending
 from extproc.core.meter import StreamMeter
+from tests.unit.test_core_meter import usage_ev
 from tests.unit.test_processor_flow import ScriptedLimiter, event, feed, start
 
 pytestmark = pytest.mark.unit
 
 DONE = b"data: [DONE]\n\n"
-
-
-def usage_event(prompt: int, completion: int) -> bytes:
-    """The usage-only chunk the upstream sends before [DONE]."""
-    obj = {
-        "object": "chat.completion.chunk",
-        "choices": [],
-        "usage": {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        },
-    }
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def final_fields(resps: list[Any]) -> dict[str, Any] | None:
@@ -64,7 +51,7 @@ async def test_done_carries_the_final_figures_and_a_close_after_it_is_completed(
     got: list[Any] = []
     for w in (" a", " b", " c"):
         got += await feed(proc, event(w))
-    got += await feed(proc, usage_event(8, 3) + DONE)  # no end_of_stream yet
+    got += await feed(proc, usage_ev(8, 3) + DONE)  # no end_of_stream yet
     meta = final_fields(got)
     assert meta is not None
     flat = str(meta)
@@ -82,7 +69,7 @@ async def test_one_disagreement_is_counted_once() -> None:
     proc = await start(lim)
     for i in range(40):
         await feed(proc, event(f" w{i}"))
-    await feed(proc, usage_event(8, 1) + DONE, end=True)
+    await feed(proc, usage_ev(8, 1) + DONE, end=True)
     await asyncio.gather(*proc.gw.pending)
     assert disagreements(proc) == 1
 
