@@ -1,5 +1,7 @@
-"""Fixtures of the integration tests: a limiter on the session's redis-server, and a real
-three-node Redis Cluster (per module that asks for one)."""
+"""Fixtures of the integration tests: the Redis limiter on the session's redis-server, the
+limiter contract suite's backends (the in-memory limiter, the Redis limiter on that server and
+on a real three-node Redis Cluster, started once per session when a test asks for it), and
+``ai-quota serve`` with the RLS API."""
 
 from __future__ import annotations
 
@@ -11,10 +13,14 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
+from extproc.limiter.memory import MemoryLimiter
 from extproc.limiter.redis import RedisLimiter
 from extproc.stack import free_port, port_in_use
 from tests.helpers import RedisServer
+from tests.limiters import Backend, MemoryProbe, RedisProbe
 from tests.rls_support import Server
 
 
@@ -26,6 +32,31 @@ async def lim(redis_server: RedisServer) -> AsyncIterator[RedisLimiter]:
     await limiter.close()
 
 
+@pytest.fixture(params=["memory", "redis", "cluster"])
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    """Each limiter the contract suite holds for, with the test's own view of its state: the
+    in-memory limiter, and the Redis limiter on one server and on a three-node Cluster (1 s
+    per call: these tests assert behaviour, not Redis latency)."""
+    if request.param == "memory":
+        memory = MemoryLimiter()
+        yield Backend("memory", memory, MemoryProbe(memory))
+        return
+    if request.param == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        url = server.url
+        probe = RedisProbe(Redis(port=server.port, decode_responses=True))
+    else:
+        ports: list[int] = request.getfixturevalue("cluster")
+        url = f"redis+cluster://127.0.0.1:{ports[0]}"
+        probe = RedisProbe(RedisCluster(host="127.0.0.1", port=ports[0], decode_responses=True))
+    limiter = RedisLimiter.from_url(url, timeout_ms=1000)
+    try:
+        yield Backend(request.param, limiter, probe)
+    finally:
+        await limiter.close()
+        await probe.close()
+
+
 def _port_with_bus() -> int:
     """A free port whose cluster-bus port (port + 10000) is valid and free too."""
 
@@ -35,7 +66,7 @@ def _port_with_bus() -> int:
             return p
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[int]]:
     """Three masters on free ports, slots assigned with redis-cli --cluster create."""
     server = shutil.which("redis-server")

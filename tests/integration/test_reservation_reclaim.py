@@ -1,19 +1,19 @@
 """A processor that dies holding reservations leaks them only until its lease runs out: the
 tenant's next admission refunds the reserved output (admit.lua), a live processor renewing its
-lease keeps it, and a late settlement of a reclaimed ledger puts it back first."""
+lease keeps it, and a late settlement of a reclaimed ledger puts it back first (the limiter
+contract: every backend, in-memory, Redis and Redis Cluster)."""
 
 from __future__ import annotations
 
 import uuid
 
 import pytest
-import redis
 
 from extproc.core.rules import Adjustment, BucketCharge
-from extproc.limiter.base import AdmitResult
-from extproc.limiter.redis import RedisLimiter
+from extproc.limiter.base import AdmitResult, Limiter
 from extproc.records.model import RecordDraft, record_id_for
-from tests.helpers import RedisServer, far_ms
+from tests.helpers import far_ms
+from tests.limiters import Backend
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +32,7 @@ def setup() -> tuple[str, list[BucketCharge]]:
 
 
 async def admit(
-    lim: RedisLimiter, tag: str, charges: list[BucketCharge], now: int, n: int, draft: str = ""
+    lim: Limiter, tag: str, charges: list[BucketCharge], now: int, n: int, draft: str = ""
 ) -> AdmitResult:
     res = await lim.admit(
         f"{tag}:req:{n}",
@@ -48,68 +48,70 @@ async def admit(
     return res
 
 
-async def test_dead_reservation_is_refunded_by_the_next_admission(
-    lim: RedisLimiter, redis_server: RedisServer
-) -> None:
-    r = redis.Redis(port=redis_server.port)
+async def test_dead_reservation_is_refunded_by_the_next_admission(backend: Backend) -> None:
+    """A reservation whose lease ran out is refunded by the tenant's next admission, not before."""
+    lim = backend.limiter
+    r = backend.probe
     tag, charges = setup()
     now = 1_700_000_000_000
     await admit(lim, tag, charges, now, 1)  # its processor dies: never settled
-    assert int(r.get(f"{tag}:tpm") or 0) == 1_010
+    assert (await r.counter(f"{tag}:tpm") or 0) == 1_010
     await admit(lim, tag, charges, now + LEASE - 1, 2)  # lease still running: nothing back
-    assert int(r.get(f"{tag}:tpm") or 0) == 2_020
+    assert (await r.counter(f"{tag}:tpm") or 0) == 2_020
     await admit(lim, tag, charges, now + LEASE + 1, 3)  # lease over: 1's reservation back
-    assert int(r.get(f"{tag}:tpm") or 0) == 2_020 - 1_000 + 1_010
-    assert r.hget(f"{tag}:req:1", "state") == b"reclaimed"
-    assert r.zscore(f"{tag}:open", f"{tag}:req:1") is None
+    assert (await r.counter(f"{tag}:tpm") or 0) == 2_020 - 1_000 + 1_010
+    assert await r.ledger_state(f"{tag}:req:1") == "reclaimed"
+    assert await r.score(f"{tag}:open", f"{tag}:req:1") is None
 
 
-async def test_renewed_lease_is_not_reclaimed(lim: RedisLimiter, redis_server: RedisServer) -> None:
-    r = redis.Redis(port=redis_server.port)
+async def test_renewed_lease_is_not_reclaimed(backend: Backend) -> None:
+    """A renewed lease keeps its reservation past the first deadline."""
+    lim = backend.limiter
+    r = backend.probe
     tag, charges = setup()
     now = 1_700_000_000_000
     await admit(lim, tag, charges, now, 1)
     await lim.renew([f"{tag}:req:1"], now + 3 * LEASE)
     await admit(lim, tag, charges, now + 2 * LEASE, 2)
-    assert int(r.get(f"{tag}:tpm") or 0) == 2_020
-    assert r.hget(f"{tag}:req:1", "state") == b"admitted"
+    assert (await r.counter(f"{tag}:tpm") or 0) == 2_020
+    assert await r.ledger_state(f"{tag}:req:1") == "admitted"
 
 
 async def test_settled_reservation_leaves_the_open_set_and_is_never_reclaimed(
-    lim: RedisLimiter, redis_server: RedisServer
+    backend: Backend,
 ) -> None:
-    r = redis.Redis(port=redis_server.port)
+    """A settled reservation leaves the open set for good: no renewal, no reclaim."""
+    lim = backend.limiter
+    r = backend.probe
     tag, charges = setup()
     now = 1_700_000_000_000
     await admit(lim, tag, charges, now, 1)
     await lim.settle(f"{tag}:req:1", [Adjustment(f"{tag}:tpm", -900, far_ms())], ledger_ttl_ms=TTL)
     await lim.renew([f"{tag}:req:1"], now + 5 * LEASE)  # XX: a settled one is not re-added
-    assert r.zscore(f"{tag}:open", f"{tag}:req:1") is None
+    assert await r.score(f"{tag}:open", f"{tag}:req:1") is None
     await admit(lim, tag, charges, now + 2 * LEASE, 2)
-    assert int(r.get(f"{tag}:tpm") or 0) == 110 + 1_010
+    assert (await r.counter(f"{tag}:tpm") or 0) == 110 + 1_010
 
 
-async def test_late_settlement_of_a_reclaimed_ledger_is_exact(
-    lim: RedisLimiter, redis_server: RedisServer
-) -> None:
+async def test_late_settlement_of_a_reclaimed_ledger_is_exact(backend: Backend) -> None:
     """The processor was alive but its renewals were lost: settlement restores, then corrects."""
-    r = redis.Redis(port=redis_server.port)
+    lim = backend.limiter
+    r = backend.probe
     tag, charges = setup()
     now = 1_700_000_000_000
     await admit(lim, tag, charges, now, 1)
     await admit(lim, tag, charges, now + LEASE + 1, 2)  # reclaims 1
     # 1 really generated 300 tokens: its processor settles 1010 -> 310 (-700)
     await lim.settle(f"{tag}:req:1", [Adjustment(f"{tag}:tpm", -700, far_ms())], ledger_ttl_ms=TTL)
-    assert int(r.get(f"{tag}:tpm") or 0) == 310 + 1_010
+    assert (await r.counter(f"{tag}:tpm") or 0) == 310 + 1_010
 
 
-async def test_a_reclaimed_request_hands_back_its_record_draft_once(
-    lim: RedisLimiter, redis_server: RedisServer
-) -> None:
+async def test_a_reclaimed_request_hands_back_its_record_draft_once(backend: Backend) -> None:
     """The draft an admission leaves in its ledger comes back, once, to the admission that
     reclaims it, with what the ledger had charged (input, reservation, stream charges); a
     settled request's draft is dropped and never comes back."""
-    r = redis.Redis(port=redis_server.port)
+    lim = backend.limiter
+    r = backend.probe
     tag, charges = setup()
     now = 1_700_000_000_000
     draft = RecordDraft("req-1", "t", "k", "m", "chat", 10, 1_000, now).to_json()
@@ -123,7 +125,7 @@ async def test_a_reclaimed_request_hands_back_its_record_draft_once(
     ).granted == 1_500
     # request 2 was settled by its processor: its draft is gone
     assert await lim.settle(f"{tag}:req:2", [], ledger_ttl_ms=TTL)
-    assert not r.hexists(f"{tag}:req:2", "rec")
+    assert await r.ledger_draft(f"{tag}:req:2") is None
 
     res = await admit(lim, tag, charges, now + LEASE + 1, 3)
     assert [(x.ledger, x.draft, x.charged) for x in res.reclaimed] == [
@@ -134,9 +136,9 @@ async def test_a_reclaimed_request_hands_back_its_record_draft_once(
     assert (rec.input_tokens, rec.output_tokens, rec.ending) == (10, 1_500, "reclaimed")
     assert rec.record_id == record_id_for(f"{tag}:req:1")
     # the counter keeps input and the stream charge of 1, all of 2 (settled as admitted), and 3
-    assert int(r.get(f"{tag}:tpm") or 0) == 10 + 1_500 + 1_010 + 1_010
+    assert (await r.counter(f"{tag}:tpm") or 0) == 10 + 1_500 + 1_010 + 1_010
     # once: a later reclaim pass finds nothing (the draft left the ledger)
-    assert not r.hexists(f"{tag}:req:1", "rec")
+    assert await r.ledger_draft(f"{tag}:req:1") is None
     res = await admit(lim, tag, charges, now + 3 * LEASE, 4)
     # 3 left no draft (its admission wrote none): reclaimed, no record handed back
-    assert res.reclaimed == () and r.hget(f"{tag}:req:3", "state") == b"reclaimed"
+    assert res.reclaimed == () and await r.ledger_state(f"{tag}:req:3") == "reclaimed"

@@ -1,0 +1,438 @@
+"""The in-memory limiter: the whole :class:`extproc.limiter.base.Limiter` protocol in one
+process, with the same semantics as the Redis limiter's Lua scripts.
+
+It keeps the scripts' data model (a keyspace of counters, sorted sets and ledgers, each key
+with an optional expiry in unix ms read from a :class:`extproc.clock.Clock`) and runs each
+call as the matching script does, step by step, so the contract suite
+(``tests/integration/test_limiter_contract.py`` and the scripts' other tests) holds for both.
+Every call runs to completion without yielding to the event loop, which makes it atomic like
+a script.  Expiry follows Redis: an expiry at or before now deletes the key at once, a key
+is gone once now is past its expiry, an empty sorted set does not exist.
+
+For tests and single-process embedding: nothing is shared between processes.  A key holds
+one kind of value; using it as another is a caller's bug and raises
+:class:`extproc.errors.LimiterUnavailable` (Redis answers WRONGTYPE).  The ``seed_counter``,
+``counter``, ``ttl_ms``, ``ledger_state``, ``ledger_draft``, ``score`` and ``members``
+methods let a test set up and inspect the state a Redis test reads with its own client.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
+
+from extproc.clock import Clock, SystemClock
+from extproc.core.keys import EXPIRY_SLACK_MS, open_key
+from extproc.core.rules import RATE_SCALE, Adjustment, BucketCharge, UnconfirmedCharge, ceil_div
+from extproc.errors import LimiterUnavailable
+from extproc.limiter.base import AdmitResult, ChargeResult, Reclaimed
+
+LedgerState = Literal["admitted", "reclaimed", "settled", "cancelled"]
+
+#: Dead reservations one admission reclaims at most (admit.lua's LIMIT).
+RECLAIM_BATCH = 8
+
+
+@dataclass(slots=True)
+class _Counter:
+    """A string counter (INCRBY/DECRBY)."""
+
+    value: int
+    expire_at: int | None = None
+
+
+@dataclass(slots=True)
+class _Scored:
+    """A sorted set: member -> score (concurrency slots, a tenant's open reservations)."""
+
+    members: dict[str, int] = field(default_factory=dict)
+    expire_at: int | None = None
+
+    def ordered(self) -> list[tuple[str, int]]:
+        """Members by score, then by name (ZRANGEBYSCORE's order)."""
+        return sorted(self.members.items(), key=lambda kv: (kv[1], kv[0]))
+
+
+@dataclass(slots=True)
+class _Ledger:
+    """A request's ledger (the scripts' hash): its state, last stream charge, what it charged,
+    the refundable part per counter, its concurrency slots and its record draft."""
+
+    state: LedgerState | None = None
+    seq: int = 0
+    last_grant: int = 0
+    charged: int = 0
+    refundable: dict[str, int] = field(default_factory=dict)
+    slots: dict[str, None] = field(default_factory=dict)
+    draft: str | None = None
+    expire_at: int | None = None
+
+
+_Entry = _Counter | _Scored | _Ledger
+E = TypeVar("E", _Counter, _Scored, _Ledger)
+
+
+class MemoryLimiter:
+    """:class:`extproc.limiter.base.Limiter` over in-process dictionaries."""
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self._clock = clock or SystemClock()
+        self._keys: dict[str, _Entry] = {}
+        self.round_trips = 0
+
+    # -- the keyspace --------------------------------------------------------------------------
+
+    def _entry(self, key: str, now: int) -> _Entry | None:
+        entry = self._keys.get(key)
+        if entry is not None and entry.expire_at is not None and now > entry.expire_at:
+            del self._keys[key]
+            return None
+        return entry
+
+    def _typed(self, key: str, kind: type[E], now: int) -> E | None:
+        entry = self._entry(key, now)
+        if entry is None or isinstance(entry, kind):
+            return entry
+        raise LimiterUnavailable(f"{key} holds a {type(entry).__name__.strip('_').lower()}")
+
+    def _counter_value(self, key: str, now: int) -> int:
+        c = self._typed(key, _Counter, now)
+        return c.value if c is not None else 0
+
+    def _incr(self, key: str, amount: int, now: int) -> int:
+        c = self._typed(key, _Counter, now)
+        if c is None:
+            c = self._keys[key] = _Counter(0)
+        c.value += amount
+        return c.value
+
+    def _expire_at(self, key: str, when: int, now: int) -> None:
+        """PEXPIREAT: a time not after now deletes the key; a missing key stays missing."""
+        entry = self._entry(key, now)
+        if entry is None:
+            return
+        if when <= now:
+            del self._keys[key]
+        else:
+            entry.expire_at = when
+
+    def _take(self, key: str, amount: int, now: int) -> None:
+        """Refund ``amount`` from a counter that still exists, never below zero (TTL kept)."""
+        c = self._typed(key, _Counter, now)
+        if amount > 0 and c is not None:
+            c.value = max(0, c.value - amount)
+
+    def _zadd(self, key: str, member: str, score: int, now: int) -> None:
+        z = self._typed(key, _Scored, now)
+        if z is None:
+            z = self._keys[key] = _Scored()
+        z.members[member] = score
+
+    def _zrem(self, key: str, member: str, now: int) -> None:
+        z = self._typed(key, _Scored, now)
+        if z is not None:
+            z.members.pop(member, None)
+            if not z.members:
+                del self._keys[key]
+
+    def _ledger(self, key: str, now: int) -> _Ledger:
+        led = self._typed(key, _Ledger, now)
+        if led is None:
+            led = self._keys[key] = _Ledger()
+        return led
+
+    def _windowed(self, key: str, prev_key: str, prev_weight: int, now: int) -> tuple[int, int]:
+        """A counter's value and the previous window's share in it (0 for a fixed window),
+        rounded as the scripts round it: floor of the product over a million in doubles."""
+        prev = 0
+        if prev_key:
+            before = self._counter_value(prev_key, now)
+            prev = math.floor(float(before) * float(prev_weight) / 1_000_000)
+        return self._counter_value(key, now) + prev, prev
+
+    # -- the protocol ------------------------------------------------------------------------
+
+    async def admit(
+        self,
+        ledger: str,
+        buckets: list[BucketCharge],
+        *,
+        tpm_charged: int,
+        count_refused: bool,
+        ledger_ttl_ms: int,
+        now_ms: int = 0,
+        lease_until_ms: int = 0,
+        record_draft: str = "",
+    ) -> AdmitResult:
+        """admit.lua: reclaim the tenant's dead reservations, then charge all buckets or none."""
+        self.round_trips += 1
+        now = self._clock.now_ms()
+        open_set = open_key(ledger)
+        reclaimed = self._reclaim(open_set, now_ms, now) if now_ms > 0 else []
+        vals: list[int] = []
+        prev: list[int] = []
+        for b in buckets:
+            if b.kind == "concurrency":
+                self._drop_scores_up_to(b.key, now_ms, now)
+                z = self._typed(b.key, _Scored, now)
+                vals.append(len(z.members) if z is not None else 0)
+                prev.append(0)
+            else:
+                value, share = self._windowed(b.key, b.prev_key, b.prev_weight, now)
+                vals.append(value)
+                prev.append(share)
+        if self._entry(ledger, now) is not None:
+            return AdmitResult(False, True, tuple(vals), tuple(reclaimed))
+        ok = all(
+            b.shadow or b.amount <= 0 or vals[i] + b.amount <= b.limit
+            for i, b in enumerate(buckets)
+        )
+        if ok:
+            led = self._ledger(ledger, now)
+            led.state, led.seq, led.charged = "admitted", 0, tpm_charged
+            for i, b in enumerate(buckets):
+                if b.kind == "concurrency":
+                    self._zadd(b.key, ledger, lease_until_ms, now)
+                    self._expire_at(b.key, b.expire_at_ms, now)
+                    led.slots[b.key] = None
+                    vals[i] += 1
+                elif b.amount > 0:
+                    vals[i] = self._incr(b.key, b.amount, now) + prev[i]
+                    self._expire_at(b.key, b.expire_at_ms, now)
+                    if lease_until_ms > 0 and b.kind == "tpm" and b.refundable > 0:
+                        led.refundable[b.key] = b.refundable
+            if lease_until_ms > 0:
+                self._zadd(open_set, ledger, lease_until_ms, now)
+                self._expire_at(open_set, now + ledger_ttl_ms, now)
+                if record_draft:
+                    led.draft = record_draft
+            self._expire_at(ledger, now + ledger_ttl_ms, now)
+            return AdmitResult(True, False, tuple(vals), tuple(reclaimed))
+        if count_refused:
+            for i, b in enumerate(buckets):
+                if b.kind == "rpm":
+                    vals[i] = self._incr(b.key, 1, now) + prev[i]
+                    self._expire_at(b.key, b.expire_at_ms, now)
+        return AdmitResult(False, False, tuple(vals), tuple(reclaimed))
+
+    def _drop_scores_up_to(self, key: str, limit: int, now: int) -> None:
+        """ZREMRANGEBYSCORE key -inf limit (slots whose lease ran out)."""
+        z = self._typed(key, _Scored, now)
+        if z is None:
+            return
+        for member, score in list(z.members.items()):
+            if score <= limit:
+                del z.members[member]
+        if not z.members:
+            del self._keys[key]
+
+    def _reclaim(self, open_set: str, now_ms: int, now: int) -> list[Reclaimed]:
+        """Settle up to :data:`RECLAIM_BATCH` reservations whose lease ended by ``now_ms``."""
+        z = self._typed(open_set, _Scored, now)
+        if z is None:
+            return []
+        dead = [m for m, score in z.ordered() if score <= now_ms][:RECLAIM_BATCH]
+        out: list[Reclaimed] = []
+        for name in dead:
+            self._zrem(open_set, name, now)
+            led = self._typed(name, _Ledger, now)
+            if led is None or led.state != "admitted":
+                continue
+            for key, units in led.refundable.items():
+                self._take(key, units, now)
+            for key in led.slots:
+                self._zrem(key, name, now)
+            led.state = "reclaimed"
+            if led.draft is not None:
+                out.append(Reclaimed(name, led.draft, led.charged))
+                led.draft = None
+        return out
+
+    async def charge(
+        self,
+        ledger: str,
+        seq: int,
+        buckets: list[BucketCharge],
+        amount: int,
+        *,
+        strict: bool,
+        ledger_ttl_ms: int,
+    ) -> ChargeResult:
+        """charge.lua: a lazy batch or a strict lease, idempotent by sequence number."""
+        self.round_trips += 1
+        now = self._clock.now_ms()
+        vals: list[int] = []
+        prev: list[int] = []
+        for b in buckets:
+            value, share = self._windowed(b.key, b.prev_key, b.prev_weight, now)
+            vals.append(value)
+            prev.append(share)
+        found = self._typed(ledger, _Ledger, now)
+        if found is not None and found.state in ("settled", "cancelled"):
+            return ChargeResult(0, False, tuple(vals))
+        last = found.seq if found is not None else 0
+        if seq <= last:
+            replayed = found.last_grant if found is not None and seq == last else 0
+            return ChargeResult(replayed, False, tuple(vals))
+        grant = amount
+        if strict:
+            for i, b in enumerate(buckets):
+                if not b.shadow and b.rate > 0:
+                    room = b.limit - vals[i]
+                    fits = room * RATE_SCALE // b.rate if room > 0 else 0
+                    grant = min(grant, fits)
+            grant = max(grant, 0)
+        over = False
+        for i, b in enumerate(buckets):
+            if grant > 0 and b.rate > 0:
+                units = ceil_div(grant * b.rate, RATE_SCALE)
+                vals[i] = self._incr(b.key, units, now) + prev[i]
+                self._expire_at(b.key, b.expire_at_ms, now)
+            if not b.shadow and b.rate > 0:
+                # strict: not one more token fits; lazy: past the limit (the caller cuts)
+                left = b.limit - vals[i]
+                over = over or (left * RATE_SCALE < b.rate if strict else left < 0)
+        led = self._ledger(ledger, now)
+        led.seq, led.last_grant = seq, grant
+        led.charged += grant
+        self._expire_at(ledger, now + ledger_ttl_ms, now)
+        return ChargeResult(grant, over, tuple(vals))
+
+    async def settle(
+        self,
+        ledger: str,
+        adjustments: list[Adjustment],
+        *,
+        ledger_ttl_ms: int,
+        cancel: bool = False,
+        unconfirmed: UnconfirmedCharge | None = None,
+    ) -> bool:
+        """settle.lua: apply the corrections once, free the slots, drop the record draft."""
+        self.round_trips += 1
+        now = self._clock.now_ms()
+        self._zrem(open_key(ledger), ledger, now)
+        found = self._typed(ledger, _Ledger, now)
+        state = found.state if found is not None else None
+        if state in ("settled", "cancelled"):
+            return False
+        if found is not None:
+            found.draft = None
+            for key in found.slots:
+                self._zrem(key, ledger, now)
+        if cancel and state not in ("admitted", "reclaimed"):
+            self._ledger(ledger, now).state = "cancelled"
+            self._expire_at(ledger, now + ledger_ttl_ms, now)
+            return True
+        if found is not None and state == "reclaimed":
+            # reclaimed as abandoned while its processor lived (a renewal was lost): put the
+            # refunded reservation back, then apply the corrections as computed
+            for key, units in found.refundable.items():
+                c = self._typed(key, _Counter, now)
+                if c is not None:
+                    c.value += units
+        if unconfirmed is not None and found is not None and 0 < unconfirmed.seq <= found.seq:
+            # the charge whose answer never came ran: take back what it added
+            for key, rate in unconfirmed.rates:
+                self._take(key, ceil_div(found.last_grant * rate, RATE_SCALE), now)
+        for a in adjustments:
+            if a.amount > 0:
+                self._incr(a.key, a.amount, now)
+                self._expire_at(a.key, a.expire_at_ms, now)
+            elif a.amount < 0:
+                self._take(a.key, -a.amount, now)
+        self._ledger(ledger, now).state = "settled"
+        self._expire_at(ledger, now + ledger_ttl_ms, now)
+        return True
+
+    async def renew(
+        self, ledgers: list[str], until_ms: int, *, held: dict[str, list[str]] | None = None
+    ) -> None:
+        """Extend open reservations and their slots that are still there (ZADD XX)."""
+        if not ledgers:
+            return
+        self.round_trips += 1
+        now = self._clock.now_ms()
+        for led in ledgers:
+            self._renew_member(open_key(led), led, until_ms, now)
+            for slot in (held or {}).get(led, ()):
+                self._renew_member(slot, led, until_ms, now)
+                self._expire_at(slot, until_ms + EXPIRY_SLACK_MS, now)
+
+    def _renew_member(self, key: str, member: str, score: int, now: int) -> None:
+        z = self._typed(key, _Scored, now)
+        if z is not None and member in z.members:
+            z.members[member] = score
+
+    async def read(self, keys: list[str]) -> list[int]:
+        """Counter values; 0 for a missing key (or one that is not a counter, as MGET)."""
+        if not keys:
+            return []
+        self.round_trips += 1
+        now = self._clock.now_ms()
+        out: list[int] = []
+        for key in keys:
+            entry = self._entry(key, now)
+            out.append(entry.value if isinstance(entry, _Counter) else 0)
+        return out
+
+    async def count_slots(self, keys: list[str], now_ms: int) -> list[int]:
+        """Slots of each concurrency set whose lease runs past ``now_ms``."""
+        if not keys:
+            return []
+        self.round_trips += 1
+        now = self._clock.now_ms()
+        out: list[int] = []
+        for key in keys:
+            z = self._typed(key, _Scored, now)
+            out.append(sum(1 for s in z.members.values() if s > now_ms) if z is not None else 0)
+        return out
+
+    async def ping(self) -> bool:
+        """Always answers."""
+        return True
+
+    async def close(self) -> None:
+        """Nothing to release (the state stays readable)."""
+
+    # -- set-up and inspection (what a Redis test does with its own client) --------------------
+
+    def seed_counter(self, key: str, value: int, *, ttl_ms: int | None = None) -> None:
+        """SET ``key`` ``value`` (PX ``ttl_ms``): a counter as another writer left it."""
+        now = self._clock.now_ms()
+        self._keys[key] = _Counter(value)
+        if ttl_ms is not None:
+            self._expire_at(key, now + ttl_ms, now)
+
+    def counter(self, key: str) -> int | None:
+        """A counter's value; None when it does not exist."""
+        c = self._typed(key, _Counter, self._clock.now_ms())
+        return c.value if c is not None else None
+
+    def ttl_ms(self, key: str) -> int:
+        """PTTL: ms left; -1 without expiry; -2 when the key does not exist."""
+        now = self._clock.now_ms()
+        entry = self._entry(key, now)
+        if entry is None:
+            return -2
+        return -1 if entry.expire_at is None else entry.expire_at - now
+
+    def ledger_state(self, ledger: str) -> LedgerState | None:
+        """A ledger's state; None when it has none (or does not exist)."""
+        led = self._typed(ledger, _Ledger, self._clock.now_ms())
+        return led.state if led is not None else None
+
+    def ledger_draft(self, ledger: str) -> str | None:
+        """The record draft a ledger still holds."""
+        led = self._typed(ledger, _Ledger, self._clock.now_ms())
+        return led.draft if led is not None else None
+
+    def score(self, key: str, member: str) -> int | None:
+        """A member's score in a sorted set (slots, open reservations)."""
+        z = self._typed(key, _Scored, self._clock.now_ms())
+        return z.members.get(member) if z is not None else None
+
+    def members(self, key: str) -> int:
+        """How many members a sorted set has (ZCARD)."""
+        z = self._typed(key, _Scored, self._clock.now_ms())
+        return len(z.members) if z is not None else 0

@@ -1,0 +1,249 @@
+"""The limiter contract: every backend (the in-memory limiter, Redis, a three-node Redis
+Cluster) admits atomically, charges streams idempotently and settles once, exactly alike.
+
+The scripts' other contracts (budgets, shadow limits, concurrency slots, sliding windows,
+cancels, reclaim) are in ``test_budget_scripts.py`` and ``test_reservation_reclaim.py``, on
+the same ``backend`` fixture."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from extproc.core.keys import ledger_key, windowed
+from extproc.core.rules import Adjustment, BucketCharge, Limit
+from tests.limiters import Backend
+
+pytestmark = pytest.mark.integration
+
+TTL = 60_000
+
+
+def far() -> int:
+    """An expiry two minutes from now (unix ms)."""
+    return int(time.time() * 1000) + 120_000
+
+
+def uniq(prefix: str) -> str:
+    """A fresh hash-tagged key prefix."""
+    return f"t:{{{prefix}-{uuid.uuid4().hex[:8]}}}"
+
+
+def buckets(tag: str, rpm_limit: int, tpm_limit: int, amount: int) -> list[BucketCharge]:
+    """An RPM and a TPM bucket of one request."""
+    return [
+        BucketCharge(f"{tag}:rpm", "rpm", 1, rpm_limit, far()),
+        BucketCharge(f"{tag}:tpm", "tpm", amount, tpm_limit, far()),
+    ]
+
+
+async def test_admission_charges_every_bucket(backend: Backend) -> None:
+    """An admitted request adds 1 to RPM and its cost to TPM, with an expiry on each key."""
+    lim = backend.limiter
+    tag = uniq("a")
+    res = await lim.admit(
+        f"{tag}:req:1",
+        buckets(tag, 5, 100, 40),
+        tpm_charged=40,
+        count_refused=False,
+        ledger_ttl_ms=TTL,
+    )
+    assert res.admitted and not res.duplicate
+    assert res.values == (1, 40)
+    p = backend.probe
+    assert await p.counter(f"{tag}:tpm") == 40
+    assert 0 < await p.ttl_ms(f"{tag}:tpm") <= 120_000
+    assert await p.ledger_state(f"{tag}:req:1") == "admitted"
+
+
+async def test_admission_is_all_or_nothing(backend: Backend) -> None:
+    """When one bucket would overflow, no bucket is charged."""
+    lim = backend.limiter
+    tag = uniq("b")
+    await lim.admit(
+        f"{tag}:req:1",
+        buckets(tag, 5, 100, 90),
+        tpm_charged=90,
+        count_refused=False,
+        ledger_ttl_ms=TTL,
+    )
+    res = await lim.admit(
+        f"{tag}:req:2",
+        buckets(tag, 5, 100, 20),
+        tpm_charged=20,
+        count_refused=False,
+        ledger_ttl_ms=TTL,
+    )
+    assert not res.admitted
+    assert res.values == (1, 90)
+    p = backend.probe
+    assert await p.counter(f"{tag}:rpm") == 1
+    assert await p.counter(f"{tag}:tpm") == 90
+    assert not await p.exists(f"{tag}:req:2")
+
+
+async def test_refused_requests_count_toward_rpm_when_configured(backend: Backend) -> None:
+    """count_refused adds the refused request to RPM buckets only."""
+    lim = backend.limiter
+    tag = uniq("c")
+    await lim.admit(
+        f"{tag}:req:1",
+        buckets(tag, 5, 100, 100),
+        tpm_charged=100,
+        count_refused=True,
+        ledger_ttl_ms=TTL,
+    )
+    res = await lim.admit(
+        f"{tag}:req:2",
+        buckets(tag, 5, 100, 1),
+        tpm_charged=1,
+        count_refused=True,
+        ledger_ttl_ms=TTL,
+    )
+    assert not res.admitted
+    assert res.values == (2, 100)
+
+
+async def test_replayed_request_id_is_not_charged_twice(backend: Backend) -> None:
+    """A second admission with the same ledger key is reported as duplicate and costs nothing."""
+    lim = backend.limiter
+    tag = uniq("d")
+    await lim.admit(
+        f"{tag}:req:1",
+        buckets(tag, 5, 100, 30),
+        tpm_charged=30,
+        count_refused=False,
+        ledger_ttl_ms=TTL,
+    )
+    res = await lim.admit(
+        f"{tag}:req:1",
+        buckets(tag, 5, 100, 30),
+        tpm_charged=30,
+        count_refused=False,
+        ledger_ttl_ms=TTL,
+    )
+    assert res.duplicate and not res.admitted
+    assert await backend.probe.counter(f"{tag}:tpm") == 30
+
+
+async def test_lazy_charge_reports_exhaustion_and_is_idempotent(backend: Backend) -> None:
+    """Lazy charges always apply; a replayed sequence number applies once."""
+    lim = backend.limiter
+    tag = uniq("e")
+    led = f"{tag}:req:1"
+    await lim.admit(
+        led, buckets(tag, 5, 100, 50), tpm_charged=50, count_refused=False, ledger_ttl_ms=TTL
+    )
+    tpm = [BucketCharge(f"{tag}:tpm", "tpm", 40, 100, far())]
+    r1 = await lim.charge(led, 1, tpm, 40, strict=False, ledger_ttl_ms=TTL)
+    assert r1.granted == 40 and not r1.exhausted and r1.values == (90,)
+    again = await lim.charge(led, 1, tpm, 40, strict=False, ledger_ttl_ms=TTL)
+    assert again.granted == 40 and again.values == (90,)
+    r2 = await lim.charge(led, 2, tpm, 40, strict=False, ledger_ttl_ms=TTL)
+    assert r2.granted == 40 and r2.exhausted and r2.values == (130,)
+    stale = await lim.charge(led, 1, tpm, 40, strict=False, ledger_ttl_ms=TTL)
+    assert stale.granted == 0
+    assert await backend.probe.counter(f"{tag}:tpm") == 130
+
+
+async def test_strict_lease_grants_only_the_room_left(backend: Backend) -> None:
+    """A strict lease is cut to what every bucket still has, then nothing."""
+    lim = backend.limiter
+    tag = uniq("f")
+    led = f"{tag}:req:1"
+    await lim.admit(
+        led, buckets(tag, 5, 100, 80), tpm_charged=80, count_refused=False, ledger_ttl_ms=TTL
+    )
+    tpm = [BucketCharge(f"{tag}:tpm", "tpm", 64, 100, far())]
+    r1 = await lim.charge(led, 1, tpm, 64, strict=True, ledger_ttl_ms=TTL)
+    assert r1.granted == 20 and r1.exhausted and r1.values == (100,)
+    r2 = await lim.charge(led, 2, tpm, 64, strict=True, ledger_ttl_ms=TTL)
+    assert r2.granted == 0 and r2.exhausted
+    assert await backend.probe.counter(f"{tag}:tpm") == 100
+
+
+async def test_settlement_applies_once(backend: Backend) -> None:
+    """Settlement charges and refunds once; later settles and charges change nothing."""
+    lim = backend.limiter
+    tag = uniq("g")
+    led = f"{tag}:req:1"
+    await lim.admit(
+        led, buckets(tag, 5, 1000, 500), tpm_charged=500, count_refused=False, ledger_ttl_ms=TTL
+    )
+    adj = [Adjustment(f"{tag}:tpm", -380, far())]
+    assert await lim.settle(led, adj, ledger_ttl_ms=TTL) is True
+    assert await lim.settle(led, adj, ledger_ttl_ms=TTL) is False
+    late = await lim.charge(
+        led,
+        1,
+        [BucketCharge(f"{tag}:tpm", "tpm", 50, 1000, far())],
+        50,
+        strict=False,
+        ledger_ttl_ms=TTL,
+    )
+    assert late.granted == 0
+    p = backend.probe
+    assert await p.counter(f"{tag}:tpm") == 120
+    assert await p.ledger_state(led) == "settled"
+
+
+async def test_refund_never_goes_below_zero_nor_revives_expired_windows(backend: Backend) -> None:
+    """A refund larger than the counter stops at zero; a refund to a vanished window is dropped."""
+    lim = backend.limiter
+    tag = uniq("h")
+    p = backend.probe
+    await p.seed_counter(f"{tag}:tpm", 10, ttl_ms=60_000)
+    ok = await lim.settle(
+        f"{tag}:req:1",
+        [
+            Adjustment(f"{tag}:tpm", -50, far()),
+            Adjustment(f"{tag}:gone", -50, far()),
+            Adjustment(f"{tag}:new", 7, far()),
+        ],
+        ledger_ttl_ms=TTL,
+    )
+    assert ok
+    assert await p.counter(f"{tag}:tpm") == 0
+    assert 0 < await p.ttl_ms(f"{tag}:tpm") <= 60_000
+    assert not await p.exists(f"{tag}:gone")
+    assert await p.counter(f"{tag}:new") == 7
+
+
+async def test_read_returns_zero_for_missing_keys(backend: Backend) -> None:
+    """Counters that do not exist read as 0."""
+    lim = backend.limiter
+    tag = uniq("i")
+    await backend.probe.seed_counter(f"{tag}:a", 5)
+    assert await lim.read([f"{tag}:a", f"{tag}:b"]) == [5, 0]
+
+
+async def test_admit_charge_settle_with_a_tenants_windowed_keys(backend: Backend) -> None:
+    """Admission, a stream charge and settlement on the keys the gateway builds for a tenant
+    (on a Cluster: no CROSSSLOT error, every key shares the tenant's slot)."""
+    lim = backend.limiter
+    tenant = f"acme-{uuid.uuid4().hex[:6]}"
+    limits = (
+        Limit("rpm", 10, 60, "*", "tenant"),
+        Limit("tpm", 1000, 60, "*", "tenant"),
+        Limit("tpm", 500, 3600, "m", "key"),
+    )
+    now = int(time.time() * 1000)
+    windows = windowed("aiq", tenant, "k1", limits, now)
+    led = ledger_key("aiq", tenant, "req-1")
+    charges = [
+        BucketCharge(
+            b.key, b.metric, 1 if b.metric == "rpm" else 100, b.limit.limit, b.expire_at_ms
+        )
+        for b in windows
+    ]
+    res = await lim.admit(led, charges, tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL)
+    assert res.admitted and res.values == (1, 100, 100)
+    tpm = [c for c in charges if c.kind == "tpm"]
+    ch = await lim.charge(led, 1, tpm, 450, strict=True, ledger_ttl_ms=TTL)
+    assert ch.granted == 400 and ch.exhausted  # the 500/hour key bucket binds
+    assert await lim.settle(
+        led, [Adjustment(c.key, -300, c.expire_at_ms) for c in tpm], ledger_ttl_ms=TTL
+    )
+    assert await lim.read([b.key for b in windows]) == [1, 200, 200]
