@@ -77,7 +77,7 @@ class MemoryLimiter:
     """:class:`extproc.limiter.base.Limiter` over in-process dictionaries."""
 
     def __init__(self, clock: Clock | None = None) -> None:
-        self._clock = clock or SystemClock()
+        self.clock: Clock = clock or SystemClock()
         self._keys: dict[str, _Entry] = {}
         self.round_trips = 0
 
@@ -167,7 +167,7 @@ class MemoryLimiter:
     ) -> AdmitResult:
         """admit.lua: reclaim the tenant's dead reservations, then charge all buckets or none."""
         self.round_trips += 1
-        now = self._clock.now_ms()
+        now = self.clock.now_ms()
         open_set = open_key(ledger)
         reclaimed = self._reclaim(open_set, now_ms, now) if now_ms > 0 else []
         vals: list[int] = []
@@ -261,7 +261,7 @@ class MemoryLimiter:
     ) -> ChargeResult:
         """charge.lua: a lazy batch or a strict lease, idempotent by sequence number."""
         self.round_trips += 1
-        now = self._clock.now_ms()
+        now = self.clock.now_ms()
         vals: list[int] = []
         prev: list[int] = []
         for b in buckets:
@@ -310,7 +310,7 @@ class MemoryLimiter:
     ) -> bool:
         """settle.lua: apply the corrections once, free the slots, drop the record draft."""
         self.round_trips += 1
-        now = self._clock.now_ms()
+        now = self.clock.now_ms()
         self._zrem(open_key(ledger), ledger, now)
         found = self._typed(ledger, _Ledger, now)
         state = found.state if found is not None else None
@@ -352,7 +352,7 @@ class MemoryLimiter:
         if not ledgers:
             return
         self.round_trips += 1
-        now = self._clock.now_ms()
+        now = self.clock.now_ms()
         for led in ledgers:
             self._renew_member(open_key(led), led, until_ms, now)
             for slot in (held or {}).get(led, ()):
@@ -369,7 +369,7 @@ class MemoryLimiter:
         if not keys:
             return []
         self.round_trips += 1
-        now = self._clock.now_ms()
+        now = self.clock.now_ms()
         out: list[int] = []
         for key in keys:
             entry = self._entry(key, now)
@@ -381,7 +381,7 @@ class MemoryLimiter:
         if not keys:
             return []
         self.round_trips += 1
-        now = self._clock.now_ms()
+        now = self.clock.now_ms()
         out: list[int] = []
         for key in keys:
             z = self._typed(key, _Scored, now)
@@ -399,19 +399,19 @@ class MemoryLimiter:
 
     def seed_counter(self, key: str, value: int, *, ttl_ms: int | None = None) -> None:
         """SET ``key`` ``value`` (PX ``ttl_ms``): a counter as another writer left it."""
-        now = self._clock.now_ms()
+        now = self.clock.now_ms()
         self._keys[key] = _Counter(value)
         if ttl_ms is not None:
             self._expire_at(key, now + ttl_ms, now)
 
     def counter(self, key: str) -> int | None:
         """A counter's value; None when it does not exist."""
-        c = self._typed(key, _Counter, self._clock.now_ms())
+        c = self._typed(key, _Counter, self.clock.now_ms())
         return c.value if c is not None else None
 
     def ttl_ms(self, key: str) -> int:
         """PTTL: ms left; -1 without expiry; -2 when the key does not exist."""
-        now = self._clock.now_ms()
+        now = self.clock.now_ms()
         entry = self._entry(key, now)
         if entry is None:
             return -2
@@ -419,20 +419,20 @@ class MemoryLimiter:
 
     def ledger_state(self, ledger: str) -> LedgerState | None:
         """A ledger's state; None when it has none (or does not exist)."""
-        led = self._typed(ledger, _Ledger, self._clock.now_ms())
+        led = self._typed(ledger, _Ledger, self.clock.now_ms())
         return led.state if led is not None else None
 
     def ledger_draft(self, ledger: str) -> str | None:
         """The record draft a ledger still holds."""
-        led = self._typed(ledger, _Ledger, self._clock.now_ms())
+        led = self._typed(ledger, _Ledger, self.clock.now_ms())
         return led.draft if led is not None else None
 
     def score(self, key: str, member: str) -> int | None:
         """A member's score in a sorted set (slots, open reservations)."""
-        z = self._typed(key, _Scored, self._clock.now_ms())
+        z = self._typed(key, _Scored, self.clock.now_ms())
         return z.members.get(member) if z is not None else None
 
     def members(self, key: str) -> int:
         """How many members a sorted set has (ZCARD)."""
-        z = self._typed(key, _Scored, self._clock.now_ms())
+        z = self._typed(key, _Scored, self.clock.now_ms())
         return len(z.members) if z is not None else 0

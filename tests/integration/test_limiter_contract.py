@@ -233,9 +233,9 @@ async def test_admit_charge_settle_with_a_tenants_windowed_keys(backend: Backend
     windows = windowed("aiq", tenant, "k1", limits, now)
     led = ledger_key("aiq", tenant, "req-1")
     charges = [
-        BucketCharge(
-            b.key, b.metric, 1 if b.metric == "rpm" else 100, b.limit.limit, b.expire_at_ms
-        )
+        BucketCharge(b.key, "rpm", 1, b.limit.limit, b.expire_at_ms)
+        if b.metric == "rpm"
+        else BucketCharge(b.key, "tpm", 100, b.limit.limit, b.expire_at_ms)
         for b in windows
     ]
     res = await lim.admit(led, charges, tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL)

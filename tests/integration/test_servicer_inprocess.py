@@ -1,5 +1,6 @@
 """The real ext_proc servicer on a grpc.aio server (port 0), driven message by message over a
-real gRPC stream with ext_proc protobufs, a recording limiter and the fake clock: every phase
+real gRPC stream with ext_proc protobufs, the in-memory limiter (recorded, scriptable) and the
+fake clock: every phase
 policy (auth, paths, unknown model, clamp, fail-open, JSON usage, compression, content types,
 every ending) without Envoy or Redis in the way."""
 
@@ -19,12 +20,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.clock import FakeClock
 from extproc.config import load_config_text
-from extproc.core.rules import Adjustment, BucketCharge
-from extproc.errors import LimiterUnavailable
 from extproc.gateway import Gateway
-from extproc.limiter.base import AdmitResult, ChargeResult
+from extproc.limiter.memory import MemoryLimiter
 from extproc.metrics import Metrics
 from extproc.server.servicer import ExternalProcessorServicer
+from tests.limiters import RecordingLimiter
 
 pytestmark = pytest.mark.integration
 
@@ -42,54 +42,11 @@ tenants:
 """
 
 
-class RecordingLimiter:
-    """Admits (or refuses, or fails) and records every call."""
-
-    def __init__(self) -> None:
-        self.admits: list[list[BucketCharge]] = []
-        self.charges: list[int] = []
-        self.settles: list[list[Adjustment]] = []
-        self.refuse = False
-        self.down = False
-
-    async def admit(self, ledger: str, buckets: list[BucketCharge], **_: Any) -> AdmitResult:
-        if self.down:
-            raise LimiterUnavailable("down")
-        self.admits.append(buckets)
-        if self.refuse:
-            return AdmitResult(False, False, tuple(b.limit for b in buckets))
-        return AdmitResult(True, False, tuple(b.amount for b in buckets))
-
-    async def charge(
-        self, ledger: str, seq: int, buckets: list[BucketCharge], amount: int, **_: Any
-    ) -> ChargeResult:
-        if self.down:
-            raise LimiterUnavailable("down")
-        self.charges.append(amount)
-        return ChargeResult(amount, False, tuple(0 for _ in buckets))
-
-    async def settle(self, ledger: str, adjustments: list[Adjustment], **_: Any) -> bool:
-        if self.down:
-            raise LimiterUnavailable("down")
-        self.settles.append(adjustments)
-        return True
-
-    async def renew(self, ledgers: list[str], until_ms: int, **_: Any) -> None:
-        return None
-
-    async def read(self, keys: list[str]) -> list[int]:
-        return [0] * len(keys)
-
-    async def ping(self) -> bool:
-        return not self.down
-
-    async def close(self) -> None:
-        return None
-
-
 class Served:
-    def __init__(self, gw: Gateway, lim: RecordingLimiter, stub: Any) -> None:
-        self.gw, self.lim, self.stub = gw, lim, stub
+    """A servicer on a gRPC server: its gateway, limiter, clock and a client stub."""
+
+    def __init__(self, gw: Gateway, lim: RecordingLimiter, clock: FakeClock, stub: Any) -> None:
+        self.gw, self.lim, self.clock, self.stub = gw, lim, clock, stub
 
     async def settled(self) -> None:
         """Wait for the background settlements themselves (no polling)."""
@@ -100,11 +57,12 @@ class Served:
 
 
 async def serve(other: str = "reject", rules: str | None = None) -> AsyncIterator[Served]:
-    lim = RecordingLimiter()
+    clock = FakeClock()
+    lim = RecordingLimiter(MemoryLimiter(clock))
     gw = Gateway(
         config=load_config_text(rules or RULES % other),
-        limiter=lim,  # type: ignore[arg-type]
-        clock=FakeClock(),
+        limiter=lim,
+        clock=clock,
         metrics=Metrics(),
     )
     server = grpc.aio.server()
@@ -113,7 +71,7 @@ async def serve(other: str = "reject", rules: str | None = None) -> AsyncIterato
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield Served(gw, lim, pb_grpc.ExternalProcessorStub(channel))
+        yield Served(gw, lim, clock, pb_grpc.ExternalProcessorStub(channel))
     finally:
         await channel.close()
         await server.stop(None)
@@ -447,7 +405,7 @@ async def test_client_gone_before_response_is_charged_by_the_abandon_rule(srv: S
     c = Call(srv.stub)
     await c.send(req_headers())
     await c.send(req_body(max_tokens=1000))
-    srv.gw.clock.advance(1.0)  # type: ignore[attr-defined]
+    srv.clock.advance(1.0)
     c.cancel()
     await srv.settled()
     [adj] = srv.lim.settles

@@ -1,5 +1,6 @@
-"""The per-request processor driven message by message with real ext_proc protobufs and a
-scripted in-memory limiter: nothing is lost or stalled whatever order charges answer in."""
+"""The per-request processor driven message by message with real ext_proc protobufs and the
+in-memory limiter, its stream charges answering after varying numbers of event-loop turns:
+nothing is lost or stalled whatever order charges answer in."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from extproc.clock import FakeClock
 from extproc.config import load_config_text
 from extproc.core.lifecycle import Closed, Ending
 from extproc.gateway import Gateway
-from extproc.limiter.base import Adjustment, AdmitResult, BucketCharge, ChargeResult
+from extproc.limiter.memory import MemoryLimiter
 from extproc.metrics import Metrics
 from extproc.server.processor import RequestProcessor
+from tests.limiters import RecordingLimiter
 
 pytestmark = pytest.mark.unit
 
@@ -32,55 +34,6 @@ tenants:
 """
 
 
-class ScriptedLimiter:
-    """Admits everything; stream charges answer after a varying number of event-loop turns,
-    so some answer between chunks and some are still pending when the stream must wait."""
-
-    def __init__(
-        self,
-        *,
-        grant: int | None = None,
-        exhausted_after: int | None = None,
-        delays: tuple[int, ...] = (0, 1, 3, 7, 2),
-    ) -> None:
-        self.delays = delays
-        self.charges: list[int] = []
-        self.settles: list[list[Adjustment]] = []
-        self.grant = grant
-        self.exhausted_after = exhausted_after
-
-    async def admit(self, ledger: str, buckets: list[BucketCharge], **_: Any) -> AdmitResult:
-        return AdmitResult(True, False, tuple(b.amount for b in buckets))
-
-    async def charge(
-        self, ledger: str, seq: int, buckets: list[BucketCharge], amount: int, **_: Any
-    ) -> ChargeResult:
-        for _ in range(self.delays[len(self.charges) % len(self.delays)]):
-            await asyncio.sleep(0)
-        self.charges.append(amount)
-        granted = amount if self.grant is None else min(self.grant, amount)
-        if self.exhausted_after is not None and len(self.charges) > self.exhausted_after:
-            granted = 0
-        exhausted = self.exhausted_after is not None and len(self.charges) >= self.exhausted_after
-        return ChargeResult(granted, exhausted, tuple(0 for _ in buckets))
-
-    async def settle(self, ledger: str, adjustments: list[Adjustment], **_: Any) -> bool:
-        self.settles.append(adjustments)
-        return True
-
-    async def renew(self, ledgers: list[str], until_ms: int, **_: Any) -> None:
-        return None
-
-    async def read(self, keys: list[str]) -> list[int]:
-        return [0] * len(keys)
-
-    async def ping(self) -> bool:
-        return True
-
-    async def close(self) -> None:
-        return None
-
-
 def headers(pairs: dict[str, str], *, eos: bool = False) -> Any:
     hh = pb.HttpHeaders(end_of_stream=eos)
     for k, v in pairs.items():
@@ -93,11 +46,17 @@ def event(word: str) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def limiter() -> RecordingLimiter:
+    """The in-memory limiter (on the fake clock the gateway gets too), its stream charges
+    answering after 0 to 7 event-loop turns."""
+    return RecordingLimiter(MemoryLimiter(FakeClock()), delays=(0, 1, 3, 7, 2))
+
+
 async def start(
-    limiter: ScriptedLimiter, streaming: str = "lazy", tpm: int = 100000
+    limiter: RecordingLimiter, streaming: str = "lazy", tpm: int = 100000
 ) -> RequestProcessor:
     cfg = load_config_text(RULES % (streaming, tpm))
-    gw = Gateway(config=cfg, limiter=limiter, clock=FakeClock(), metrics=Metrics())  # type: ignore[arg-type]
+    gw = Gateway(config=cfg, limiter=limiter, clock=limiter.inner.clock, metrics=Metrics())
     proc = RequestProcessor(gw)
     await proc.handle(
         pb.ProcessingRequest(
@@ -145,7 +104,7 @@ async def feed(proc: RequestProcessor, chunk: bytes, end: bool = False) -> list[
 
 async def test_lazy_answers_between_chunks_lose_nothing() -> None:
     """Charges answering between chunks never drop or delay events; the stream ends whole."""
-    lim = ScriptedLimiter()
+    lim = limiter()
     proc = await start(lim)
     words = [f" w{i}" for i in range(40)]
     sent = b""
@@ -166,7 +125,7 @@ async def test_lazy_answers_between_chunks_lose_nothing() -> None:
 
 async def test_strict_holds_then_releases_in_order() -> None:
     """Strict: events beyond the lease wait for the renewal and then go out in order."""
-    lim = ScriptedLimiter()
+    lim = limiter()
     proc = await start(lim, "strict")
     sent = b""
     got: list[Any] = []
@@ -184,8 +143,11 @@ async def test_strict_holds_then_releases_in_order() -> None:
 async def test_strict_refused_renewal_cuts_with_error_event() -> None:
     """A renewal granting nothing ends the stream with an error event, then an immediate
     response that makes Envoy abort the started response (no [DONE], no clean end)."""
-    lim = ScriptedLimiter(grant=4, exhausted_after=1)
+    lim = limiter()
     proc = await start(lim, "strict")
+    # other requests took the hour's TPM but 4 tokens: the next lease grants 4, then none
+    [tpm] = [b for b in lim.admits[0] if b.kind == "tpm"]
+    lim.inner.seed_counter(tpm.key, tpm.limit - 4)
     got = await feed(proc, b"".join(event(f" x{i}") for i in range(20)))
     data, eos = forwarded(got[:-1])
     assert not eos
@@ -201,7 +163,7 @@ async def test_strict_refused_renewal_cuts_with_error_event() -> None:
 
 async def test_settlement_happens_once() -> None:
     """A stream closed twice (Envoy cancels, then the servicer's finally) settles once."""
-    lim = ScriptedLimiter()
+    lim = limiter()
     proc = await start(lim)
     await feed(proc, event(" a") + event(" b"))
     proc.close(Closed.CANCELLED)
