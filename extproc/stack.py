@@ -347,7 +347,7 @@ class Stack:
         """Whether Envoy ``envoy`` sees each processor port as healthy (its admin /clusters)."""
         url = f"http://127.0.0.1:{self.ports.envoy_admin + envoy}/clusters"
         try:
-            with urllib.request.urlopen(url, timeout=1) as r:  # noqa: S310 - loopback URL
+            with urllib.request.urlopen(url, timeout=1) as r:  # loopback URL
                 text = r.read().decode()
         except OSError:
             return {}

@@ -103,7 +103,7 @@ class Supervisor:
         return env
 
     def _start(self, w: Worker) -> None:
-        w.popen = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+        w.popen = subprocess.Popen(  # our own interpreter and module
             [sys.executable, "-m", "extproc", "serve"], env=self._env(w)
         )
         w.started_at = time.monotonic()

@@ -24,7 +24,7 @@ class RedisServer:
         self.port = free_port()
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(  # noqa: S603
+        self.proc = subprocess.Popen(
             [
                 binary,
                 "--port",

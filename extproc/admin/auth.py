@@ -164,7 +164,7 @@ def caller(context: Any, token: TokenFile | None) -> Caller:
     parts: list[str] = []
     try:
         auth = context.auth_context() or {}
-    except Exception:  # noqa: BLE001 - a context without TLS information
+    except Exception:  # a context without TLS information
         auth = {}
     names = auth.get("x509_common_name") or []
     if names:
@@ -180,7 +180,7 @@ def caller(context: Any, token: TokenFile | None) -> Caller:
             on_behalf = value[:128]
     try:
         peer = str(context.peer() or "")
-    except Exception:  # noqa: BLE001
+    except Exception:
         peer = ""
     return Caller("+".join(parts) or "loopback", on_behalf, peer)
 

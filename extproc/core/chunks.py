@@ -39,7 +39,7 @@ DONE: Final = "[DONE]"
 _DELTA_TEXT_KEYS: Final = ("content", "reasoning_content", "reasoning", "refusal")
 
 
-class MalformedChunk(ValueError):  # noqa: N818 - name fixed by the core API
+class MalformedChunk(ValueError):  # name fixed by the core API
     """The event data is not a JSON object of the expected shape."""
 
 

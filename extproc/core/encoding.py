@@ -10,7 +10,7 @@ from __future__ import annotations
 import zlib
 
 
-class UnsupportedEncoding(ValueError):  # noqa: N818 - reads as the condition it names
+class UnsupportedEncoding(ValueError):  # reads as the condition it names
     """A content encoding the gateway cannot decode."""
 
 

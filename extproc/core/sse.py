@@ -49,7 +49,7 @@ class SSEDecodeError(ValueError):
     """The byte stream cannot be decoded as Server-Sent Events."""
 
 
-class SSEEventTooLarge(SSEDecodeError):  # noqa: N818 - name fixed by the core API
+class SSEEventTooLarge(SSEDecodeError):  # name fixed by the core API
     """An event grew beyond ``max_event_bytes``; the decoder has discarded its buffer."""
 
     def __init__(self, size: int, limit: int, completed: list[SSEEvent]) -> None:

@@ -56,7 +56,7 @@ DEFAULT_MAX_PIECE_CHARS = 2048
 HARD_CUT_SLACK_TOKENS = 1
 
 
-class PromptTooLarge(ValueError):  # noqa: N818 - public name fixed by the API
+class PromptTooLarge(ValueError):  # public name fixed by the API
     """A text is longer than the counter's ``max_chars`` ceiling."""
 
 

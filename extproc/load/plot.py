@@ -17,10 +17,10 @@ def _cdf(values: list[float]) -> tuple[list[float], list[float]]:
 
 def plot_report(report: LoadReport, path: Path) -> None:
     """Write a two-panel PNG for ``report`` to ``path`` (matplotlib, Agg backend)."""
-    import matplotlib  # noqa: PLC0415 - heavy import only when plotting
+    import matplotlib  # heavy import only when plotting
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     data: dict[str, Any] = report.data
     fig, (ax_win, ax_lat) = plt.subplots(2, 1, figsize=(10, 8))

@@ -70,5 +70,5 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
 def _peer_gone(context: Any) -> bool:
     try:
         return bool(context.cancelled() or context.done())
-    except Exception:  # noqa: BLE001 - older grpcio without done()
+    except Exception:  # older grpcio without done()
         return False

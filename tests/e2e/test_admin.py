@@ -49,7 +49,7 @@ def admin_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stac
 
 
 def admin(port: int, token: Path, *argv: str) -> Any:
-    out = subprocess.run(  # noqa: S603 - our own CLI
+    out = subprocess.run(  # our own CLI
         [
             sys.executable,
             "-m",

@@ -144,7 +144,7 @@ def test_messages_stream_is_metered_with_x_api_key(astack: Stack, rds: redis.Red
 
 def test_messages_cut_raises_in_the_sdk(astack: Stack, rds: redis.Redis) -> None:
     c = claude(astack, "mcut")
-    with pytest.raises(anthropic.APIStatusError) as info:  # noqa: PT012 - raised while iterating
+    with pytest.raises(anthropic.APIStatusError) as info:  # raised while iterating
         for _ in c.messages.create(
             model="sim-small",
             max_tokens=1000,

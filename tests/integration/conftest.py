@@ -80,7 +80,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[int]]:
         d = base / str(p)
         d.mkdir()
         procs.append(
-            subprocess.Popen(  # noqa: S603
+            subprocess.Popen(
                 [
                     server,
                     "--port",

@@ -37,7 +37,7 @@ ALERTS = ROOT / "deploy" / "prometheus" / "ai-quota-alerts.yaml"
 
 
 def get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as r:  # noqa: S310 - loopback
+    with urllib.request.urlopen(url, timeout=5) as r:  # loopback
         return json.loads(r.read())
 
 
@@ -121,7 +121,7 @@ def test_prometheus_fires_the_repos_alerts_on_real_replicas(
                 "AIQ_USAGE_STREAM": "off",
             }
             procs.append(
-                subprocess.Popen(  # noqa: S603
+                subprocess.Popen(
                     [sys.executable, "-m", "extproc", "serve"],
                     env=env,
                     stdout=(tmp_path / f"serve-{port}.log").open("wb"),
@@ -148,7 +148,7 @@ def test_prometheus_fires_the_repos_alerts_on_real_replicas(
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
         prom_port = free_port()
         procs.append(
-            subprocess.Popen(  # noqa: S603
+            subprocess.Popen(
                 [
                     prometheus_bin,
                     f"--config.file={tmp_path / 'prometheus.yml'}",

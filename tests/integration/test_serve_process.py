@@ -36,7 +36,7 @@ def test_serve_exposes_metrics_and_usage_and_stops_cleanly(redis_server: RedisSe
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "extproc", "serve"],
-        env=env,  # noqa: S603
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -47,7 +47,7 @@ def test_serve_exposes_metrics_and_usage_and_stops_cleanly(redis_server: RedisSe
             try:
                 with urllib.request.urlopen(
                     f"http://127.0.0.1:{metrics_port}/metrics", timeout=1
-                ) as r:  # noqa: S310
+                ) as r:
                     body = r.read().decode()
                 break
             except OSError:
