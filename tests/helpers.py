@@ -14,6 +14,15 @@ import yaml
 from extproc.stack import free_port
 
 
+def spawn(
+    argv: list[str], log: Path, *, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` with stdout and stderr appended to ``log`` (the child keeps its own
+    descriptor; the test's is closed at once, never leaked)."""
+    with log.open("ab") as out:
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
 class RedisServer:
     """A real redis-server on a free loopback port, in its own directory."""
 
@@ -24,7 +33,7 @@ class RedisServer:
         self.port = free_port()
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             [
                 binary,
                 "--port",
@@ -39,8 +48,7 @@ class RedisServer:
                 str(workdir),
                 *(extra or []),
             ],
-            stdout=(workdir / "redis.log").open("ab"),
-            stderr=subprocess.STDOUT,
+            workdir / "redis.log",
         )
         client = redis.Redis(port=self.port)
         deadline = time.monotonic() + 10

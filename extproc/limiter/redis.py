@@ -201,7 +201,7 @@ class RedisLimiter:
                 max_connections=max_connections,
                 timeout=t,
             )
-            client = aioredis.Redis(connection_pool=pool)
+            client = aioredis.Redis.from_pool(pool)  # owns the pool: close() disconnects it
         use_hiredis_packing(client)
         return cls(
             client,

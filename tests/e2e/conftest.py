@@ -21,7 +21,7 @@ def make_stack(
     *,
     envoys: int = 1,
     extprocs: int = 1,
-    rules: dict | None = None,
+    rules: dict[str, Any] | None = None,
     redis_url: str | None = None,
     sim_args: list[str] | None = None,
     **stack_kw: Any,

@@ -16,6 +16,7 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.stack import Stack, free_port, port_in_use
@@ -24,7 +25,7 @@ from tests.helpers import e2e_rules
 
 pytestmark = pytest.mark.e2e
 
-MSG = [{"role": "user", "content": "Say something."}]
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something."}]
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import openai
 import orjson
 import pytest
 import redis
+from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.core.tokens import TokenizerSpec, count_chat_request
 from extproc.sim.request import chat_prompt_tokens
@@ -17,7 +20,7 @@ from tests.helpers import settled, tpm_used
 
 pytestmark = pytest.mark.e2e
 
-MSG = [{"role": "user", "content": "Say something."}]
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something."}]
 _SPEC = TokenizerSpec(kind="tiktoken", encoding="cl100k_base")
 #: The gateway's count of MSG (charged at admission) and the simulator's (charged at settlement).
 PROMPT = count_chat_request({"messages": MSG}, load_counter(_SPEC), _SPEC)
@@ -32,7 +35,7 @@ RL_HEADERS = (
 )
 
 
-def sim_records(stack: Stack, tenant: str) -> list[dict]:
+def sim_records(stack: Stack, tenant: str) -> list[dict[str, Any]]:
     recs = httpx.get(f"{stack.sim_url}/sim/requests").json()["requests"]
     return [r for r in recs if r["tenant"] == tenant]
 

@@ -224,7 +224,7 @@ def test_every_settled_request_leaves_one_usage_record(astack: Stack, rds: redis
     mine: list[UsageRecord] = []
     while not mine and time.monotonic() < deadline:
         entries = rds.xrange("aiq:usage")
-        recs = [UsageRecord.from_fields(f) for _, f in entries]
+        recs = [UsageRecord.from_fields(f or {}) for _, f in entries or []]
         mine = [r for r in recs if r.request_id == "rec-1"]
         time.sleep(0.05)
     assert len(mine) == 1

@@ -171,7 +171,7 @@ def test_settlement_prices_the_real_usage(bstack: Stack, rds: redis.Redis) -> No
     deadline = time.monotonic() + 10  # the recorder writes in the background, in batches
     mine: list[UsageRecord] = []
     while not mine and time.monotonic() < deadline:
-        recs = [UsageRecord.from_fields(f) for _, f in rds.xrange("aiq:usage")]
+        recs = [UsageRecord.from_fields(f or {}) for _, f in rds.xrange("aiq:usage") or []]
         mine = [r for r in recs if r.request_id == "priced-1"]
         time.sleep(0.05)
     [rec] = mine

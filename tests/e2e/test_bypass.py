@@ -17,6 +17,7 @@ import httpx
 import orjson
 import pytest
 import redis
+from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.core.session import bounded_output
 from extproc.stack import Stack
@@ -26,7 +27,7 @@ from tests.helpers import e2e_rules, settled
 pytestmark = pytest.mark.e2e
 
 N = 16  # charge_every_tokens in the e2e rules
-MSG = [{"role": "user", "content": "Tell me a long story."}]
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a long story."}]
 TENANTS = [
     "gzip",
     "ctype",

@@ -14,6 +14,7 @@ import openai
 import orjson
 import pytest
 import redis
+from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.stack import Stack
 from tests.e2e.conftest import client, make_stack
@@ -21,7 +22,7 @@ from tests.helpers import e2e_rules, settled, tpm_used
 
 pytestmark = pytest.mark.e2e
 
-MSG = [{"role": "user", "content": "Tell me a long story."}]
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a long story."}]
 
 
 @pytest.fixture(scope="module")

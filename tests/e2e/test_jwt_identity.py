@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.envoy_config import JwtAuth
 from extproc.stack import Stack
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.e2e
 
 SECRET = b"test-only-hmac-secret-of-32-bytes!!"
 ISSUER = "https://idp.example.test"
-MSG = [{"role": "user", "content": "hi"}]
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
 
 def b64(data: bytes) -> str:

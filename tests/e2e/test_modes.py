@@ -9,6 +9,7 @@ import openai
 import orjson
 import pytest
 import redis
+from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.stack import Stack
 from tests.e2e.conftest import client
@@ -17,7 +18,7 @@ from tests.helpers import settled, tpm_used
 
 pytestmark = pytest.mark.e2e
 
-MSG = [{"role": "user", "content": "Tell me a long story."}]
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a long story."}]
 
 
 def test_input_only_charges_just_the_prompt(stack: Stack, rds: redis.Redis) -> None:

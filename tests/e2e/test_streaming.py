@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import httpx
 import openai
 import orjson
 import pytest
 import redis
+from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.core.tokens import TokenizerSpec, count_chat_request
 from extproc.sim.request import chat_prompt_tokens
@@ -20,11 +22,11 @@ from tests.helpers import settled, tpm_used
 
 pytestmark = pytest.mark.e2e
 
-MSG = [{"role": "user", "content": "Tell me a long story."}]
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a long story."}]
 N = 16  # charge_every_tokens in the e2e rules
 
 
-def records(stack: Stack, tenant: str) -> list[dict]:
+def records(stack: Stack, tenant: str) -> list[dict[str, Any]]:
     recs = httpx.get(f"{stack.sim_url}/sim/requests").json()["requests"]
     return [r for r in recs if r["tenant"] == tenant]
 
@@ -113,7 +115,7 @@ def test_access_log_shows_charged_tokens_and_ending(stack: Stack, rds: redis.Red
     """Envoy's access log line carries tenant, model, input/output tokens and how it ended."""
     # The t-meta stream was cut by the test above.
     deadline = time.monotonic() + 5
-    lines: list[dict] = []
+    lines: list[dict[str, Any]] = []
     while time.monotonic() < deadline and not lines:
         log = (stack.workdir / "envoy0.log").read_text(errors="replace")
         lines = [orjson.loads(x) for x in log.splitlines() if x.startswith("{") and '"t-meta"' in x]
@@ -204,7 +206,7 @@ async def _astream(c: openai.AsyncOpenAI, max_tokens: int) -> tuple[int, bool]:
     try:
         stream = await c.chat.completions.create(
             model="sim-small", messages=MSG, max_tokens=max_tokens, stream=True
-        )  # type: ignore[arg-type]
+        )
         async for ch in stream:
             if ch.choices and ch.choices[0].delta.content:
                 got += 1

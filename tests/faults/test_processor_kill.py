@@ -15,6 +15,7 @@ import httpx
 import orjson
 import pytest
 import redis
+from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.records.model import UsageRecord
 from extproc.stack import Stack
@@ -24,7 +25,7 @@ from tests.helpers import e2e_rules, settled, tpm_used
 pytestmark = pytest.mark.faults
 
 LEASE_S = 3
-MSG = [{"role": "user", "content": "Tell me a long story."}]
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a long story."}]
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +169,7 @@ async def _stream_until_cut(url: str) -> int:
 
 def _records_after(rds: redis.Redis, after: bytes, tenant: str) -> list[UsageRecord]:
     rows = rds.xrange("aiq:usage", min=b"(" + after) if after else rds.xrange("aiq:usage")
-    recs = [UsageRecord.from_fields(fields) for _, fields in rows]
+    recs = [UsageRecord.from_fields(fields or {}) for _, fields in rows or []]
     return [r for r in recs if r.tenant == tenant]
 
 
@@ -179,7 +180,7 @@ async def test_sigkill_mid_stream_still_leaves_a_usage_record_per_request(kstack
     to exactly what its counters charged: billing from records misses nothing."""
     rds = redis.Redis(port=kstack.ports.redis)
     last = rds.xrevrange("aiq:usage", count=1)
-    after = last[0][0] if last else b""
+    after = last[0][0] if last and isinstance(last[0][0], bytes) else b""
     before = settled(rds, "t-std", expect=0)
     streams = [asyncio.ensure_future(_stream_until_cut(kstack.base_url)) for _ in range(3)]
     # let every stream make a few charges (lazy, every 16 tokens) before the kill

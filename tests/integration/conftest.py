@@ -19,7 +19,7 @@ from redis.asyncio.cluster import RedisCluster
 from extproc.limiter.memory import MemoryLimiter
 from extproc.limiter.redis import RedisLimiter
 from extproc.stack import free_port, port_in_use
-from tests.helpers import RedisServer
+from tests.helpers import RedisServer, spawn
 from tests.limiters import Backend, MemoryProbe, RedisProbe
 from tests.rls_support import Server
 
@@ -80,7 +80,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[int]]:
         d = base / str(p)
         d.mkdir()
         procs.append(
-            subprocess.Popen(
+            spawn(
                 [
                     server,
                     "--port",
@@ -98,8 +98,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[int]]:
                     "--dir",
                     str(d),
                 ],
-                stdout=(d / "log").open("wb"),
-                stderr=subprocess.STDOUT,
+                d / "log",
             )
         )
     try:
@@ -107,7 +106,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[int]]:
             deadline = time.monotonic() + 10
             while True:
                 try:
-                    redis.Redis(port=p).ping()
+                    with redis.Redis(port=p) as client:
+                        client.ping()
                     break
                 except redis.exceptions.ConnectionError:
                     if time.monotonic() > deadline:
@@ -128,10 +128,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[int]]:
             timeout=60,
         )
         deadline = time.monotonic() + 20
-        while redis.Redis(port=ports[0]).cluster("info").get("cluster_state") != "ok":
-            if time.monotonic() > deadline:
-                pytest.fail("the test cluster did not reach state ok")
-            time.sleep(0.1)
+        with redis.Redis(port=ports[0]) as client:
+            while client.cluster("info").get("cluster_state") != "ok":
+                if time.monotonic() > deadline:
+                    pytest.fail("the test cluster did not reach state ok")
+                time.sleep(0.1)
         yield ports
     finally:
         for pr in procs:

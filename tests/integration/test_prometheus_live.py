@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.app import CONFIG_HEALTH, REDIS_HEALTH
 from extproc.stack import free_port
-from tests.helpers import RedisServer
+from tests.helpers import RedisServer, spawn
 from tests.unit.test_deploy_observability import _as_prometheus_sees_it, dashboard_exprs
 
 pytestmark = pytest.mark.integration
@@ -121,11 +121,10 @@ def test_prometheus_fires_the_repos_alerts_on_real_replicas(
                 "AIQ_USAGE_STREAM": "off",
             }
             procs.append(
-                subprocess.Popen(
+                spawn(
                     [sys.executable, "-m", "extproc", "serve"],
+                    tmp_path / f"serve-{port}.log",
                     env=env,
-                    stdout=(tmp_path / f"serve-{port}.log").open("wb"),
-                    stderr=subprocess.STDOUT,
                 )
             )
         # the repo's rules, evaluated at once
@@ -148,15 +147,14 @@ def test_prometheus_fires_the_repos_alerts_on_real_replicas(
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
         prom_port = free_port()
         procs.append(
-            subprocess.Popen(
+            spawn(
                 [
                     prometheus_bin,
                     f"--config.file={tmp_path / 'prometheus.yml'}",
                     f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                     f"--web.listen-address=127.0.0.1:{prom_port}",
                 ],
-                stdout=(tmp_path / "prometheus.log").open("wb"),
-                stderr=subprocess.STDOUT,
+                tmp_path / "prometheus.log",
             )
         )
         prom = Prometheus(prom_port)

@@ -25,7 +25,7 @@ from extproc.records.export import consume, consume_batches, read_range
 from extproc.records.model import UsageRecord
 from extproc.records.writer import UsageRecorder
 from extproc.stack import free_port
-from tests.helpers import RedisServer
+from tests.helpers import RedisServer, spawn
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +53,12 @@ def rec(i: int, **over: Any) -> UsageRecord:
 
 
 def entries(client: redis.Redis, stream: str) -> list[tuple[str, UsageRecord]]:
-    return [(i, UsageRecord.from_fields(f)) for i, f in client.xrange(stream)]
+    """The stream's entries: (id, record)."""
+    rows = client.xrange(stream) or []
+    return [
+        (i.decode() if isinstance(i, bytes) else str(i), UsageRecord.from_fields(f or {}))
+        for i, f in rows
+    ]
 
 
 def outcome(metrics: Metrics, name: str) -> float:
@@ -85,7 +90,7 @@ class RestartableRedis:
     def start(self) -> None:
         binary = shutil.which("redis-server")
         assert binary is not None
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             [
                 binary,
                 "--port",
@@ -99,8 +104,7 @@ class RestartableRedis:
                 "--dir",
                 str(self.workdir),
             ],
-            stdout=(self.workdir / "redis.log").open("ab"),
-            stderr=subprocess.STDOUT,
+            self.workdir / "redis.log",
         )
         client = redis.Redis(port=self.port)
         deadline = time.monotonic() + 10

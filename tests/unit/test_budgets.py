@@ -26,9 +26,9 @@ TPM = Limit("tpm", 100_000, 60, "*", "tenant")
 CONC = Limit("concurrency", 2, 0, "*", "tenant")
 
 
-def ms(*args: int) -> int:
+def ms(year: int, month: int, day: int, hour: int = 0, minute: int = 0, second: int = 0) -> int:
     """Unix ms of a UTC date and time."""
-    return int(datetime(*args, tzinfo=UTC).timestamp() * 1000)  # type: ignore[misc]
+    return int(datetime(year, month, day, hour, minute, second, tzinfo=UTC).timestamp() * 1000)
 
 
 # -- rounding ------------------------------------------------------------------------------

@@ -7,9 +7,9 @@ from typing import Any
 import orjson
 import pytest
 
+from extproc.core.apis.base import ParsedRequest
 from extproc.core.apis.registry import api_for_path
 from extproc.core.request import (
-    ParsedRequest,
     effective_output_budget,
     parse_request,
     rewrite_body,
