@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
         if args.actor:
             metadata.append(("x-aiq-actor", args.actor))
         with _channel(args) as channel:
-            stub = admin_pb2_grpc.AdminStub(channel)  # type: ignore[no-untyped-call]
+            stub = admin_pb2_grpc.AdminStub(channel)
             resp = args.admin_call(stub, args, metadata, args.timeout)
     except grpc.RpcError as exc:
         print(f"ai-quota admin: {exc.code().name}: {exc.details()}", file=sys.stderr)

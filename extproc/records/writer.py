@@ -118,7 +118,7 @@ def redis_client(url: str, *, timeout_s: float = 1.0, max_connections: int = 4) 
         max_connections=max_connections,
         timeout=timeout_s,
     )
-    return aioredis.Redis(connection_pool=pool)
+    return aioredis.Redis.from_pool(pool)  # owns the pool: close() disconnects it
 
 
 @dataclass(slots=True)

@@ -148,7 +148,7 @@ class Upb:
         req = self.pb.ProcessingRequest.FromString(data)
         which = req.WhichOneof("request")
         body = getattr(req, which)
-        return len(body.body) + body.end_of_stream
+        return len(body.body) + int(body.end_of_stream)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,14 +216,15 @@ class Bp2:
         """Decode, check the oneof, and read every header."""
         req = self.ep.ProcessingRequest.parse(data)
         which, hh = self.bp.which_one_of(req, "request")
-        assert which == "request_headers"
+        assert which == "request_headers" and hh is not None
         return {h.key.lower(): h.raw_value.decode("utf-8", "replace") for h in hh.headers.headers}
 
     def read_body(self, data: bytes) -> int:
         """Decode, check the oneof, and take the body bytes."""
         req = self.ep.ProcessingRequest.parse(data)
         _, body = self.bp.which_one_of(req, "request")
-        return len(body.body) + body.end_of_stream
+        assert body is not None
+        return len(body.body) + int(body.end_of_stream)
 
 
 # ---------------------------------------------------------------------------------------------

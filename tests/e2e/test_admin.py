@@ -119,7 +119,7 @@ def decisions(stack: Stack, decision: str, code: str) -> list[float]:
     out = []
     for i in range(2):
         url = f"http://127.0.0.1:{stack.metrics_port + i}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as r:  # noqa: S310 - loopback
+        with urllib.request.urlopen(url, timeout=5) as r:
             text = r.read().decode()
         value = 0.0
         for family in text_string_to_metric_families(text):

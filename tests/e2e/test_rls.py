@@ -67,7 +67,7 @@ def start_envoys(
         cfg.write_text(render(RlsEnvoy(port, admin, rls_port, upstream, failure_mode_deny=deny)))
         log = (workdir / f"{cfg.stem}.log").open("ab")
         procs.append(
-            subprocess.Popen(  # noqa: S603 - our own binary and config
+            subprocess.Popen(
                 [binary, "-c", str(cfg), "--use-dynamic-base-id", "--log-level", "warn"],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -236,7 +236,7 @@ def test_failure_mode_deny_when_ai_quota_is_gone(
         "AIQ_USAGE_STREAM": "off",
         "AIQ_KEY_PREFIX": "deny",
     }
-    serve = subprocess.Popen(  # noqa: S603
+    serve = subprocess.Popen(
         [sys.executable, "-m", "extproc", "serve"],
         env={**os.environ, **env},
         stdout=(tmp_path / "serve.log").open("ab"),

@@ -47,7 +47,7 @@ async def test_every_change_is_audited_with_its_caller(
     servicer = AdminServicer(store, sync, metrics=metrics)
     server = await start_admin_server(servicer, token=TOKEN)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    stub = admin_pb2_grpc.AdminStub(channel)  # type: ignore[no-untyped-call]
+    stub = admin_pb2_grpc.AdminStub(channel)
     md = [("authorization", f"Bearer {TOKEN}"), ("x-aiq-actor", "alice@example.com")]
 
     async def call(name: str, request: Any) -> Any:
@@ -136,7 +136,7 @@ async def test_every_change_is_audited_with_its_caller(
         assert [(c["version"], c["action"]) for c in printed["changes"]] == [("5", "delete_tenant")]
     finally:
         await channel.close()
-        await server.stop(None)
+        await server.stop(0)
         await store.close()
 
 
@@ -152,7 +152,7 @@ async def test_a_rotated_token_file_takes_effect_without_a_restart(
     sync = StoreSync(store, read_file_rules(str(write_rules(tmp_path)), config_version), print)
     server = await start_admin_server(AdminServicer(store, sync), token=TokenFile(str(path)))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    stub = admin_pb2_grpc.AdminStub(channel)  # type: ignore[no-untyped-call]
+    stub = admin_pb2_grpc.AdminStub(channel)
 
     async def code_with(token: str) -> grpc.StatusCode:
         try:
@@ -177,7 +177,7 @@ async def test_a_rotated_token_file_takes_effect_without_a_restart(
         assert await code_with("") == grpc.StatusCode.UNAUTHENTICATED
     finally:
         await channel.close()
-        await server.stop(None)
+        await server.stop(0)
         await store.close()
 
 
@@ -237,12 +237,12 @@ async def test_client_certificates_authenticate_the_admin_api(
 
     channels = {name: channel(name) for name in ("client", None, "intruder")}
     try:
-        ok = admin_pb2_grpc.AdminStub(channels["client"])  # type: ignore[no-untyped-call]
+        ok = admin_pb2_grpc.AdminStub(channels["client"])
         await ok.SetTenant(admin_pb2.SetTenantRequest(tenant="m1", plan="basic"), timeout=5)
         log = await ok.ListChanges(admin_pb2.ListChangesRequest(), timeout=5)
         assert [(c.action, c.principal) for c in log.changes] == [("set_tenant", "cert:ops-bot")]
         for name in (None, "intruder"):
-            stub = admin_pb2_grpc.AdminStub(channels[name])  # type: ignore[no-untyped-call]
+            stub = admin_pb2_grpc.AdminStub(channels[name])
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.GetVersion(admin_pb2.GetVersionRequest(), timeout=5)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -261,5 +261,5 @@ async def test_client_certificates_authenticate_the_admin_api(
     finally:
         for ch in channels.values():
             await ch.close()
-        await server.stop(None)
+        await server.stop(0)
         await store.close()

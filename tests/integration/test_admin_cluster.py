@@ -4,6 +4,7 @@ audit entry) is one script in one slot, and replicas follow it through the clust
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -41,7 +42,7 @@ async def test_replicas_on_a_cluster_follow_changes_by_pub_sub_and_by_poll(
     servicer = AdminServicer(store, StoreSync(store, rules, lambda _e: None))
     server = await start_admin_server(servicer, token=TOKEN)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    stub = admin_pb2_grpc.AdminStub(channel)  # type: ignore[no-untyped-call]
+    stub = admin_pb2_grpc.AdminStub(channel)
     md = [("authorization", f"Bearer {TOKEN}")]
     replicas = [Replica(), Replica(), Replica()]
     # each replica with its own cluster client, as separate processes would have
@@ -62,13 +63,13 @@ async def test_replicas_on_a_cluster_follow_changes_by_pub_sub_and_by_poll(
         )
         secret = created.api_key
         for r in replicas:
-            await within(EVENT_S, lambda r=r: r.knows(secret))
+            await within(EVENT_S, partial(r.knows, secret))
 
         await stub.RevokeKey(
             admin_pb2.RevokeKeyRequest(key_id=created.key_id), metadata=md, timeout=5
         )
         for r in replicas:
-            await within(EVENT_S, lambda r=r: not r.knows(secret))
+            await within(EVENT_S, partial(r.forgot, secret))
         assert all(s.state.version == 2 for s in syncs)
 
         log = await stub.ListChanges(admin_pb2.ListChangesRequest(), metadata=md, timeout=5)
@@ -84,5 +85,5 @@ async def test_replicas_on_a_cluster_follow_changes_by_pub_sub_and_by_poll(
         for st in stores:
             await st.close()
         await channel.close()
-        await server.stop(None)
+        await server.stop(0)
         await store.close()

@@ -11,6 +11,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,12 @@ class Replica:
         self.eff = eff
 
     def knows(self, secret: str) -> bool:
+        """Whether the replica's rules accept this key."""
         return self.eff is not None and key_digest(secret) in self.eff.config.keys_by_digest
+
+    def forgot(self, secret: str) -> bool:
+        """Whether the replica's rules no longer accept this key."""
+        return not self.knows(secret)
 
 
 #: How long a test waits for an event before failing: generous, the machine may be busy.  The
@@ -123,7 +129,7 @@ async def admin_api(redis_server: RedisServer, tmp_path: Path) -> AsyncIterator[
         yield Admin(admin_pb2_grpc.AdminStub(channel), store, path)
     finally:
         await channel.close()
-        await server.stop(None)
+        await server.stop(0)
         await store.close()
 
 
@@ -154,13 +160,13 @@ async def test_store_changes_are_versioned_atomic_and_published(
         assert state.version == 8 == await store.version()
         assert set(state.tenants) == {f"t{i}" for i in range(8)}
         client = redis_server.client()
-        history = json.loads(client.get(store.history_key(3)))
+        history = json.loads(client.get(store.history_key(3)) or "null")
         assert history["version"] == 3 and len(history["tenants"]) == 3
         assert 0 < client.ttl(store.history_key(3)) <= 7 * 24 * 3600
         assert all(
-            k.startswith(f"{{{store.prefix}:admin}}") for k in client.keys(f"*{store.prefix}*")
+            str(k).startswith(f"{{{store.prefix}:admin}}") for k in client.keys(f"*{store.prefix}*")
         )
-        published = []
+        published: list[int] = []
         deadline = time.monotonic() + 2
         while len(published) < 8 and time.monotonic() < deadline:
             msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
@@ -245,8 +251,12 @@ async def test_admin_api_calls(redis_server: RedisServer, tmp_path: Path) -> Non
             await admin.call("CreateKey", admin_pb2.CreateKeyRequest(tenant="new", name="ci"))
         assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
         # the store holds the digest only
-        raw = redis_server.client().get(admin.store.snapshot_key)
-        assert created.api_key not in raw and key_digest(created.api_key) in raw
+        raw = redis_server.client().get(admin.store.snapshot_key) or ""
+        assert (
+            isinstance(raw, str)
+            and created.api_key not in raw
+            and key_digest(created.api_key) in raw
+        )
 
         got = await admin.call("GetTenant", admin_pb2.GetTenantRequest(tenant="new"))
         assert (got.plan, got.source) == ("pro", "store")
@@ -308,7 +318,7 @@ async def test_two_subscribed_replicas_and_a_polling_one_see_a_new_key_and_its_r
             )
             secret = created.api_key
             for r in replicas:
-                await within(EVENT_S, lambda r=r: r.knows(secret))
+                await within(EVENT_S, partial(r.knows, secret))
             assert syncs[2].state.version == created.version
             eff = replicas[0].eff
             assert eff is not None and eff.version != rules.version
@@ -316,7 +326,7 @@ async def test_two_subscribed_replicas_and_a_polling_one_see_a_new_key_and_its_r
 
             await admin.call("RevokeKey", admin_pb2.RevokeKeyRequest(key_id=created.key_id))
             for r in replicas:
-                await within(EVENT_S, lambda r=r: not r.knows(secret))
+                await within(EVENT_S, partial(r.forgot, secret))
             assert all(r.knows("sk-acme") for r in replicas)  # the file's key throughout
         finally:
             for s in syncs:
@@ -448,7 +458,7 @@ async def test_serve_with_the_admin_api(redis_server: RedisServer, tmp_path: Pat
         assert version["config_version"] != file_version == version["file_version"]
         published = {
             s.labels["version"]
-            for s in gw.metrics.config_version.collect()[0].samples
+            for s in next(iter(gw.metrics.config_version.collect())).samples
             if s.value == 1
         }
         assert published == {version["config_version"]}
@@ -511,5 +521,5 @@ async def test_admin_api_over_tls(redis_server: RedisServer, tmp_path: Path) -> 
     finally:
         await secure.close()
         await plain.close()
-        await server.stop(None)
+        await server.stop(0)
         await store.close()

@@ -125,7 +125,7 @@ def test_sighup_reloads_the_rls_config(redis_server: RedisServer, tmp_path: Path
         "AIQ_USAGE_STREAM": "off",
         "AIQ_KEY_PREFIX": f"hup{uuid.uuid4().hex[:6]}",
     }
-    proc = subprocess.Popen(  # noqa: S603
+    proc = subprocess.Popen(
         [sys.executable, "-m", "extproc", "serve"],
         env=env,
         stdout=(tmp_path / "serve.log").open("wb"),
@@ -186,7 +186,7 @@ def test_workers_serve_rls_from_the_flag(redis_server: RedisServer, tmp_path: Pa
         "AIQ_USAGE_STREAM": "off",
         "AIQ_KEY_PREFIX": f"wk{uuid.uuid4().hex[:6]}",
     }
-    proc = subprocess.Popen(  # noqa: S603
+    proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "extproc", "serve", "--workers", "2"),
             *("--grpc-address", f"127.0.0.1:{port}", "--rls-config", str(cfg)),

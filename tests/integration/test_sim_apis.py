@@ -44,19 +44,21 @@ async def sim_port() -> AsyncIterator[int]:
 
 
 @pytest.fixture
-def oai(sim_port: int) -> openai.AsyncOpenAI:
-    """openai SDK client without retries."""
-    return openai.AsyncOpenAI(
+async def oai(sim_port: int) -> AsyncIterator[openai.AsyncOpenAI]:
+    """openai SDK client without retries (closed after the test)."""
+    async with openai.AsyncOpenAI(
         base_url=f"http://127.0.0.1:{sim_port}/v1", api_key="x", max_retries=0
-    )
+    ) as c:
+        yield c
 
 
 @pytest.fixture
-def claude(sim_port: int) -> anthropic.AsyncAnthropic:
-    """anthropic SDK client without retries."""
-    return anthropic.AsyncAnthropic(
+async def claude(sim_port: int) -> AsyncIterator[anthropic.AsyncAnthropic]:
+    """anthropic SDK client without retries (closed after the test)."""
+    async with anthropic.AsyncAnthropic(
         base_url=f"http://127.0.0.1:{sim_port}", api_key="x", max_retries=0
-    )
+    ) as c:
+        yield c
 
 
 def _hdr(crid: str, **extra: str) -> dict[str, str]:

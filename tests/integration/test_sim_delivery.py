@@ -174,24 +174,24 @@ async def test_gzip_stream_decodes_chunk_by_chunk(sim_port: int, api: str) -> No
 
 async def test_gzip_seen_through_the_openai_sdk(sim_port: int) -> None:
     """httpx decodes the forced gzip: the SDK still sees the exact stream and usage."""
-    client = openai.AsyncOpenAI(
+    async with openai.AsyncOpenAI(
         base_url=f"http://127.0.0.1:{sim_port}/v1", api_key="x", max_retries=0
-    )
-    stream = await client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=15,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_headers={"x-sim-gzip": "1"},
-    )
-    text = ""
-    usage = None
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            text += chunk.choices[0].delta.content
-        if chunk.usage is not None:
-            usage = chunk.usage
+    ) as client:
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=15,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers={"x-sim-gzip": "1"},
+        )
+        text = ""
+        usage = None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+            if chunk.usage is not None:
+                usage = chunk.usage
     assert usage is not None and usage.completion_tokens == count_tokens(text) == 15
 
 

@@ -39,11 +39,12 @@ async def sim_port() -> AsyncIterator[int]:
 
 
 @pytest.fixture
-def client(sim_port: int) -> openai.AsyncOpenAI:
-    """An openai SDK client pointed at the simulator, without retries."""
-    return openai.AsyncOpenAI(
+async def client(sim_port: int) -> AsyncIterator[openai.AsyncOpenAI]:
+    """An openai SDK client pointed at the simulator, without retries (closed after the test)."""
+    async with openai.AsyncOpenAI(
         base_url=f"http://127.0.0.1:{sim_port}/v1", api_key="x", max_retries=0
-    )
+    ) as c:
+        yield c
 
 
 def _crid() -> str:

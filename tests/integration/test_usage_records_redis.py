@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import redis
+from redis.typing import EncodableT
 
 from extproc.cli import main
 from extproc.metrics import Metrics
@@ -276,8 +277,10 @@ async def test_flush_gives_up_after_grace(own_redis: RestartableRedis) -> None:
 def seed_at(client: redis.Redis, stream: str, t0: int, n: int) -> None:
     """n records appended at t0, t0+1s, ... (explicit stream ids), and one foreign entry."""
     for i in range(n):
-        client.xadd(stream, rec(i).to_fields(), id=f"{t0 + i * 1000}-0")
-    client.xadd(stream, {"hello": "world"}, id=f"{t0 + n * 1000}-0")
+        fields: dict[EncodableT, EncodableT] = dict(rec(i).to_fields().items())
+        client.xadd(stream, fields, id=f"{t0 + i * 1000}-0")
+    foreign: dict[EncodableT, EncodableT] = {"hello": "world"}
+    client.xadd(stream, foreign, id=f"{t0 + n * 1000}-0")
 
 
 def test_read_range_since_inclusive_until_exclusive(redis_server: RedisServer) -> None:
