@@ -1,3 +1,4 @@
-"""The limiter boundary: one protocol, one Redis implementation with registered Lua scripts."""
+"""The limiter boundary: one protocol, the Redis implementation with registered Lua scripts,
+and an in-memory one with the same semantics (tests, single-process embedding)."""
 
 from __future__ import annotations

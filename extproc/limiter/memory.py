@@ -70,6 +70,7 @@ class _Ledger:
 
 
 _Entry = _Counter | _Scored | _Ledger
+_NAMES: dict[type, str] = {_Counter: "counter", _Scored: "sorted set", _Ledger: "ledger"}
 E = TypeVar("E", _Counter, _Scored, _Ledger)
 
 
@@ -94,7 +95,9 @@ class MemoryLimiter:
         entry = self._entry(key, now)
         if entry is None or isinstance(entry, kind):
             return entry
-        raise LimiterUnavailable(f"{key} holds a {type(entry).__name__.strip('_').lower()}")
+        raise LimiterUnavailable(
+            f"{key} holds a {_NAMES[type(entry)]}, not a {_NAMES[kind]} (a key names one kind)"
+        )
 
     def _counter_value(self, key: str, now: int) -> int:
         c = self._typed(key, _Counter, now)
