@@ -208,23 +208,25 @@ class Stack:
         }
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
-        out: IO[bytes] | int | None
+        out: IO[bytes] | None = None
         log_path: Path | None = None
-        if self.inherit_output:
-            out = None
-        else:
+        if not self.inherit_output:
             log_path = self.workdir / f"{name}.log"
             out = log_path.open("ab")
         full_env = dict(os.environ)
         full_env.update(env or {})
-        popen = subprocess.Popen(  # noqa: S603 - argv built from our own binaries
-            argv,
-            stdout=out,
-            stderr=subprocess.STDOUT if out is not None else None,
-            env=full_env,
-            start_new_session=True,
-            cwd=str(self.workdir),
-        )
+        try:
+            popen = subprocess.Popen(  # noqa: S603 - argv built from our own binaries
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT if out is not None else None,
+                env=full_env,
+                start_new_session=True,
+                cwd=str(self.workdir),
+            )
+        finally:
+            if out is not None:
+                out.close()  # the child writes through its own descriptor
         proc = Proc(name, popen, log_path, list(argv), dict(env or {}))
         self.procs.append(proc)
         return proc
