@@ -62,7 +62,7 @@ async def start_admin_server(
     server = grpc.aio.server(
         interceptors=interceptors, options=[("grpc.so_reuseport", 1 if reuse_port else 0)]
     )
-    admin_pb2_grpc.add_AdminServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    admin_pb2_grpc.add_AdminServicer_to_server(servicer, server)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     creds = server_credentials(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None
     bound = add_grpc_port(server, address, what="admin API", credentials=creds)

@@ -307,7 +307,7 @@ class RequestProcessor:
         assert s.api is not None
         try:
             plain = decoder.feed(raw) + decoder.flush() if decoder is not None else raw
-        except Exception:  # noqa: BLE001 - a corrupt body has no usage to read
+        except Exception:  # a corrupt body has no usage to read
             plain = b""
         usage = s.api.json_usage(plain)
         if usage is not None:
@@ -368,6 +368,6 @@ class RequestProcessor:
         if driver is not None and driver.charge_pending:
             try:
                 await asyncio.wait_for(asyncio.shield(driver.collect(wait=True)), 1.0)
-            except Exception as exc:  # noqa: BLE001 - settlement must still run
+            except Exception as exc:  # settlement must still run
                 log.warning("pending_charge_lost", request_id=self.request_id, error=repr(exc))
         await settle(self.gw, self.cfg, s, driver.end() if driver is not None else None)

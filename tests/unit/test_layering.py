@@ -93,12 +93,6 @@ def chains(graph: dict[str, set[str]], source: str, forbidden: str) -> list[list
     return found
 
 
-USAGE_IMPORTS_GATEWAY = pytest.mark.xfail(
-    strict=True,
-    reason="extproc/usage/service.py imports Gateway from extproc.server.gateway (issue 15 "
-    "moves Gateway to a neutral module; then this passes and the mark must go)",
-)
-
 NEVER = [
     pytest.param("extproc.core", "extproc.config", id="core-config"),
     pytest.param("extproc.core", "extproc.limiter", id="core-limiter"),
@@ -111,7 +105,7 @@ NEVER = [
         pytest.param("extproc.server", tool, id=f"server-{tool.split('.')[1]}")
         for tool in ("extproc.sim", "extproc.load", "extproc.bench")
     ),
-    pytest.param("extproc.usage", "extproc.server", id="usage-server", marks=USAGE_IMPORTS_GATEWAY),
+    pytest.param("extproc.usage", "extproc.server", id="usage-server"),
     pytest.param("extproc.admin", "extproc.server", id="admin-server"),
 ]
 

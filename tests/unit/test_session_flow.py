@@ -16,7 +16,7 @@ from google.protobuf.json_format import MessageToDict
 from extproc.core.lifecycle import Closed, CutReason, Ending
 from extproc.core.meter import StreamMeter
 from tests.unit.test_core_meter import usage_ev
-from tests.unit.test_processor_flow import ScriptedLimiter, event, feed, start
+from tests.unit.test_processor_flow import event, feed, limiter, start
 
 pytestmark = pytest.mark.unit
 
@@ -46,7 +46,7 @@ def disagreements(proc: Any) -> float:
 async def test_done_carries_the_final_figures_and_a_close_after_it_is_completed() -> None:
     """The response forwarding [DONE] carries output_tokens and ending completed; a client
     that closes before the upstream's end of stream is settled completed, once."""
-    lim = ScriptedLimiter()
+    lim = limiter()
     proc = await start(lim)
     got: list[Any] = []
     for w in (" a", " b", " c"):
@@ -65,7 +65,7 @@ async def test_done_carries_the_final_figures_and_a_close_after_it_is_completed(
 async def test_one_disagreement_is_counted_once() -> None:
     """An upstream reporting far too few tokens is logged and counted once, though the figure
     is read for the access log and again for settlement."""
-    lim = ScriptedLimiter()
+    lim = limiter()
     proc = await start(lim)
     for i in range(40):
         await feed(proc, event(f" w{i}"))
@@ -97,7 +97,7 @@ def test_lagging_lazy_stream_is_delivered_up_to_the_quota() -> None:
 
 async def test_lease_renewal_does_not_log_as_the_request_that_started_it() -> None:
     """Background tasks run in their own context: no request's bound log fields."""
-    lim = ScriptedLimiter()
+    lim = limiter()
     proc = await start(lim)
     seen: list[dict[str, Any]] = []
 
