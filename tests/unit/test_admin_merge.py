@@ -11,10 +11,11 @@ import yaml
 from extproc._gen.aiquota.v1 import admin_pb2
 from extproc.admin.cli import limit_message
 from extproc.admin.convert import limit_to_mapping, limit_to_message
-from extproc.admin.rules import effective, file_rules_from_text, tenant_errors
+from extproc.admin.rules import FileRules, effective, file_rules_from_text, tenant_errors
 from extproc.admin.state import StoredKey, StoredTenant, StoreState, merge, parse_limits
 from extproc.app import config_version
 from extproc.config.load import key_digest
+from extproc.config.schema import LimitEntry
 
 pytestmark = pytest.mark.unit
 
@@ -35,18 +36,23 @@ RULES = {
 NOW = 1_700_000_000.0
 
 
-def rules(doc: dict[str, object] | None = None):  # type: ignore[no-untyped-def]
+def rules(doc: dict[str, object] | None = None) -> FileRules:
+    """The admin view of a rules document."""
     text = yaml.safe_dump(doc or RULES)
     return file_rules_from_text(
         text, source="r.yaml", base_dir=Path("."), version_of=config_version
     )
 
 
-def key(kid: str, tenant: str, secret: str, *, name: str = "k", expires: float | None = None):  # type: ignore[no-untyped-def]
+def key(
+    kid: str, tenant: str, secret: str, *, name: str = "k", expires: float | None = None
+) -> StoredKey:
+    """A stored key created ten seconds ago."""
     return StoredKey(kid, name, tenant, key_digest(secret), NOW - 10, expires)
 
 
-def limits(*entries: dict[str, object]):  # type: ignore[no-untyped-def]
+def limits(*entries: dict[str, object]) -> tuple[LimitEntry, ...]:
+    """Limit entries as the admin API validates them."""
     return tuple(parse_limits(list(entries)))
 
 
