@@ -67,7 +67,7 @@ def start_envoys(
         cfg.write_text(render(RlsEnvoy(port, admin, rls_port, upstream, failure_mode_deny=deny)))
         log = (workdir / f"{cfg.stem}.log").open("ab")
         procs.append(
-            subprocess.Popen(
+            subprocess.Popen(  # our own binary and config
                 [binary, "-c", str(cfg), "--use-dynamic-base-id", "--log-level", "warn"],
                 stdout=log,
                 stderr=subprocess.STDOUT,

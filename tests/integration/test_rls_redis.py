@@ -240,7 +240,7 @@ async def test_a_stalled_check_is_not_retried(tmp_path: Path) -> None:
 
 def _debug_sleep(port: int) -> None:
     """Block the server for 0.6 s (DEBUG SLEEP)."""
-    redis.Redis(port=port).execute_command("DEBUG", "SLEEP", "0.6")  # type: ignore[no-untyped-call]
+    redis.Redis(port=port).execute_command("DEBUG", "SLEEP", "0.6")
 
 
 def _wait_blocked(port: int) -> None:
