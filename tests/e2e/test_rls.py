@@ -65,15 +65,15 @@ def start_envoys(
         port, admin = free_port(), free_port()
         cfg = workdir / f"rls-envoy{i}{'-deny' if deny else ''}.yaml"
         cfg.write_text(render(RlsEnvoy(port, admin, rls_port, upstream, failure_mode_deny=deny)))
-        log = (workdir / f"{cfg.stem}.log").open("ab")
-        procs.append(
-            subprocess.Popen(  # our own binary and config
-                [binary, "-c", str(cfg), "--use-dynamic-base-id", "--log-level", "warn"],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+        with (workdir / f"{cfg.stem}.log").open("ab") as log:  # Envoy keeps its own handle
+            procs.append(
+                subprocess.Popen(  # our own binary and config
+                    [binary, "-c", str(cfg), "--use-dynamic-base-id", "--log-level", "warn"],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             )
-        )
         ports.append(port)
         admins.append(admin)
     envoys = Envoys(procs, ports)
@@ -236,13 +236,14 @@ def test_failure_mode_deny_when_ai_quota_is_gone(
         "AIQ_USAGE_STREAM": "off",
         "AIQ_KEY_PREFIX": "deny",
     }
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "extproc", "serve"],
-        env={**os.environ, **env},
-        stdout=(tmp_path / "serve.log").open("ab"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    with (tmp_path / "serve.log").open("ab") as log:  # serve keeps its own handle
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "extproc", "serve"],
+            env={**os.environ, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deny = allow = None
     try:
         sim = rls_stack[0].ports.sim

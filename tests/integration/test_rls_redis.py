@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -21,7 +20,7 @@ from extproc.limiter.redis import RedisLimiter
 from extproc.rls.config import compile_domains, parse_text
 from extproc.rls.match import Descriptor, plan
 from extproc.stack import free_port
-from tests.helpers import RedisServer, far_ms
+from tests.helpers import RedisServer, far_ms, spawn
 from tests.rls_support import ROOT, request
 
 pytestmark = pytest.mark.integration
@@ -125,12 +124,7 @@ def test_sighup_reloads_the_rls_config(redis_server: RedisServer, tmp_path: Path
         "AIQ_USAGE_STREAM": "off",
         "AIQ_KEY_PREFIX": f"hup{uuid.uuid4().hex[:6]}",
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "extproc", "serve"],
-        env=env,
-        stdout=(tmp_path / "serve.log").open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    proc = spawn([sys.executable, "-m", "extproc", "serve"], tmp_path / "serve.log", env=env)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = rls_pb2_grpc.RateLimitServiceStub(ch)
@@ -186,14 +180,13 @@ def test_workers_serve_rls_from_the_flag(redis_server: RedisServer, tmp_path: Pa
         "AIQ_USAGE_STREAM": "off",
         "AIQ_KEY_PREFIX": f"wk{uuid.uuid4().hex[:6]}",
     }
-    proc = subprocess.Popen(
+    proc = spawn(
         [
             *(sys.executable, "-m", "extproc", "serve", "--workers", "2"),
             *("--grpc-address", f"127.0.0.1:{port}", "--rls-config", str(cfg)),
         ],
+        tmp_path / "serve.log",
         env=env,
-        stdout=(tmp_path / "serve.log").open("wb"),
-        stderr=subprocess.STDOUT,
     )
     try:
 
@@ -240,7 +233,8 @@ async def test_a_stalled_check_is_not_retried(tmp_path: Path) -> None:
 
 def _debug_sleep(port: int) -> None:
     """Block the server for 0.6 s (DEBUG SLEEP)."""
-    redis.Redis(port=port).execute_command("DEBUG", "SLEEP", "0.6")
+    with redis.Redis(port=port) as client:
+        client.execute_command("DEBUG", "SLEEP", "0.6")
 
 
 def _wait_blocked(port: int) -> None:
