@@ -26,7 +26,7 @@ from extproc.clock import Clock, SystemClock
 from extproc.core.keys import EXPIRY_SLACK_MS, open_key
 from extproc.core.rules import RATE_SCALE, Adjustment, BucketCharge, UnconfirmedCharge, ceil_div
 from extproc.errors import LimiterUnavailable
-from extproc.limiter.base import AdmitResult, ChargeResult, Reclaimed
+from extproc.limiter.base import AdmitResult, ChargeCall, ChargeResult, Reclaimed, SettleCall
 
 LedgerState = Literal["admitted", "reclaimed", "settled", "cancelled"]
 
@@ -347,6 +347,46 @@ class MemoryLimiter:
         self._ledger(ledger, now).state = "settled"
         self._expire_at(ledger, now + ledger_ttl_ms, now)
         return True
+
+    async def settle_many(self, items: list[SettleCall]) -> list[bool | None]:
+        """Settle each item in order as :meth:`settle` does (as settle.lua does a batch); an
+        item that fails, and every item after it, is None (not settled)."""
+        out: list[bool | None] = []
+        for it in items:
+            try:
+                out.append(
+                    await self.settle(
+                        it.ledger,
+                        it.adjustments,
+                        ledger_ttl_ms=it.ledger_ttl_ms,
+                        cancel=it.cancel,
+                        unconfirmed=it.unconfirmed,
+                    )
+                )
+            except LimiterUnavailable:
+                break
+        return out + [None] * (len(items) - len(out))
+
+    async def charge_many(self, items: list[ChargeCall]) -> list[ChargeResult | None]:
+        """Charge each item in order as :meth:`charge` does (a batch of charge.lua); an item
+        that fails, and every item after it, is None (a later charge of a stream must never
+        run before an earlier one)."""
+        out: list[ChargeResult | None] = []
+        for it in items:
+            try:
+                out.append(
+                    await self.charge(
+                        it.ledger,
+                        it.seq,
+                        it.buckets,
+                        it.amount,
+                        strict=it.strict,
+                        ledger_ttl_ms=it.ledger_ttl_ms,
+                    )
+                )
+            except LimiterUnavailable:
+                break
+        return out + [None] * (len(items) - len(out))
 
     async def renew(
         self, ledgers: list[str], until_ms: int, *, held: dict[str, list[str]] | None = None

@@ -14,6 +14,7 @@ import openai
 import orjson
 import pytest
 import redis
+from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.stack import Stack
 from tests.e2e.conftest import client, make_stack
@@ -21,7 +22,7 @@ from tests.helpers import settled
 
 pytestmark = pytest.mark.e2e
 
-MSG = [{"role": "user", "content": "Tell me a very long story."}]
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a very long story."}]
 #: 1,000 tokens at 40 ms each: the stream runs ~40 s, far beyond notice + grace (1.2 s)
 SLOW = {"x-sim-itl-ms": "40"}
 MAX_TOKENS = 1000

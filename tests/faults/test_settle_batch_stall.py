@@ -70,7 +70,7 @@ async def test_settlements_survive_a_stall_and_land_once(own_redis: RedisServer)
     def stall() -> None:
         c = redis.Redis(port=own_redis.port, socket_timeout=5)
         stalling.set()
-        c.execute_command("DEBUG", "SLEEP", "1.2")  # type: ignore[no-untyped-call]
+        c.execute_command("DEBUG", "SLEEP", "1.2")
         c.close()
 
     thread = threading.Thread(target=stall, daemon=True)

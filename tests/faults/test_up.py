@@ -107,7 +107,7 @@ def test_up_is_quiet_writes_stack_json_and_redis_keeps_counters(tmp_path: Path) 
         assert before
         # appendfsync everysec: wait until the append-only files hold every counter
         deadline = time.monotonic() + 15
-        while not all(k.encode() in aof_bytes(workdir) for k in before):
+        while not all(str(k).encode() in aof_bytes(workdir) for k in before):
             assert time.monotonic() < deadline, sorted(p.name for p in workdir.iterdir())
             time.sleep(0.1)
         # the decision line reaches the terminal

@@ -14,6 +14,9 @@ import pytest
 
 from extproc.core.keys import ledger_key, windowed
 from extproc.core.rules import Adjustment, BucketCharge, Limit
+from extproc.limiter.base import ChargeCall, SettleCall
+from extproc.limiter.memory import MemoryLimiter
+from extproc.limiter.redis import RedisLimiter
 from tests.limiters import Backend
 
 pytestmark = pytest.mark.integration
@@ -247,3 +250,30 @@ async def test_admit_charge_settle_with_a_tenants_windowed_keys(backend: Backend
         led, [Adjustment(c.key, -300, c.expire_at_ms) for c in tpm], ledger_ttl_ms=TTL
     )
     assert await lim.read([b.key for b in windows]) == [1, 200, 200]
+
+
+async def test_batches_charge_and_settle_as_single_calls_do(backend: Backend) -> None:
+    """charge_many and settle_many judge each item as charge and settle would: in order,
+    a replayed sequence number and a repeated ledger are no-ops."""
+    lim = backend.limiter
+    assert isinstance(lim, MemoryLimiter | RedisLimiter)  # both batch
+    tag = uniq("m")
+    leds = [f"{tag}:req:{i}" for i in range(3)]
+    for led in leds:
+        await lim.admit(
+            led, buckets(tag, 10, 1000, 10), tpm_charged=10, count_refused=False, ledger_ttl_ms=TTL
+        )
+    tpm = [BucketCharge(f"{tag}:tpm", "tpm", 0, 1000, far())]
+    calls = [ChargeCall(led, 1, tpm, 100, False, TTL) for led in leds]
+    calls.append(ChargeCall(leds[0], 1, tpm, 100, False, TTL))  # replayed: nothing more
+    got = await lim.charge_many(calls)
+    assert [g.granted if g else None for g in got] == [100, 100, 100, 100]
+    assert [g.values if g else None for g in got] == [(130,), (230,), (330,), (330,)]
+    refund = [Adjustment(f"{tag}:tpm", -60, far())]
+    again = SettleCall(leds[0], refund, TTL)  # the same ledger later in the batch: a no-op
+    settled = await lim.settle_many(
+        [SettleCall(leds[0], refund, TTL), SettleCall(leds[1], refund, TTL), again]
+    )
+    assert settled == [True, True, False]
+    assert await backend.probe.counter(f"{tag}:tpm") == 330 - 120
+    assert await backend.probe.ledger_state(leds[2]) == "admitted"

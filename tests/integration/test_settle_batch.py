@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -53,7 +54,8 @@ def refund(t: str, led: str, amount: int) -> SettleCall:
 
 
 @pytest.fixture
-async def limiter(redis_server: RedisServer):  # type: ignore[no-untyped-def]
+async def limiter(redis_server: RedisServer) -> AsyncIterator[RedisLimiter]:
+    """The Redis limiter on the session's server."""
     lim = RedisLimiter.from_url(redis_server.url, timeout_ms=2000)
     yield lim
     await lim.close()
