@@ -395,7 +395,7 @@ def load_chat_template(path: str, model: str | None = None) -> ChatTemplate | No
     class GenerationBlock(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}`` (marks assistant text): its body."""
 
-        tags = {"generation"}  # noqa: RUF012 - jinja2's own class attribute
+        tags = {"generation"}  # jinja2's own class attribute
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno

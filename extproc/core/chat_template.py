@@ -87,7 +87,7 @@ def template_of(counter: TokenCounter) -> ChatTemplate | None:
     return template if isinstance(template, ChatTemplate) else None
 
 
-class _Unsupported(Exception):  # noqa: N818 - internal signal, never escapes this module
+class _Unsupported(Exception):  # internal signal, never escapes this module
     """The body has a shape the template path does not model: use the formula."""
 
 
@@ -335,7 +335,7 @@ def count_templated(
         )
     except RecursionError:
         return None
-    except Exception:  # noqa: BLE001 - any template failure (TemplateError, TypeError, ...)
+    except Exception:  # any template failure (TemplateError, TypeError, ...)
         return None
     if not isinstance(text, str):
         return None

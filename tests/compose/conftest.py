@@ -45,7 +45,7 @@ def compose_command() -> list[str]:
                 return [str(path)]
     docker = shutil.which("docker")
     if docker is not None:
-        probe = subprocess.run(  # noqa: S603
+        probe = subprocess.run(
             [docker, "compose", "version"], capture_output=True, text=True, check=False
         )
         if probe.returncode == 0:
@@ -58,7 +58,7 @@ def compose_command() -> list[str]:
 
 def docker(*args: str, timeout: float = 120.0, check: bool = True) -> str:
     """Run ``docker ARGS`` and return its stdout; a failure shows stderr."""
-    proc = subprocess.run(  # noqa: S603
+    proc = subprocess.run(
         ["docker", *args], capture_output=True, text=True, timeout=timeout, check=False
     )
     if check and proc.returncode != 0:
@@ -113,7 +113,7 @@ class ComposeProject:
         with log.open("a") as out:
             out.write(f"\n$ compose {' '.join(args)}\n")
             out.flush()
-            proc = subprocess.run(  # noqa: S603
+            proc = subprocess.run(
                 [*self.cmd, "-p", self.name, *self.files, *args],
                 stdout=subprocess.PIPE,
                 stderr=out,
@@ -186,7 +186,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeProject
     if shutil.which("docker") is None:
         pytest.fail("the docker CLI is not installed: run `scripts/setup --compose`")
     info = subprocess.run(
-        ["docker", "info", "--format", "{{.ServerVersion}}"],  # noqa: S607
+        ["docker", "info", "--format", "{{.ServerVersion}}"],
         capture_output=True,
         text=True,
         check=False,
@@ -217,7 +217,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeProject
             raise AssertionError(f"{exc}\n--- logs ---\n{p.logs()}") from None
         yield p
     finally:
-        subprocess.run(  # noqa: S603
+        subprocess.run(
             [
                 *p.cmd,
                 "-p",
