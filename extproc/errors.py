@@ -3,7 +3,7 @@
 Every error a request can meet is one of these classes; each carries the HTTP status
 and the OpenAI-style ``type``/``code`` it maps to.  They are turned into responses in
 one place per API format: ``extproc.core.apis`` (OpenAI shapes in
-:mod:`extproc.core.responses`).
+:mod:`extproc.core.apis.errors`).
 
 ::
 

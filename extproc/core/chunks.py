@@ -25,6 +25,8 @@ from typing import Any, Final
 
 import orjson
 
+from extproc.core.values import is_int
+
 __all__ = [
     "DONE",
     "MalformedChunk",
@@ -68,22 +70,18 @@ class StreamChunk:
     finish_reasons: list[tuple[int, str]] = field(default_factory=list)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _usage(value: object) -> Usage | None:
     """``Usage`` when prompt and completion counts are ints; a missing total is their sum."""
     if not isinstance(value, dict):
         return None
     prompt = value.get("prompt_tokens")
     completion = value.get("completion_tokens")
-    if not (_is_int(prompt) and _is_int(completion)):
+    if not (is_int(prompt) and is_int(completion)):
         return None
     assert isinstance(prompt, int)
     assert isinstance(completion, int)
     total = value.get("total_tokens")
-    if not (isinstance(total, int) and _is_int(total)):
+    if not (isinstance(total, int) and is_int(total)):
         total = prompt + completion
     return Usage(
         prompt,
@@ -98,7 +96,7 @@ def detail(usage: dict[str, Any], group: str, name: str) -> int:
     """``usage[group][name]`` when it is a non-negative int, else 0."""
     g = usage.get(group)
     v = g.get(name) if isinstance(g, dict) else None
-    return v if isinstance(v, int) and _is_int(v) and v >= 0 else 0
+    return v if isinstance(v, int) and is_int(v) and v >= 0 else 0
 
 
 def _add_text(texts: list[tuple[int, str]], index: int, value: object) -> None:
@@ -160,7 +158,7 @@ def parse_event_data(data: str) -> StreamChunk:
         if not isinstance(choice, dict):
             raise MalformedChunk(f"a choice is a JSON {type(choice).__name__}, not an object")
         raw_index = choice.get("index")
-        index = raw_index if isinstance(raw_index, int) and _is_int(raw_index) else 0
+        index = raw_index if isinstance(raw_index, int) and is_int(raw_index) else 0
         delta = choice.get("delta")
         if isinstance(delta, dict):
             _add_delta(texts, index, delta)

@@ -413,7 +413,7 @@ class EstimateCounter:
 # --------------------------------------------------------------------------- requests
 
 
-def _json_text(value: Any) -> str:
+def json_text(value: Any) -> str:
     """Compact JSON of ``value`` (the form tool and schema definitions are counted in)."""
     try:
         return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
@@ -421,7 +421,8 @@ def _json_text(value: Any) -> str:
         return str(value)
 
 
-def _text(value: Any, path: str) -> str:
+def require_text(value: Any, path: str) -> str:
+    """``value`` when it is a string; a :class:`PromptShapeError` naming ``path`` when not."""
     if not isinstance(value, str):
         raise PromptShapeError(f"{path} must be a string")
     return value
@@ -453,7 +454,7 @@ def _count_content(content: Any, path: str, counter: TokenCounter, spec: Tokeniz
             raise PromptShapeError(f"{part_path}.type must be a string")
         field = _TEXT_FIELD.get(kind)
         if field is not None:
-            total += counter.count(_text(part.get(field), f"{part_path}.{field}"))
+            total += counter.count(require_text(part.get(field), f"{part_path}.{field}"))
         elif kind in _IMAGE_PARTS:
             total += spec.image_tokens
         elif kind in _AUDIO_PARTS:
@@ -461,7 +462,7 @@ def _count_content(content: Any, path: str, counter: TokenCounter, spec: Tokeniz
         elif kind in _FILE_PARTS:
             total += spec.file_tokens
         else:
-            total += counter.count(_json_text(part))
+            total += counter.count(json_text(part))
     return total
 
 
@@ -471,12 +472,12 @@ def _count_function_call(call: Any, path: str, counter: TokenCounter) -> int:
     total = 0
     name = call.get("name")
     if name is not None:
-        total += counter.count(_text(name, f"{path}.name"))
+        total += counter.count(require_text(name, f"{path}.name"))
     arguments = call.get("arguments")
     if isinstance(arguments, str):
         total += counter.count(arguments)
     elif isinstance(arguments, Mapping):
-        total += counter.count(_json_text(arguments))
+        total += counter.count(json_text(arguments))
     elif arguments is not None:
         raise PromptShapeError(f"{path}.arguments must be a string")
     return total
@@ -496,7 +497,7 @@ def _count_tool_calls(calls: Any, path: str, counter: TokenCounter) -> int:
         if function is not None:
             total += _count_function_call(function, f"{call_path}.function", counter)
         else:  # custom tools carry their input elsewhere: count the whole call
-            total += counter.count(_json_text(call))
+            total += counter.count(json_text(call))
     return total
 
 
@@ -511,24 +512,24 @@ def _count_message(message: Any, path: str, counter: TokenCounter, spec: Tokeniz
     total = spec.tokens_per_message
     role = message.get("role")
     if role is not None:
-        total += counter.count(_text(role, f"{path}.role"))
+        total += counter.count(require_text(role, f"{path}.role"))
     total += _count_content(message.get("content"), f"{path}.content", counter, spec)
     name = message.get("name")
     if name is not None:
-        total += counter.count(_text(name, f"{path}.name")) + spec.tokens_per_name
+        total += counter.count(require_text(name, f"{path}.name")) + spec.tokens_per_name
     total += _count_tool_calls(message.get("tool_calls"), f"{path}.tool_calls", counter)
     function_call = message.get("function_call")
     if function_call is not None:
         total += _count_function_call(function_call, f"{path}.function_call", counter)
     tool_call_id = message.get("tool_call_id")
     if tool_call_id is not None:
-        total += counter.count(_text(tool_call_id, f"{path}.tool_call_id"))
+        total += counter.count(require_text(tool_call_id, f"{path}.tool_call_id"))
     for key, value in message.items():
         # Anything else the model may see (refusal, reasoning text, ...): strings as
         # text, structured values as JSON. Over-counting is the safe direction.
         if key in _MESSAGE_HANDLED or value is None:
             continue
-        total += counter.count(value if isinstance(value, str) else _json_text(value))
+        total += counter.count(value if isinstance(value, str) else json_text(value))
     return total
 
 
@@ -540,7 +541,7 @@ def _count_definitions(value: Any, field: str, counter: TokenCounter) -> int:
     for i, item in enumerate(value):
         if not isinstance(item, Mapping):
             raise PromptShapeError(f"{field}[{i}] must be an object")
-    return counter.count(_json_text(value)) if value else 0
+    return counter.count(json_text(value)) if value else 0
 
 
 def count_chat_request(body: Mapping[str, Any], counter: TokenCounter, spec: TokenizerSpec) -> int:
@@ -571,7 +572,7 @@ def count_chat_request(body: Mapping[str, Any], counter: TokenCounter, spec: Tok
         if schema is not None:
             if not isinstance(schema, Mapping):
                 raise PromptShapeError("response_format.json_schema must be an object")
-            total += counter.count(_json_text(schema))
+            total += counter.count(json_text(schema))
     return total
 
 
@@ -616,5 +617,5 @@ def count_completion_prompt(body: Mapping[str, Any], counter: TokenCounter) -> i
         )
     suffix = body.get("suffix")
     if suffix is not None:
-        total += counter.count(_text(suffix, "suffix"))
+        total += counter.count(require_text(suffix, "suffix"))
     return total

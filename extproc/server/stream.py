@@ -18,13 +18,13 @@ import structlog
 
 from extproc.config.runtime import RuntimeConfig
 from extproc.core import admission
+from extproc.core.apis.errors import cut_error, quota_cut
 from extproc.core.apis.responses import ResponsesFormat
 from extproc.core.chunks import Usage
 from extproc.core.encoding import BodyDecoder
 from extproc.core.keys import WindowedBucket
 from extproc.core.lifecycle import CutReason, Ending, Input
 from extproc.core.meter import Step, StreamMeter
-from extproc.core.responses import cut_error, quota_cut
 from extproc.core.rules import RATE_SCALE, UnconfirmedCharge
 from extproc.core.session import Reported, Session, StreamEnd
 from extproc.errors import LimiterUnavailable

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from extproc.core.apis.base import RequestLimits
 from extproc.core.apis.embeddings import EMBEDDINGS
+from extproc.core.apis.errors import error_body, error_headers
 from extproc.core.chunks import MalformedChunk, Usage
-from extproc.core.responses import error_body, error_headers
 from extproc.core.sse import SSEDecoder
 from extproc.errors import BadRequest, QuotaExceeded, RateLimitHeaders, StreamCut
 from tests.apis_support import CL100K, cl100k

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.core.apis.base import RequestLimits
+from extproc.core.apis.errors import error_body, error_headers
 from extproc.core.apis.responses import RESPONSES, ResponsesReader
 from extproc.core.chunks import MalformedChunk, Usage
-from extproc.core.responses import error_body, error_headers
 from extproc.core.sse import SSEDecoder
 from extproc.core.tokens import PromptShapeError
 from extproc.errors import (

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from extproc.core.apis.errors import sse_error_event
 from extproc.core.chunks import Usage
 from extproc.core.lifecycle import CutReason
 from extproc.core.meter import EMPTY, Step, StreamMeter
-from extproc.core.responses import sse_error_event
 from extproc.core.tokens import TokenizerSpec
 from extproc.tokenizers import load_counter
 

@@ -472,12 +472,12 @@ def test_chat_tools_and_schema(cl100k: TiktokenCounter) -> None:
         + (3 + c("user") + c("quota?"))
         + (3 + c("assistant") + c("get_quota") + c('{"tenant":"a"}'))
         + (3 + c("tool") + c("call_1") + c("500"))
-        + c(tk._json_text(tools))
+        + c(tk.json_text(tools))
         + c('[{"name":"legacy","parameters":{}}]')
         + c('{"name":"answer","schema":{"type":"object"}}')
     )
     assert count_chat_request(body, cl100k, CL100K) == expected
-    assert tk._json_text(tools).startswith('[{"type":"function","function":{"name"')
+    assert tk.json_text(tools).startswith('[{"type":"function","function":{"name"')
 
 
 def test_chat_extra_message_fields_counted(cl100k: TiktokenCounter) -> None:

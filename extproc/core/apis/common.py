@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from extproc.core.apis.base import ParsedRequest
+from extproc.core.tokens import json_text
 from extproc.errors import BadRequest
 
 __all__ = [
@@ -118,11 +119,3 @@ def rewrite_fields(req: ParsedRequest, *, budget: int | None, model: str | None)
             body[req.budget_fields[0]] = budget
             changed = True
     return orjson.dumps(body) if changed else None
-
-
-def json_text(value: Any) -> str:
-    """Compact JSON of ``value``: the form tool definitions and tool inputs are counted in."""
-    try:
-        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
-    except TypeError:
-        return str(value)

@@ -26,9 +26,10 @@ import orjson
 
 from extproc.core.apis.base import ApiName, ParsedRequest, RequestLimits
 from extproc.core.apis.common import json_object, require_model, rewrite_fields
+from extproc.core.apis.errors import error_body, error_headers, sse_error_event
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
-from extproc.core.responses import error_body, error_headers, sse_error_event
 from extproc.core.tokens import PromptShapeError, TokenCounter, TokenizerSpec
+from extproc.core.values import is_int
 from extproc.errors import BadRequest, GatewayError
 
 __all__ = ["EMBEDDINGS", "EmbeddingsFormat", "count_embeddings_input", "embeddings_usage"]
@@ -39,12 +40,8 @@ _SHAPE = (
 )
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _token_ids(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+    return isinstance(value, list) and bool(value) and all(is_int(t) for t in value)
 
 
 def _check_input(value: object) -> None:
@@ -88,10 +85,10 @@ def embeddings_usage(value: object) -> Usage | None:
     if not isinstance(value, Mapping):
         return None
     prompt = value.get("prompt_tokens")
-    if not (isinstance(prompt, int) and _is_int(prompt)):
+    if not (isinstance(prompt, int) and is_int(prompt)):
         return None
     total = value.get("total_tokens")
-    return Usage(prompt, 0, total if isinstance(total, int) and _is_int(total) else prompt)
+    return Usage(prompt, 0, total if isinstance(total, int) and is_int(total) else prompt)
 
 
 class _NoStream:

@@ -61,6 +61,7 @@ from extproc.core.apis.common import (
     require_model,
     rewrite_fields,
 )
+from extproc.core.apis.errors import sse_cut_event
 from extproc.core.chat_template import (
     count_templated,
     function_tools,
@@ -68,8 +69,8 @@ from extproc.core.chat_template import (
     template_of,
 )
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
-from extproc.core.responses import sse_cut_event
-from extproc.core.tokens import PromptShapeError, TokenCounter, TokenizerSpec
+from extproc.core.tokens import PromptShapeError, TokenCounter, TokenizerSpec, require_text
+from extproc.core.values import is_int
 from extproc.errors import BadRequest, GatewayError, QuotaExceeded
 
 if TYPE_CHECKING:
@@ -116,16 +117,6 @@ def anthropic_error_type(status: int) -> str:
     return "api_error" if status >= 500 else "invalid_request_error"
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _text(value: Any, path: str) -> str:
-    if not isinstance(value, str):
-        raise PromptShapeError(f"{path} must be a string")
-    return value
-
-
 # --------------------------------------------------------------------------- counting
 
 
@@ -149,14 +140,14 @@ def _count_block(block: Any, path: str, counter: TokenCounter, spec: TokenizerSp
     if not isinstance(kind, str):
         raise PromptShapeError(f"{path}.type must be a string")
     if kind == "text":
-        return counter.count(_text(block.get("text"), f"{path}.text"))
+        return counter.count(require_text(block.get("text"), f"{path}.text"))
     if kind == "image":
         return spec.image_tokens
     if kind == "tool_use":
         total = 0
         name = block.get("name")
         if name is not None:
-            total += counter.count(_text(name, f"{path}.name"))
+            total += counter.count(require_text(name, f"{path}.name"))
         value = block.get("input")
         if value is not None:
             total += counter.count(value if isinstance(value, str) else json_text(value))
@@ -164,7 +155,7 @@ def _count_block(block: Any, path: str, counter: TokenCounter, spec: TokenizerSp
     if kind == "tool_result":
         return _count_blocks(block.get("content"), f"{path}.content", counter, spec)
     if kind == "thinking":
-        return counter.count(_text(block.get("thinking"), f"{path}.thinking"))
+        return counter.count(require_text(block.get("thinking"), f"{path}.thinking"))
     if kind == "redacted_thinking":
         data = block.get("data")
         return counter.count(data) if isinstance(data, str) else 0
@@ -183,7 +174,7 @@ def _count_document(
             total += counter.count(value)
     source = block.get("source")
     if isinstance(source, Mapping) and source.get("type") == "text":
-        return total + counter.count(_text(source.get("data"), f"{path}.source.data"))
+        return total + counter.count(require_text(source.get("data"), f"{path}.source.data"))
     if isinstance(source, Mapping) and source.get("type") == "content":
         return total + _count_blocks(source.get("content"), f"{path}.source.content", counter, spec)
     return total + spec.file_tokens
@@ -208,7 +199,7 @@ def count_messages_input(
         total += spec.tokens_per_message
         role = message.get("role")
         if role is not None:
-            total += counter.count(_text(role, f"{path}.role"))
+            total += counter.count(require_text(role, f"{path}.role"))
         total += _count_blocks(message.get("content"), f"{path}.content", counter, spec)
     tools = body.get("tools")
     if tools:
@@ -221,7 +212,7 @@ def count_messages_input(
 
 def _count_field(usage: Mapping[str, Any], name: str) -> int | None:
     v = usage.get(name)
-    return v if isinstance(v, int) and _is_int(v) and v >= 0 else None
+    return v if isinstance(v, int) and is_int(v) and v >= 0 else None
 
 
 def messages_usage(value: object) -> Usage | None:
@@ -457,7 +448,7 @@ class MessagesFormat:
     def cut_events(self, err: GatewayError) -> bytes:
         """``event: error`` with the Anthropic error object; the SDKs raise on it.  Nothing
         follows (no ``message_stop``, no ``[DONE]``); a comment line carries the message
-        (:func:`~extproc.core.responses.sse_cut_event`)."""
+        (:func:`~extproc.core.apis.errors.sse_cut_event`)."""
         return sse_cut_event(self._error_object(err), err.message)
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import orjson
 
 from extproc.core.apis.base import ApiName, ParsedRequest, RequestLimits
+from extproc.core.apis.errors import error_body, error_headers, sse_cut_event
 from extproc.core.chat_template import chat_conversation, count_templated, template_of
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage, parse_event_data
 from extproc.core.request import parse_request, rewrite_body
-from extproc.core.responses import error_body, error_headers, sse_cut_event
 from extproc.core.tokens import (
     TokenCounter,
     TokenizerSpec,

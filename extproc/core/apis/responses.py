@@ -60,6 +60,7 @@ from extproc.core.apis.common import (
     require_model,
     rewrite_fields,
 )
+from extproc.core.apis.errors import error_body, error_headers, sse_cut_event
 from extproc.core.chat_template import (
     count_templated,
     function_tools,
@@ -67,8 +68,8 @@ from extproc.core.chat_template import (
     template_of,
 )
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
-from extproc.core.responses import error_body, error_headers, sse_cut_event
-from extproc.core.tokens import PromptShapeError, TokenCounter, TokenizerSpec
+from extproc.core.tokens import PromptShapeError, TokenCounter, TokenizerSpec, require_text
+from extproc.core.values import is_int
 from extproc.errors import BadRequest, ErrorBody, GatewayError
 
 __all__ = ["RESPONSES", "ResponsesFormat", "ResponsesReader", "responses_usage"]
@@ -104,16 +105,6 @@ _AUDIO_PARTS: Final = frozenset({"input_audio", "audio"})
 _FILE_PARTS: Final = frozenset({"input_file", "file"})
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _text(value: Any, path: str) -> str:
-    if not isinstance(value, str):
-        raise PromptShapeError(f"{path} must be a string")
-    return value
-
-
 # --------------------------------------------------------------------------- counting
 
 
@@ -138,7 +129,7 @@ def _count_parts(content: Any, path: str, counter: TokenCounter, spec: Tokenizer
             raise PromptShapeError(f"{part_path}.type must be a string")
         field = _TEXT_PARTS.get(kind)
         if field is not None:
-            total += counter.count(_text(part.get(field), f"{part_path}.{field}"))
+            total += counter.count(require_text(part.get(field), f"{part_path}.{field}"))
         elif kind in _IMAGE_PARTS:
             total += spec.image_tokens
         elif kind in _AUDIO_PARTS:
@@ -163,12 +154,12 @@ def _count_item(item: Any, path: str, counter: TokenCounter, spec: TokenizerSpec
     if kind == "message" or (kind is None and "role" in item):
         role = item.get("role")
         if role is not None:
-            total += counter.count(_text(role, f"{path}.role"))
+            total += counter.count(require_text(role, f"{path}.role"))
         return total + _count_parts(item.get("content"), f"{path}.content", counter, spec)
     if kind == "function_call":
         name = item.get("name")
         if name is not None:
-            total += counter.count(_text(name, f"{path}.name"))
+            total += counter.count(require_text(name, f"{path}.name"))
         arguments = item.get("arguments")
         if isinstance(arguments, str):
             total += counter.count(arguments)
@@ -197,7 +188,7 @@ def count_responses_input(
     total = spec.reply_priming_tokens
     instructions = body.get("instructions")
     if instructions is not None:
-        total += spec.tokens_per_message + counter.count(_text(instructions, "instructions"))
+        total += spec.tokens_per_message + counter.count(require_text(instructions, "instructions"))
     items = body.get("input")
     if isinstance(items, str):
         total += spec.tokens_per_message + counter.count(items)
@@ -226,12 +217,12 @@ def responses_usage(value: object) -> Usage | None:
         return None
     prompt = value.get("input_tokens")
     completion = value.get("output_tokens")
-    if not (isinstance(prompt, int) and _is_int(prompt)):
+    if not (isinstance(prompt, int) and is_int(prompt)):
         return None
-    if not (isinstance(completion, int) and _is_int(completion)):
+    if not (isinstance(completion, int) and is_int(completion)):
         return None
     total = value.get("total_tokens")
-    if not (isinstance(total, int) and _is_int(total)):
+    if not (isinstance(total, int) and is_int(total)):
         total = prompt + completion
     return Usage(
         prompt,
@@ -245,7 +236,7 @@ def responses_usage(value: object) -> Usage | None:
 def _detail(usage: Mapping[str, Any], group: str, name: str) -> int:
     g = usage.get(group)
     v = g.get(name) if isinstance(g, Mapping) else None
-    return v if isinstance(v, int) and _is_int(v) and v >= 0 else 0
+    return v if isinstance(v, int) and is_int(v) and v >= 0 else 0
 
 
 def _load_event(data: str) -> dict[str, Any]:
@@ -271,7 +262,7 @@ class ResponsesReader:
         """The chunk for one event; ``MalformedChunk`` when the data is not a JSON object."""
         obj = _load_event(data)
         seq = obj.get("sequence_number")
-        if isinstance(seq, int) and _is_int(seq):
+        if isinstance(seq, int) and is_int(seq):
             self.last_sequence_number = seq
         kind = obj.get("type")
         if not isinstance(kind, str):
@@ -282,7 +273,7 @@ class ResponsesReader:
             if isinstance(delta, str) and delta:
                 index = obj.get("output_index")
                 chunk.texts.append(
-                    (index if isinstance(index, int) and _is_int(index) else 0, delta)
+                    (index if isinstance(index, int) and is_int(index) else 0, delta)
                 )
         elif kind in TERMINAL_EVENTS:
             chunk.done = True
@@ -422,7 +413,7 @@ class ResponsesFormat:
         message: the openai SDK raises ``APIError`` for stream data carrying a non-empty
         ``error`` and would otherwise yield a plain ``ResponseErrorEvent`` and carry on.  No
         ``data: [DONE]``: the Responses API never sends one and the SDK needs none.  Rendered by
-        :func:`~extproc.core.responses.sse_cut_event` (a comment line carries the message)."""
+        :func:`~extproc.core.apis.errors.sse_cut_event` (a comment line carries the message)."""
         seq = 0 if sequence_number is None else sequence_number + 1
         inner = ErrorBody(err.message, err.error_type, err.code, err.param).as_dict()["error"]
         data = {

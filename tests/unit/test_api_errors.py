@@ -1,4 +1,4 @@
-"""Unit tests for OpenAI-shaped error bodies, 429 headers and the in-stream error event (extproc.core.responses, extproc.errors)."""
+"""Unit tests for OpenAI-shaped error bodies, 429 headers and the in-stream error event (extproc.core.apis.errors, extproc.errors)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.core.responses import error_body, error_headers, sse_error_event
+from extproc.core.apis.errors import error_body, error_headers, sse_error_event
 from extproc.core.sse import SSEDecoder
 from extproc.errors import (
     AuthenticationError,
