@@ -80,9 +80,11 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="session")
-def rds(stack: Stack) -> redis.Redis:
+def rds(stack: Stack) -> Iterator[redis.Redis]:
     """A client of the stack's Redis."""
-    return redis.Redis(port=stack.ports.redis, decode_responses=True)
+    client = redis.Redis(port=stack.ports.redis, decode_responses=True)
+    yield client
+    client.close()
 
 
 def client(stack: Stack, key: str, *, envoy: int = 0) -> openai.OpenAI:

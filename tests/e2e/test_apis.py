@@ -46,8 +46,10 @@ def astack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="module")
-def rds(astack: Stack) -> redis.Redis:
-    return redis.Redis(port=astack.ports.redis)
+def rds(astack: Stack) -> Iterator[redis.Redis]:
+    client = redis.Redis(port=astack.ports.redis)
+    yield client
+    client.close()
 
 
 def oai(stack: Stack, who: str) -> openai.OpenAI:

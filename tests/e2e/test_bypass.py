@@ -59,8 +59,10 @@ def bstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="module")
-def rds(bstack: Stack) -> redis.Redis:
-    return redis.Redis(port=bstack.ports.redis)
+def rds(bstack: Stack) -> Iterator[redis.Redis]:
+    client = redis.Redis(port=bstack.ports.redis)
+    yield client
+    client.close()
 
 
 def post(

@@ -48,6 +48,8 @@ def gateway(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 @pytest.fixture(scope="session")
-def grds(gateway: Stack) -> redis.Redis:
+def grds(gateway: Stack) -> Iterator[redis.Redis]:
     """A client of the gateway's Redis."""
-    return redis.Redis(port=gateway.ports.redis, decode_responses=True)
+    client = redis.Redis(port=gateway.ports.redis, decode_responses=True)
+    yield client
+    client.close()
