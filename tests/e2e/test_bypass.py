@@ -20,6 +20,7 @@ import redis
 from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.core.session import bounded_output
+from extproc.records.model import UsageRecord
 from extproc.stack import Stack
 from tests.e2e.conftest import make_stack
 from tests.helpers import e2e_rules, settled
@@ -327,3 +328,48 @@ def test_access_log_has_final_figures_for_every_request(bstack: Stack, rds: redi
     for line in lines:
         assert line["ending"] == "completed", line
         assert line["output_tokens"] == 25, line
+
+
+def test_client_closing_right_after_done_leaves_final_figures(
+    bstack: Stack, rds: redis.Redis
+) -> None:
+    """Ten streams whose client closes the connection the moment it reads [DONE] (as the openai
+    SDK and httpx loops do, before the chunk that ends the response arrives) are all logged and
+    settled completed, with their output tokens."""
+    h = {"authorization": "Bearer sk-b-clen", "content-type": "application/json"}
+    for i in range(10):
+        h["x-request-id"] = f"done-close-{i}"
+        with httpx.stream(
+            "POST",
+            f"{bstack.base_url}/chat/completions",
+            headers=h,
+            content=orjson.dumps(chat(20)),
+            timeout=30,
+        ) as r:
+            for text in r.iter_lines():
+                if text == "data: [DONE]":
+                    break  # leaving the block closes the connection at once
+    settled(rds, "b-clen", expect=10)
+    deadline = time.monotonic() + 10  # Envoy flushes its access log file periodically
+    lines: list[dict[str, Any]] = []
+    while len(lines) < 10 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        lines = [
+            orjson.loads(x)
+            for x in (bstack.workdir / "envoy0.log").read_text(errors="replace").splitlines()
+            if x.startswith("{") and '"done-close-' in x
+        ]
+    assert len(lines) == 10, lines
+    for line in lines:
+        assert line["ending"] == "completed", line
+        assert line["output_tokens"] == 20, line
+    # the usage records say the same (the recorder writes in the background, in batches)
+    deadline = time.monotonic() + 10
+    mine: list[UsageRecord] = []
+    while len(mine) < 10 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        recs = [UsageRecord.from_fields(f or {}) for _, f in rds.xrange("aiq:usage") or []]
+        mine = [r for r in recs if r.request_id.startswith("done-close-")]
+    assert len(mine) == 10
+    assert {r.ending for r in mine} == {"completed"}
+    assert {r.output_tokens for r in mine} == {20}
