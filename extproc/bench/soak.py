@@ -32,7 +32,7 @@ async def soak(stack: Stack, seconds: float, rid: Any) -> dict[str, Any]:
     import redis.asyncio as aioredis
 
     from extproc.config import load_config
-    from extproc.core.tokens import count_chat_request
+    from extproc.core.apis.openai.counting import count_chat_request
 
     cfg = load_config(stack.config)
     model = cfg.models["sim-small"]

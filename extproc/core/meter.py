@@ -29,7 +29,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from extproc.core.chunks import MalformedChunk, StreamChunk, Usage, parse_event_data
+from extproc.core.apis.openai.stream import parse_event_data
+from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
 from extproc.core.lifecycle import CutReason
 from extproc.core.sse import SSEDecoder, SSEEvent, SSEEventTooLarge
 

@@ -13,7 +13,8 @@ import pytest
 import redis
 from openai.types.chat import ChatCompletionMessageParam
 
-from extproc.core.tokens import TokenizerSpec, count_chat_request
+from extproc.core.apis.openai.counting import count_chat_request
+from extproc.core.tokens import TokenizerSpec
 from extproc.sim.request import chat_prompt_tokens
 from extproc.stack import Stack
 from extproc.tokenizers import load_counter

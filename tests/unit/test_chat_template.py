@@ -17,9 +17,10 @@ from extproc import tokenizers as tz
 from extproc.core.apis.base import ApiName, ParsedRequest
 from extproc.core.apis.messages import MESSAGES, count_messages_input
 from extproc.core.apis.openai import CHAT
+from extproc.core.apis.openai.counting import count_chat_request
 from extproc.core.apis.responses import RESPONSES, count_responses_input
 from extproc.core.chat_template import template_of
-from extproc.core.tokens import HuggingFaceCounter, TokenizerSpec, count_chat_request
+from extproc.core.tokens import HuggingFaceCounter, TokenizerSpec
 
 pytestmark = pytest.mark.unit
 

@@ -11,13 +11,8 @@ import orjson
 import pytest
 import tiktoken
 
-from extproc.core.chunks import (
-    MalformedChunk,
-    OutputTokenCounter,
-    StreamChunk,
-    Usage,
-    parse_event_data,
-)
+from extproc.core.apis.openai.stream import parse_event_data
+from extproc.core.chunks import MalformedChunk, OutputTokenCounter, StreamChunk, Usage
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Unit tests for request parsing, budget clamping and body rewriting (extproc.core.request)."""
+"""Unit tests for request parsing, budget clamping and body rewriting (extproc.core.apis.openai.request)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import orjson
 import pytest
 
 from extproc.core.apis.base import ParsedRequest
-from extproc.core.apis.registry import api_for_path
-from extproc.core.request import (
+from extproc.core.apis.openai.request import (
     effective_output_budget,
     parse_request,
     rewrite_body,
 )
+from extproc.core.apis.registry import api_for_path
 from extproc.errors import BadRequest
 
 pytestmark = pytest.mark.unit

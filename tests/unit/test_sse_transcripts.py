@@ -12,7 +12,8 @@ import tiktoken
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.core.chunks import MalformedChunk, OutputTokenCounter, parse_event_data
+from extproc.core.apis.openai.stream import parse_event_data
+from extproc.core.chunks import MalformedChunk, OutputTokenCounter
 from extproc.core.sse import SSEDecoder, SSEEvent
 
 pytestmark = pytest.mark.unit

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 from extproc import tokenizers as tz
 from extproc.core import tokens as tk
+from extproc.core.apis.openai.counting import count_chat_request, count_completion_prompt
 from extproc.core.tokens import (
     EstimateCounter,
     HuggingFaceCounter,
@@ -23,8 +24,6 @@ from extproc.core.tokens import (
     PromptTooLarge,
     TiktokenCounter,
     TokenizerSpec,
-    count_chat_request,
-    count_completion_prompt,
     split_for_counting,
 )
 from extproc.tokenizers import TokenizerLoadError, TokenizerRegistry, load_counter

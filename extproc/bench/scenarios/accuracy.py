@@ -40,7 +40,7 @@ async def accuracy(b: Bench, stack: Stack) -> None:
     """Many concurrent streams of one tenant until its quota runs out: a TPM limit and a money
     budget, each lazy and strict (judged on what reached clients, in the limit's own units)."""
     from extproc.config import load_config
-    from extproc.core.tokens import count_chat_request
+    from extproc.core.apis.openai.counting import count_chat_request
 
     cfg = load_config(stack.config)
     model = cfg.models["sim-small"]

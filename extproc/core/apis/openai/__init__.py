@@ -11,15 +11,12 @@ import orjson
 
 from extproc.core.apis.base import ApiName, ParsedRequest, RequestLimits
 from extproc.core.apis.errors import error_body, error_headers, sse_cut_event
+from extproc.core.apis.openai.counting import count_chat_request, count_completion_prompt
+from extproc.core.apis.openai.request import parse_request, rewrite_body
+from extproc.core.apis.openai.stream import parse_event_data
 from extproc.core.chat_template import chat_conversation, count_templated, template_of
-from extproc.core.chunks import MalformedChunk, StreamChunk, Usage, parse_event_data
-from extproc.core.request import parse_request, rewrite_body
-from extproc.core.tokens import (
-    TokenCounter,
-    TokenizerSpec,
-    count_chat_request,
-    count_completion_prompt,
-)
+from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
+from extproc.core.tokens import TokenCounter, TokenizerSpec
 from extproc.errors import ErrorBody, GatewayError
 
 DONE_EVENT = b"data: [DONE]\n\n"
