@@ -7,12 +7,18 @@ Pure: no I/O, no clock.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
 from extproc.core.apis.base import ParsedRequest
-from extproc.core.tokens import json_text
+from extproc.core.tokens import (
+    PromptShapeError,
+    TokenCounter,
+    TokenizerSpec,
+    json_text,
+    require_text,
+)
 from extproc.errors import BadRequest
 
 __all__ = [
@@ -119,3 +125,55 @@ def rewrite_fields(req: ParsedRequest, *, budget: int | None, model: str | None)
             body[req.budget_fields[0]] = budget
             changed = True
     return orjson.dumps(body) if changed else None
+
+
+#: Media parts are counted at the tokenizer's flat figures (``TokenizerSpec``).
+IMAGE_PARTS: Final = frozenset({"image_url", "input_image", "image"})
+AUDIO_PARTS: Final = frozenset({"input_audio", "audio"})
+FILE_PARTS: Final = frozenset({"file", "input_file"})
+
+
+def count_content_parts(
+    content: Any,
+    path: str,
+    counter: TokenCounter,
+    spec: TokenizerSpec,
+    *,
+    text_fields: Mapping[str, str],
+    shape: str,
+    inline_file_text: bool = False,
+) -> int:
+    """Tokens of a message ``content``: a string, or a list of typed parts (text parts by
+    ``text_fields``: part type -> the field holding its text; images, audio and files at the
+    flat figures, a file's inline ``text`` instead when ``inline_file_text``; any other part
+    as its compact JSON). ``shape`` names what a wrong ``content`` should have been."""
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return counter.count(content)
+    if not isinstance(content, list):
+        raise PromptShapeError(f"{path} must be {shape}")
+    total = 0
+    for i, part in enumerate(content):
+        part_path = f"{path}[{i}]"
+        if isinstance(part, str):  # some clients send bare strings in the list
+            total += counter.count(part)
+            continue
+        if not isinstance(part, Mapping):
+            raise PromptShapeError(f"{part_path} must be an object")
+        kind = part.get("type")
+        if not isinstance(kind, str):
+            raise PromptShapeError(f"{part_path}.type must be a string")
+        field = text_fields.get(kind)
+        if field is not None:
+            total += counter.count(require_text(part.get(field), f"{part_path}.{field}"))
+        elif kind in IMAGE_PARTS:
+            total += spec.image_tokens
+        elif kind in AUDIO_PARTS:
+            total += spec.audio_tokens
+        elif kind in FILE_PARTS:
+            inline = part.get("text") if inline_file_text else None
+            total += counter.count(inline) if isinstance(inline, str) else spec.file_tokens
+        else:
+            total += counter.count(json_text(part))
+    return total

@@ -53,6 +53,7 @@ import orjson
 
 from extproc.core.apis.base import ApiName, ParsedRequest, RequestLimits
 from extproc.core.apis.common import (
+    count_content_parts,
     int_field,
     json_object,
     json_text,
@@ -100,9 +101,6 @@ _TEXT_PARTS: Final = {
     "reasoning_text": "text",
     "refusal": "refusal",
 }
-_IMAGE_PARTS: Final = frozenset({"input_image", "image", "image_url"})
-_AUDIO_PARTS: Final = frozenset({"input_audio", "audio"})
-_FILE_PARTS: Final = frozenset({"input_file", "file"})
 
 
 # --------------------------------------------------------------------------- counting
@@ -110,36 +108,15 @@ _FILE_PARTS: Final = frozenset({"input_file", "file"})
 
 def _count_parts(content: Any, path: str, counter: TokenCounter, spec: TokenizerSpec) -> int:
     """A message ``content`` or a ``function_call_output.output``: a string or a list of parts."""
-    if content is None:
-        return 0
-    if isinstance(content, str):
-        return counter.count(content)
-    if not isinstance(content, list):
-        raise PromptShapeError(f"{path} must be a string or a list of content parts")
-    total = 0
-    for i, part in enumerate(content):
-        part_path = f"{path}[{i}]"
-        if isinstance(part, str):
-            total += counter.count(part)
-            continue
-        if not isinstance(part, Mapping):
-            raise PromptShapeError(f"{part_path} must be an object")
-        kind = part.get("type")
-        if not isinstance(kind, str):
-            raise PromptShapeError(f"{part_path}.type must be a string")
-        field = _TEXT_PARTS.get(kind)
-        if field is not None:
-            total += counter.count(require_text(part.get(field), f"{part_path}.{field}"))
-        elif kind in _IMAGE_PARTS:
-            total += spec.image_tokens
-        elif kind in _AUDIO_PARTS:
-            total += spec.audio_tokens
-        elif kind in _FILE_PARTS:
-            inline = part.get("text")
-            total += counter.count(inline) if isinstance(inline, str) else spec.file_tokens
-        else:
-            total += counter.count(json_text(part))
-    return total
+    return count_content_parts(
+        content,
+        path,
+        counter,
+        spec,
+        text_fields=_TEXT_PARTS,
+        shape="a string or a list of content parts",
+        inline_file_text=True,
+    )
 
 
 def _count_item(item: Any, path: str, counter: TokenCounter, spec: TokenizerSpec) -> int:

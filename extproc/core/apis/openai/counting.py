@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from extproc.core.apis.common import count_content_parts
 from extproc.core.tokens import (
     PromptShapeError,
     TokenCounter,
@@ -15,42 +16,18 @@ from extproc.core.tokens import (
     require_text,
 )
 
-_IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
-_AUDIO_PARTS = frozenset({"input_audio", "audio"})
-_FILE_PARTS = frozenset({"file", "input_file"})
 _TEXT_FIELD = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 
 
 def _count_content(content: Any, path: str, counter: TokenCounter, spec: TokenizerSpec) -> int:
-    if content is None:
-        return 0
-    if isinstance(content, str):
-        return counter.count(content)
-    if not isinstance(content, list):
-        raise PromptShapeError(f"{path} must be a string, a list of content parts or null")
-    total = 0
-    for i, part in enumerate(content):
-        part_path = f"{path}[{i}]"
-        if isinstance(part, str):  # some clients send bare strings in the list
-            total += counter.count(part)
-            continue
-        if not isinstance(part, Mapping):
-            raise PromptShapeError(f"{part_path} must be an object")
-        kind = part.get("type")
-        if not isinstance(kind, str):
-            raise PromptShapeError(f"{part_path}.type must be a string")
-        field = _TEXT_FIELD.get(kind)
-        if field is not None:
-            total += counter.count(require_text(part.get(field), f"{part_path}.{field}"))
-        elif kind in _IMAGE_PARTS:
-            total += spec.image_tokens
-        elif kind in _AUDIO_PARTS:
-            total += spec.audio_tokens
-        elif kind in _FILE_PARTS:
-            total += spec.file_tokens
-        else:
-            total += counter.count(json_text(part))
-    return total
+    return count_content_parts(
+        content,
+        path,
+        counter,
+        spec,
+        text_fields=_TEXT_FIELD,
+        shape="a string, a list of content parts or null",
+    )
 
 
 def _count_function_call(call: Any, path: str, counter: TokenCounter) -> int:
