@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 from extproc.core.apis.openai.stream import parse_event_data
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
@@ -51,6 +52,41 @@ class Step:
 
 
 EMPTY = Step()
+
+
+class StreamPhase(Enum):
+    """Where a metered stream is (the meter's only phase; the request's is its lifecycle)."""
+
+    OPEN = "open"  # the upstream is still sending
+    UPSTREAM_DONE = "upstream_done"  # its last byte arrived; held events may still wait
+    FINISHED = "finished"  # every event went out, the stream's end with them
+    CUT = "cut"  # the gateway ended it (quota, backend, shutdown...)
+
+
+class StreamInput(Enum):
+    """What moves a stream's phase."""
+
+    UPSTREAM_END = "upstream_end"  # the upstream's last body chunk
+    RELEASED = "released"  # nothing is held any more after the upstream's end
+    CUT = "cut"  # the gateway ends the stream
+
+
+_P, _I = StreamPhase, StreamInput
+#: Every (phase, input) pair: a stream ends once, by release or by cut, and stays ended.
+STREAM_TRANSITIONS: dict[tuple[StreamPhase, StreamInput], StreamPhase] = {
+    (_P.OPEN, _I.UPSTREAM_END): _P.UPSTREAM_DONE,
+    (_P.OPEN, _I.RELEASED): _P.OPEN,  # released before the end: still open
+    (_P.OPEN, _I.CUT): _P.CUT,
+    (_P.UPSTREAM_DONE, _I.UPSTREAM_END): _P.UPSTREAM_DONE,
+    (_P.UPSTREAM_DONE, _I.RELEASED): _P.FINISHED,
+    (_P.UPSTREAM_DONE, _I.CUT): _P.CUT,
+    (_P.FINISHED, _I.UPSTREAM_END): _P.FINISHED,
+    (_P.FINISHED, _I.RELEASED): _P.FINISHED,
+    (_P.FINISHED, _I.CUT): _P.FINISHED,  # it had ended: nothing left to cut
+    (_P.CUT, _I.UPSTREAM_END): _P.CUT,
+    (_P.CUT, _I.RELEASED): _P.CUT,
+    (_P.CUT, _I.CUT): _P.CUT,
+}
 
 
 class StreamMeter:
@@ -98,8 +134,7 @@ class StreamMeter:
         self.text_events = 0  # events carrying output text: each is at least one token
         self.malformed_events = 0
         self.exhausted = False
-        self.upstream_done = False
-        self.finished = False
+        self.phase = StreamPhase.OPEN
         # the API's terminal event ([DONE], response.completed, message_stop) reached the
         # client: the stream is complete whoever closes first
         self.complete = False
@@ -107,6 +142,21 @@ class StreamMeter:
         self.usage: Usage | None = None
         self.upstream_error: dict[str, object] | None = None
         self.cut_reason: CutReason | None = None
+
+    # -- phase -----------------------------------------------------------------------------
+
+    def _move(self, inp: StreamInput) -> None:
+        self.phase = STREAM_TRANSITIONS[(self.phase, inp)]
+
+    @property
+    def upstream_done(self) -> bool:
+        """The upstream's last byte arrived (or the stream was cut)."""
+        return self.phase is not StreamPhase.OPEN
+
+    @property
+    def finished(self) -> bool:
+        """The stream has ended: every event went out, or the gateway cut it."""
+        return self.phase in (StreamPhase.FINISHED, StreamPhase.CUT)
 
     # -- feeding ---------------------------------------------------------------------------
 
@@ -179,7 +229,7 @@ class StreamMeter:
                     # the 2N cap just because the charge would only be asked after it.
                     self._charge_in_flight = self._new_charge = self.uncharged
         if end:
-            self.upstream_done = True
+            self._move(StreamInput.UPSTREAM_END)
         return self._after(bytes(out))
 
     def _must_hold(self, tokens: int) -> bool:
@@ -225,7 +275,7 @@ class StreamMeter:
             self._charge_in_flight = charge
         end = self.upstream_done and not blocked
         if end:
-            self.finished = True
+            self._move(StreamInput.RELEASED)
         return Step(forward=out, end_stream=end, charge=charge, blocked=blocked)
 
     # -- limiter answers -------------------------------------------------------------------
@@ -300,7 +350,7 @@ class StreamMeter:
         self._held_tokens = 0
         end = self.upstream_done and not self.finished
         if end:
-            self.finished = True
+            self._move(StreamInput.RELEASED)
         return Step(forward=bytes(out), end_stream=end)
 
     def on_charge_failed(self) -> None:
@@ -342,7 +392,7 @@ class StreamMeter:
 
     def cut(self, final_events: bytes) -> bytes:
         """Finish the stream with ``final_events`` (the API's error event and terminator)."""
-        self.finished = True
+        self._move(StreamInput.CUT)
         if self.cut_reason is None:
             self.cut_reason = CutReason.QUOTA_EXHAUSTED
         self._held.clear()

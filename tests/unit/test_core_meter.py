@@ -526,3 +526,13 @@ def test_lazy_never_blocks_without_a_charge_and_keeps_the_cap(
     while pending and m.charge_in_flight:
         apply(m.on_charge(pending.pop(), exhausted=False))
     assert delivered == len(sizes) and m.finished
+
+
+def test_stream_phase_table_is_total_and_an_ended_stream_stays_ended() -> None:
+    """Every (phase, input) pair is listed; FINISHED and CUT absorb every input."""
+    from extproc.core.meter import STREAM_TRANSITIONS, StreamInput, StreamPhase
+
+    assert set(STREAM_TRANSITIONS) == {(p, i) for p in StreamPhase for i in StreamInput}
+    for ended in (StreamPhase.FINISHED, StreamPhase.CUT):
+        assert {STREAM_TRANSITIONS[(ended, i)] for i in StreamInput} == {ended}
+    assert STREAM_TRANSITIONS[(StreamPhase.OPEN, StreamInput.CUT)] is StreamPhase.CUT
