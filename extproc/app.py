@@ -37,8 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hashlib
-import json
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +44,6 @@ from typing import Any
 
 import grpc
 import structlog
-import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
@@ -55,6 +52,7 @@ from extproc.clock import Clock, SystemClock
 from extproc.config import load_config
 from extproc.config.load import load_config_text
 from extproc.config.runtime import RuntimeConfig
+from extproc.config.version import config_version
 from extproc.gateway import Gateway
 from extproc.limiter.base import Limiter
 from extproc.limiter.redis import RedisLimiter
@@ -77,17 +75,6 @@ REDIS_HEALTH = "aiquota.v1.Redis"
 CONFIG_HEALTH = "aiquota.v1.Config"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def config_version(text: str) -> str:
-    """A short hash of the effective rules: the parsed document, so comments, key order and
-    whitespace do not change it."""
-    try:
-        doc: Any = yaml.safe_load(text)
-    except yaml.YAMLError:
-        doc = text
-    canon = json.dumps(doc, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(canon.encode()).hexdigest()[:12]
 
 
 def load_rules(path: str) -> tuple[RuntimeConfig, str]:

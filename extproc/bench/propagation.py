@@ -53,7 +53,7 @@ async def measure(
 ) -> dict[str, list[float]]:
     """``rounds`` keys created then revoked; per change, ms until the pub/sub replicas and
     until the polling replica had it."""
-    from extproc.app import config_version
+    from extproc.config.version import config_version
 
     prefix = f"bench{secrets.token_hex(4)}"
     rules = read_file_rules(rules_path, config_version)

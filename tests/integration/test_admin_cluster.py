@@ -16,7 +16,7 @@ from extproc.admin.server import start_admin_server
 from extproc.admin.service import AdminServicer
 from extproc.admin.store import AdminStore
 from extproc.admin.sync import StoreSync
-from extproc.app import config_version
+from extproc.config.version import config_version
 from tests.integration.test_admin_store import (
     EVENT_S,
     TOKEN,

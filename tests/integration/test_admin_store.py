@@ -28,8 +28,9 @@ from extproc.admin.service import AdminServicer
 from extproc.admin.state import StoredTenant, StoreState
 from extproc.admin.store import AdminStore
 from extproc.admin.sync import StoreSync
-from extproc.app import config_version, reload_rules, start
+from extproc.app import reload_rules, start
 from extproc.config.load import key_digest
+from extproc.config.version import config_version
 from extproc.metrics import Metrics
 from extproc.settings import Settings
 from extproc.stack import free_port

@@ -15,7 +15,7 @@ from extproc.admin.rules import FileRules, file_rules_from_text
 from extproc.admin.service import status_of
 from extproc.admin.state import StoredKey, StoredTenant, StoreState
 from extproc.admin.store import Conflict, StoreUnavailable
-from extproc.app import config_version
+from extproc.config.version import config_version
 
 pytestmark = pytest.mark.unit
 

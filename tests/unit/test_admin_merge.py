@@ -13,9 +13,9 @@ from extproc.admin.cli import limit_message
 from extproc.admin.convert import limit_to_mapping, limit_to_message
 from extproc.admin.rules import FileRules, effective, file_rules_from_text, tenant_errors
 from extproc.admin.state import StoredKey, StoredTenant, StoreState, merge, parse_limits
-from extproc.app import config_version
 from extproc.config.load import key_digest
 from extproc.config.schema import LimitEntry
+from extproc.config.version import config_version
 
 pytestmark = pytest.mark.unit
 

@@ -101,17 +101,7 @@ NEVER = [
         pytest.param(tool, "extproc.server", id=f"{tool.split('.')[1]}-server")
         for tool in ("extproc.sim", "extproc.load")
     ),
-    pytest.param(
-        "extproc.bench",
-        "extproc.server",
-        id="bench-server",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="extproc/bench/propagation.py imports config_version from extproc.app, "
-            "which imports the server (extproc.bench.propagation -> extproc.app -> "
-            "extproc.server.servicer); config_version belongs in a neutral module",
-        ),
-    ),
+    pytest.param("extproc.bench", "extproc.server", id="bench-server"),
     *(
         pytest.param("extproc.server", tool, id=f"server-{tool.split('.')[1]}")
         for tool in ("extproc.sim", "extproc.load", "extproc.bench")
