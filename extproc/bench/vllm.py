@@ -24,7 +24,6 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import redis
 import yaml
@@ -249,16 +248,17 @@ class Engine:
                 "TOKENIZERS_PARALLELISM": "false",
             }
         )
-        out: IO[bytes] = self.log_path.open("ab")
         t0 = time.monotonic()
-        self.popen = subprocess.Popen(  # noqa: S603 - our own venv's Python
-            argv,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=str(self.workdir),
-            start_new_session=True,
-        )
+        # the child writes to its own copy of the log's descriptor: ours is closed at once
+        with self.log_path.open("ab") as out:
+            self.popen = subprocess.Popen(  # noqa: S603 - our own venv's Python
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=str(self.workdir),
+                start_new_session=True,
+            )
         deadline = t0 + timeout
         while True:
             if self.popen.poll() is not None:
