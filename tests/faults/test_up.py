@@ -18,6 +18,7 @@ import redis
 
 from extproc.commands.log_tail import format_log_line
 from extproc.stack import free_port, port_in_use
+from tests.helpers import settled
 
 pytestmark = pytest.mark.faults
 
@@ -102,6 +103,7 @@ def test_up_is_quiet_writes_stack_json_and_redis_keeps_counters(tmp_path: Path) 
         assert r.status_code == 200
 
         rds = redis.Redis(port=rport, decode_responses=True)
+        settled(rds, "demo-standard")  # the counters as settlement leaves them
         keys = [k for k in rds.keys("*") if ":req:" not in k]
         before = {k: rds.get(k) for k in keys if rds.type(k) == "string"}
         assert before
