@@ -165,7 +165,10 @@ class Load:
                 max_tokens=max_tokens,
             )
 
-        self._loop.run_until_complete(main())
+        try:
+            self._loop.run_until_complete(main())
+        finally:
+            self._loop.close()
 
     def start(self) -> Load:
         """Start the clients."""
@@ -174,7 +177,8 @@ class Load:
 
     def stop(self) -> None:
         """Let every client finish its request, then stop."""
-        self._loop.call_soon_threadsafe(self._stop.set)
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=90)
         assert not self._thread.is_alive(), "load clients did not stop"
 
