@@ -20,8 +20,15 @@ def compile_protos() -> None:
     files = sorted(str(p.relative_to(PROTOS)) for p in PROTOS.rglob("*.proto"))
     OUT.mkdir(parents=True, exist_ok=True)
     include = str(Path(protoc.__file__).parent / "_proto")
-    args = ["protoc", f"-I{PROTOS}", f"-I{include}", f"--python_out={OUT}", f"--pyi_out={OUT}",
-            f"--grpc_python_out={OUT}", *files]
+    args = [
+        "protoc",
+        f"-I{PROTOS}",
+        f"-I{include}",
+        f"--python_out={OUT}",
+        f"--pyi_out={OUT}",
+        f"--grpc_python_out={OUT}",
+        *files,
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed on " + ", ".join(files))
     top = {Path(f).parts[0] for f in files}

@@ -39,6 +39,7 @@ from extproc.core import admission
 from extproc.core.account import RequestAccount
 from extproc.core.admission import Cost
 from extproc.core.apis.base import ApiFormat, ParsedRequest
+from extproc.core.chunks import Usage as UpstreamUsage
 from extproc.core.encoding import UnsupportedEncoding, decoder_for, is_json, media_type
 from extproc.core.keys import WindowedBucket
 from extproc.core.lifecycle import Closed, Ending, Lifecycle, State
@@ -152,6 +153,16 @@ class Reported:
     output: int | None
     cached_input: int = 0
     reasoning: int = 0
+
+    @classmethod
+    def of(cls, usage: UpstreamUsage) -> Reported:
+        """The record of a JSON body's or a stream's parsed ``usage``."""
+        return cls(
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.cached_input_tokens,
+            usage.reasoning_tokens,
+        )
 
 
 @dataclass(frozen=True, slots=True)

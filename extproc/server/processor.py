@@ -55,7 +55,7 @@ from extproc.gateway import Gateway
 from extproc.server import wire
 from extproc.server.admit import admit_body, admit_rpm_only
 from extproc.server.identity import IDENTITY_HEADERS, identify, presented_key, public_path, route
-from extproc.server.settle import access_metadata, log_disagreement, settle
+from extproc.server.settle import access_metadata, settle
 from extproc.server.stream import StreamDriver
 
 log = structlog.get_logger("extproc")
@@ -311,17 +311,8 @@ class RequestProcessor:
             plain = b""
         usage = s.api.json_usage(plain)
         if usage is not None:
-            s.report(
-                Reported(
-                    usage.prompt_tokens,
-                    usage.completion_tokens,
-                    usage.cached_input_tokens,
-                    usage.reasoning_tokens,
-                )
-            )
-        figure = s.json_output()
-        if figure is not None:
-            log_disagreement(self.gw, s, "output", figure)
+            s.report(Reported.of(usage))
+        s.json_output()  # decided once: the access log and settlement read the same figure
         s.life.advance(Input.END)
         self._settle_later()
         return access_metadata(s, output_tokens=s.output_decided)

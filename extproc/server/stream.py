@@ -20,7 +20,6 @@ from extproc.config.runtime import RuntimeConfig
 from extproc.core import admission
 from extproc.core.apis.errors import cut_error, quota_cut
 from extproc.core.apis.responses import ResponsesFormat
-from extproc.core.chunks import Usage
 from extproc.core.encoding import BodyDecoder
 from extproc.core.keys import WindowedBucket
 from extproc.core.lifecycle import CutReason, Ending, Input
@@ -153,7 +152,7 @@ class StreamDriver:
         """What the meter knows for settlement; the upstream's usage goes to the session."""
         m = self.meter
         if m.usage is not None:
-            self.s.report(_reported(m.usage))
+            self.s.report(Reported.of(m.usage))
         return StreamEnd(
             counted=m.counted,
             delivered=m.delivered,
@@ -310,13 +309,3 @@ class StreamDriver:
             wire.streamed_body(data, False, self.final_metadata()),
             wire.immediate(err.status, [], b"", CUT_DETAILS),
         ]
-
-
-def _reported(usage: Usage) -> Reported:
-    """The session's record of a stream's ``usage``."""
-    return Reported(
-        usage.prompt_tokens,
-        usage.completion_tokens,
-        usage.cached_input_tokens,
-        usage.reasoning_tokens,
-    )

@@ -11,12 +11,17 @@ from typing import Any
 import orjson
 import pytest
 import structlog
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.json_format import MessageToDict
 
+from extproc.config import load_config_text
 from extproc.core.lifecycle import Closed, CutReason, Ending
 from extproc.core.meter import StreamMeter
+from extproc.gateway import Gateway
+from extproc.metrics import Metrics
+from extproc.server.processor import RequestProcessor
 from tests.unit.test_core_meter import usage_ev
-from tests.unit.test_processor_flow import event, feed, limiter, start
+from tests.unit.test_processor_flow import RULES, event, feed, headers, limiter, start
 
 pytestmark = pytest.mark.unit
 
@@ -166,7 +171,6 @@ def test_continuous_usage_is_requested_only_for_models_that_say_so() -> None:
 
 def test_stream_usage_continuous_is_read_from_the_rules() -> None:
     """models.<name>.stream_usage: continuous marks the model as served by such an engine."""
-    from extproc.config import load_config_text
 
     cfg = load_config_text(
         """
@@ -180,3 +184,40 @@ tenants:
 """
     )
     assert cfg.models["m"].continuous_usage and not cfg.models["n"].continuous_usage
+
+
+async def test_a_json_body_disagreement_is_counted_once() -> None:
+    """A non-streaming response whose usage is above the reserved maximum is counted and
+    logged once, though its figure feeds the access log and settlement."""
+    lim = limiter()
+    cfg = load_config_text(RULES % ("lazy", 100_000))
+    gw = Gateway(config=cfg, limiter=lim, clock=lim.inner.clock, metrics=Metrics())
+    proc = RequestProcessor(gw)
+    await proc.handle(
+        pb.ProcessingRequest(
+            request_headers=headers(
+                {":path": "/v1/chat/completions", ":method": "POST", "authorization": "Bearer sk-t"}
+            )
+        )
+    )
+    body = orjson.dumps(
+        {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    await proc.handle(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+    await proc.handle(
+        pb.ProcessingRequest(
+            response_headers=headers({":status": "200", "content-type": "application/json"})
+        )
+    )
+    answer = orjson.dumps(
+        {
+            "choices": [],
+            "usage": {"prompt_tokens": 8, "completion_tokens": 999, "total_tokens": 1007},
+        }
+    )
+    [resp] = await proc.handle(
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=answer, end_of_stream=True))
+    )
+    assert "output_tokens" in str(final_fields([resp]))
+    await asyncio.gather(*proc.gw.pending)
+    assert disagreements(proc) == 1
