@@ -20,6 +20,7 @@ import structlog
 
 from extproc.clock import Clock
 from extproc.config.runtime import RuntimeConfig
+from extproc.core.admission import RoomHints
 from extproc.core.apis.base import ApiFormat
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import Limiter, SettleCall
@@ -63,6 +64,8 @@ class Gateway:
     # Large prompts are counted in worker threads, this many at a time.
     count_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))
     _serial: itertools.count[int] = field(default_factory=itertools.count)
+    # The per-token counters' values admissions last answered (whether a bound may be used)
+    room: RoomHints = field(default_factory=RoomHints)
     _settlements: SettlementQueue | None = None
     # Settlements go to Redis many per call, from one background task (when the limiter can)
     _batcher: SettlementBatcher | None = None

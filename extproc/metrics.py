@@ -88,6 +88,13 @@ class Metrics:
             "Usage records kept in memory until Redis takes them",
             registry=r,
         )
+        self.input_admissions = Counter(
+            "aiq_input_admissions",
+            "Admissions by how the input was known: counted first (exact), on an upper bound "
+            "counted after (bound), or a bound refused and counted again (recounted)",
+            ["how"],
+            registry=r,
+        )
         self.duplicate_hits = Counter(
             "aiq_idempotent_duplicates",
             "Limiter calls that found their ledger entry already applied",

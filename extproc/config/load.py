@@ -25,7 +25,7 @@ from extproc.core.rules import (
     Period,
     Rates,
 )
-from extproc.core.tokens import TokenizerSpec, delta_counter
+from extproc.core.tokens import TokenizerSpec, delta_counter, upper_bound_counter
 from extproc.tokenizers import TokenizerLoadError, TokenizerRegistry
 
 UNKNOWN_MODEL_NAME = "(unknown)"
@@ -307,6 +307,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
             max_output_tokens=m.max_output_tokens,
             max_input_tokens=m.max_input_tokens,
             delta_count=delta_counter(counter.count),
+            bound_counter=upper_bound_counter(counter),
             prices=_prices(m.pricing),
             currency=m.pricing.currency if m.pricing else "",
             continuous_usage=m.stream_usage == "continuous",
@@ -429,6 +430,8 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         public_paths=tuple(cfg.paths.public),
         max_body_bytes=cfg.requests.max_body_bytes,
         count_deadline_ms=cfg.requests.count_deadline_ms,
+        admit_on_bound=cfg.requests.admit_on_bound,
+        bound_headroom=cfg.requests.bound_headroom,
         max_tokens_ceiling=cfg.requests.max_tokens_ceiling,
         over_model_cap=cfg.requests.over_model_cap,
         max_n=cfg.requests.max_n,

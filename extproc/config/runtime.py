@@ -27,6 +27,8 @@ class Model:
     max_input_tokens: int | None
     known: bool = True
     delta_count: Callable[[str], int] | None = None
+    # counts at least what ``counter`` does, without tokenizing (None: no proven bound)
+    bound_counter: TokenCounter | None = None
     # prices as rates (micro-units of the currency per million tokens); None: not priced
     prices: Rates | None = None
     currency: str = ""
@@ -101,6 +103,8 @@ class RuntimeConfig:
     ledger_ttl_seconds: int
     reservation_lease_ms: int = 15_000
     count_deadline_ms: int = 4000
+    admit_on_bound: bool = True
+    bound_headroom: float = 4.0
     identity: IdentityPolicy = field(default_factory=IdentityPolicy)
     plaintext_keys: int = 0
     plan_failure_modes: dict[str, Literal["closed", "open"]] = field(default_factory=dict)

@@ -389,3 +389,47 @@ def refusal(
 def scope_label(limit: Limit) -> str:
     """How messages name a bucket's model scope."""
     return "all models" if limit.model == "*" else f"model {limit.model}"
+
+
+#: Most bucket keys :class:`RoomHints` remembers (cleared when reached; keys carry their
+#: window, so old windows' entries are dead weight).
+MAX_ROOM_HINTS = 65_536
+
+
+class RoomHints:
+    """What each per-token counter held after the last admission that read it: a hint, never
+    a decision (the admission script decides atomically).
+
+    Admission on an upper bound of the input (:func:`extproc.core.tokens.upper_bound_counter`)
+    reserves more than the request needs until the exact count replaces it; :meth:`ample`
+    allows that only where the counters were far from their limits, so the bound can neither
+    turn the admission's answer nor crowd out a tenant's other requests near its limit."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self) -> None:
+        self._values: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def note(self, charges: list[BucketCharge], values: tuple[int, ...]) -> None:
+        """Remember the per-token counters' values an admission answered with."""
+        seen = self._values
+        if len(seen) >= MAX_ROOM_HINTS:
+            seen.clear()
+        for c, v in zip(charges, values, strict=False):
+            if c.kind == "tpm":
+                seen[c.key] = v
+
+    def ample(self, charges: list[BucketCharge], headroom: float) -> bool:
+        """Whether every per-token counter (shadow ones aside) was last seen with room for
+        ``headroom`` times its charge; False when any was never seen."""
+        seen = self._values
+        for c in charges:
+            if c.kind != "tpm" or c.shadow or c.amount <= 0:
+                continue
+            v = seen.get(c.key)
+            if v is None or v + headroom * c.amount > c.limit:
+                return False
+        return True

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 from extproc.core import admission
@@ -121,6 +121,9 @@ class Admitted:
     buckets: tuple[WindowedBucket, ...] = ()
     at_ms: int = 0
     headers: tuple[tuple[str, str], ...] = ()
+    # admitted on an upper bound of the input (``cost.input_tokens``); the exact count comes
+    # later (:meth:`Session.input_counted`) and replaces it before any figure is decided
+    input_bound: bool = False
 
 
 MeteringKind = Literal[
@@ -457,6 +460,23 @@ class Session:
         self._admitted = rec
         if usage is not None:
             self.account.record(list(rec.buckets), usage)
+
+    def input_counted(self, exact: int) -> None:
+        """The exact input count of a request admitted on an upper bound: it replaces the bound
+        in the cost, so every later figure (cut messages, settlement, records) uses it; what
+        admission charged stays in the account, so settlement refunds the difference."""
+        rec = self._admitted
+        if rec is None or not rec.input_bound or rec.cost is None:
+            raise PhaseError("an exact input count for a request not admitted on a bound")
+        if self._settlement is not None:
+            raise PhaseError("the input count arrived after settlement was decided")
+        self._admitted = replace(rec, cost=replace(rec.cost, input_tokens=exact), input_bound=False)
+
+    @property
+    def input_pending(self) -> bool:
+        """Admitted on a bound whose exact count has not arrived yet."""
+        rec = self._admitted
+        return rec is not None and rec.input_bound
 
     def respond(self, rec: Responding) -> None:
         """Response headers: status and metering."""

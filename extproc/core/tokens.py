@@ -41,9 +41,11 @@ __all__ = [
     "TiktokenCounter",
     "TokenCounter",
     "TokenizerSpec",
+    "UTF8BoundCounter",
     "count_stream_delta",
     "delta_counter",
     "split_for_counting",
+    "upper_bound_counter",
 ]
 
 #: Hard ceiling on the characters of one text handed to ``count`` (8 MiB).
@@ -288,6 +290,46 @@ class TiktokenCounter:
     def __repr__(self) -> str:
         """Show which encoding this counter uses."""
         return f"TiktokenCounter({self.name!r})"
+
+
+class UTF8BoundCounter:
+    """An upper bound on what a :class:`TiktokenCounter` counts, without running the BPE.
+
+    tiktoken encodes the UTF-8 bytes of a text and every token stands for at least one byte,
+    so a text never has more tokens than bytes; a forced cut (:func:`split_for_counting`)
+    adds at most ``HARD_CUT_SLACK_TOKENS`` per piece.  Walking a request with this counter in
+    place of the real one gives an upper bound on its exact count (the framing constants are
+    the same, every text is counted at least as high) and raises the same shape and size
+    errors: admission can decide on it when the answer cannot change."""
+
+    def __init__(self, inner: TiktokenCounter) -> None:
+        """Bound ``inner``'s counts (same size ceiling and piece length)."""
+        self.inner = inner
+        self.name = f"utf8-bound:{inner.name}"
+        self.max_chars = inner.max_chars
+        self.max_piece_chars = inner.max_piece_chars
+
+    def count(self, text: str) -> int:
+        """At least ``inner.count(text)``: the UTF-8 length, plus each possible cut's slack."""
+        _check_size(text, self.max_chars, self.name)
+        n = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        if len(text) > self.max_piece_chars:
+            n += (len(text) // self.max_piece_chars + 1) * HARD_CUT_SLACK_TOKENS
+        return n
+
+    def __repr__(self) -> str:
+        """Show which counter this bounds."""
+        return f"UTF8BoundCounter({self.inner.name!r})"
+
+
+def upper_bound_counter(counter: TokenCounter) -> TokenCounter | None:
+    """A cheap counter whose count of any text is at least ``counter``'s, or None where no
+    such bound is proven: a Hugging Face tokenizer may normalise text into more bytes (NFKC
+    expands some characters many times) or add a prefix per piece, and a chat template
+    renders text of its own; an estimate is already as cheap as a bound."""
+    if type(counter) is TiktokenCounter:
+        return UTF8BoundCounter(counter)
+    return None
 
 
 class HuggingFaceCounter:

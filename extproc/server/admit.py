@@ -9,6 +9,7 @@ import asyncio
 import contextvars
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import structlog
 
@@ -38,7 +39,7 @@ from extproc.gateway import Gateway
 from extproc.limiter.base import AdmitResult
 from extproc.limiter.kept import Kept
 from extproc.records.model import RecordDraft
-from extproc.server.counting import count_input
+from extproc.server.counting import bound_input, count_input
 from extproc.server.reclaim import record_reclaimed
 
 log = structlog.get_logger("extproc")
@@ -120,7 +121,7 @@ async def admit_body(
         shadow = shadow_outcome(attempt.buckets, values, attempt.plan.cost)
         headers += _report_shadow(gw, s, shadow)
     s.admit(
-        Admitted(model, cost, attempt.buckets, attempt.now, headers),
+        Admitted(model, cost, attempt.buckets, attempt.now, headers, input_bound=attempt.on_bound),
         admission.admission_usage(cost) if cost is not None else None,
     )
     gw.metrics.decisions.labels("admitted", "ok").inc()
@@ -132,6 +133,7 @@ async def admit_body(
         model=model.name,
         api=api.name,
         input_tokens=attempt.input_tokens,
+        input_counted="after" if attempt.on_bound else "before",
         reserved_output=attempt.plan.cost.reserved_output,
         stream=req.stream,
         decision="admitted" if attempt.result is not None else "admitted_unmetered",
@@ -176,19 +178,44 @@ class _Attempt:
     result: AdmitResult | None = None
     refused: QuotaExceeded | None = None
     values: tuple[int, ...] = ()
+    on_bound: bool = False  # admitted on an upper bound of the input: count exactly after
 
 
 async def _attempt(
     gw: Gateway, cfg: RuntimeConfig, s: Session, model: Model, size: int
 ) -> _Attempt:
-    """Count, plan and run the one admission call as ``model``."""
-    api, req, tenant, key = s.api, s.req, s.tenant, s.key
-    assert api is not None and req is not None and tenant is not None and key is not None
+    """Plan and run the one admission call as ``model``: on an upper bound of the input where
+    the counters have ample room (:func:`_on_bound`), otherwise on the exact count.  A bound
+    the limiter refuses is counted exactly and asked again: the bound never turns an answer."""
+    api, req, tenant = s.api, s.req, s.tenant
+    assert api is not None and req is not None and tenant is not None
     structlog.contextvars.bind_contextvars(tenant=tenant.id, model=model.name)
-    input_tokens = await count_input(gw, cfg, api, req, model, size=size)
     charging = cfg.charging_for(tenant.plan, model.name)
-    budget_param = req.budget_fields[0] if req.budget_fields else "max_tokens"
-    plan = admission.plan_admission(
+    bound = _on_bound(gw, cfg, s, model, charging)
+    if bound is not None:
+        out = await _call(gw, cfg, s, model, bound, charging=charging, on_bound=True)
+        if out.refused is None:
+            gw.metrics.input_admissions.labels("bound").inc()
+            return out
+        gw.metrics.input_admissions.labels("recounted").inc()
+    else:
+        gw.metrics.input_admissions.labels("exact").inc()
+    exact = await count_input(gw, cfg, api, req, model, size=size)
+    plan = _plan(s, model, charging, exact, cfg.over_model_cap)
+    return await _call(gw, cfg, s, model, plan, charging=charging)
+
+
+def _plan(
+    s: Session,
+    model: Model,
+    charging: Charging,
+    input_tokens: int,
+    over_cap: Literal["clamp", "reject"],
+) -> admission.AdmissionPlan:
+    """The admission plan of ``input_tokens`` (raises the client's 400/413 on limits)."""
+    req, api = s.req, s.api
+    assert req is not None and api is not None
+    return admission.plan_admission(
         declared_max_output=req.declared_max_output,
         sequences=req.sequences,
         stream=req.stream and api.can_stream,
@@ -196,11 +223,50 @@ async def _attempt(
         model_name=model.name,
         model_cap=model.max_output_tokens,
         max_input_tokens=model.max_input_tokens,
-        over_cap=cfg.over_model_cap,
-        budget_param=budget_param,
+        over_cap=over_cap,
+        budget_param=req.budget_fields[0] if req.budget_fields else "max_tokens",
         charging=charging,
     )
+
+
+def _on_bound(
+    gw: Gateway, cfg: RuntimeConfig, s: Session, model: Model, charging: Charging
+) -> admission.AdmissionPlan | None:
+    """The plan on an upper bound of the input, when admission may decide on it: the model's
+    tokenizer has a proven bound, the bound is within the model's input limit, the request
+    settles to its actual figures (a final-at-admission charge would keep the bound), and every
+    per-token counter was last seen with ``bound_headroom`` times the charge free."""
+    api, req = s.api, s.req
+    assert api is not None and req is not None
+    if not cfg.admit_on_bound or model.bound_counter is None:
+        return None
+    bound = bound_input(api, req, model)
+    if bound is None or (model.max_input_tokens is not None and bound > model.max_input_tokens):
+        return None
+    plan = _plan(s, model, charging, bound, cfg.over_model_cap)
+    if not plan.cost.settle_to_actual:
+        return None
+    buckets = s.buckets_at(gw.key_prefix, gw.clock.now_ms(), cfg.reservation_lease_ms)
+    if not gw.room.ample(admission.admission_charges(buckets, plan.cost), cfg.bound_headroom):
+        return None
+    return plan
+
+
+async def _call(
+    gw: Gateway,
+    cfg: RuntimeConfig,
+    s: Session,
+    model: Model,
+    plan: admission.AdmissionPlan,
+    *,
+    charging: Charging,
+    on_bound: bool = False,
+) -> _Attempt:
+    """Run the one admission call of ``plan``."""
+    api, tenant, key = s.api, s.tenant, s.key
+    assert api is not None and tenant is not None and key is not None
     cost = plan.cost
+    input_tokens = cost.input_tokens
     now = gw.clock.now_ms()
     buckets = tuple(s.buckets_at(gw.key_prefix, now, cfg.reservation_lease_ms))
     # Leased: a reservation to settle, a concurrency slot to free, or a usage record to write
@@ -231,13 +297,16 @@ async def _attempt(
         now_ms=now,
         lease_until_ms=now + lease if lease else 0,
         record_draft=draft,
+        # a refused bound is asked again on the exact count: count the refusal once, there
+        count_refused=False if on_bound else None,
     )
-    out = _Attempt(plan, charging, input_tokens, buckets, now, res)
+    out = _Attempt(plan, charging, input_tokens, buckets, now, res, on_bound=on_bound)
     if res is not None and not res.admitted and not res.duplicate:
         err = admission.refusal(
             list(buckets), res.values, cost, now, tenant=tenant.id, model=model.name
         )
-        gw.metrics.limit_decisions.labels(err.metric, "refused").inc()
+        if not on_bound:
+            gw.metrics.limit_decisions.labels(err.metric, "refused").inc()
         out.refused = err
         out.values = res.values
     elif res is not None:
@@ -296,15 +365,17 @@ async def limiter_admit(
     now_ms: int = 0,
     lease_until_ms: int = 0,
     record_draft: str = "",
+    count_refused: bool | None = None,
 ) -> AdmitResult | None:
     """Run admission; None means Redis failed and the plan's policy is fail-open.  Requests
     of dead processors the call reclaimed get their usage records here."""
+    charges = admission.admission_charges(buckets, cost)
     try:
         res = await gw.limiter.admit(
             s.ledger,
-            admission.admission_charges(buckets, cost),
+            charges,
             tpm_charged=cost.tpm_amount,
-            count_refused=cfg.count_refused_requests,
+            count_refused=cfg.count_refused_requests if count_refused is None else count_refused,
             ledger_ttl_ms=cfg.ledger_ttl_seconds * 1000,
             now_ms=now_ms,
             lease_until_ms=lease_until_ms,
@@ -320,6 +391,7 @@ async def limiter_admit(
             log.warning("limiter_unavailable_fail_open", request_id=s.request_id)
             return None
         raise
+    gw.room.note(charges, res.values)
     if res.reclaimed:
         # Other requests' records: written after this request's answer is on its way, in a
         # context of their own (their log lines do not carry this request's fields).

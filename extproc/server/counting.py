@@ -1,11 +1,16 @@
 """Counting a request's input tokens: small bodies inline, large ones in worker threads (tiktoken
 releases the GIL), at most ``Gateway.count_slots`` at a time and within the counting deadline,
-so a burst of huge prompts queues instead of slowing every other tenant's chunks."""
+so a burst of huge prompts queues instead of slowing every other tenant's chunks.
+
+:func:`bound_input` is the cheap alternative admission may decide on: the same walk of the
+request with the model's upper-bound counter (no tokenizer run)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from extproc.config.runtime import Model, RuntimeConfig
 from extproc.core.apis.base import ApiFormat, ParsedRequest
@@ -17,6 +22,19 @@ from extproc.gateway import Gateway
 OFFLOAD_BYTES = 16_384
 
 
+@contextmanager
+def _client_errors() -> Iterator[None]:
+    """What a body's walk raises, as the client's error."""
+    try:
+        yield
+    except PromptTooLarge as exc:
+        raise RequestTooLarge(str(exc)) from None
+    except PromptShapeError as exc:
+        raise BadRequest(str(exc)) from None
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
+
+
 async def count_input(
     gw: Gateway, cfg: RuntimeConfig, api: ApiFormat, req: ParsedRequest, model: Model, *, size: int
 ) -> int:
@@ -26,21 +44,29 @@ async def count_input(
         return api.count_input(req, model.counter, model.tokenizer)
 
     t0 = time.perf_counter()
+    with _client_errors():
+        n = await _run(gw, cfg, count, size)
+    gw.metrics.tokenize_seconds.labels(api.name).observe(time.perf_counter() - t0)
+    return n
+
+
+async def _run(gw: Gateway, cfg: RuntimeConfig, count: Callable[[], int], size: int) -> int:
+    if size <= OFFLOAD_BYTES:
+        return count()
     try:
-        if size > OFFLOAD_BYTES:
-            async with asyncio.timeout(cfg.count_deadline_ms / 1000), gw.count_slots:
-                n = await asyncio.to_thread(count)
-        else:
-            n = count()
+        async with asyncio.timeout(cfg.count_deadline_ms / 1000), gw.count_slots:
+            return await asyncio.to_thread(count)
     except TimeoutError:
         raise GatewayBusy(
             "The gateway is busy counting other large prompts; retry in a second."
         ) from None
-    except PromptTooLarge as exc:
-        raise RequestTooLarge(str(exc)) from None
-    except PromptShapeError as exc:
-        raise BadRequest(str(exc)) from None
-    except RecursionError:
-        raise BadRequest("the request body is nested too deeply") from None
-    gw.metrics.tokenize_seconds.labels(api.name).observe(time.perf_counter() - t0)
-    return n
+
+
+def bound_input(api: ApiFormat, req: ParsedRequest, model: Model) -> int | None:
+    """An upper bound on :func:`count_input`'s answer without running the tokenizer (the same
+    walk, so the same client errors), or None where the model's tokenizer has no proven bound."""
+    bound = model.bound_counter
+    if bound is None:
+        return None
+    with _client_errors():
+        return api.count_input(req, bound, model.tokenizer)

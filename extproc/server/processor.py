@@ -24,6 +24,7 @@ from typing import Any
 
 import structlog
 
+from extproc.config.runtime import Model
 from extproc.core.apis.openai import CHAT
 from extproc.core.apis.registry import api_for_path
 from extproc.core.keys import ledger_key
@@ -54,6 +55,7 @@ from extproc.errors import UnsupportedEncoding as UnsupportedRequestEncoding
 from extproc.gateway import Gateway
 from extproc.server import wire
 from extproc.server.admit import admit_body, admit_rpm_only
+from extproc.server.counting import count_input
 from extproc.server.identity import IDENTITY_HEADERS, identify, presented_key, public_path, route
 from extproc.server.settle import access_metadata, settle
 from extproc.server.stream import StreamDriver
@@ -67,7 +69,17 @@ MAX_USAGE_BODY = 8 << 20
 class RequestProcessor:
     """The phases of one HTTP request."""
 
-    __slots__ = ("_json", "cfg", "driver", "gw", "s", "started", "write_lock", "writer")
+    __slots__ = (
+        "_counting",
+        "_json",
+        "cfg",
+        "driver",
+        "gw",
+        "s",
+        "started",
+        "write_lock",
+        "writer",
+    )
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
@@ -78,6 +90,8 @@ class RequestProcessor:
         self._json: tuple[bytearray, Any] | None = None  # body read for usage, its decoder
         self.write_lock = asyncio.Lock()
         self.writer: Any = None  # the gRPC context, for a cut at shutdown
+        # the exact input count of a request admitted on a bound, running after its answer
+        self._counting: asyncio.Task[None] | None = None
 
     @property
     def request_id(self) -> str:
@@ -210,13 +224,41 @@ class RequestProcessor:
         self.s.life.advance(Input.REQUEST_BODY)
         new_body = await admit_body(self.gw, self.cfg, self.s, body.body, self.started)
         self.s.life.advance(Input.ADMITTED)
+        if self.s.input_pending:
+            # Its first step runs once this answer is being written: off the request's path.
+            self._counting = asyncio.ensure_future(self._count_exact(len(body.body)))
         return wire.continue_request_body(new_body)
+
+    async def _count_exact(self, size: int) -> None:
+        """Replace the bound admission charged with the exact count (settlement refunds the
+        difference).  A count that cannot finish (the counting threads stayed busy past the
+        deadline) leaves the bound: an over-count, never an under-count."""
+        s = self.s
+        api, req, model = s.api, s.req, s.model
+        assert api is not None and req is not None and isinstance(model, Model)
+        try:
+            exact = await count_input(self.gw, self.cfg, api, req, model, size=size)
+        except GatewayError as err:
+            log.warning("input_count_failed", request_id=s.request_id, error=err.message)
+            return
+        except Exception:  # the bound stands; the request goes on
+            log.exception("input_count_failed", request_id=s.request_id)
+            return
+        if s.input_pending:
+            s.input_counted(exact)
+
+    async def _input_known(self) -> None:
+        """Wait for the exact input count, if one is running (before any figure is decided)."""
+        task = self._counting
+        if task is not None and not task.done():
+            await asyncio.shield(task)
 
     # -- response --------------------------------------------------------------------------
 
     async def on_response_headers(self, hh: Any) -> wire.ProcessingResponse:
         """Add x-ratelimit-*; choose how the body is metered (:func:`classify`)."""
         s = self.s
+        await self._input_known()
         before = s.life.state
         s.life.advance(Input.RESPONSE_HEADERS)
         h = wire.headers_of(hh)
@@ -338,8 +380,13 @@ class RequestProcessor:
         if driver is None or writer is None or self.s.life.state is not State.STREAMING:
             return False
         async with self.write_lock:
-            for resp in driver.cut(CutReason.SHUTDOWN):
-                await writer.write(resp)
+            try:
+                for resp in driver.cut(CutReason.SHUTDOWN):
+                    await writer.write(resp)
+            except Exception as exc:  # Envoy or the client closed the stream meanwhile
+                # the cut is decided (settlement bills what was delivered); only the message
+                # could not reach a client that is gone
+                log.info("shutdown_cut_not_delivered", request_id=self.request_id, error=repr(exc))
         self._settle_later()
         return True
 
@@ -353,6 +400,7 @@ class RequestProcessor:
 
     async def _settle(self) -> None:
         s = self.s
+        await self._input_known()
         if s.life.ending is None:
             s.life.name_ending(Ending.COMPLETED)
         driver = self.driver

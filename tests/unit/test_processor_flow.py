@@ -171,3 +171,23 @@ async def test_settlement_happens_once() -> None:
     await asyncio.gather(*proc.gw.pending)
     assert len(lim.settles) == 1
     assert proc.s.life.ending is Ending.CLIENT_DISCONNECTED
+
+
+class _GoneStream:
+    """A gRPC context whose stream Envoy already closed: every write fails."""
+
+    async def write(self, resp: Any) -> None:
+        raise RuntimeError('Failed "execute_batch"')
+
+
+async def test_a_shutdown_cut_on_a_stream_already_gone_still_settles() -> None:
+    """The shutdown cut's write fails (Envoy closed the stream meanwhile): the cut does not
+    raise out of the drain, and the request is settled once on what was delivered."""
+    lim = limiter()
+    proc = await start(lim)
+    await feed(proc, event(" a") + event(" b"))
+    proc.writer = _GoneStream()
+    assert await proc.cut_for_shutdown()
+    await asyncio.gather(*proc.gw.pending)
+    assert len(lim.settles) == 1
+    assert proc.driver is not None and proc.driver.meter.delivered == 2

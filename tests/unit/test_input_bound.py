@@ -1,0 +1,311 @@
+"""Admission on an upper bound of the input (issue 17): the UTF-8 bound never under-counts any
+API's request, it is used only where the counters have ample room, the exact count replaces it
+before any figure is decided, and a bound the limiter refuses is counted and asked again, so
+the bound never changes an admission's answer nor what a request is billed."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from extproc.clock import FakeClock
+from extproc.config import load_config_text
+from extproc.core.admission import MAX_ROOM_HINTS, RoomHints
+from extproc.core.apis.base import RequestLimits
+from extproc.core.apis.registry import api_for_path
+from extproc.core.lifecycle import Closed
+from extproc.core.rules import BucketCharge
+from extproc.core.tokens import (
+    EstimateCounter,
+    TiktokenCounter,
+    TokenizerSpec,
+    UTF8BoundCounter,
+    upper_bound_counter,
+)
+from extproc.errors import GatewayError
+from extproc.gateway import Gateway
+from extproc.limiter.memory import MemoryLimiter
+from extproc.metrics import Metrics
+from extproc.server.processor import RequestProcessor
+from extproc.tokenizers import bundled_encoding
+from tests.limiters import RecordingLimiter
+from tests.unit.test_processor_flow import event, feed, headers
+
+pytestmark = pytest.mark.unit
+
+EXACT = TiktokenCounter(bundled_encoding())
+# small pieces: long texts are cut, so the forced-cut slack is exercised too
+CUT = TiktokenCounter(bundled_encoding(), max_piece_chars=64)
+SPEC = TokenizerSpec(kind="tiktoken", encoding="cl100k_base")
+
+texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=400) | st.builds(
+    lambda c, n: c * n,
+    st.sampled_from(["a", " ", "=", "日", "🙂", "\n", "ab"]),
+    st.integers(0, 3000),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(texts)
+def test_utf8_bound_is_never_below_the_tiktoken_count(text: str) -> None:
+    """Every text: the bound is at least tiktoken's count, with and without forced cuts."""
+    for counter in (EXACT, CUT):
+        bound = UTF8BoundCounter(counter)
+        assert bound.count(text) >= counter.count(text)
+
+
+def test_only_tiktoken_has_a_proven_bound() -> None:
+    """An estimate (already cheap) and anything but tiktoken itself get no bound."""
+    assert isinstance(upper_bound_counter(EXACT), UTF8BoundCounter)
+    assert upper_bound_counter(EstimateCounter()) is None
+
+    class Derived(TiktokenCounter):
+        pass
+
+    assert upper_bound_counter(Derived(bundled_encoding())) is None
+
+
+def _part(kind: str, text: str) -> dict[str, Any]:
+    if kind == "text":
+        return {"type": "text", "text": text}
+    return {"type": "image_url", "image_url": {"url": "https://x.test/i.png"}}
+
+
+def _bodies(text: str, more: list[str], parts: list[str]) -> dict[str, dict[str, Any]]:
+    content: Any = [_part(k, t) for k, t in zip(parts, [text, *more], strict=False)] or text
+    msgs = [{"role": "system", "content": text}, {"role": "user", "content": content}]
+    msgs += [{"role": "assistant", "content": m, "name": "bob"} for m in more]
+    tools = [{"type": "function", "function": {"name": "f", "description": text, "parameters": {}}}]
+    return {
+        "/v1/chat/completions": {"model": "m", "messages": msgs, "tools": tools},
+        "/v1/completions": {"model": "m", "prompt": [text, *more]},
+        "/v1/responses": {"model": "m", "instructions": text, "input": [*more, text]},
+        "/v1/messages": {
+            "model": "m",
+            "max_tokens": 5,
+            "system": text,
+            "messages": [{"role": "user", "content": c} for c in [text, *more]],
+        },
+        "/v1/embeddings": {"model": "m", "input": [text, *more]},
+    }
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(texts, st.lists(texts, max_size=3), st.lists(st.sampled_from(["text", "image"]), max_size=3))
+def test_the_bound_walk_covers_every_api(text: str, more: list[str], parts: list[str]) -> None:
+    """For every API's request shapes (system prompts, parts, images, names, tools), walking
+    the body with the bound counter gives at least the exact count."""
+    limits = RequestLimits(max_tokens_ceiling=1_000_000, max_n=16)
+    bound = UTF8BoundCounter(EXACT)
+    for path, body in _bodies(text, more, parts).items():
+        api = api_for_path(path)
+        assert api is not None
+        try:
+            req = api.parse(orjson.dumps(body), limits)
+        except GatewayError:
+            continue  # refused before counting, bound or not
+        assert api.count_input(req, bound, SPEC) >= api.count_input(req, EXACT, SPEC), path
+
+
+def _charge(key: str, amount: int, limit: int, *, shadow: bool = False) -> BucketCharge:
+    return BucketCharge(key, "tpm", amount, limit, 0, shadow=shadow)
+
+
+def test_room_hints_allow_a_bound_only_with_ample_room() -> None:
+    """Unseen counters, or room below headroom x the charge, mean count first; RPM and
+    shadow counters do not matter; the table is bounded."""
+    hints = RoomHints()
+    a, b = _charge("a", 100, 1000), _charge("b", 100, 1000)
+    assert not hints.ample([a], 4.0)
+    hints.note([a, BucketCharge("r", "rpm", 1, 5, 0)], (500, 5))
+    assert hints.ample([a], 4.0) and not hints.ample([a], 6.0)
+    assert not hints.ample([a, b], 4.0)  # b never seen
+    assert hints.ample([a, _charge("b", 100, 1000, shadow=True)], 4.0)
+    for i in range(MAX_ROOM_HINTS + 1):
+        hints.note([_charge(f"k{i}", 1, 10)], (0,))
+    assert len(hints) <= MAX_ROOM_HINTS
+
+
+RULES = """
+models:
+  m: {tokenizer: {kind: tiktoken, encoding: cl100k_base}, max_output_tokens: 50}
+charging: {charge_every_tokens: 4, streaming: %s}
+requests: {count_refused_requests: true}
+plans:
+  p: {limits: [{model: "*", per: hour, rpm: 100, tpm: %d}]}
+tenants:
+  t: {plan: p, keys: [{name: k, plaintext: sk-t}]}
+"""
+
+PROMPT = "the quick brown fox jumps over the lazy dog " * 20
+
+
+def gateway(tpm: int, streaming: str = "lazy") -> tuple[Gateway, RecordingLimiter]:
+    lim = RecordingLimiter(MemoryLimiter(FakeClock()))
+    cfg = load_config_text(RULES % (streaming, tpm))
+    return Gateway(config=cfg, limiter=lim, clock=lim.inner.clock, metrics=Metrics()), lim
+
+
+async def request(gw: Gateway, n: int, *, stream: bool = False) -> tuple[RequestProcessor, Any]:
+    """Request headers and body; the request-body answer."""
+    proc = RequestProcessor(gw)
+    await proc.handle(
+        pb.ProcessingRequest(
+            request_headers=headers(
+                {
+                    ":path": "/v1/chat/completions",
+                    ":method": "POST",
+                    "authorization": "Bearer sk-t",
+                    "x-request-id": f"r{n}",
+                }
+            )
+        )
+    )
+    body = {"model": "m", "max_tokens": 10, "stream": stream}
+    body["messages"] = [{"role": "user", "content": PROMPT}]
+    [resp] = await proc.handle(
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=orjson.dumps(body), end_of_stream=True))
+    )
+    return proc, resp
+
+
+async def complete_json(proc: RequestProcessor, prompt_tokens: int) -> None:
+    """A 200 JSON answer with the engine's usage, then the stream closes."""
+    await proc.handle(
+        pb.ProcessingRequest(
+            response_headers=headers({":status": "200", "content-type": "application/json"})
+        )
+    )
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 5, "total_tokens": 0}
+    body = orjson.dumps({"object": "chat.completion", "choices": [], "usage": usage})
+    await proc.handle(
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=body, end_of_stream=True))
+    )
+    proc.close(Closed.EOF)
+    await settled(proc.gw)
+
+
+async def settled(gw: Gateway) -> None:
+    while gw.pending:
+        await asyncio.gather(*list(gw.pending))
+    batcher = gw.settle_batcher
+    if batcher is not None:
+        assert await batcher.wait_idle(5.0)
+
+
+def admissions(gw: Gateway, how: str) -> float:
+    return gw.metrics.input_admissions.labels(how)._value.get()
+
+
+async def tpm_value(lim: RecordingLimiter, proc: RequestProcessor) -> int:
+    [tpm] = [b for b in proc.s.buckets if b.kind == "tpm"]
+    [value] = await lim.inner.read([tpm.key])
+    return value
+
+
+async def test_a_request_admitted_on_the_bound_is_billed_as_one_counted_first() -> None:
+    """The first request (no hint yet) is counted first; the second, with ample room, is
+    admitted on the bound, which reserved more, and settles to the same figures."""
+    gw, lim = gateway(1_000_000)
+    first, _ = await request(gw, 1)
+    assert admissions(gw, "exact") == 1 and not first.s.input_pending
+    reported = first.s.cost.input_tokens if first.s.cost else 0
+    await complete_json(first, reported)
+    after_first = await tpm_value(lim, first)
+
+    second, resp = await request(gw, 2)
+    assert resp.WhichOneof("response") == "request_body"
+    assert admissions(gw, "bound") == 1
+    charged = [b.amount for b in lim.admits[-1] if b.kind == "tpm"]
+    assert charged[0] > reported + 10  # the bound, well above the count
+    await complete_json(second, reported)
+    assert second.s.cost is not None and second.s.cost.input_tokens == reported
+    assert await tpm_value(lim, second) == 2 * after_first
+
+
+async def test_near_the_limit_the_prompt_is_counted_first() -> None:
+    """Room for the request but not for headroom x its bound: counted first, admitted."""
+    gw, lim = gateway(1_000_000)
+    first, _ = await request(gw, 1)
+    await complete_json(first, first.s.cost.input_tokens if first.s.cost else 0)
+    used = await tpm_value(lim, first)
+    assert first.s.cost is not None
+    bound = next(b.amount for b in lim.admits[0] if b.kind == "tpm")
+    # leave room for two exact requests but not for 4 x the bound
+    [tpm] = [b for b in first.s.buckets if b.kind == "tpm"]
+    lim.inner.seed_counter(tpm.key, tpm.limit.limit - 2 * used)
+    gw.room.note(lim.admits[0], (tpm.limit.limit - 2 * used,) * len(lim.admits[0]))
+    assert bound * 4 > 2 * used
+    _, resp = await request(gw, 2)
+    assert resp.WhichOneof("response") == "request_body"
+    assert admissions(gw, "exact") == 2 and admissions(gw, "bound") == 0
+
+
+async def test_a_refused_bound_is_counted_and_asked_again() -> None:
+    """Stale hints (another replica used the room): the bound is refused, the exact count is
+    admitted, and the RPM counter counts the request once although refusals are counted."""
+    gw, lim = gateway(1_000_000)
+    first, _ = await request(gw, 1)
+    await complete_json(first, first.s.cost.input_tokens if first.s.cost else 0)
+    used = await tpm_value(lim, first)
+    [tpm] = [b for b in first.s.buckets if b.kind == "tpm"]
+    [rpm] = [b for b in first.s.buckets if b.kind == "rpm"]
+    exact = first.s.cost.input_tokens if first.s.cost else 0
+    start = tpm.limit.limit - (exact + 10)  # room for the input and max_tokens, not the bound
+    lim.inner.seed_counter(tpm.key, start)
+    proc, resp = await request(gw, 2)
+    assert resp.WhichOneof("response") == "request_body"
+    assert admissions(gw, "recounted") == 1
+    assert [await lim.inner.read([rpm.key])] == [[2]]
+    await complete_json(proc, proc.s.cost.input_tokens if proc.s.cost else 0)
+    assert await tpm_value(lim, proc) == start + used <= tpm.limit.limit
+
+
+async def test_a_request_abandoned_before_its_response_settles_on_the_exact_count() -> None:
+    """The client leaves right after admission: settlement waits for the exact count and
+    keeps only the input and the abandoned output's allowance."""
+    gw, lim = gateway(1_000_000)
+    first, _ = await request(gw, 1)
+    exact = first.s.cost.input_tokens if first.s.cost else 0
+    await complete_json(first, exact)
+    before = await tpm_value(lim, first)
+    proc, _ = await request(gw, 2)
+    assert admissions(gw, "bound") == 1
+    proc.close(Closed.CANCELLED)
+    await settled(gw)
+    assert proc.s.cost is not None and proc.s.cost.input_tokens == exact
+    assert await tpm_value(lim, proc) == before + exact  # no output: it left at once
+
+
+async def test_strict_streams_admitted_on_the_bound_never_go_over() -> None:
+    """Strict streams at the boundary: whatever was reserved on the bound, what is delivered
+    plus the exact input never exceeds the limit."""
+    gw, lim = gateway(1_000_000, "strict")
+    first, _ = await request(gw, 1)
+    await complete_json(first, first.s.cost.input_tokens if first.s.cost else 0)
+    used = await tpm_value(lim, first)
+    [tpm] = [b for b in first.s.buckets if b.kind == "tpm"]
+    exact = first.s.cost.input_tokens if first.s.cost else 0
+    assert used > 0
+    lim.inner.seed_counter(tpm.key, tpm.limit.limit - exact - 6)  # room: the input + 6 tokens
+    proc, resp = await request(gw, 2, stream=True)
+    assert resp.WhichOneof("response") == "request_body"
+    await proc.handle(
+        pb.ProcessingRequest(
+            response_headers=headers({":status": "200", "content-type": "text/event-stream"})
+        )
+    )
+    for i in range(30):
+        await feed(proc, event(f" w{i}"))
+        if proc.s.life.ended:
+            break
+    proc.close(Closed.EOF)
+    await settled(gw)
+    assert proc.driver is not None and proc.driver.meter.delivered <= 6
+    assert await tpm_value(lim, proc) <= tpm.limit.limit
