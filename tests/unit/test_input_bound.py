@@ -44,7 +44,7 @@ EXACT = TiktokenCounter(bundled_encoding())
 CUT = TiktokenCounter(bundled_encoding(), max_piece_chars=64)
 SPEC = TokenizerSpec(kind="tiktoken", encoding="cl100k_base")
 
-texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=400) | st.builds(
+texts = st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=400) | st.builds(
     lambda c, n: c * n,
     st.sampled_from(["a", " ", "=", "日", "🙂", "\n", "ab"]),
     st.integers(0, 3000),
@@ -200,7 +200,7 @@ async def settled(gw: Gateway) -> None:
 
 
 def admissions(gw: Gateway, how: str) -> float:
-    return gw.metrics.input_admissions.labels(how)._value.get()
+    return float(gw.metrics.input_admissions.labels(how)._value.get())
 
 
 async def tpm_value(lim: RecordingLimiter, proc: RequestProcessor) -> int:
