@@ -66,6 +66,7 @@ class Gateway:
     _serial: itertools.count[int] = field(default_factory=itertools.count)
     # The per-token counters' values admissions last answered (whether a bound may be used)
     room: RoomHints = field(default_factory=RoomHints)
+    _audits: itertools.count[int] = field(default_factory=itertools.count)
     _settlements: SettlementQueue | None = None
     # Settlements go to Redis many per call, from one background task (when the limiter can)
     _batcher: SettlementBatcher | None = None
@@ -100,6 +101,11 @@ class Gateway:
             bound = with_clock(self.clock) if with_clock is not None else api
             self._bound[api.name] = bound
         return bound
+
+    def audit_input(self, config: RuntimeConfig) -> bool:
+        """Whether this request, admitted on a bound, is counted exactly anyway to check the
+        upstream's input figure (one in ``requests.input_audit_every``)."""
+        return (next(self._audits) + 1) % config.input_audit_every == 0
 
     def ledger_id(self, request_id: str) -> str:
         """A ledger id unique to one HTTP request: Envoy's request id, this process, a serial.

@@ -422,14 +422,19 @@ class RoomHints:
             if c.kind == "tpm":
                 seen[c.key] = v
 
-    def ample(self, charges: list[BucketCharge], headroom: float) -> bool:
+    def ample(
+        self, charges: list[BucketCharge], headroom: float, then: dict[str, int] | None = None
+    ) -> bool:
         """Whether every per-token counter (shadow ones aside) was last seen with room for
-        ``headroom`` times its charge; False when any was never seen."""
+        ``headroom`` times its charge, plus ``then[key]`` units the request may add later (a
+        stream's whole output: its own cut must not come earlier for the bound); False when
+        any was never seen."""
         seen = self._values
         for c in charges:
             if c.kind != "tpm" or c.shadow or c.amount <= 0:
                 continue
             v = seen.get(c.key)
-            if v is None or v + headroom * c.amount > c.limit:
+            later = then.get(c.key, 0) if then else 0
+            if v is None or v + headroom * c.amount + later > c.limit:
                 return False
         return True

@@ -124,6 +124,8 @@ class Admitted:
     # admitted on an upper bound of the input (``cost.input_tokens``); the exact count comes
     # later (:meth:`Session.input_counted`) and replaces it before any figure is decided
     input_bound: bool = False
+    # what admission charged for the input, once a count replaced the bound (-1: the count)
+    charged_input: int = -1
 
 
 MeteringKind = Literal[
@@ -211,6 +213,10 @@ INPUT_SLACK_TOKENS = 16
 INPUT_TEMPLATE_ALLOWANCE = 64
 #: Server-side state can add at most this much unseen input when the model sets no limit.
 UNSEEN_INPUT_CEILING = 1_000_000
+#: A request admitted on an upper bound of its input takes the upstream's input figure without
+#: being counted when it is at most the bound and at least this share of it (a byte bound is
+#: 1-8x the tokens of real text; below that share the figure is checked against a count).
+UPSTREAM_INPUT_MIN_SHARE = 1 / 32
 #: What an upstream can generate per second per sequence, for requests abandoned before their
 #: response (the bound on a dead client's bill).
 ABANDONED_TOKENS_PER_SECOND = 200
@@ -417,6 +423,7 @@ class Session:
 
     __slots__ = (
         "_admitted",
+        "_count",
         "_identified",
         "_output",
         "_parsed",
@@ -424,6 +431,7 @@ class Session:
         "_responding",
         "_settlement",
         "account",
+        "count_failed",
         "life",
         "unconfirmed",
     )
@@ -437,6 +445,9 @@ class Session:
         self._reported: Reported | None = None
         self._output: Figure | int | None = None
         self._settlement: Settlement | None = None
+        # the exact input count of a request admitted on a bound, taken when a figure needs it
+        self._count: Callable[[], int] | None = None
+        self.count_failed = False
         self.account = RequestAccount()
         # the last stream charge whose answer never came (settlement undoes it if it ran)
         self.unconfirmed: UnconfirmedCharge | None = None
@@ -461,6 +472,11 @@ class Session:
         if usage is not None:
             self.account.record(list(rec.buckets), usage)
 
+    def count_input_with(self, count: Callable[[], int]) -> None:
+        """How to count the input exactly, for a request admitted on an upper bound: called at
+        most once, only when a figure needs the count (:meth:`needs_count`)."""
+        self._count = count
+
     def input_counted(self, exact: int) -> None:
         """The exact input count of a request admitted on an upper bound: it replaces the bound
         in the cost, so every later figure (cut messages, settlement, records) uses it; what
@@ -470,13 +486,50 @@ class Session:
             raise PhaseError("an exact input count for a request not admitted on a bound")
         if self._settlement is not None:
             raise PhaseError("the input count arrived after settlement was decided")
-        self._admitted = replace(rec, cost=replace(rec.cost, input_tokens=exact), input_bound=False)
+        self._admitted = replace(
+            rec,
+            cost=replace(rec.cost, input_tokens=exact),
+            input_bound=False,
+            charged_input=rec.cost.input_tokens,
+        )
 
     @property
     def input_pending(self) -> bool:
-        """Admitted on a bound whose exact count has not arrived yet."""
+        """Admitted on a bound whose exact count has not been taken."""
         rec = self._admitted
         return rec is not None and rec.input_bound
+
+    def _upstream_input(self) -> int | None:
+        """The upstream's input figure, when it stands for a request admitted on a bound without
+        a count: at most the bound and not implausibly below it."""
+        rep, cost = self._reported, self.cost
+        if rep is None or rep.input is None or cost is None:
+            return None
+        bound = cost.input_tokens
+        if bound * UPSTREAM_INPUT_MIN_SHARE <= rep.input <= bound:
+            return rep.input
+        return None
+
+    def needs_count(self) -> bool:
+        """Whether settling now would take the exact count (the server may take it first, off
+        the event loop, for a large prompt)."""
+        return self.input_pending and self._upstream_input() is None
+
+    def _exact_input(self) -> None:
+        """Take the exact count of a request admitted on a bound.  A count that fails (it
+        cannot for a body the bound walk accepted) leaves the bound: an over-count."""
+        if not self.input_pending:
+            return
+        cost = self.cost
+        assert cost is not None
+        exact = cost.input_tokens
+        if self._count is not None:
+            try:
+                exact = self._count()
+            except Exception:
+                self.count_failed = True
+        self._count = None
+        self.input_counted(exact)
 
     def respond(self, rec: Responding) -> None:
         """Response headers: status and metering."""
@@ -649,6 +702,11 @@ class Session:
     def input_figure(self) -> Figure | int:
         """Input to charge: the upstream's figure within bounds around the gateway's count, or
         the gateway's count when the upstream gave none."""
+        if self.input_pending:
+            upstream = self._upstream_input()
+            if upstream is not None:
+                return upstream  # the engine's own count, under a proven bound
+            self._exact_input()
         cost, req, model, rep = self.cost, self.req, self.model, self._reported
         assert cost is not None
         if rep is None or rep.input is None:
@@ -715,11 +773,16 @@ class Session:
             else:
                 output = None  # a JSON response without usage: the reservation stands
             if output is None:
-                total = self.account.total
-                out = max(0, total - cost.input_tokens)
+                # the reservation stands; an input admitted on a bound is corrected to its count
+                self._exact_input()
+                adm = self._admitted
+                assert adm is not None and adm.cost is not None
+                cost = adm.cost
+                charged_in = cost.input_tokens if adm.charged_input < 0 else adm.charged_input
+                out = max(0, self.account.total - charged_in)
                 result = Settlement(
                     ending,
-                    None,
+                    None if charged_in == cost.input_tokens else cost.input_tokens + out,
                     cost.input_tokens,
                     None,
                     Usage(input=cost.input_tokens, output=out, requests=cost.requests),
@@ -751,8 +814,10 @@ class Session:
     def pending_units(self, bucket: WindowedBucket, delivered: int) -> int:
         """Units settlement would still add to ``bucket`` if the stream ended now with
         ``delivered`` output tokens (what a cut message must add to the counter's value)."""
-        cost = self.cost
-        if cost is None or not bucket.limit.counts_tokens:
+        if self.cost is None or not bucket.limit.counts_tokens:
             return 0
+        self._exact_input()
+        cost = self.cost
+        assert cost is not None
         final = Usage(input=cost.input_tokens, output=delivered, requests=cost.requests)
         return bucket.rates.units(final) - self.account.charged(bucket.limit)

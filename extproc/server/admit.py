@@ -235,7 +235,8 @@ def _on_bound(
     """The plan on an upper bound of the input, when admission may decide on it: the model's
     tokenizer has a proven bound, the bound is within the model's input limit, the request
     settles to its actual figures (a final-at-admission charge would keep the bound), and every
-    per-token counter was last seen with ``bound_headroom`` times the charge free."""
+    per-token counter was last seen with ``bound_headroom`` times the charge free (and, for a
+    metered stream, its whole output besides)."""
     api, req = s.api, s.req
     assert api is not None and req is not None
     if not cfg.admit_on_bound or model.bound_counter is None:
@@ -247,7 +248,15 @@ def _on_bound(
     if not plan.cost.settle_to_actual:
         return None
     buckets = s.buckets_at(gw.key_prefix, gw.clock.now_ms(), cfg.reservation_lease_ms)
-    if not gw.room.ample(admission.admission_charges(buckets, plan.cost), cfg.bound_headroom):
+    cost = plan.cost
+    # a metered stream charges its output as it goes, against counters that hold the bound
+    # until settlement: its whole output must fit too, so that its cut cannot come earlier
+    later = (
+        {b.key: b.rates.output_units(cost.effective_max_output) for b in buckets}
+        if cost.meter_stream
+        else None
+    )
+    if not gw.room.ample(admission.admission_charges(buckets, cost), cfg.bound_headroom, later):
         return None
     return plan
 

@@ -70,6 +70,7 @@ class RequestProcessor:
     """The phases of one HTTP request."""
 
     __slots__ = (
+        "_body_size",
         "_counting",
         "_json",
         "cfg",
@@ -92,6 +93,7 @@ class RequestProcessor:
         self.writer: Any = None  # the gRPC context, for a cut at shutdown
         # the exact input count of a request admitted on a bound, running after its answer
         self._counting: asyncio.Task[None] | None = None
+        self._body_size = 0
 
     @property
     def request_id(self) -> str:
@@ -224,14 +226,21 @@ class RequestProcessor:
         self.s.life.advance(Input.REQUEST_BODY)
         new_body = await admit_body(self.gw, self.cfg, self.s, body.body, self.started)
         self.s.life.advance(Input.ADMITTED)
-        if self.s.input_pending:
-            # Its first step runs once this answer is being written: off the request's path.
-            self._counting = asyncio.ensure_future(self._count_exact(len(body.body)))
+        s = self.s
+        self._body_size = len(body.body)
+        if s.input_pending:
+            api, req, model = s.api, s.req, s.model
+            assert api is not None and req is not None and isinstance(model, Model)
+            s.count_input_with(lambda: api.count_input(req, model.counter, model.tokenizer))
+            if self.gw.audit_input(self.cfg):
+                # Counted now to check the upstream's figure against it; the first step runs
+                # once this answer is being written: off the request's path.
+                self._counting = asyncio.ensure_future(self._count_exact(self._body_size))
         return wire.continue_request_body(new_body)
 
     async def _count_exact(self, size: int) -> None:
-        """Replace the bound admission charged with the exact count (settlement refunds the
-        difference).  A count that cannot finish (the counting threads stayed busy past the
+        """Replace the bound admission charged with the exact count (a large prompt in a worker
+        thread).  A count that cannot finish (the counting threads stayed busy past the
         deadline) leaves the bound: an over-count, never an under-count."""
         s = self.s
         api, req, model = s.api, s.req, s.model
@@ -240,15 +249,16 @@ class RequestProcessor:
             exact = await count_input(self.gw, self.cfg, api, req, model, size=size)
         except GatewayError as err:
             log.warning("input_count_failed", request_id=s.request_id, error=err.message)
-            return
+            exact = None
         except Exception:  # the bound stands; the request goes on
             log.exception("input_count_failed", request_id=s.request_id)
-            return
-        if s.input_pending:
-            s.input_counted(exact)
+            exact = None
+        cost = s.cost
+        if s.input_pending and cost is not None:
+            s.input_counted(cost.input_tokens if exact is None else exact)
 
     async def _input_known(self) -> None:
-        """Wait for the exact input count, if one is running (before any figure is decided)."""
+        """Wait for an exact input count that is running."""
         task = self._counting
         if task is not None and not task.done():
             await asyncio.shield(task)
@@ -401,6 +411,10 @@ class RequestProcessor:
     async def _settle(self) -> None:
         s = self.s
         await self._input_known()
+        if s.needs_count() and self._counting is None:
+            # the figures need the exact count: a large prompt's is taken off the event loop
+            self._counting = asyncio.ensure_future(self._count_exact(self._body_size))
+            await self._counting
         if s.life.ending is None:
             s.life.name_ending(Ending.COMPLETED)
         driver = self.driver

@@ -37,12 +37,14 @@ def access_metadata(s: Session, *, output_tokens: int | None = None) -> dict[str
         "key": s.key.name if s.key else "",
         "model": s.model.name if s.model else "",
         "api": s.api.name if s.api else "",
-        "input_tokens": cost.input_tokens if cost else 0,
         "ending": ending.value if ending else "in_progress",
     }
+    if not s.input_pending:  # a bound is not a figure: the final metadata carries the count
+        out["input_tokens"] = cost.input_tokens if cost else 0
     if output_tokens is not None:
         out["output_tokens"] = output_tokens
-        if cost is not None and s.reported is not None and s.reported.input is not None:
+        reported = s.reported is not None and s.reported.input is not None
+        if cost is not None and (reported or s.input_pending):
             out["input_tokens"] = s.input_tokens()
     return out
 

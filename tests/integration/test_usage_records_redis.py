@@ -343,10 +343,25 @@ def test_consumer_group_delivers_each_record_once(redis_server: RedisServer) -> 
 
     run("c1", max_records=10, **common)
     assert len(seen["c1"]) == 10
-    threads = [
-        threading.Thread(target=run, args=(name,), kwargs={**common, "exit_when_idle": True})
-        for name in ("c1", "c2")
-    ]
+    # Each consumer holds its first record until the other has one too: on a loaded machine
+    # the first thread could otherwise read every record before the second one starts.
+    both = threading.Barrier(2, timeout=20)
+
+    def together(name: str) -> None:
+        first = True
+
+        def handle(_i: str, r: Any) -> None:
+            nonlocal first
+            seen[name].append(r.request_id)
+            if first:
+                first = False
+                both.wait()
+
+        own = redis_server.client()
+        consume(own, stream, "billing", name, handle, **common, exit_when_idle=True)
+        own.close()
+
+    threads = [threading.Thread(target=together, args=(name,)) for name in ("c1", "c2")]
     for t in threads:
         t.start()
     for t in threads:

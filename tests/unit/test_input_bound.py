@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from extproc.clock import FakeClock
 from extproc.config import load_config_text
+from extproc.config.runtime import Model
 from extproc.core.admission import MAX_ROOM_HINTS, RoomHints
 from extproc.core.apis.base import RequestLimits
 from extproc.core.apis.registry import api_for_path
@@ -32,6 +33,7 @@ from extproc.errors import GatewayError
 from extproc.gateway import Gateway
 from extproc.limiter.memory import MemoryLimiter
 from extproc.metrics import Metrics
+from extproc.server.counting import bound_input
 from extproc.server.processor import RequestProcessor
 from extproc.tokenizers import bundled_encoding
 from tests.limiters import RecordingLimiter
@@ -136,7 +138,7 @@ RULES = """
 models:
   m: {tokenizer: {kind: tiktoken, encoding: cl100k_base}, max_output_tokens: 50}
 charging: {charge_every_tokens: 4, streaming: %s}
-requests: {count_refused_requests: true}
+requests: {count_refused_requests: true, input_audit_every: %d}
 plans:
   p: {limits: [{model: "*", per: hour, rpm: 100, tpm: %d}]}
 tenants:
@@ -146,9 +148,13 @@ tenants:
 PROMPT = "the quick brown fox jumps over the lazy dog " * 20
 
 
-def gateway(tpm: int, streaming: str = "lazy") -> tuple[Gateway, RecordingLimiter]:
+def gateway(
+    tpm: int, streaming: str = "lazy", *, audit: int = 1
+) -> tuple[Gateway, RecordingLimiter]:
+    """A gateway on the in-memory limiter; ``audit``: one bound admission in that many is
+    counted exactly at once (1: all of them)."""
     lim = RecordingLimiter(MemoryLimiter(FakeClock()))
-    cfg = load_config_text(RULES % (streaming, tpm))
+    cfg = load_config_text(RULES % (streaming, audit, tpm))
     return Gateway(config=cfg, limiter=lim, clock=lim.inner.clock, metrics=Metrics()), lim
 
 
@@ -175,15 +181,23 @@ async def request(gw: Gateway, n: int, *, stream: bool = False) -> tuple[Request
     return proc, resp
 
 
-async def complete_json(proc: RequestProcessor, prompt_tokens: int) -> None:
-    """A 200 JSON answer with the engine's usage, then the stream closes."""
+async def complete_json(
+    proc: RequestProcessor, prompt_tokens: int | None, *, usage: bool = True
+) -> None:
+    """A 200 JSON answer with the engine's usage (without ``prompt_tokens`` when None; none
+    at all unless ``usage``), then the stream closes."""
     await proc.handle(
         pb.ProcessingRequest(
             response_headers=headers({":status": "200", "content-type": "application/json"})
         )
     )
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 5, "total_tokens": 0}
-    body = orjson.dumps({"object": "chat.completion", "choices": [], "usage": usage})
+    figures: dict[str, Any] = {"completion_tokens": 5}
+    if prompt_tokens is not None:
+        figures["prompt_tokens"] = prompt_tokens
+    answer: dict[str, Any] = {"object": "chat.completion", "choices": []}
+    if usage:
+        answer["usage"] = figures
+    body = orjson.dumps(answer)
     await proc.handle(
         pb.ProcessingRequest(response_body=pb.HttpBody(body=body, end_of_stream=True))
     )
@@ -309,3 +323,133 @@ async def test_strict_streams_admitted_on_the_bound_never_go_over() -> None:
     await settled(gw)
     assert proc.driver is not None and proc.driver.meter.delivered <= 6
     assert await tpm_value(lim, proc) <= tpm.limit.limit
+
+
+def prompt_bound(proc: RequestProcessor) -> int:
+    """The upper bound admission would use for the test's prompt."""
+    s = proc.s
+    assert s.api is not None and s.req is not None and isinstance(s.model, Model)
+    bound = bound_input(s.api, s.req, s.model)
+    assert bound is not None
+    return bound
+
+
+def tokenizer_runs(gw: Gateway) -> float:
+    """How many times a prompt was counted with the tokenizer (its latency histogram)."""
+    for metric in gw.metrics.tokenize_seconds.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_count"):
+                return sample.value
+    return 0.0
+
+
+async def test_unaudited_requests_are_billed_the_engines_figure_without_a_count() -> None:
+    """Not audited: the prompt is never tokenized; the engine's figure under the bound is
+    billed and the rest of the bound refunded."""
+    gw, lim = gateway(1_000_000, audit=1000)
+    first, _ = await request(gw, 1)
+    exact = first.s.cost.input_tokens if first.s.cost else 0
+    await complete_json(first, exact)
+    before, runs = await tpm_value(lim, first), tokenizer_runs(gw)
+    second, _ = await request(gw, 2)
+    assert second.s.input_pending
+    await complete_json(second, exact - 3)  # the engine counts a little differently
+    assert tokenizer_runs(gw) == runs
+    assert await tpm_value(lim, second) == 2 * before - 3
+
+
+@pytest.mark.parametrize("reported", [None, 0, 10**6])
+async def test_no_or_implausible_engine_figures_are_checked_against_a_count(
+    reported: int | None,
+) -> None:
+    """No input figure, one far below the bound or one above it: the exact count is taken at
+    settlement and bounds the figure as for any counted request."""
+    gw, lim = gateway(1_000_000, audit=1000)
+    first, _ = await request(gw, 1)
+    exact = first.s.cost.input_tokens if first.s.cost else 0
+    await complete_json(first, exact)
+    before = await tpm_value(lim, first)
+    second, _ = await request(gw, 2)
+    assert second.s.input_pending
+    await complete_json(second, reported)
+    assert second.s.cost is not None and second.s.cost.input_tokens == exact
+    charged = await tpm_value(lim, second) - before
+    figure = second.s.input_tokens()
+    if reported is None:  # an incomplete usage: the reservation stands, on the exact input
+        assert figure == exact and charged == exact + 10
+        return
+    assert charged == figure + 5
+    assert exact * 0.75 - 16 <= figure <= exact * 1.25 + 64  # bounded as counted
+
+
+async def test_an_unaudited_stream_cut_at_its_limit_reports_the_exact_figure() -> None:
+    """Stale hints let a stream in on its bound near the limit (another replica used the
+    room): it may be cut early, never late; the cut message's figure and the bill use the
+    exact input count, never the bound."""
+    gw, lim = gateway(1_000_000, audit=1000)
+    first, _ = await request(gw, 1)
+    exact = first.s.cost.input_tokens if first.s.cost else 0
+    await complete_json(first, exact)
+    [tpm] = [b for b in first.s.buckets if b.kind == "tpm"]
+    bound = prompt_bound(first)
+    start = tpm.limit.limit - bound - 8  # room for the bound and 8 tokens
+    lim.inner.seed_counter(tpm.key, start)
+    proc, resp = await request(gw, 2, stream=True)
+    assert resp.WhichOneof("response") == "request_body" and proc.s.input_pending
+    await proc.handle(
+        pb.ProcessingRequest(
+            response_headers=headers({":status": "200", "content-type": "text/event-stream"})
+        )
+    )
+    got: list[Any] = []
+    for i in range(40):
+        got += await feed(proc, event(f" w{i}"))
+        if proc.s.life.ended:
+            break
+    assert proc.s.life.ended and not proc.s.input_pending
+    cut = b"".join(
+        r.response_body.response.body_mutation.streamed_response.body
+        for r in got
+        if r.WhichOneof("response") == "response_body"
+    )
+    used = int(cut.split(b", used ")[1].split(b".")[0])
+    proc.close(Closed.EOF)
+    await settled(gw)
+    assert proc.driver is not None
+    delivered = proc.driver.meter.delivered
+    assert proc.s.cost is not None and proc.s.cost.input_tokens == exact
+    assert await tpm_value(lim, proc) == start + exact + delivered == used
+    assert used <= tpm.limit.limit
+
+
+async def test_a_stream_is_admitted_on_its_bound_only_with_room_for_its_output() -> None:
+    """A stream whose whole output would not fit beside headroom x its bound is counted
+    first: its own cut never comes earlier because of the bound."""
+    gw, lim = gateway(1_000_000, audit=1000)
+    first, _ = await request(gw, 1)
+    await complete_json(first, first.s.cost.input_tokens if first.s.cost else 0)
+    [tpm] = [b for b in first.s.buckets if b.kind == "tpm"]
+    bound = prompt_bound(first)
+    near = tpm.limit.limit - 4 * bound - 5  # room for 4 x the bound, not for 10 more tokens
+    gw.room.note(lim.admits[0], (near,) * len(lim.admits[0]))
+    lim.inner.seed_counter(tpm.key, near)
+    proc, _ = await request(gw, 2, stream=True)
+    assert not proc.s.input_pending and admissions(gw, "bound") == 0
+    gw.room.note(lim.admits[0], (near - 5,) * len(lim.admits[0]))
+    lim.inner.seed_counter(tpm.key, near - 5)
+    proc, _ = await request(gw, 3, stream=True)
+    assert proc.s.input_pending and admissions(gw, "bound") == 1
+
+
+async def test_an_answer_without_usage_keeps_the_reservation_on_the_exact_input() -> None:
+    """A JSON answer without usage: the output reservation stands, as for a counted request,
+    and the input is corrected from the bound to its count."""
+    gw, lim = gateway(1_000_000, audit=1000)
+    first, _ = await request(gw, 1)
+    exact = first.s.cost.input_tokens if first.s.cost else 0
+    await complete_json(first, exact)
+    before = await tpm_value(lim, first)
+    second, _ = await request(gw, 2)
+    assert second.s.input_pending
+    await complete_json(second, None, usage=False)
+    assert await tpm_value(lim, second) - before == exact + 10  # input + max_tokens
