@@ -193,7 +193,10 @@ async def _attempt(
     charging = cfg.charging_for(tenant.plan, model.name)
     bound = _on_bound(gw, cfg, s, model, charging)
     if bound is not None:
-        out = await _call(gw, cfg, s, model, bound, charging=charging, on_bound=True)
+        plan, now, buckets = bound
+        out = await _call(
+            gw, cfg, s, model, plan, charging=charging, on_bound=True, at=(now, buckets)
+        )
         if out.refused is None:
             gw.metrics.input_admissions.labels("bound").inc()
             return out
@@ -231,12 +234,12 @@ def _plan(
 
 def _on_bound(
     gw: Gateway, cfg: RuntimeConfig, s: Session, model: Model, charging: Charging
-) -> admission.AdmissionPlan | None:
+) -> tuple[admission.AdmissionPlan, int, list[WindowedBucket]] | None:
     """The plan on an upper bound of the input, when admission may decide on it: the model's
     tokenizer has a proven bound, the bound is within the model's input limit, the request
     settles to its actual figures (a final-at-admission charge would keep the bound), and every
     per-token counter was last seen with ``bound_headroom`` times the charge free (and, for a
-    metered stream, its whole output besides)."""
+    metered stream, its whole output besides); with the time and buckets it was judged at."""
     api, req = s.api, s.req
     assert api is not None and req is not None
     if not cfg.admit_on_bound or model.bound_counter is None:
@@ -247,7 +250,8 @@ def _on_bound(
     plan = _plan(s, model, charging, bound, cfg.over_model_cap)
     if not plan.cost.settle_to_actual:
         return None
-    buckets = s.buckets_at(gw.key_prefix, gw.clock.now_ms(), cfg.reservation_lease_ms)
+    now = gw.clock.now_ms()
+    buckets = s.buckets_at(gw.key_prefix, now, cfg.reservation_lease_ms)
     cost = plan.cost
     # a metered stream charges its output as it goes, against counters that hold the bound
     # until settlement: its whole output must fit too, so that its cut cannot come earlier
@@ -258,7 +262,7 @@ def _on_bound(
     )
     if not gw.room.ample(admission.admission_charges(buckets, cost), cfg.bound_headroom, later):
         return None
-    return plan
+    return plan, now, buckets
 
 
 async def _call(
@@ -270,14 +274,18 @@ async def _call(
     *,
     charging: Charging,
     on_bound: bool = False,
+    at: tuple[int, list[WindowedBucket]] | None = None,
 ) -> _Attempt:
-    """Run the one admission call of ``plan``."""
+    """Run the one admission call of ``plan`` (``at``: the time and buckets it was planned
+    at, else now's)."""
     api, tenant, key = s.api, s.tenant, s.key
     assert api is not None and tenant is not None and key is not None
     cost = plan.cost
     input_tokens = cost.input_tokens
-    now = gw.clock.now_ms()
-    buckets = tuple(s.buckets_at(gw.key_prefix, now, cfg.reservation_lease_ms))
+    if at is None:
+        now = gw.clock.now_ms()
+        at = now, s.buckets_at(gw.key_prefix, now, cfg.reservation_lease_ms)
+    now, buckets = at[0], tuple(at[1])
     # Leased: a reservation to settle, a concurrency slot to free, or a usage record to write
     # (the tenant's next admission gives the first two back and writes the record if this
     # processor dies).
