@@ -432,6 +432,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         count_deadline_ms=cfg.requests.count_deadline_ms,
         admit_on_bound=cfg.requests.admit_on_bound,
         bound_headroom=cfg.requests.bound_headroom,
+        bound_below=cfg.requests.bound_below,
         input_audit_every=cfg.requests.input_audit_every,
         max_tokens_ceiling=cfg.requests.max_tokens_ceiling,
         over_model_cap=cfg.requests.over_model_cap,

@@ -105,6 +105,7 @@ class RuntimeConfig:
     count_deadline_ms: int = 4000
     admit_on_bound: bool = True
     bound_headroom: float = 4.0
+    bound_below: float = 0.25
     input_audit_every: int = 16
     identity: IdentityPolicy = field(default_factory=IdentityPolicy)
     plaintext_keys: int = 0

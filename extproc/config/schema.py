@@ -314,6 +314,9 @@ class RequestsPolicy(Strict):
     # limit, other tokenizers) count first.  docs/semantics.md, "Admission on a bound".
     admit_on_bound: bool = True
     bound_headroom: float = Field(default=4.0, ge=1.0, le=1000.0)
+    # ... and only while that leaves every such counter under this share of its limit: many
+    # requests admitted on bounds at once then hold at most about this share beyond their counts
+    bound_below: float = Field(default=0.25, gt=0.0, le=1.0)
     # A request admitted on the bound is billed the upstream's input figure when it is under
     # the bound, without counting; one in input_audit_every is counted anyway, so a drifting
     # upstream shows in aiq_usage_disagreements_total (1: count every one).

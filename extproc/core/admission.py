@@ -423,18 +423,24 @@ class RoomHints:
                 seen[c.key] = v
 
     def ample(
-        self, charges: list[BucketCharge], headroom: float, then: dict[str, int] | None = None
+        self,
+        charges: list[BucketCharge],
+        headroom: float,
+        then: dict[str, int] | None = None,
+        *,
+        share: float = 1.0,
     ) -> bool:
-        """Whether every per-token counter (shadow ones aside) was last seen with room for
-        ``headroom`` times its charge, plus ``then[key]`` units the request may add later (a
-        stream's whole output: its own cut must not come earlier for the bound); False when
-        any was never seen."""
+        """Whether every per-token counter (shadow ones aside) was last seen so far from its
+        limit that ``headroom`` times the charge, plus ``then[key]`` units the request may add
+        later (a stream's whole output: its own cut must not come earlier for the bound), stay
+        within ``share`` of the limit; False when any was never seen.  The share caps what
+        many bounds admitted at once can hold beyond their counts."""
         seen = self._values
         for c in charges:
             if c.kind != "tpm" or c.shadow or c.amount <= 0:
                 continue
             v = seen.get(c.key)
             later = then.get(c.key, 0) if then else 0
-            if v is None or v + headroom * c.amount + later > c.limit:
+            if v is None or v + headroom * c.amount + later > c.limit * share:
                 return False
         return True

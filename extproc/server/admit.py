@@ -260,7 +260,8 @@ def _on_bound(
         if cost.meter_stream
         else None
     )
-    if not gw.room.ample(admission.admission_charges(buckets, cost), cfg.bound_headroom, later):
+    charges = admission.admission_charges(buckets, cost)
+    if not gw.room.ample(charges, cfg.bound_headroom, later, share=cfg.bound_below):
         return None
     return plan, now, buckets
 

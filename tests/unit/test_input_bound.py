@@ -120,13 +120,16 @@ def _charge(key: str, amount: int, limit: int, *, shadow: bool = False) -> Bucke
 
 
 def test_room_hints_allow_a_bound_only_with_ample_room() -> None:
-    """Unseen counters, or room below headroom x the charge, mean count first; RPM and
-    shadow counters do not matter; the table is bounded."""
+    """Unseen counters, room below headroom x the charge, or a counter that would pass its
+    share of the limit mean count first; RPM and shadow counters do not matter; the table is
+    bounded."""
     hints = RoomHints()
     a, b = _charge("a", 100, 1000), _charge("b", 100, 1000)
     assert not hints.ample([a], 4.0)
     hints.note([a, BucketCharge("r", "rpm", 1, 5, 0)], (500, 5))
     assert hints.ample([a], 4.0) and not hints.ample([a], 6.0)
+    assert hints.ample([a], 4.0, share=0.9) and not hints.ample([a], 4.0, share=0.85)
+    assert hints.ample([a], 4.0, {"a": 100}) and not hints.ample([a], 4.0, {"a": 101})
     assert not hints.ample([a, b], 4.0)  # b never seen
     assert hints.ample([a, _charge("b", 100, 1000, shadow=True)], 4.0)
     for i in range(MAX_ROOM_HINTS + 1):
@@ -138,7 +141,7 @@ RULES = """
 models:
   m: {tokenizer: {kind: tiktoken, encoding: cl100k_base}, max_output_tokens: 50}
 charging: {charge_every_tokens: 4, streaming: %s}
-requests: {count_refused_requests: true, input_audit_every: %d}
+requests: {count_refused_requests: true, input_audit_every: %d, bound_below: %s}
 plans:
   p: {limits: [{model: "*", per: hour, rpm: 100, tpm: %d}]}
 tenants:
@@ -149,12 +152,12 @@ PROMPT = "the quick brown fox jumps over the lazy dog " * 20
 
 
 def gateway(
-    tpm: int, streaming: str = "lazy", *, audit: int = 1
+    tpm: int, streaming: str = "lazy", *, audit: int = 1, below: float = 1.0
 ) -> tuple[Gateway, RecordingLimiter]:
     """A gateway on the in-memory limiter; ``audit``: one bound admission in that many is
-    counted exactly at once (1: all of them)."""
+    counted exactly at once (1: all of them); ``below``: ``requests.bound_below``."""
     lim = RecordingLimiter(MemoryLimiter(FakeClock()))
-    cfg = load_config_text(RULES % (streaming, audit, tpm))
+    cfg = load_config_text(RULES % (streaming, audit, below, tpm))
     return Gateway(config=cfg, limiter=lim, clock=lim.inner.clock, metrics=Metrics()), lim
 
 
