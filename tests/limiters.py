@@ -5,6 +5,7 @@ wrapper around the in-memory limiter for tests of the request path."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -13,7 +14,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 from extproc.errors import LimiterUnavailable
-from extproc.limiter.base import AdmitResult, ChargeResult, Limiter
+from extproc.limiter.base import AdmitResult, ChargeResult, Limiter, SettleCall
 from extproc.limiter.memory import MemoryLimiter
 
 
@@ -188,10 +189,13 @@ class RecordingLimiter:
         now_ms: int = 0,
         lease_until_ms: int = 0,
         record_draft: str = "",
+        settlements: Sequence[SettleCall] = (),
     ) -> AdmitResult:
-        """Record the buckets, then admit (after filling them when ``refuse``)."""
+        """Record the buckets (and the riders' corrections with the settlements), then admit
+        (after filling them when ``refuse``)."""
         self._check()
         self.admits.append(buckets)
+        self.settles += [c.adjustments for c in settlements]
         if self.refuse:
             for b in buckets:
                 if b.kind != "concurrency":
@@ -205,6 +209,7 @@ class RecordingLimiter:
             now_ms=now_ms,
             lease_until_ms=lease_until_ms,
             record_draft=record_draft,
+            settlements=settlements,
         )
 
     async def charge(

@@ -6,6 +6,7 @@ round trip; every method is idempotent for a given ledger key (and sequence numb
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,12 +26,14 @@ class Reclaimed:
 @dataclass(frozen=True, slots=True)
 class AdmitResult:
     """Outcome of an admission: ``values`` are the counters (after charging when admitted);
-    ``reclaimed``, the requests of dead processors this call settled on the way."""
+    ``reclaimed``, the requests of dead processors this call settled on the way; ``settled``,
+    per settlement that rode on the call, True applied or False already settled."""
 
     admitted: bool
     duplicate: bool
     values: tuple[int, ...]
     reclaimed: tuple[Reclaimed, ...] = ()
+    settled: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +101,15 @@ class Limiter(Protocol):
         now_ms: int = 0,
         lease_until_ms: int = 0,
         record_draft: str = "",
+        settlements: Sequence[SettleCall] = (),
     ) -> AdmitResult:
         """Check every bucket and charge all of them, or none (shadow buckets never refuse).
+
+        ``settlements`` ride on the call: each is applied first, once, as
+        :meth:`BatchSettler.settle_many` would (what they refund is room this admission may
+        use), whatever the admission's outcome (refused, duplicate); ``AdmitResult.settled``
+        answers per settlement.  If the call raises, none is known applied (retrying is
+        harmless: each is idempotent by its ledger).
 
         With a lease (``lease_until_ms``), the reservation is open until settled; when its
         lease runs out unrenewed (the processor died), the next admission of the tenant

@@ -19,6 +19,7 @@ methods let a test set up and inspect the state a Redis test reads with its own 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
@@ -167,9 +168,12 @@ class MemoryLimiter:
         now_ms: int = 0,
         lease_until_ms: int = 0,
         record_draft: str = "",
+        settlements: Sequence[SettleCall] = (),
     ) -> AdmitResult:
-        """admit.lua: reclaim the tenant's dead reservations, then charge all buckets or none."""
+        """admit.lua: settle the riders, reclaim the tenant's dead reservations, then charge
+        all buckets or none."""
         self.round_trips += 1
+        settled = tuple(self._settle_one(c) for c in settlements)
         now = self.clock.now_ms()
         open_set = open_key(ledger)
         reclaimed = self._reclaim(open_set, now_ms, now) if now_ms > 0 else []
@@ -186,7 +190,7 @@ class MemoryLimiter:
                 vals.append(value)
                 prev.append(share)
         if self._entry(ledger, now) is not None:
-            return AdmitResult(False, True, tuple(vals), tuple(reclaimed))
+            return AdmitResult(False, True, tuple(vals), tuple(reclaimed), settled)
         ok = all(
             b.shadow or b.amount <= 0 or vals[i] + b.amount <= b.limit
             for i, b in enumerate(buckets)
@@ -211,13 +215,13 @@ class MemoryLimiter:
                 if record_draft:
                     led.draft = record_draft
             self._expire_at(ledger, now + ledger_ttl_ms, now)
-            return AdmitResult(True, False, tuple(vals), tuple(reclaimed))
+            return AdmitResult(True, False, tuple(vals), tuple(reclaimed), settled)
         if count_refused:
             for i, b in enumerate(buckets):
                 if b.kind == "rpm":
                     vals[i] = self._incr(b.key, 1, now) + prev[i]
                     self._expire_at(b.key, b.expire_at_ms, now)
-        return AdmitResult(False, False, tuple(vals), tuple(reclaimed))
+        return AdmitResult(False, False, tuple(vals), tuple(reclaimed), settled)
 
     def _drop_scores_up_to(self, key: str, limit: int, now: int) -> None:
         """ZREMRANGEBYSCORE key -inf limit (slots whose lease ran out)."""
@@ -313,6 +317,16 @@ class MemoryLimiter:
     ) -> bool:
         """settle.lua: apply the corrections once, free the slots, drop the record draft."""
         self.round_trips += 1
+        return self._settle_one(SettleCall(ledger, adjustments, ledger_ttl_ms, cancel, unconfirmed))
+
+    def rides_with(self, ledger: str) -> Callable[[str], bool]:
+        """Every settlement may ride on any admission (one store, no slots)."""
+        return _anything
+
+    def _settle_one(self, call: SettleCall) -> bool:
+        """One request's settlement (settle_lib.lua's ``settle``)."""
+        ledger, adjustments, ledger_ttl_ms = call.ledger, call.adjustments, call.ledger_ttl_ms
+        cancel, unconfirmed = call.cancel, call.unconfirmed
         now = self.clock.now_ms()
         self._zrem(open_key(ledger), ledger, now)
         found = self._typed(ledger, _Ledger, now)
@@ -479,3 +493,7 @@ class MemoryLimiter:
         """How many members a sorted set has (ZCARD)."""
         z = self._typed(key, _Scored, self.clock.now_ms())
         return len(z.members) if z is not None else 0
+
+
+def _anything(_: str) -> bool:
+    return True

@@ -1,5 +1,7 @@
 """The Redis limiter: four Lua scripts registered once (admit, charge, settle, and rls for
-the RLS API), a bounded timeout, a circuit breaker.
+the RLS API), a bounded timeout, a circuit breaker.  ``admit`` and ``settle`` share one copy
+of the settlement logic (``settle_lib.lua``, put in front of each): an admission also settles
+the settlements that ride on it (:meth:`RedisLimiter.admit`'s ``settlements``).
 
 Works with a single Redis server or Redis Cluster (every key of a call shares the tenant's
 hash tag, so each script runs on one slot).  Any Redis failure becomes
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -75,9 +77,22 @@ def starved_ceiling_s(timeout_s: float) -> float:
     return max(20 * timeout_s, 10.0)
 
 
-def load_script(name: str) -> str:
-    """The text of a packaged ``.lua`` script."""
+#: Most settlements riding on one admission (its script blocks Redis while it runs).
+MAX_RIDERS = 32
+
+#: Scripts that settle: the shared settlement functions go in front of their text.
+_SETTLING = frozenset({"admit", "settle"})
+
+
+def _lua(name: str) -> str:
     return resources.files("extproc.limiter").joinpath(f"lua/{name}.lua").read_text("utf-8")
+
+
+def load_script(name: str) -> str:
+    """The text of a packaged ``.lua`` script, as registered (``admit`` and ``settle`` with
+    ``settle_lib.lua`` in front)."""
+    text = _lua(name)
+    return _lua("settle_lib") + "\n" + text if name in _SETTLING else text
 
 
 class HiredisPacking:
@@ -327,10 +342,19 @@ class RedisLimiter:
         now_ms: int = 0,
         lease_until_ms: int = 0,
         record_draft: str = "",
+        settlements: Sequence[SettleCall] = (),
     ) -> AdmitResult:
-        """Run ``admit.lua`` over every bucket (reclaiming the tenant's dead reservations)."""
-        args: list[Any] = [ledger_ttl_ms, "1" if count_refused else "0", tpm_charged]
-        keys = [ledger] + [b.key for b in buckets] + [open_key(ledger)]
+        """Run ``admit.lua`` over every bucket (reclaiming the tenant's dead reservations),
+        after applying ``settlements`` (riders: each settled once, as :meth:`settle_many`
+        would; on Cluster each must be in ``ledger``'s slot, see :meth:`rides_with`)."""
+        if len(settlements) > MAX_RIDERS:
+            raise ValueError(f"at most {MAX_RIDERS} settlements ride on one admission")
+        keys: list[str] = []
+        args: list[Any] = [len(settlements)]
+        for call in settlements:
+            _pack_settlement(keys, args, call)
+        args += [ledger_ttl_ms, "1" if count_refused else "0", tpm_charged]
+        keys += [ledger] + [b.key for b in buckets] + [open_key(ledger)]
         for b in buckets:
             kind = _KIND[b.kind]
             args += [kind, b.amount, b.limit, b.expire_at_ms, b.refundable, int(b.shadow)]
@@ -339,6 +363,7 @@ class RedisLimiter:
         res = await self._call("admission", "admit", lambda: self._admit(keys=keys, args=args))
         status = int(res[0])
         flat = res[2] if len(res) > 2 else []
+        settled = res[3] if len(res) > 3 else []
         return AdmitResult(
             admitted=status == 1,
             duplicate=status == 2,
@@ -347,7 +372,16 @@ class RedisLimiter:
                 Reclaimed(_str(flat[i]), _str(flat[i + 1]), int(flat[i + 2]))
                 for i in range(0, len(flat) - 2, 3)
             ),
+            settled=tuple(bool(int(v)) for v in settled),
         )
+
+    def rides_with(self, ledger: str) -> Callable[[str], bool]:
+        """Which settlements (by ledger) may ride on ``ledger``'s admission: any on a single
+        server, those of the same slot on Cluster (one script call runs on one slot)."""
+        if not isinstance(self._client, RedisCluster):
+            return _anything
+        slot = key_slot(ledger.encode())
+        return lambda other: key_slot(other.encode()) == slot
 
     async def charge(
         self,
@@ -576,6 +610,10 @@ def _pack_settlement(keys: list[str], args: list[Any], s: SettleCall) -> None:
     for key, rate in unconfirmed:
         keys.append(key)
         args.append(rate)
+
+
+def _anything(_: str) -> bool:
+    return True
 
 
 def _str(value: Any) -> str:

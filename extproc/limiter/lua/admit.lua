@@ -1,5 +1,10 @@
--- Atomic, all-or-nothing admission over every bucket of one request.
+-- Atomic, all-or-nothing admission over every bucket of one request, after settling the
+-- requests whose settlements ride on it (settle_lib.lua, which the limiter puts in front).
 --
+-- ARGV[1]        m, settlements riding on this call (0: none), then their KEYS and ARGV
+--                slices (settle_lib.lua): they are applied first, so what they refund is
+--                room this admission may use.  Below, KEYS[k] means KEYS[K0 + k] and ARGV[a]
+--                ARGV[A0 + a], the first indexes after the riders' slices.
 -- KEYS[1]        the request's ledger (hash); its existence makes a replayed request id a no-op
 -- KEYS[2..n+1]   bucket counters, all sharing one hash tag: a string counter per window for
 --                requests ("r") and per-token units ("t": tokens, money, weighted tokens), or a
@@ -11,9 +16,10 @@
 -- ARGV[3]        TPM tokens this admission charges (recorded in the ledger)
 -- ARGV[4..]      per bucket, 8 values: kind ("r", "t" or "c"), amount, limit, expire-at (unix
 --                ms), refundable units (given back if the request is reclaimed), shadow ("1":
---                counted, never refuses), the KEYS index of the previous window's counter
---                (0: not sliding) and its weight in parts per million: a sliding bucket's
---                value is current + floor(previous x weight / 1e6)
+--                counted, never refuses), the absolute KEYS index (the riders' keys counted)
+--                of the previous window's counter (0: not sliding) and its weight in parts
+--                per million: a sliding bucket's value is current + floor(previous x weight /
+--                1e6)
 -- then           now (unix ms), lease deadline (unix ms; 0 = no lease), and the request's
 --                usage-record draft ("" for none), kept in the ledger while it is open
 --
@@ -28,16 +34,19 @@
 -- ledger's record draft is handed back (once: it is removed) with what the ledger had
 -- charged, so the caller writes the usage record its dead processor could not.
 --
--- Returns {status, {value per bucket}, {ledger, draft, charged, ...}}: status 1 admitted
--- (values after charging), 0 refused (values as found), 2 duplicate request id (nothing
--- charged; values as found).
+-- Returns {status, {value per bucket}, {ledger, draft, charged, ...}, {rider results}}:
+-- status 1 admitted (values after charging), 0 refused (values as found), 2 duplicate
+-- request id (nothing charged; values as found); per rider 1 applied, 0 already settled.
+local riders, K0, A0 = settle_all(1, 1)
+K0 = K0 - 1
+A0 = A0 - 1
 local W = 8
-local n = (#ARGV - 6) / W
-local open = KEYS[n + 2]
+local n = (#ARGV - A0 - 6) / W
+local open = KEYS[K0 + n + 2]
 local tail = 4 + n * W
-local now = tonumber(ARGV[tail] or '0')
-local lease_until = tonumber(ARGV[tail + 1] or '0')
-local draft = ARGV[tail + 2] or ''
+local now = tonumber(ARGV[A0 + tail] or '0')
+local lease_until = tonumber(ARGV[A0 + tail + 1] or '0')
+local draft = ARGV[A0 + tail + 2] or ''
 local reclaimed = {}
 if now > 0 then
   local dead = redis.call('ZRANGEBYSCORE', open, '-inf', now, 'LIMIT', 0, 8)
@@ -49,12 +58,7 @@ if now > 0 then
         local tag = string.sub(fields[j], 1, 2)
         local key = string.sub(fields[j], 3)
         if tag == 'r:' then
-          local amt = tonumber(fields[j + 1])
-          if amt > 0 and redis.call('EXISTS', key) == 1 then
-            if redis.call('DECRBY', key, amt) < 0 then
-              redis.call('SET', key, 0, 'KEEPTTL')
-            end
-          end
+          take(key, tonumber(fields[j + 1]))
         elseif tag == 'c:' then
           redis.call('ZREM', key, led)
         end
@@ -75,68 +79,68 @@ local prev = {}
 for i = 1, n do
   local base = 4 + (i - 1) * W
   prev[i] = 0
-  if ARGV[base] == 'c' then
-    redis.call('ZREMRANGEBYSCORE', KEYS[i + 1], '-inf', now)
-    vals[i] = redis.call('ZCARD', KEYS[i + 1])
+  if ARGV[A0 + base] == 'c' then
+    redis.call('ZREMRANGEBYSCORE', KEYS[K0 + i + 1], '-inf', now)
+    vals[i] = redis.call('ZCARD', KEYS[K0 + i + 1])
   else
-    local p = tonumber(ARGV[base + 6])
+    local p = tonumber(ARGV[A0 + base + 6])
     if p > 0 then
       local before = tonumber(redis.call('GET', KEYS[p]) or '0')
-      prev[i] = math.floor(before * tonumber(ARGV[base + 7]) / 1000000)
+      prev[i] = math.floor(before * tonumber(ARGV[A0 + base + 7]) / 1000000)
     end
-    vals[i] = tonumber(redis.call('GET', KEYS[i + 1]) or '0') + prev[i]
+    vals[i] = tonumber(redis.call('GET', KEYS[K0 + i + 1]) or '0') + prev[i]
   end
 end
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {2, vals, reclaimed}
+if redis.call('EXISTS', KEYS[K0 + 1]) == 1 then
+  return {2, vals, reclaimed, riders}
 end
 local ok = true
 for i = 1, n do
   local base = 4 + (i - 1) * W
-  local amount = tonumber(ARGV[base + 1])
-  local limit = tonumber(ARGV[base + 2])
-  if ARGV[base + 5] ~= '1' and amount > 0 and vals[i] + amount > limit then
+  local amount = tonumber(ARGV[A0 + base + 1])
+  local limit = tonumber(ARGV[A0 + base + 2])
+  if ARGV[A0 + base + 5] ~= '1' and amount > 0 and vals[i] + amount > limit then
     ok = false
   end
 end
 if ok then
-  redis.call('HSET', KEYS[1], 'state', 'admitted', 'seq', 0, 'charged', ARGV[3])
+  redis.call('HSET', KEYS[K0 + 1], 'state', 'admitted', 'seq', 0, 'charged', ARGV[A0 + 3])
   for i = 1, n do
     local base = 4 + (i - 1) * W
-    local kind = ARGV[base]
-    local amount = tonumber(ARGV[base + 1])
-    local key = KEYS[i + 1]
+    local kind = ARGV[A0 + base]
+    local amount = tonumber(ARGV[A0 + base + 1])
+    local key = KEYS[K0 + i + 1]
     if kind == 'c' then
-      redis.call('ZADD', key, lease_until, KEYS[1])
-      redis.call('PEXPIREAT', key, ARGV[base + 3])
-      redis.call('HSET', KEYS[1], 'c:' .. key, 1)
+      redis.call('ZADD', key, lease_until, KEYS[K0 + 1])
+      redis.call('PEXPIREAT', key, ARGV[A0 + base + 3])
+      redis.call('HSET', KEYS[K0 + 1], 'c:' .. key, 1)
       vals[i] = vals[i] + 1
     elseif amount > 0 then
       vals[i] = redis.call('INCRBY', key, amount) + prev[i]
-      redis.call('PEXPIREAT', key, ARGV[base + 3])
-      local refundable = tonumber(ARGV[base + 4])
+      redis.call('PEXPIREAT', key, ARGV[A0 + base + 3])
+      local refundable = tonumber(ARGV[A0 + base + 4])
       if lease_until > 0 and kind == 't' and refundable > 0 then
-        redis.call('HSET', KEYS[1], 'r:' .. key, refundable)
+        redis.call('HSET', KEYS[K0 + 1], 'r:' .. key, refundable)
       end
     end
   end
   if lease_until > 0 then
-    redis.call('ZADD', open, lease_until, KEYS[1])
-    redis.call('PEXPIRE', open, ARGV[1])
+    redis.call('ZADD', open, lease_until, KEYS[K0 + 1])
+    redis.call('PEXPIRE', open, ARGV[A0 + 1])
     if draft ~= '' then
-      redis.call('HSET', KEYS[1], 'rec', draft)
+      redis.call('HSET', KEYS[K0 + 1], 'rec', draft)
     end
   end
-  redis.call('PEXPIRE', KEYS[1], ARGV[1])
-  return {1, vals, reclaimed}
+  redis.call('PEXPIRE', KEYS[K0 + 1], ARGV[A0 + 1])
+  return {1, vals, reclaimed, riders}
 end
-if ARGV[2] == '1' then
+if ARGV[A0 + 2] == '1' then
   for i = 1, n do
     local base = 4 + (i - 1) * W
-    if ARGV[base] == 'r' then
-      vals[i] = redis.call('INCRBY', KEYS[i + 1], 1) + prev[i]
-      redis.call('PEXPIREAT', KEYS[i + 1], ARGV[base + 3])
+    if ARGV[A0 + base] == 'r' then
+      vals[i] = redis.call('INCRBY', KEYS[K0 + i + 1], 1) + prev[i]
+      redis.call('PEXPIREAT', KEYS[K0 + i + 1], ARGV[A0 + base + 3])
     end
   end
 end
-return {0, vals, reclaimed}
+return {0, vals, reclaimed, riders}
