@@ -23,7 +23,7 @@ from extproc.config.runtime import RuntimeConfig
 from extproc.core.admission import RoomHints
 from extproc.core.apis.base import ApiFormat
 from extproc.errors import LimiterUnavailable
-from extproc.limiter.base import Limiter, SettleCall
+from extproc.limiter.base import MAX_RIDERS, AdmitResult, Limiter, SettleCall
 from extproc.limiter.batch import Outcome, SettlementBatcher
 from extproc.limiter.kept import SettlementQueue
 from extproc.metrics import Metrics
@@ -141,6 +141,28 @@ class Gateway:
         batcher = self.settle_batcher
         assert batcher is not None
         contextvars.Context().run(batcher.submit, call)
+        self.metrics.settlement_backlog.set(len(batcher))
+
+    def riders_for(self, ledger: str) -> list[SettleCall]:
+        """Waiting settlements that can ride on ``ledger``'s admission call (same Cluster
+        slot), taken out of the batcher: :meth:`riders_done` must follow, whatever the
+        call's fate.  Empty when none waits or the limiter cannot carry them."""
+        batcher = self._batcher
+        if batcher is None or not batcher.backlog.waiting:
+            return []
+        rides_with = getattr(self.limiter, "rides_with", None)
+        if rides_with is None:
+            return []
+        fits = rides_with(ledger)
+        return batcher.take_riders(lambda c: fits(c.ledger), MAX_RIDERS)
+
+    def riders_done(self, riders: list[SettleCall], res: AdmitResult | None) -> None:
+        """The admission that carried ``riders`` answered ``res`` (None: it failed): the
+        applied ones are counted as batched ones are, the others go back to the batcher."""
+        batcher = self._batcher
+        if not riders or batcher is None:
+            return
+        batcher.riders_back(riders, res.settled if res is not None else None)
         self.metrics.settlement_backlog.set(len(batcher))
 
     def _settled(self, outcome: Outcome[SettleCall, bool]) -> None:

@@ -12,6 +12,9 @@ from typing import Protocol
 
 from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 
+#: Most settlements riding on one admission (its script blocks Redis while it runs).
+MAX_RIDERS = 32
+
 
 @dataclass(frozen=True, slots=True)
 class Reclaimed:

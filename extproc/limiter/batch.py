@@ -101,11 +101,22 @@ class Backlog(Generic[T, R]):
         self._in_flight: list[T] | None = None
         self._due: float | None = None
         self._failures = 0
+        self._riding = 0
         self.dropped = 0
 
     def __len__(self) -> int:
-        """Settlements not yet applied (waiting and in flight)."""
-        return len(self._waiting) + len(self._in_flight or ())
+        """Settlements not yet applied (waiting, in flight, and riding on other calls)."""
+        return len(self._waiting) + len(self._in_flight or ()) + self._riding
+
+    @property
+    def waiting(self) -> int:
+        """Items waiting to be sent (neither in flight nor riding)."""
+        return len(self._waiting)
+
+    @property
+    def riding(self) -> int:
+        """Items handed out by :meth:`steal` and not yet given back."""
+        return self._riding
 
     @property
     def failures(self) -> int:
@@ -169,6 +180,46 @@ class Backlog(Generic[T, R]):
         if self._in_flight is not None:
             self.finish([None] * len(self._in_flight), now)
 
+    def steal(self, fits: Callable[[T], bool], limit: int, *, scan: int | None = None) -> list[T]:
+        """Remove up to ``limit`` waiting items (never in-flight ones) for which ``fits`` is
+        true, oldest first, to ride on another call; ``scan`` bounds how many waiting items
+        are looked at (None: all).  They count in ``len()`` until :meth:`ridden` gives them
+        back."""
+        if limit <= 0 or not self._waiting:
+            return []
+        taken: list[T] = []
+        kept: list[T] = []
+        looked = 0
+        while self._waiting and len(taken) < limit and (scan is None or looked < scan):
+            item = self._waiting.popleft()
+            looked += 1
+            (taken if fits(item) else kept).append(item)
+        self._waiting.extendleft(reversed(kept))
+        self._riding += len(taken)
+        if not self._waiting and not self._failures:
+            self._due = None  # nothing left to send; a backoff stays in force
+        return taken
+
+    def ridden(
+        self, items: Sequence[T], results: Sequence[R | None], now: float
+    ) -> list[Outcome[T, R]]:
+        """Stolen items come back with their results (None: their call failed, or did not
+        answer for them): the taken ones are returned as outcomes, the others go back to the
+        front of the queue, in order, and are due at once (the tick they waited is over;
+        a backoff in force stays)."""
+        if len(results) != len(items):
+            raise ValueError(f"{len(results)} results for {len(items)} riders")
+        if len(items) > self._riding:
+            raise RuntimeError(f"{len(items)} riders back, {self._riding} out")
+        self._riding -= len(items)
+        done = [Outcome(s, r) for s, r in zip(items, results, strict=True) if r is not None]
+        failed = [s for s, r in zip(items, results, strict=True) if r is None]
+        if failed:
+            self._waiting.extendleft(reversed(failed))
+            if self._due is None or (not self._failures and self._due > now):
+                self._due = now
+        return done
+
     def drain(self) -> list[T]:
         """Everything not applied (waiting and in flight), removed."""
         left = [*(self._in_flight or ()), *self._waiting]
@@ -208,6 +259,8 @@ class Batcher(Generic[T, R]):
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._out: list[list[T]] = []  # riders handed out, not yet back
+        self._sooner = asyncio.Event()
 
     def __len__(self) -> int:
         return len(self.backlog)
@@ -243,7 +296,11 @@ class Batcher(Generic[T, R]):
                 continue
             delay = due - self.clock()
             if delay > 0:
-                await asyncio.sleep(delay)
+                # riders put back may make a batch due sooner: they cut the wait short
+                self._sooner.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await self._sooner.wait()
             batch = self.backlog.take(self.clock())
             if not batch:
                 continue
@@ -271,6 +328,9 @@ class Batcher(Generic[T, R]):
             )
         elif failures:
             log.info(f"{self.what}_batch_recovered", backlog=len(self.backlog))
+        self._report(done)
+
+    def _report(self, done: list[Outcome[T, R]]) -> None:
         if self.on_result is not None:
             for outcome in done:
                 try:
@@ -279,6 +339,41 @@ class Batcher(Generic[T, R]):
                     log.exception(
                         f"{self.what}_callback_failed", ledger=getattr(outcome.item, "ledger", None)
                     )
+
+    def take_riders(self, fits: Callable[[T], bool], limit: int) -> list[T]:
+        """Waiting items (up to ``limit``, those ``fits`` accepts) to send on another call
+        that happens anyway; :meth:`riders_back` must follow, whatever that call's fate.
+        None after :meth:`close`."""
+        if self._closed:
+            return []
+        riders = self.backlog.steal(fits, limit, scan=self.backlog.settings.max_batch)
+        if riders:
+            self._out.append(riders)
+        return riders
+
+    def riders_back(self, riders: list[T], results: Sequence[R | None] | None) -> None:
+        """What the call answered for the riders (None: the call failed): the taken ones are
+        reported through ``on_result`` as batched ones are, the others wait for the next
+        batch (at once)."""
+        if not riders:
+            return
+        for i, group in enumerate(self._out):
+            if group is riders:
+                del self._out[i]
+                break
+        else:
+            raise RuntimeError(f"{len(riders)} {self.what}s came back that were not riding")
+        if results is None or len(results) != len(riders):
+            results = [None] * len(riders)
+        done = self.backlog.ridden(riders, results, self.clock())
+        self._report(done)
+        if not len(self.backlog):
+            self._idle.set()
+        else:
+            self._wake.set()
+            self._sooner.set()
+            if not self._closed and (self._task is None or self._task.done()):
+                self._task = asyncio.ensure_future(self._run())
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until every submitted item was taken by Redis; False on timeout."""
@@ -291,7 +386,8 @@ class Batcher(Generic[T, R]):
 
     async def close(self, grace_s: float) -> list[T]:
         """Stop taking items, keep sending for up to ``grace_s`` seconds, and return what
-        Redis still has not taken (the caller logs it)."""
+        Redis still has not taken (the caller logs it), riders whose call has not answered
+        yet included."""
         self._closed = True
         self._wake.set()
         if len(self.backlog):
@@ -300,7 +396,7 @@ class Batcher(Generic[T, R]):
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        return self.backlog.drain()
+        return self.backlog.drain() + [r for group in self._out for r in group]
 
 
 class SettlementBatcher(Batcher[SettleCall, bool]):

@@ -45,7 +45,14 @@ from extproc.clock import Clock, SystemClock
 from extproc.core.keys import EXPIRY_SLACK_MS, open_key
 from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 from extproc.errors import LimiterUnavailable
-from extproc.limiter.base import AdmitResult, ChargeCall, ChargeResult, Reclaimed, SettleCall
+from extproc.limiter.base import (
+    MAX_RIDERS,
+    AdmitResult,
+    ChargeCall,
+    ChargeResult,
+    Reclaimed,
+    SettleCall,
+)
 from extproc.limiter.breaker import BreakerSettings, BreakerState, CircuitBreaker
 from extproc.limiter.starvation import LoopLag, fair_wait
 
@@ -76,9 +83,6 @@ def starved_ceiling_s(timeout_s: float) -> float:
     """The longest a call may wait, in wall time, while the processor is starved of CPU."""
     return max(20 * timeout_s, 10.0)
 
-
-#: Most settlements riding on one admission (its script blocks Redis while it runs).
-MAX_RIDERS = 32
 
 #: Scripts that settle: the shared settlement functions go in front of their text.
 _SETTLING = frozenset({"admit", "settle"})

@@ -388,6 +388,10 @@ async def limiter_admit(
     """Run admission; None means Redis failed and the plan's policy is fail-open.  Requests
     of dead processors the call reclaimed get their usage records here."""
     charges = admission.admission_charges(buckets, cost)
+    # Settlements waiting for their batch ride on this call (applied first, at no extra round
+    # trip); whatever happens to the call, they go back to the batcher (applied or not).
+    riders = gw.riders_for(s.ledger)
+    done: AdmitResult | None = None
     try:
         res = await gw.limiter.admit(
             s.ledger,
@@ -398,7 +402,9 @@ async def limiter_admit(
             now_ms=now_ms,
             lease_until_ms=lease_until_ms,
             record_draft=record_draft,
+            settlements=riders,
         )
+        done = res
     except LimiterUnavailable as exc:
         gw.metrics.limiter_errors.labels("admit").inc()
         # The call may still run once Redis answers (it timed out, it did not fail): keep a
@@ -409,6 +415,9 @@ async def limiter_admit(
             log.warning("limiter_unavailable_fail_open", request_id=s.request_id)
             return None
         raise
+    finally:
+        if riders:
+            gw.riders_done(riders, done)
     gw.room.note(charges, res.values)
     if res.reclaimed:
         # Other requests' records: written after this request's answer is on its way, in a

@@ -175,3 +175,112 @@ async def test_batcher_hands_back_what_was_never_taken_on_close() -> None:
     left = await b.close(0.1)
     assert ledgers(dropped) == ledgers([s(0), s(1)])
     assert sorted(ledgers(left)) == sorted(ledgers([s(2), s(3), s(4)]))
+
+
+def test_steal_takes_matching_waiting_items_oldest_first_and_counts_them() -> None:
+    """steal() removes only waiting items the predicate accepts, up to its limit, oldest first;
+    the others keep their order, and the riders still count in len()."""
+    b = Backlog[SettleCall, bool](BatchSettings(tick_s=0.01))
+    for i in range(6):
+        b.add(s(i), 0.0)
+    odd = b.steal(lambda c: int(c.ledger.rsplit(":", 1)[1]) % 2 == 1, 2)
+    assert ledgers(odd) == ledgers([s(1), s(3)])
+    assert len(b) == 6 and b.riding == 2 and b.waiting == 4
+    assert ledgers(b.take(0.01)) == ledgers([s(0), s(2), s(4), s(5)])
+
+
+def test_steal_never_takes_in_flight_items_and_honours_scan() -> None:
+    """An in-flight batch is not stolen from; ``scan`` bounds how far the queue is searched."""
+    b = Backlog[SettleCall, bool](BatchSettings(tick_s=0.0))
+    b.add(s(0), 0.0)
+    b.take(0.0)
+    for i in range(1, 5):
+        b.add(s(i), 0.0)
+    assert b.steal(lambda c: c.ledger == s(4).ledger, 5, scan=3) == []
+    assert ledgers(b.steal(lambda c: True, 10)) == ledgers([s(1), s(2), s(3), s(4)])
+    assert b.waiting == 0 and len(b) == 5 and b.next_send_at() is None
+
+
+def test_riders_back_report_taken_and_requeue_the_rest_at_the_front() -> None:
+    """ridden(): answered riders become outcomes; unanswered ones go back to the front, in
+    order, due at once, ahead of what arrived meanwhile."""
+    b = Backlog[SettleCall, bool](BatchSettings(tick_s=0.5))
+    for i in range(3):
+        b.add(s(i), 0.0)
+    riders = b.steal(lambda c: True, 3)
+    assert b.next_send_at() is None  # nothing waits: no batch is due
+    b.add(s(9), 0.1)
+    done = b.ridden(riders, [True, None, None], 0.2)
+    assert [(o.item.ledger, o.result) for o in done] == [(s(0).ledger, True)]
+    assert b.riding == 0 and len(b) == 3
+    assert b.next_send_at() == 0.2
+    assert ledgers(b.take(0.2)) == ledgers([s(1), s(2), s(9)])
+
+
+def test_riders_back_keep_a_backoff_in_force() -> None:
+    """Riders put back while the batch is backing off after a failure wait for that backoff."""
+    b = Backlog[SettleCall, bool](BatchSettings(tick_s=0.0, backoff_s=1.0, max_backoff_s=1.0))
+    b.add(s(0), 0.0)
+    b.add(s(1), 0.0)
+    b.take(0.0)
+    b.fail(0.0)  # both back, due at 1.0
+    riders = b.steal(lambda c: c.ledger == s(1).ledger, 1)
+    b.ridden(riders, [None], 0.5)
+    assert b.next_send_at() == 1.0
+    assert ledgers(b.take(1.0)) == ledgers([s(1), s(0)])
+
+
+def test_ridden_checks_its_input() -> None:
+    """More riders back than were out, or a result count that does not match, is a bug."""
+    b = Backlog[SettleCall, bool]()
+    b.add(s(0), 0.0)
+    riders = b.steal(lambda c: True, 1)
+    with pytest.raises(ValueError, match="1 riders"):
+        b.ridden(riders, [], 0.0)
+    with pytest.raises(RuntimeError, match="riders back"):
+        b.ridden([s(0), s(1)], [True, True], 0.0)
+
+
+async def test_batcher_waits_for_riders_before_idle_and_resends_failed_ones() -> None:
+    """While riders are out the batcher is not idle; riders whose call failed are sent by the
+    batcher itself; every item is reported once."""
+    sent: list[list[str]] = []
+
+    async def send(batch: list[SettleCall]) -> list[bool | None]:
+        sent.append(ledgers(batch))
+        return [True] * len(batch)
+
+    seen: list[str] = []
+    b: Batcher[SettleCall, bool] = Batcher(
+        send, BatchSettings(tick_s=60.0), on_result=lambda o: seen.append(o.item.ledger)
+    )
+    for i in range(3):
+        b.submit(s(i))
+    riders = b.take_riders(lambda c: True, 2)
+    assert ledgers(riders) == ledgers([s(0), s(1)])
+    assert not await b.wait_idle(0.01)
+    b.riders_back(riders, None)  # the admission carrying them failed
+    more = b.take_riders(lambda c: True, 5)
+    assert ledgers(more) == ledgers([s(0), s(1), s(2)])
+    b.riders_back(more, [True, False, None])
+    assert await b.wait_idle(5.0)  # s(2) was due at once: the batcher sent it alone
+    assert sent == [[s(2).ledger]]
+    assert sorted(seen) == sorted(ledgers([s(0), s(1), s(2)]))
+    with pytest.raises(RuntimeError, match="not riding"):
+        b.riders_back([s(0)], [True])
+    assert await b.close(1.0) == []
+    assert b.take_riders(lambda c: True, 5) == []
+
+
+async def test_close_reports_riders_still_out() -> None:
+    """A drain that ends while riders are inside another call lists them as not confirmed."""
+
+    async def send(batch: list[SettleCall]) -> list[bool | None]:
+        return [True] * len(batch)
+
+    b: Batcher[SettleCall, bool] = Batcher(send, BatchSettings(tick_s=60.0))
+    b.submit(s(0))
+    riders = b.take_riders(lambda c: True, 1)
+    assert ledgers(await b.close(0.05)) == [s(0).ledger]
+    b.riders_back(riders, [True])  # answered late: nothing breaks
+    assert len(b) == 0
