@@ -24,7 +24,7 @@ from extproc.core.admission import RoomHints
 from extproc.core.apis.base import ApiFormat
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import MAX_RIDERS, AdmitResult, Limiter, SettleCall
-from extproc.limiter.batch import Outcome, SettlementBatcher
+from extproc.limiter.batch import BatchSettings, Outcome, SettlementBatcher
 from extproc.limiter.kept import SettlementQueue
 from extproc.metrics import Metrics
 
@@ -70,6 +70,8 @@ class Gateway:
     _settlements: SettlementQueue | None = None
     # Settlements go to Redis many per call, from one background task (when the limiter can)
     _batcher: SettlementBatcher | None = None
+    # How the batcher batches (None: its defaults, a 2 ms tick)
+    batch_settings: BatchSettings | None = None
     # Open reservations are leased (``failure.reservation_lease_seconds``) and renewed every
     # third of it while their request runs; a processor that dies stops renewing, and the
     # tenant's next admission refunds what it had reserved (the bound on what a SIGKILL leaks).
@@ -131,6 +133,7 @@ class Gateway:
                 return None
             self._batcher = SettlementBatcher(
                 self.limiter,  # type: ignore[arg-type]
+                self.batch_settings,
                 on_result=self._settled,
                 on_dropped=self._settlement_dropped,
             )

@@ -220,6 +220,12 @@ class Backlog(Generic[T, R]):
                 self._due = now
         return done
 
+    def hurry(self, now: float) -> None:
+        """Make what waits due now (shutting down: no tick to wait for; a backoff in force
+        stays)."""
+        if self._waiting and not self._failures and (self._due is None or self._due > now):
+            self._due = now
+
     def drain(self) -> list[T]:
         """Everything not applied (waiting and in flight), removed."""
         left = [*(self._in_flight or ()), *self._waiting]
@@ -389,7 +395,9 @@ class Batcher(Generic[T, R]):
         Redis still has not taken (the caller logs it), riders whose call has not answered
         yet included."""
         self._closed = True
+        self.backlog.hurry(self.clock())
         self._wake.set()
+        self._sooner.set()
         if len(self.backlog):
             await self.wait_idle(grace_s)
         if self._task is not None:

@@ -3,6 +3,8 @@ back and when it is retried, what a full backlog drops."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from extproc.core.rules import Adjustment
@@ -284,3 +286,18 @@ async def test_close_reports_riders_still_out() -> None:
     assert ledgers(await b.close(0.05)) == [s(0).ledger]
     b.riders_back(riders, [True])  # answered late: nothing breaks
     assert len(b) == 0
+
+
+async def test_close_sends_what_waits_without_waiting_for_the_tick() -> None:
+    """close() sends waiting items at once, though their tick is far off."""
+    sent: list[str] = []
+
+    async def send(batch: list[SettleCall]) -> list[bool | None]:
+        sent.extend(ledgers(batch))
+        return [True] * len(batch)
+
+    b: Batcher[SettleCall, bool] = Batcher(send, BatchSettings(tick_s=3600.0))
+    b.submit(s(0))
+    await asyncio.sleep(0)  # the sender task is asleep until the tick
+    assert await b.close(5.0) == []
+    assert sent == [s(0).ledger]
