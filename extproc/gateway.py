@@ -14,6 +14,7 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
@@ -24,7 +25,7 @@ from extproc.core.admission import RoomHints
 from extproc.core.apis.base import ApiFormat
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import MAX_RIDERS, AdmitResult, Limiter, SettleCall
-from extproc.limiter.batch import BatchSettings, Outcome, SettlementBatcher
+from extproc.limiter.batch import SETTLEMENT_RIDE_S, BatchSettings, Outcome, SettlementBatcher
 from extproc.limiter.kept import SettlementQueue
 from extproc.metrics import Metrics
 
@@ -70,8 +71,11 @@ class Gateway:
     _settlements: SettlementQueue | None = None
     # Settlements go to Redis many per call, from one background task (when the limiter can)
     _batcher: SettlementBatcher | None = None
-    # How the batcher batches (None: its defaults, a 2 ms tick)
-    batch_settings: BatchSettings | None = None
+    # How the settlement batcher batches: a settlement waits a tick (2 ms) for others to share
+    # its call, or, while admissions are flowing, up to ``ride_s`` for one to ride on
+    batch_settings: BatchSettings = field(
+        default_factory=lambda: BatchSettings(ride_s=SETTLEMENT_RIDE_S)
+    )
     # Open reservations are leased (``failure.reservation_lease_seconds``) and renewed every
     # third of it while their request runs; a processor that dies stops renewing, and the
     # tenant's next admission refunds what it had reserved (the bound on what a SIGKILL leaks).
@@ -140,10 +144,13 @@ class Gateway:
         return self._batcher
 
     def submit_settlement(self, call: SettleCall) -> None:
-        """Queue a settlement for the next batch (never blocks), in the batcher's own context."""
+        """Queue a settlement for the next batch (never blocks), in the batcher's own context.
+        With other requests in progress here it waits for an admission to ride on (up to
+        the batcher's ``ride_s``)."""
         batcher = self.settle_batcher
         assert batcher is not None
-        contextvars.Context().run(batcher.submit, call)
+        busy = len(self.active) > 1  # the settling request may still be one of them
+        contextvars.Context().run(partial(batcher.submit, call, busy=busy))
         self.metrics.settlement_backlog.set(len(batcher))
 
     def riders_for(self, ledger: str) -> list[SettleCall]:
@@ -151,7 +158,10 @@ class Gateway:
         slot), taken out of the batcher: :meth:`riders_done` must follow, whatever the
         call's fate.  Empty when none waits or the limiter cannot carry them."""
         batcher = self._batcher
-        if batcher is None or not batcher.backlog.waiting:
+        if batcher is None:
+            return []
+        batcher.saw_admission()
+        if not batcher.backlog.waiting:
             return []
         rides_with = getattr(self.limiter, "rides_with", None)
         if rides_with is None:

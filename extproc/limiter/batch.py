@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -43,8 +44,11 @@ log = structlog.get_logger("extproc")
 T = TypeVar("T")
 R = TypeVar("R")
 
-#: Seconds the first settlement waits for others to join its call.
+#: Seconds the first item waits for others to join its call.
 DEFAULT_TICK_S = 0.002
+#: Seconds a settlement may wait for an admission to ride on while admissions are flowing
+#: (see :attr:`BatchSettings.ride_s`); the gateway's setting.
+SETTLEMENT_RIDE_S = 0.020
 #: Most settlements sent per batch (the limiter splits it further per Cluster slot and per
 #: script call).
 DEFAULT_MAX_BATCH = 256
@@ -60,6 +64,11 @@ class BatchSettings:
     """How a :class:`Backlog` batches and retries."""
 
     tick_s: float = DEFAULT_TICK_S
+    #: While admissions are flowing (two or more started in the last ``ride_s``) or other
+    #: requests are in progress (``busy``), the first item waits ``ride_s`` instead of
+    #: ``tick_s``: an admission is then likely to come and carry it at no round trip of its
+    #: own (:meth:`Backlog.saw_admission`; 0: never).  Otherwise it goes after ``tick_s``.
+    ride_s: float = 0.0
     max_batch: int = DEFAULT_MAX_BATCH
     max_backlog: int = DEFAULT_MAX_BACKLOG
     backoff_s: float = DEFAULT_BACKOFF_S
@@ -68,6 +77,8 @@ class BatchSettings:
     def __post_init__(self) -> None:
         if not self.tick_s >= 0:
             raise ValueError(f"tick_s must be >= 0, got {self.tick_s!r}")
+        if not self.ride_s >= 0:
+            raise ValueError(f"ride_s must be >= 0, got {self.ride_s!r}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch!r}")
         if self.max_backlog < self.max_batch:
@@ -102,6 +113,7 @@ class Backlog(Generic[T, R]):
         self._due: float | None = None
         self._failures = 0
         self._riding = 0
+        self._admissions = (-math.inf, -math.inf)  # when the last two admissions started
         self.dropped = 0
 
     def __len__(self) -> int:
@@ -123,17 +135,29 @@ class Backlog(Generic[T, R]):
         """Consecutive failed calls (0 once a call succeeds)."""
         return self._failures
 
-    def add(self, item: T, now: float) -> T | None:
+    def add(self, item: T, now: float, *, busy: bool = False) -> T | None:
         """Queue ``item``; returns the oldest waiting item when the backlog was full (it is
-        dropped: the caller logs it)."""
+        dropped: the caller logs it).  ``busy``: other requests are in progress, so an
+        admission is likely to come (as when admissions are :meth:`flowing`)."""
         lost = None
         if len(self) >= self.settings.max_backlog and self._waiting:
             lost = self._waiting.popleft()
             self.dropped += 1
         self._waiting.append(item)
         if self._due is None:
-            self._due = now + self.settings.tick_s
+            ride = self.settings.ride_s > self.settings.tick_s and (busy or self.flowing(now))
+            self._due = now + (self.settings.ride_s if ride else self.settings.tick_s)
         return lost
+
+    def saw_admission(self, now: float) -> None:
+        """An admission call is starting (riders or not): :meth:`flowing` reads when."""
+        self._admissions = (self._admissions[1], now)
+
+    def flowing(self, now: float) -> bool:
+        """Whether admissions are flowing, so that one will likely carry an item added now
+        within ``ride_s``: the last two started within the last ``ride_s``."""
+        ride = self.settings.ride_s
+        return ride > self.settings.tick_s and now - self._admissions[0] <= ride
 
     def next_send_at(self) -> float | None:
         """When the next batch is due (None: nothing waits, or a batch is in flight)."""
@@ -271,11 +295,12 @@ class Batcher(Generic[T, R]):
     def __len__(self) -> int:
         return len(self.backlog)
 
-    def submit(self, item: T) -> None:
-        """Queue an item (never blocks; starts the sender task on first use)."""
+    def submit(self, item: T, *, busy: bool = False) -> None:
+        """Queue an item (never blocks; starts the sender task on first use); ``busy`` as
+        :meth:`Backlog.add` takes it."""
         if self._closed:
             raise RuntimeError(f"the {self.what} batcher is closed")
-        lost = self.backlog.add(item, self.clock())
+        lost = self.backlog.add(item, self.clock(), busy=busy)
         if lost is not None:
             log.error(
                 f"{self.what}_dropped",
@@ -345,6 +370,10 @@ class Batcher(Generic[T, R]):
                     log.exception(
                         f"{self.what}_callback_failed", ledger=getattr(outcome.item, "ledger", None)
                     )
+
+    def saw_admission(self) -> None:
+        """An admission call is starting (see :meth:`Backlog.saw_admission`)."""
+        self.backlog.saw_admission(self.clock())
 
     def take_riders(self, fits: Callable[[T], bool], limit: int) -> list[T]:
         """Waiting items (up to ``limit``, those ``fits`` accepts) to send on another call

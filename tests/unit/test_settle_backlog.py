@@ -117,6 +117,7 @@ def test_result_count_must_match_the_batch() -> None:
     ("kwargs", "message"),
     [
         ({"tick_s": -1.0}, "tick_s"),
+        ({"ride_s": -0.5}, "ride_s"),
         ({"max_batch": 0}, "max_batch"),
         ({"max_batch": 10, "max_backlog": 5}, "max_backlog"),
         ({"backoff_s": 0.0}, "backoff_s"),
@@ -301,3 +302,37 @@ async def test_close_sends_what_waits_without_waiting_for_the_tick() -> None:
     await asyncio.sleep(0)  # the sender task is asleep until the tick
     assert await b.close(5.0) == []
     assert sent == [s(0).ledger]
+
+
+def test_a_settlement_waits_longer_for_a_ride_only_while_admissions_come() -> None:
+    """With ride_s, the first settlement waits ride_s when two admissions started within it or
+    other requests are in progress (busy); with neither, one tick, as without riders."""
+    settings = BatchSettings(tick_s=0.002, ride_s=0.02)
+    idle = Backlog[SettleCall, bool](settings)
+    idle.saw_admission(0.0)  # one admission: its own
+    idle.add(s(0), 0.005)
+    assert idle.next_send_at() == pytest.approx(0.007)
+    assert not idle.flowing(0.005)
+
+    flowing = Backlog[SettleCall, bool](settings)
+    flowing.saw_admission(0.0)
+    flowing.saw_admission(0.004)
+    assert flowing.flowing(0.01) and not flowing.flowing(0.021)
+    flowing.add(s(0), 0.01)
+    assert flowing.next_send_at() == pytest.approx(0.03)
+
+    stale = Backlog[SettleCall, bool](settings)
+    stale.saw_admission(0.0)
+    stale.saw_admission(0.004)
+    stale.add(s(0), 0.05)  # the admissions stopped: no ride expected
+    assert stale.next_send_at() == pytest.approx(0.052)
+
+    busy = Backlog[SettleCall, bool](settings)
+    busy.add(s(0), 1.0, busy=True)
+    assert busy.next_send_at() == pytest.approx(1.02)
+
+    off = Backlog[SettleCall, bool](BatchSettings(tick_s=0.002))
+    off.saw_admission(0.0)
+    off.saw_admission(0.001)
+    off.add(s(0), 0.002, busy=True)
+    assert off.next_send_at() == pytest.approx(0.004)
