@@ -105,7 +105,13 @@ async def accuracy(b: Bench, stack: Stack) -> None:
             if all(x.finished for x in recs.values()):
                 break
             await asyncio.sleep(0.2)
-        admitted = [(r, p) for r, p in results if r.status == 200]
+        # what the gateway bills for a prompt: the upstream's own figure when the response
+        # completed with its usage (the simulator's leaves out the role tokens), else its count
+        admitted = [
+            (r, _billed_prompt(r, p, recs.get(r.client_request_id)))
+            for r, p in results
+            if r.status == 200
+        ]
         prompt_total = sum(p for _, p in admitted)
         delivered = sum(r.tokens for r, _ in admitted)
         upstream = sum(
@@ -245,3 +251,11 @@ async def measure(b: Bench, stacks: Stacks) -> None:
 
 
 SCENARIO = Scenario("accuracy", measure)
+
+
+def _billed_prompt(r: Result, counted: int, rec: SimRecord | None) -> int:
+    """The prompt tokens a request is billed: the simulator's figure for a stream that ended
+    with its usage (not cut), the gateway's own count otherwise."""
+    if r.cut or not r.done or rec is None or not rec.prompt_tokens:
+        return counted
+    return rec.prompt_tokens
