@@ -1,0 +1,341 @@
+"""Micro-benchmark of the per-chunk CPU of the stream path, in one process, against the floor.
+
+Both arms run their servicer's ``Process`` on a fake gRPC context that hands over real
+``ProcessingRequest`` protobufs and serializes every reply with ``SerializeToString()`` (what
+grpc.aio does with it), yielding to the event loop once per message as a gRPC read does:
+
+- ``gateway``: :class:`extproc.server.servicer.ExternalProcessorServicer` with the real
+  :class:`extproc.limiter.redis.RedisLimiter` against a ``redis-server`` this module starts,
+  the bench's rules (:func:`extproc.bench.system.bench_rules`: lazy, one charge every N = 64
+  tokens), metrics and logging as ``ai-quota serve`` sets them up;
+- ``floor``: the do-nothing processor of :mod:`extproc.bench.floor`, same loop, same messages.
+
+Each request is a chat completion streamed the simulator's way (one ``chat.completion.chunk``
+event per body chunk, one cl100k token each, then the usage event and ``[DONE]``).  CPU per
+chunk (``time.process_time``) is the slope between streams of 50 and 500 chunks, as in
+``scripts/bench``; arms and lengths alternate within every round; the JSON has the median and
+range over rounds.  ``--profile FILE`` also writes a cProfile of the gateway arm (500-chunk
+streams) and prints its top functions.
+
+``python -m extproc.bench.chunk_micro [--streams N] [--rounds R] [--profile F] [--out F]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import gc
+import io
+import os
+import platform
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import orjson
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.bench.floor import FloorServicer
+from extproc.bench.limiter_micro import _start_redis
+from extproc.bench.system import bench_rules
+from extproc.clock import SystemClock
+from extproc.config import load_config_text
+from extproc.gateway import Gateway
+from extproc.limiter.redis import RedisLimiter
+from extproc.logs import configure_logging
+from extproc.metrics import Metrics
+from extproc.server.servicer import ExternalProcessorServicer
+from extproc.sim.text import generate_pieces
+
+LENGTHS = (50, 500)
+KEY = "sk-bench"
+
+
+def _headers(pairs: dict[str, str], *, eos: bool = False) -> Any:
+    hh = pb.HttpHeaders(end_of_stream=eos)
+    for k, v in pairs.items():
+        hh.headers.headers.append(base_pb2.HeaderValue(key=k, raw_value=v.encode()))
+    return hh
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def stream_messages(chunks: int, serial: int) -> list[Any]:
+    """The ProcessingRequests Envoy sends for one streamed chat completion of ``chunks``
+    one-token deltas (full duplex: one response body message per upstream chunk)."""
+    rid = f"micro-{serial}"
+    body = orjson.dumps(
+        {
+            "model": "sim-small",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": chunks,
+            "messages": [{"role": "user", "content": "hello " * 100}],
+        }
+    )
+    msgs = [
+        pb.ProcessingRequest(
+            request_headers=_headers(
+                {
+                    ":path": "/v1/chat/completions",
+                    ":method": "POST",
+                    ":authority": "localhost",
+                    "content-type": "application/json",
+                    "authorization": f"Bearer {KEY}",
+                    "x-request-id": rid,
+                }
+            )
+        ),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)),
+        pb.ProcessingRequest(
+            response_headers=_headers({":status": "200", "content-type": "text/event-stream"})
+        ),
+    ]
+    base = {
+        "id": f"chatcmpl-{rid}",
+        "object": "chat.completion.chunk",
+        "created": 1_764_800_000,
+        "model": "sim-small",
+        "system_fingerprint": "ai-quota-sim",
+    }
+
+    def chunk(delta: dict[str, Any], finish: str | None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return _event({**base, "choices": [choice], "usage": None})
+
+    events = [chunk({"role": "assistant", "content": ""}, None)]
+    events += [chunk({"content": w}, None) for w in generate_pieces("english", serial, 0, chunks)]
+    events.append(chunk({}, "length"))
+    usage = {"prompt_tokens": 100, "completion_tokens": chunks, "total_tokens": 100 + chunks}
+    events.append(_event({**base, "choices": [], "usage": usage}))
+    events.append(b"data: [DONE]\n\n")
+    for i, ev in enumerate(events):
+        end = i == len(events) - 1
+        msgs.append(pb.ProcessingRequest(response_body=pb.HttpBody(body=ev, end_of_stream=end)))
+    msgs.append(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
+    return msgs
+
+
+class FakeContext:
+    """The part of ``grpc.aio.ServicerContext`` the servicers use: ``read`` yields to the loop
+    once and hands over the next message (EOF at the end), ``write`` serializes the reply."""
+
+    def __init__(self, messages: list[Any]) -> None:
+        self._it = iter(messages)
+        self.written = 0
+        self.bytes = 0
+
+    async def read(self) -> Any:
+        """The next message, after one event-loop turn (a gRPC read resolves a future)."""
+        await asyncio.sleep(0)
+        return next(self._it, grpc.aio.EOF)
+
+    async def write(self, resp: Any) -> None:
+        """Serialize the reply as grpc.aio does."""
+        self.bytes += len(resp.SerializeToString())
+        self.written += 1
+
+    def cancelled(self) -> bool:
+        """Never cancelled."""
+        return False
+
+    def done(self) -> bool:
+        """Never done early."""
+        return False
+
+
+Process = Callable[[Any, Any], Awaitable[None]]
+
+
+async def run_streams(
+    process: Process, streams: list[list[Any]], concurrency: int
+) -> list[FakeContext]:
+    """Run the pre-built ``streams``, ``concurrency`` at a time."""
+    contexts = [FakeContext(msgs) for msgs in streams]
+    todo = iter(contexts)
+
+    async def worker() -> None:
+        for ctx in todo:
+            await process(None, ctx)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return contexts
+
+
+async def _settled(gw: Gateway) -> None:
+    """Wait until the background settlements have been taken by Redis (bounded)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        batcher = gw._batcher
+        if not gw.pending and (batcher is None or len(batcher) == 0):
+            return
+        await asyncio.sleep(0.001)
+    raise RuntimeError("settlements still pending after 10 s")
+
+
+async def measure(
+    arm: str,
+    process: Process,
+    gw: Gateway | None,
+    *,
+    count: int,
+    concurrency: int,
+    serial: list[int],
+    profiler: cProfile.Profile | None = None,
+) -> dict[str, float]:
+    """CPU µs per stream of each length, and the per-chunk slope between them."""
+    out: dict[str, float] = {}
+    for chunks in LENGTHS:
+        streams = []
+        for _ in range(count):
+            serial[0] += 1
+            streams.append(stream_messages(chunks, serial[0]))
+        cpu0 = time.process_time()
+        if profiler is not None and chunks == LENGTHS[-1]:
+            profiler.enable()
+        ctxs = await run_streams(process, streams, concurrency)
+        if gw is not None:
+            await _settled(gw)
+        if profiler is not None:
+            profiler.disable()
+        cpu = time.process_time() - cpu0
+        if any(c.written == 0 for c in ctxs):
+            raise RuntimeError(f"{arm}: a stream got no reply")
+        out[f"cpu_per_stream_{chunks}"] = 1e6 * cpu / count
+    a, b = LENGTHS
+    out["per_chunk"] = (out[f"cpu_per_stream_{b}"] - out[f"cpu_per_stream_{a}"]) / (b - a)
+    return out
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(values), 2),
+        "min": round(min(values), 2),
+        "max": round(max(values), 2),
+    }
+
+
+async def run(streams: int, concurrency: int, rounds: int, profile: str | None) -> dict[str, Any]:
+    """Start Redis, run the arms alternately, return the results."""
+    with tempfile.TemporaryDirectory(prefix="aiq-chunk-micro-") as tmp:
+        proc, port = _start_redis(Path(tmp))
+        lim = RedisLimiter.from_url(f"redis://127.0.0.1:{port}/0", timeout_ms=2000)
+        try:
+            cfg = load_config_text(orjson.dumps(bench_rules(every=64)).decode())
+            gw = Gateway(config=cfg, limiter=lim, clock=SystemClock(), metrics=Metrics())
+            gw.install(cfg, "micro")
+            real = ExternalProcessorServicer(gw)
+            floor = FloorServicer()
+            arms: dict[str, tuple[Process, Gateway | None]] = {
+                "gateway": (real.Process, gw),
+                "floor": (floor.Process, None),
+            }
+            serial = [0]
+            for name, (process, g) in arms.items():  # warm-up: connections, scripts, caches
+                await measure(name, process, g, count=8, concurrency=concurrency, serial=serial)
+            gc.collect()
+            gc.freeze()
+            results: dict[str, list[dict[str, float]]] = {a: [] for a in arms}
+            for r in range(rounds):
+                order = list(arms) if r % 2 == 0 else list(reversed(arms))
+                for name in order:
+                    process, g = arms[name]
+                    results[name].append(
+                        await measure(
+                            name,
+                            process,
+                            g,
+                            count=streams,
+                            concurrency=concurrency,
+                            serial=serial,
+                        )
+                    )
+            prof_text = None
+            if profile:
+                profiler = cProfile.Profile()
+                await measure(
+                    "gateway",
+                    real.Process,
+                    gw,
+                    count=streams,
+                    concurrency=concurrency,
+                    serial=serial,
+                    profiler=profiler,
+                )
+                profiler.dump_stats(profile)
+                buf = io.StringIO()
+                pstats.Stats(profiler, stream=buf).sort_stats("tottime").print_stats(30)
+                prof_text = buf.getvalue()
+            await gw.drain_settlements(5.0)
+        finally:
+            await lim.close()
+            proc.terminate()
+            proc.wait(10)
+    summary = {arm: {k: _stats([x[k] for x in rs]) for k in rs[0]} for arm, rs in results.items()}
+    ratios = [
+        g["per_chunk"] / f["per_chunk"]
+        for g, f in zip(results["gateway"], results["floor"], strict=True)
+        if f["per_chunk"] > 0
+    ]
+    return {
+        "kind": "chunk-micro",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_avg": os.getloadavg(),
+        },
+        "params": {
+            "streams_per_round": streams,
+            "concurrency": concurrency,
+            "rounds": rounds,
+            "lengths": list(LENGTHS),
+            "every": 64,
+        },
+        "us": summary,
+        "ratio_per_chunk": _stats(ratios) if ratios else None,
+        "rounds": results,
+        "profile_top": prof_text,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m extproc.bench.chunk_micro``."""
+    p = argparse.ArgumentParser(prog="python -m extproc.bench.chunk_micro", description=__doc__)
+    p.add_argument("--streams", type=int, default=16, help="streams per length, arm and round")
+    p.add_argument("--concurrency", type=int, default=4, help="concurrent streams")
+    p.add_argument("--rounds", type=int, default=7, help="A/B rounds")
+    p.add_argument("--profile", help="write a cProfile of the gateway arm here")
+    p.add_argument("--out", help="also write the JSON here")
+    args = p.parse_args(argv)
+    for name in ("streams", "concurrency", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    configure_logging("json", "info")  # as ``ai-quota serve`` runs
+    if os.environ.get("AIQ_EVENT_LOOP", "uvloop") != "asyncio":
+        import uvloop
+
+        uvloop.install()
+    result = asyncio.run(run(args.streams, args.concurrency, args.rounds, args.profile))
+    prof = result.pop("profile_top")
+    text = orjson.dumps(result, option=orjson.OPT_INDENT_2).decode()
+    print(text)
+    if prof:
+        print(prof, file=sys.stderr)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
