@@ -24,6 +24,9 @@ from extproc.core.chunks import DONE, MalformedChunk, StreamChunk, Usage, detail
 from extproc.core.values import is_int
 
 _DELTA_TEXT_KEYS: Final = ("content", "reasoning_content", "reasoning", "refusal")
+#: The text keys after ``content`` (read first, apart: nearly every delta has only it).
+_OTHER_TEXT_KEYS: Final = _DELTA_TEXT_KEYS[1:]
+_loads: Final = orjson.loads
 
 
 def _usage(value: object) -> Usage | None:
@@ -61,7 +64,18 @@ def _add_text(texts: list[tuple[int, str]], index: int, value: object) -> None:
 
 
 def _add_delta(texts: list[tuple[int, str]], index: int, delta: dict[str, Any]) -> None:
-    for key in _DELTA_TEXT_KEYS:
+    content = delta.get("content")
+    if content is not None:
+        if type(content) is str:  # the usual delta: one piece of text
+            if content:
+                texts.append((index, content))
+        else:
+            _add_text(texts, index, content)
+        if len(delta) == 1:
+            return
+    elif not delta:
+        return
+    for key in _OTHER_TEXT_KEYS:
         value = delta.get(key)
         if value is not None:
             _add_text(texts, index, value)
@@ -82,40 +96,45 @@ def _add_delta(texts: list[tuple[int, str]], index: int, delta: dict[str, Any]) 
 
 
 def parse_event_data(data: str) -> StreamChunk:
-    """Parse the ``data`` of one stream event; raise :class:`MalformedChunk` if it is unusable."""
+    """Parse the ``data`` of one stream event; raise :class:`MalformedChunk` if it is unusable.
+
+    The per-chunk hot path of every OpenAI stream: exact-type checks first (``orjson`` makes
+    exact ``dict``/``list``/``str``/``int``), the general checks only when they fail.
+    """
     if data == DONE or data.strip() == DONE:
         return StreamChunk(done=True)
     try:
-        obj = orjson.loads(data)
+        obj = _loads(data)
     except orjson.JSONDecodeError as exc:
         raise MalformedChunk(f"event data is not JSON: {exc}") from None
-    if not isinstance(obj, dict):
+    if type(obj) is not dict:
         raise MalformedChunk(f"event data is a JSON {type(obj).__name__}, not an object")
     chunk = StreamChunk()
     error = obj.get("error")
-    if isinstance(error, dict):
-        chunk.error = error
-    elif isinstance(error, str):
-        chunk.error = {"message": error}
+    if error is not None:
+        if isinstance(error, dict):
+            chunk.error = error
+        elif isinstance(error, str):
+            chunk.error = {"message": error}
     choices = obj.get("choices")
     if choices is None:
-        choices = []
-    elif not isinstance(choices, list):
+        choices = ()
+    elif type(choices) is not list:
         raise MalformedChunk(f"choices is a JSON {type(choices).__name__}, not a list")
     texts = chunk.texts
     for choice in choices:
-        if not isinstance(choice, dict):
+        if type(choice) is not dict:
             raise MalformedChunk(f"a choice is a JSON {type(choice).__name__}, not an object")
         raw_index = choice.get("index")
-        index = raw_index if isinstance(raw_index, int) and is_int(raw_index) else 0
+        index = raw_index if type(raw_index) is int else 0
         delta = choice.get("delta")
-        if isinstance(delta, dict):
+        if type(delta) is dict:
             _add_delta(texts, index, delta)
         text = choice.get("text")
         if text is not None:
             _add_text(texts, index, text)
         reason = choice.get("finish_reason")
-        if isinstance(reason, str):
+        if type(reason) is str:
             chunk.finish_reasons.append((index, reason))
     usage = obj.get("usage")
     if usage is not None:
