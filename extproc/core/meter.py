@@ -27,8 +27,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import Enum
+from typing import Final
 
 from extproc.core.apis.openai.stream import parse_event_data
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
@@ -52,6 +53,26 @@ class Step:
 
 
 EMPTY = Step()
+
+_STEP_FIELDS: Final = ("forward", "end_stream", "charge", "blocked", "cut_reason")
+if tuple(f.name for f in fields(Step)) != _STEP_FIELDS:  # pragma: no cover - guards an edit
+    raise RuntimeError("Step fields changed: update _STEP_FIELDS and _forward_step")
+_new_object: Final = object.__new__
+_set_forward, _set_end, _set_charge, _set_blocked, _set_cut = (
+    Step.__dict__[name].__set__ for name in _STEP_FIELDS
+)
+
+
+def _forward_step(forward: bytes) -> Step:
+    """``Step(forward=forward)`` without the frozen dataclass ``__init__`` (the per-chunk
+    result: fills the slots directly)."""
+    step: Step = _new_object(Step)
+    _set_forward(step, forward)
+    _set_end(step, False)
+    _set_charge(step, 0)
+    _set_blocked(step, False)
+    _set_cut(step, None)
+    return step
 
 
 class StreamPhase(Enum):
@@ -207,30 +228,33 @@ class StreamMeter:
                 events += self._decoder.flush()
         except SSEEventTooLarge:
             return self._cut_step(CutReason.EVENT_TOO_LARGE)
-        out = bytearray()
+        out: list[bytes] = []
+        enforce, strict = self.enforce, self.strict
         for ev in events:
             k, fwd = self._inspect(ev)
             self.counted += k
             if not fwd:
                 continue
-            if self.enforce and (self._held or self._must_hold(k)):
+            if enforce and (self._held or self._must_hold(k)):
                 self._held.append((ev.raw, k, self._terminal))
                 self._held_tokens += k
                 continue
-            out += ev.raw
+            out.append(ev.raw)
             self.delivered += k
-            self.complete = self.complete or self._terminal
-            if self.enforce and self.strict:
+            if self._terminal:
+                self.complete = True
+            if enforce and strict:
                 self.lease -= k
             else:
                 self.uncharged += k
-                if self.enforce and self._charge_in_flight == 0 and self.uncharged >= self.batch:
+                if enforce and self._charge_in_flight == 0 and self.uncharged >= self.batch:
                     # Ask now, mid-chunk: a chunk carrying many events must not slip past
                     # the 2N cap just because the charge would only be asked after it.
                     self._charge_in_flight = self._new_charge = self.uncharged
         if end:
             self._move(StreamInput.UPSTREAM_END)
-        return self._after(bytes(out))
+        # one event (the usual chunk): join returns its bytes without a copy
+        return self._after(b"".join(out))
 
     def _must_hold(self, tokens: int) -> bool:
         """Strict: the event does not fit the lease.  Lazy: Redis has fallen a whole batch
@@ -273,6 +297,8 @@ class StreamMeter:
                 self._charge_in_flight = charge = 0
         if charge:
             self._charge_in_flight = charge
+        elif not blocked and self.phase is StreamPhase.OPEN:
+            return _forward_step(out)  # the common case: forward, nothing else
         end = self.upstream_done and not blocked
         if end:
             self._move(StreamInput.RELEASED)
