@@ -18,6 +18,10 @@ from enum import Enum
 class State(Enum):
     """Where a request is."""
 
+    # Members are singletons compared by identity: hash them by identity too (C-level),
+    # not by Enum's Python-level ``hash(self._name_)``; every message looks up a transition.
+    __hash__ = object.__hash__
+
     AWAIT_HEADERS = "await_headers"
     AWAIT_BODY = "await_body"
     ADMITTED = "admitted"
@@ -31,6 +35,8 @@ class State(Enum):
 
 class Input(Enum):
     """What happened."""
+
+    __hash__ = object.__hash__  # as State's
 
     REQUEST_HEADERS = "request_headers"
     REQUEST_BODY = "request_body"

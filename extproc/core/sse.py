@@ -187,6 +187,18 @@ class SSEDecoder:
         if not chunk:
             return []
         own = self._buf
+        if not own and not self._at_start:
+            # The usual chunk, nothing pending: exactly one ``data: ...`` line and its blank
+            # line, LF only (its first LF is the line's end, the last byte the blank line).
+            n = len(chunk)
+            if (
+                chunk.find(10) == n - 2
+                and chunk[-1] == 10
+                and chunk.startswith(b"data: ")
+                and n <= self._max
+                and 13 not in chunk
+            ):
+                return [_data_event(chunk, chunk[6:-2].decode("utf-8", "replace"))]
         buf: bytes | bytearray
         if own:
             own += chunk

@@ -118,14 +118,14 @@ class RequestProcessor:
         """Answer one ProcessingRequest; client-facing errors become immediate responses."""
         which = req.WhichOneof("request")
         try:
+            if which == "response_body":  # most messages: one per streamed chunk
+                return await self.on_response_body(req.response_body)
             if which == "request_headers":
                 return [await self.on_request_headers(req.request_headers, req)]
             if which == "request_body":
                 return [await self.on_request_body(req.request_body)]
             if which == "response_headers":
                 return [await self.on_response_headers(req.response_headers)]
-            if which == "response_body":
-                return await self.on_response_body(req.response_body)
             if which == "response_trailers":
                 return self.on_response_trailers()
             if which == "request_trailers":
