@@ -59,6 +59,7 @@ from extproc.server.counting import count_input
 from extproc.server.identity import IDENTITY_HEADERS, identify, presented_key, public_path, route
 from extproc.server.settle import access_metadata, settle
 from extproc.server.stream import StreamDriver
+from extproc.server.writelock import WriteLock
 
 log = structlog.get_logger("extproc")
 
@@ -89,7 +90,7 @@ class RequestProcessor:
         self.started = time.perf_counter()
         self.driver: StreamDriver | None = None
         self._json: tuple[bytearray, Any] | None = None  # body read for usage, its decoder
-        self.write_lock = asyncio.Lock()
+        self.write_lock = WriteLock()
         self.writer: Any = None  # the gRPC context, for a cut at shutdown
         # the exact input count of a request admitted on a bound, running after its answer
         self._counting: asyncio.Task[None] | None = None

@@ -47,9 +47,13 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
                 if req is grpc.aio.EOF:
                     break
                 resps = await proc.handle(req)
-                async with lock:
+                if not lock.try_acquire():  # a shutdown cut is writing: wait for it
+                    await lock.acquire()
+                try:
                     for resp in resps:
                         await context.write(resp)
+                finally:
+                    lock.release()
             how = Closed.EOF
         except asyncio.CancelledError:
             raise
