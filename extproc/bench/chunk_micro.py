@@ -225,14 +225,24 @@ def _stats(values: list[float]) -> dict[str, float]:
     }
 
 
-async def run(streams: int, concurrency: int, rounds: int, profile: str | None) -> dict[str, Any]:
+async def run(
+    streams: int, concurrency: int, rounds: int, profile: str | None, every: int = 64
+) -> dict[str, Any]:
     """Start Redis, run the arms alternately, return the results."""
     with tempfile.TemporaryDirectory(prefix="aiq-chunk-micro-") as tmp:
         proc, port = _start_redis(Path(tmp))
-        lim = RedisLimiter.from_url(f"redis://127.0.0.1:{port}/0", timeout_ms=2000)
+        cfg = load_config_text(orjson.dumps(bench_rules(every=every)).decode())
+        clock, metrics = SystemClock(), Metrics()
+        # built as ``ai-quota serve`` builds it (extproc.app.start)
+        lim = RedisLimiter.from_url(
+            f"redis://127.0.0.1:{port}/0",
+            timeout_ms=cfg.redis_timeout_ms,
+            cooldown_ms=cfg.breaker_cooldown_ms,
+            clock=clock,
+            metrics=metrics,
+        )
         try:
-            cfg = load_config_text(orjson.dumps(bench_rules(every=64)).decode())
-            gw = Gateway(config=cfg, limiter=lim, clock=SystemClock(), metrics=Metrics())
+            gw = Gateway(config=cfg, limiter=lim, clock=clock, metrics=metrics)
             gw.install(cfg, "micro")
             real = ExternalProcessorServicer(gw)
             floor = FloorServicer()
@@ -300,7 +310,7 @@ async def run(streams: int, concurrency: int, rounds: int, profile: str | None) 
             "concurrency": concurrency,
             "rounds": rounds,
             "lengths": list(LENGTHS),
-            "every": 64,
+            "every": every,
         },
         "us": summary,
         "ratio_per_chunk": _stats(ratios) if ratios else None,
@@ -315,10 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=16, help="streams per length, arm and round")
     p.add_argument("--concurrency", type=int, default=4, help="concurrent streams")
     p.add_argument("--rounds", type=int, default=7, help="A/B rounds")
+    p.add_argument("--every", type=int, default=64, help="charge every N tokens (the rules')")
     p.add_argument("--profile", help="write a cProfile of the gateway arm here")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
-    for name in ("streams", "concurrency", "rounds"):
+    for name in ("streams", "concurrency", "rounds", "every"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
     configure_logging("json", "info")  # as ``ai-quota serve`` runs
@@ -326,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         uvloop.install()
-    result = asyncio.run(run(args.streams, args.concurrency, args.rounds, args.profile))
+    result = asyncio.run(run(args.streams, args.concurrency, args.rounds, args.profile, args.every))
     prof = result.pop("profile_top")
     text = orjson.dumps(result, option=orjson.OPT_INDENT_2).decode()
     print(text)

@@ -102,9 +102,11 @@ class StreamDriver:
                     return out
         step = meter.feed(data, end)
         if not (step.charge or step.blocked or step.cut_reason or step.end_stream):
-            # The common case: forward what completed, no Redis, no await.
+            # The common case: forward what completed, no Redis, no await (the final figures
+            # go with the terminal event only: none before the meter saw it).
             if step.forward:
-                out.append(wire.streamed_body(step.forward, False, self._terminal_metadata()))
+                meta = self._terminal_metadata() if meter.complete else None
+                out.append(wire.streamed_body(step.forward, False, meta))
             return out
         out += await self._apply(step)
         return out
