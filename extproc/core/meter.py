@@ -113,6 +113,39 @@ STREAM_TRANSITIONS: dict[tuple[StreamPhase, StreamInput], StreamPhase] = {
 class StreamMeter:
     """Meters one SSE response body."""
 
+    __slots__ = (
+        "_charge_in_flight",
+        "_count",
+        "_decoder",
+        "_engine_counts",
+        "_held",
+        "_held_precharged",
+        "_held_tokens",
+        "_new_charge",
+        "_read",
+        "_strip_usage",
+        "_terminal",
+        "batch",
+        "charged",
+        "complete",
+        "counted",
+        "cut_reason",
+        "delivered",
+        "enforce",
+        "events",
+        "every",
+        "exhausted",
+        "lease",
+        "leased_total",
+        "malformed_events",
+        "phase",
+        "strict",
+        "text_events",
+        "uncharged",
+        "upstream_error",
+        "usage",
+    )
+
     def __init__(
         self,
         *,
@@ -218,7 +251,7 @@ class StreamMeter:
 
     def feed(self, chunk: bytes, end: bool) -> Step:
         """Take one upstream body chunk (``end`` on the last); return what to do."""
-        if self.finished:
+        if self.phase is not StreamPhase.OPEN and self.finished:
             return EMPTY
         if self.enforce and not self.strict and self.exhausted and not self.complete:
             return self._cut_step(CutReason.QUOTA_EXHAUSTED)
