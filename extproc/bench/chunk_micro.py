@@ -43,15 +43,17 @@ import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.bench.floor import FloorServicer
+from extproc.bench.floor import FloorServicer, answer
 from extproc.bench.limiter_micro import _start_redis
 from extproc.bench.system import bench_rules
 from extproc.clock import SystemClock
 from extproc.config import load_config_text
 from extproc.gateway import Gateway
+from extproc.limiter.memory import MemoryLimiter
 from extproc.limiter.redis import RedisLimiter
 from extproc.logs import configure_logging
 from extproc.metrics import Metrics
+from extproc.server.processor import RequestProcessor
 from extproc.server.servicer import ExternalProcessorServicer
 from extproc.sim.text import generate_pieces
 
@@ -319,6 +321,56 @@ async def run(
     }
 
 
+def _drive_handle(proc: RequestProcessor, body: list[Any]) -> None:
+    for m in body:
+        coro = proc.handle(m)
+        try:
+            coro.send(None)
+        except StopIteration as done:
+            for resp in done.value:
+                resp.SerializeToString()
+        else:  # pragma: no cover - the common chunk never awaits
+            coro.close()
+            raise RuntimeError("a plain chunk awaited")
+
+
+def _drive_floor(proc: RequestProcessor, body: list[Any]) -> None:
+    for m in body:
+        answer(m).SerializeToString()
+
+
+async def handle_only(rounds: int, chunks: int = 2000) -> dict[str, Any]:
+    """CPU µs per chunk of ``RequestProcessor.handle`` alone (plus serializing its replies),
+    driven without an event loop (the common chunk never awaits), against the floor's
+    ``answer``; no Redis (the in-memory limiter, no charge within the stream), best of
+    ``rounds``: the pure-Python part of the path, steady enough to attribute each change."""
+    cfg = load_config_text(orjson.dumps(bench_rules(every=100_000)).decode())
+    clock = SystemClock()
+    gw = Gateway(config=cfg, limiter=MemoryLimiter(clock), clock=clock, metrics=Metrics())
+    gw.install(cfg, "micro")
+    best = {"handle": float("inf"), "floor": float("inf")}
+    for r in range(rounds):
+        msgs = stream_messages(chunks, r)
+        proc = RequestProcessor(gw)
+        for m in msgs[:3]:  # request headers, body, response headers
+            await proc.handle(m)
+        body = msgs[4 : 4 + chunks - 10]  # plain delta chunks
+
+        for name, f in (("handle", _drive_handle), ("floor", _drive_floor)):
+            gc.disable()
+            t0 = time.process_time()
+            f(proc, body)
+            cpu = time.process_time() - t0
+            gc.enable()
+            best[name] = min(best[name], 1e6 * cpu / len(body))
+    return {
+        "kind": "chunk-micro-handle",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()},
+        "us_per_chunk_best": {k: round(v, 2) for k, v in best.items()},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m extproc.bench.chunk_micro``."""
     p = argparse.ArgumentParser(prog="python -m extproc.bench.chunk_micro", description=__doc__)
@@ -327,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=7, help="A/B rounds")
     p.add_argument("--every", type=int, default=64, help="charge every N tokens (the rules')")
     p.add_argument("--profile", help="write a cProfile of the gateway arm here")
+    p.add_argument(
+        "--handle-only",
+        action="store_true",
+        help="time RequestProcessor.handle alone, without event loop or Redis",
+    )
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     for name in ("streams", "concurrency", "rounds", "every"):
@@ -337,8 +394,13 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         uvloop.install()
-    result = asyncio.run(run(args.streams, args.concurrency, args.rounds, args.profile, args.every))
-    prof = result.pop("profile_top")
+    if args.handle_only:
+        result = asyncio.run(handle_only(args.rounds))
+    else:
+        result = asyncio.run(
+            run(args.streams, args.concurrency, args.rounds, args.profile, args.every)
+        )
+    prof = result.pop("profile_top", None)
     text = orjson.dumps(result, option=orjson.OPT_INDENT_2).decode()
     print(text)
     if prof:
