@@ -17,7 +17,11 @@ chunk (``time.process_time``) is the slope between streams of 50 and 500 chunks,
 range over rounds.  ``--profile FILE`` also writes a cProfile of the gateway arm (500-chunk
 streams) and prints its top functions.
 
-``python -m extproc.bench.chunk_micro [--streams N] [--rounds R] [--profile F] [--out F]``
+``python tests/benchmark/bench_chunk.py [--streams N] [--rounds R] [--every N] [--profile F]
+[--handle-only] [--out F]``; ``pytest -m benchmark tests/benchmark/bench_chunk.py`` runs one
+quick pass of each mode (no assertion on speed).  It lives beside the tests, not in
+``extproc.bench``, because it drives the server's classes in-process (the bench tool never
+imports the server: ``tests/unit/test_layering.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from typing import Any
 
 import grpc
 import orjson
+import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
@@ -372,8 +377,8 @@ async def handle_only(rounds: int, chunks: int = 2000) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m extproc.bench.chunk_micro``."""
-    p = argparse.ArgumentParser(prog="python -m extproc.bench.chunk_micro", description=__doc__)
+    """Entry point of ``python tests/benchmark/bench_chunk.py``."""
+    p = argparse.ArgumentParser(prog="python tests/benchmark/bench_chunk.py", description=__doc__)
     p.add_argument("--streams", type=int, default=16, help="streams per length, arm and round")
     p.add_argument("--concurrency", type=int, default=4, help="concurrent streams")
     p.add_argument("--rounds", type=int, default=7, help="A/B rounds")
@@ -408,6 +413,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(text + "\n")
     return 0
+
+
+@pytest.mark.benchmark
+async def test_quick_pass_measures_both_arms() -> None:
+    """One round of each arm: every stream answered, a per-chunk figure for each arm."""
+    result = await run(streams=2, concurrency=2, rounds=1, profile=None)
+    for arm in ("gateway", "floor"):
+        assert result["rounds"][arm][0]["cpu_per_stream_500"] > 0
+        assert "per_chunk" in result["us"][arm]
+
+
+@pytest.mark.benchmark
+async def test_handle_only_drives_plain_chunks_without_awaiting() -> None:
+    """handle() answers every plain chunk without awaiting (or the run raises)."""
+    result = await handle_only(rounds=1, chunks=200)
+    assert set(result["us_per_chunk_best"]) == {"handle", "floor"}
 
 
 if __name__ == "__main__":
