@@ -1,0 +1,186 @@
+"""Where the gateway's fixed per-request CPU goes, by arms behind real Envoys (issue 17).
+
+Non-streaming chat completions (the bench's admission shape: a 1k-token prompt, ``max_tokens``
+8) at concurrency 4 through one Envoy per arm, each arm's processor CPU per request taken from
+``/proc`` (as ``scripts/bench`` does), arms alternated over the rounds:
+
+- ``floor``: the do-nothing processor (:mod:`extproc.bench.floor`);
+- ``floor+1redis`` / ``floor+2redis``: the same with one or two awaited ``EVALSHA`` calls of a
+  one-line script at the request body (what a Redis round trip inside a grpc.aio handler costs);
+- ``gateway``: ``ai-quota serve`` with the bench's rules;
+- ``gateway-info-logs-off``: the same at log level ``warning`` (the two info lines per request);
+- ``gateway-counted``: the same with ``requests.admit_on_bound: false`` (every prompt tokenized
+  before admission, as before issue 17).
+
+``python tests/benchmark/bench_fixed_part.py [--rounds R] [--requests N] [--out F]`` prints the
+median and the per-round figures and writes them as JSON.  ``--serve-floor-redis`` is the
+processor of the ``floor+Nredis`` arms (``FLOOR_REDIS_CALLS`` calls).  It lives beside the
+tests because it is a measurement, not a test; ``pytest -m benchmark`` runs a short pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from extproc.bench import system
+from extproc.bench.client import Shape
+from extproc.bench.drivers import KEY, batch
+from extproc.bench.floor import EXT_PROC_SERVICE, answer
+from extproc.stack import Stack
+
+SHAPE = Shape(prompt_tokens=1000, max_tokens=8)
+
+
+class RedisFloor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """The floor's answers, after ``calls`` awaited script calls at the request body."""
+
+    def __init__(self, script: Any, calls: int) -> None:
+        self.script, self.calls = script, calls
+
+    async def Process(self, request_iterator: Any, context: Any) -> None:
+        """Answer each message; Redis first at the request body."""
+        while True:
+            req = await context.read()
+            if req is grpc.aio.EOF:
+                return
+            if req.WhichOneof("request") == "request_body":
+                for _ in range(self.calls):
+                    await self.script(keys=["{floor}:n"], args=[1])
+            resp = answer(req)
+            if resp is not None:
+                await context.write(resp)
+
+
+async def serve_floor_redis(address: str, redis_url: str, calls: int) -> None:
+    """The ``floor+Nredis`` processor, until SIGTERM."""
+    client = aioredis.Redis.from_url(redis_url)
+    script = client.register_script("return redis.call('INCRBY', KEYS[1], ARGV[1])")
+    server = grpc.aio.server()
+    pb_grpc.add_ExternalProcessorServicer_to_server(RedisFloor(script, calls), server)
+    health = health_aio.HealthServicer()
+    for name in ("", EXT_PROC_SERVICE):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    server.add_insecure_port(address)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(1.0)
+    await client.aclose()
+
+
+def start_arms(workdir: Path) -> dict[str, Stack]:
+    """Every arm's stack, sharing the first one's Redis."""
+    rules = system.bench_rules()
+    here = str(Path(__file__).resolve())
+    arms: dict[str, Stack] = {}
+    arms["floor"] = system.start_stack(
+        workdir / "floor", rules, extproc_argv=(sys.executable, "-m", "extproc.bench.floor")
+    )
+    url = arms["floor"].effective_redis_url
+    for n in (1, 2):
+        arms[f"floor+{n}redis"] = system.start_stack(
+            workdir / f"floor{n}",
+            rules,
+            extproc_argv=(sys.executable, here, "--serve-floor-redis"),
+            redis_url=url,
+            env={"FLOOR_REDIS_CALLS": str(n)},
+        )
+    arms["gateway"] = system.start_stack(workdir / "gw", rules, redis_url=url)
+    arms["gateway-info-logs-off"] = system.start_stack(
+        workdir / "gw-warn", rules, redis_url=url, env={"AIQ_LOG_LEVEL": "warning"}
+    )
+    counted = {**rules, "requests": {"admit_on_bound": False}}
+    arms["gateway-counted"] = system.start_stack(workdir / "gw-counted", counted, redis_url=url)
+    return arms
+
+
+async def measure(rounds: int, requests: int) -> dict[str, Any]:
+    """CPU per request of every arm, per round."""
+    workdir = Path(tempfile.mkdtemp(prefix="aiq-fixed-"))
+    arms = await asyncio.to_thread(start_arms, workdir)
+    try:
+        for st in arms.values():
+            await batch(st.base_url, KEY, SHAPE, count=50, concurrency=4)
+        per_round: dict[str, list[float]] = {name: [] for name in arms}
+        for _ in range(rounds):
+            for name, st in arms.items():
+                pids = system.proc_pids(st, "extproc")
+                before = system.cpu_seconds(pids)
+                rs = await batch(st.base_url, KEY, SHAPE, count=requests, concurrency=4)
+                spent = system.cpu_seconds(pids) - before
+                assert all(r.status == 200 for r in rs), name
+                per_round[name].append(round(spent / requests * 1e6, 1))
+    finally:
+        for st in arms.values():
+            st.stop()
+    return {
+        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "requests_per_round": requests,
+        "concurrency": 4,
+        "shape": {"prompt_tokens": SHAPE.prompt_tokens, "max_tokens": SHAPE.max_tokens},
+        "cpu_us_per_request": {
+            name: {"median": statistics.median(v), "rounds": v} for name, v in per_round.items()
+        },
+    }
+
+
+@pytest.mark.benchmark
+def test_fixed_part_arms_run() -> None:
+    """A short pass of every arm: each answers and spends CPU (no assertion on speed)."""
+    res = asyncio.run(measure(rounds=1, requests=20))
+    assert all(v["median"] > 0 for v in res["cpu_us_per_request"].values())
+
+
+def main() -> int:
+    """Command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--serve-floor-redis", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve_floor_redis:
+        import uvloop
+
+        uvloop.install()
+        asyncio.run(
+            serve_floor_redis(
+                os.environ.get("AIQ_GRPC_ADDRESS", "127.0.0.1:50051"),
+                os.environ["AIQ_REDIS_URL"],
+                int(os.environ.get("FLOOR_REDIS_CALLS", "1")),
+            )
+        )
+        return 0
+    res = asyncio.run(measure(args.rounds, args.requests))
+    for name, v in res["cpu_us_per_request"].items():
+        print(f"{name:24s} {v['median']:8.1f} us/request  rounds {v['rounds']}")
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
