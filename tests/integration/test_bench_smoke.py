@@ -93,14 +93,15 @@ def test_direct_cpu_per_request_rows() -> None:
     cpu, msgs = admission.cpu_rows(summary)
     assert (cpu.value, cpu.base) == (1800, 1000)
     assert (cpu.target, cpu.met) == ("<= 1.8x", True)
-    assert cpu.note == "ratio per round 1.50-2.00x, failed: gateway 2, floor 0"
+    assert cpu.note == "ratio per round: median 2.00x, 1.50-2.00x, failed: gateway 2, floor 0"
     assert (msgs.value, msgs.base, msgs.ratio) == (4.0, 4.0, 1.0)
     rounds["gateway"][2] = _cpu_round(1900, 4.0)
     over = admission.cpu_rows(admission.cpu_summary(rounds))[0]
-    assert (over.met, over.note) == (False, "ratio per round 1.50-2.11x")
+    assert (over.met, over.note) == (False, "ratio per round: median 2.00x, 1.50-2.11x")
     md = Table([over]).markdown()
     assert (
-        "(ratio per round 1.50-2.11x) | µs | 1,000 | 1,900 | 900 | 1.90x | <= 1.8x MISSED |" in md
+        "(ratio per round: median 2.00x, 1.50-2.11x) | µs | 1,000 | 1,900 | 900 | 1.90x | <= 1.8x MISSED |"
+        in md
     )
 
 

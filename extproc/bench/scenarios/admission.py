@@ -15,6 +15,7 @@ from extproc.bench.plan import Bench
 from extproc.bench.report import Row, Target
 from extproc.bench.scenarios.base import Scenario, Stacks
 from extproc.stack import Stack
+from extproc.stats import median
 
 #: The admission shape: a 1k-token prompt, 8 output tokens, not streamed.
 SHAPE = Shape(prompt_tokens=1000, max_tokens=8)
@@ -109,7 +110,11 @@ def cpu_rows(summary: dict[str, Any]) -> list[Row]:
     spread of the per-round ratios, and the ext_proc messages per request of each arm (the
     floor must exchange as many as the gateway for the comparison to hold)."""
     med, ratios, errors = summary["median"], summary["ratio_per_round"], summary["errors"]
-    spread = f"ratio per round {min(ratios):.2f}-{max(ratios):.2f}x" if ratios else ""
+    spread = (
+        f"ratio per round: median {median(ratios):.2f}x, {min(ratios):.2f}-{max(ratios):.2f}x"
+        if ratios
+        else ""
+    )
     failed = f"failed: gateway {errors['gateway']}, floor {errors['floor']}"
     return [
         Row(
