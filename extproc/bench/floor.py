@@ -1,12 +1,19 @@
 """A do-nothing ext_proc processor: the floor a grpc.aio processor can reach.
 
 It exchanges exactly the messages the real gateway exchanges with Envoy and does no other
-work: CONTINUE at request headers and body, at response headers a ``mode_override`` to
-FULL_DUPLEX_STREAMED (with response trailers SEND) for ``text/event-stream`` responses, and
-each streamed response body chunk echoed back unchanged with the same ``end_of_stream``.
-The benchmark runs it in place of ``ai-quota serve`` to measure the per-chunk cost of Python
-gRPC alone.  ``python -m extproc.bench.floor`` listens on ``AIQ_GRPC_ADDRESS`` (or
-``--address``) and honours ``AIQ_EVENT_LOOP`` like the real server.
+work: CONTINUE at request headers and body; at the headers of a 2xx response, the
+``mode_override`` the real processor sends (``RequestProcessor.on_response_headers``):
+FULL_DUPLEX_STREAMED with response trailers SEND for ``text/event-stream``, and response body
+STREAMED for any other response with a body (the real one reads a JSON body's ``usage`` that
+way when the plan settles to the actual usage, as the bench's plans do); no override for an
+error status or a response without a body.  A full-duplex response body chunk is echoed
+back unchanged with the same ``end_of_stream``; a STREAMED one gets a CONTINUE.  What it
+leaves out is work, not messages: header mutations, dynamic metadata, and the admission and
+settlement behind them.
+
+The benchmark runs it in place of ``ai-quota serve`` to measure the per-request and per-chunk
+cost of Python gRPC alone.  ``python -m extproc.bench.floor`` listens on ``AIQ_GRPC_ADDRESS``
+(or ``--address``) and honours ``AIQ_EVENT_LOOP`` like the real server.
 """
 
 from __future__ import annotations
@@ -29,38 +36,62 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 _Mode = processing_mode_pb2.ProcessingMode
 _DUPLEX = _Mode(response_body_mode=_Mode.FULL_DUPLEX_STREAMED, response_trailer_mode=_Mode.SEND)
+_STREAMED = _Mode(response_body_mode=_Mode.STREAMED)
 
 
-def _is_sse(headers: Any) -> bool:
+def _header(headers: Any, name: str) -> bytes:
     for h in headers.headers.headers:
-        if h.key.lower() == "content-type":
-            return b"text/event-stream" in h.raw_value
-    return False
+        if h.key.lower() == name:
+            return bytes(h.raw_value)
+    return b""
 
 
-def answer(req: Any) -> Any:
-    """The floor's reply to one ProcessingRequest (None: nothing to send)."""
-    which = req.WhichOneof("request")
-    if which == "response_body":
-        common = pb.CommonResponse()
-        sr = common.body_mutation.streamed_response
-        sr.body = req.response_body.body
-        sr.end_of_stream = req.response_body.end_of_stream
-        return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
-    if which == "request_headers":
-        return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-    if which == "request_body":
-        return pb.ProcessingResponse(request_body=pb.BodyResponse())
-    if which == "response_headers":
-        r = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-        if _is_sse(req.response_headers):
-            r.mode_override.CopyFrom(_DUPLEX)
-        return r
-    if which == "response_trailers":
-        return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
-    if which == "request_trailers":
-        return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-    return None
+def response_mode(headers: Any) -> Any:
+    """The ``mode_override`` for a response's headers message (None: keep the filter's)."""
+    status = _header(headers, ":status")
+    if not (status.isdigit() and 200 <= int(status) < 300):
+        return None
+    if b"text/event-stream" in _header(headers, "content-type"):
+        return _DUPLEX
+    if headers.end_of_stream:
+        return None
+    return _STREAMED
+
+
+class FloorStream:
+    """One request's exchange: answers each ProcessingRequest in order, no other work."""
+
+    def __init__(self) -> None:
+        #: the response body is FULL_DUPLEX_STREAMED (chunks are echoed back)
+        self.duplex = False
+
+    def answer(self, req: Any) -> Any:
+        """The floor's reply to one ProcessingRequest (None: nothing to send)."""
+        which = req.WhichOneof("request")
+        if which == "response_body":
+            if not self.duplex:
+                return pb.ProcessingResponse(response_body=pb.BodyResponse())
+            common = pb.CommonResponse()
+            sr = common.body_mutation.streamed_response
+            sr.body = req.response_body.body
+            sr.end_of_stream = req.response_body.end_of_stream
+            return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
+        if which == "request_headers":
+            return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+        if which == "request_body":
+            return pb.ProcessingResponse(request_body=pb.BodyResponse())
+        if which == "response_headers":
+            r = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+            mode = response_mode(req.response_headers)
+            if mode is not None:
+                r.mode_override.CopyFrom(mode)
+                self.duplex = mode is _DUPLEX
+            return r
+        if which == "response_trailers":
+            return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+        if which == "request_trailers":
+            return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+        return None
 
 
 class FloorServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -68,11 +99,12 @@ class FloorServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     async def Process(self, request_iterator: Any, context: Any) -> None:  # noqa: N802
         """Answer each message in order until Envoy closes or cancels the stream."""
+        stream = FloorStream()
         while True:
             req = await context.read()
             if req is grpc.aio.EOF:
                 return
-            resp = answer(req)
+            resp = stream.answer(req)
             if resp is not None:
                 await context.write(resp)
 

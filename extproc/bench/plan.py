@@ -18,6 +18,9 @@ class BenchPlan:
     rounds: int = 5
     admit_c1: int = 200
     admit_c16: int = 800
+    #: non-streaming requests per arm and round of the direct per-request CPU measurement
+    fixed_requests: int = 400
+    fixed_concurrency: int = 4
     short_streams_lat: int = 8
     long_streams_lat: int = 2
     cpu_streams: int = 16
@@ -39,6 +42,7 @@ class BenchPlan:
             rounds=3,
             admit_c1=60,
             admit_c16=240,
+            fixed_requests=120,
             short_streams_lat=4,
             long_streams_lat=1,
             cpu_streams=8,

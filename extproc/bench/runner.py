@@ -7,7 +7,8 @@ keeping the medians.  Stacks are on free loopback ports, started with :mod:`extp
 
 * ``main``: Redis, simulator, one real processor, one Envoy with the filtered listener and a
   baseline listener without the filter (the same Envoy);
-* ``floor``: simulator, the do-nothing processor (:mod:`extproc.bench.floor`), one Envoy;
+* ``floor``: simulator, the do-nothing processor (:mod:`extproc.bench.floor`), one Envoy
+  (started by the first ``on_main`` scenario that compares with it, stopped with ``main``);
 * ``accuracy``: 2 Envoys x 2 processor replicas, one Redis;
 * ``workers``: one Envoy each in front of ``serve --workers 1``, ``--workers 2`` and
   ``--workers 1`` on the asyncio loop.
@@ -34,14 +35,13 @@ async def run(b: Bench) -> None:
     try:
         on_main = [s for s in chosen if s.on_main]
         if on_main:
-            b.log("starting the main stack (Envoy with baseline listener) and the floor stack")
+            b.log("starting the main stack (Envoy with baseline listener)")
             main = stacks.main = await stacks.start("main", baseline=True)
             await batch(main.base_url, KEY, Shape(), count=30, concurrency=4)
             await batch(stacks.baseline_url, KEY, Shape(), count=30, concurrency=4)
             for scenario in on_main:
                 await scenario.measure(b, stacks)
-            main.stop()
-            stacks.main = None
+            stacks.stop_shared()
         for scenario in chosen:
             if not scenario.on_main:
                 await scenario.measure(b, stacks)

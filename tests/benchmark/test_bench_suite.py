@@ -42,3 +42,19 @@ async def test_floor_processor_streams_through_envoy(tmp_path: Path) -> None:
     await run(bench)
     incomplete = bench.raw["streaming"]["latency_50"]["incomplete"]
     assert incomplete == {"baseline": 0, "gateway": 0, "floor": 0}
+
+
+async def test_floor_exchanges_the_gateways_messages_per_non_stream(tmp_path: Path) -> None:
+    """Through real Envoys, the floor and the gateway exchange as many ext_proc messages per
+    non-streaming request (request headers and body, response headers, the JSON body read
+    STREAMED), every request succeeds, and the CPU row has its issue-17 target."""
+    bench = Bench(plan=BenchPlan.quick(), workdir=tmp_path, sections=frozenset({"admission"}))
+    await run(bench)
+    cpu = bench.raw["admission"]["cpu"]
+    assert cpu["errors"] == {"gateway": 0, "floor": 0}
+    msgs = {arm: cpu["median"][arm]["msgs_per_req"] for arm in ("gateway", "floor")}
+    assert msgs["gateway"] >= 2
+    assert msgs["floor"] == pytest.approx(msgs["gateway"], abs=0.1)
+    [row] = [r for r in bench.table.rows if r.name.startswith("processor CPU per non-streaming")]
+    assert row.target == "<= 1.8x"
+    assert row.value is not None and row.base is not None and row.base > 0

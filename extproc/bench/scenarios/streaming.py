@@ -1,11 +1,15 @@
 """Section 2, streaming overhead: TTFT and inter-chunk delay against the baseline listener and
 the do-nothing floor processor (:mod:`extproc.bench.floor`), and processor CPU per chunk, per
-gRPC message and per request compared with the floor."""
+gRPC message and per stream (derived) compared with the floor.
+
+Per chunk and per message come from two stream lengths (``cost = fixed + per_chunk x chunks``);
+the fixed part this split gives is only indicative (a small difference of two large CPU
+figures, 10 ms ticks): the per-request part is measured directly in section 1
+(:func:`extproc.bench.scenarios.admission.cpu_per_request`)."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
 from functools import partial
 from typing import Any
 
@@ -16,6 +20,9 @@ from extproc.bench.plan import Bench
 from extproc.bench.report import Row, Target, per_unit_split
 from extproc.bench.scenarios.base import Scenario, Stacks
 from extproc.stack import Stack
+
+#: Issue 17's target: processor CPU per streamed chunk against the floor's.
+PER_CHUNK_RATIO = 1.3
 
 
 async def streaming(b: Bench, main: Stack, baseline_url: str, floor: Stack) -> None:
@@ -116,7 +123,7 @@ async def streaming(b: Bench, main: Stack, baseline_url: str, floor: Stack) -> N
             "µs",
             us(med["gateway"]["per_chunk"]),
             us(med["floor"]["per_chunk"]),
-            goal=Target("ratio", "<=", 1.2),
+            goal=Target("ratio", "<=", PER_CHUNK_RATIO),
         )
     )
     b.table.add(
@@ -131,11 +138,10 @@ async def streaming(b: Bench, main: Stack, baseline_url: str, floor: Stack) -> N
     b.table.add(
         Row(
             "2 streaming",
-            "processor CPU per request, fixed part (base = floor)",
+            "processor CPU per stream, fixed part, derived from 50/500 chunks (base = floor)",
             "µs",
             us(med["gateway"]["fixed"]),
             us(med["floor"]["fixed"]),
-            goal=Target("ratio", "<=", 1.35),
         )
     )
     b.table.add(
@@ -150,16 +156,8 @@ async def streaming(b: Bench, main: Stack, baseline_url: str, floor: Stack) -> N
 
 
 async def measure(b: Bench, stacks: Stacks) -> None:
-    """Start the floor stack (sharing the main stack's Redis), warm it, measure, stop it."""
-    main = stacks.shared
-    floor = await stacks.start(
-        "floor",
-        extproc_argv=(sys.executable, "-m", "extproc.bench.floor"),
-        redis_url=main.effective_redis_url,
-    )
-    await batch(floor.base_url, KEY, Shape(stream=True, max_tokens=20), count=20, concurrency=4)
-    await streaming(b, main, stacks.baseline_url, floor)
-    floor.stop()
+    """Run on the shared main stack and the floor stack."""
+    await streaming(b, stacks.shared, stacks.baseline_url, await stacks.shared_floor())
 
 
 SCENARIO = Scenario("streaming", measure, on_main=True)
