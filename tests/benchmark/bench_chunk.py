@@ -48,7 +48,7 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.bench.floor import FloorServicer, answer
+from extproc.bench.floor import FloorServicer, FloorStream
 from extproc.bench.limiter_micro import _start_redis
 from extproc.bench.system import bench_rules
 from extproc.clock import SystemClock
@@ -340,8 +340,10 @@ def _drive_handle(proc: RequestProcessor, body: list[Any]) -> None:
 
 
 def _drive_floor(proc: RequestProcessor, body: list[Any]) -> None:
+    stream = FloorStream()
+    stream.duplex = True  # past an SSE response's headers: chunks are echoed back
     for m in body:
-        answer(m).SerializeToString()
+        stream.answer(m).SerializeToString()
 
 
 async def handle_only(rounds: int, chunks: int = 2000) -> dict[str, Any]:

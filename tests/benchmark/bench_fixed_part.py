@@ -43,7 +43,7 @@ from grpc_health.v1.health import aio as health_aio
 from extproc.bench import system
 from extproc.bench.client import Shape
 from extproc.bench.drivers import KEY, batch
-from extproc.bench.floor import EXT_PROC_SERVICE, answer
+from extproc.bench.floor import EXT_PROC_SERVICE, FloorStream
 from extproc.stack import Stack
 
 SHAPE = Shape(prompt_tokens=1000, max_tokens=8)
@@ -57,6 +57,7 @@ class RedisFloor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     async def Process(self, request_iterator: Any, context: Any) -> None:
         """Answer each message; Redis first at the request body."""
+        stream = FloorStream()
         while True:
             req = await context.read()
             if req is grpc.aio.EOF:
@@ -64,7 +65,7 @@ class RedisFloor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if req.WhichOneof("request") == "request_body":
                 for _ in range(self.calls):
                     await self.script(keys=["{floor}:n"], args=[1])
-            resp = answer(req)
+            resp = stream.answer(req)
             if resp is not None:
                 await context.write(resp)
 
