@@ -109,10 +109,10 @@ class FloorServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 await context.write(resp)
 
 
-async def serve(address: str) -> int:
-    """Serve until SIGINT/SIGTERM."""
+async def serve(address: str, servicer: Any = None) -> int:
+    """Serve ``servicer`` (the floor's by default) until SIGINT/SIGTERM."""
     server = grpc.aio.server()
-    pb_grpc.add_ExternalProcessorServicer_to_server(FloorServicer(), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(servicer or FloorServicer(), server)
     # Envoy health-checks the ext_proc cluster (grpc.health.v1), as for the real processor.
     health = health_aio.HealthServicer()
     for name in ("", EXT_PROC_SERVICE):

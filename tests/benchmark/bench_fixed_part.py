@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import statistics
 import sys
 import tempfile
@@ -37,13 +36,12 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
 
 from extproc.bench import system
 from extproc.bench.client import Shape
 from extproc.bench.drivers import KEY, batch
-from extproc.bench.floor import EXT_PROC_SERVICE, FloorStream
+from extproc.bench.floor import FloorStream
+from extproc.bench.floor import serve as floor_serve
 from extproc.stack import Stack
 
 SHAPE = Shape(prompt_tokens=1000, max_tokens=8)
@@ -74,20 +72,7 @@ async def serve_floor_redis(address: str, redis_url: str, calls: int) -> None:
     """The ``floor+Nredis`` processor, until SIGTERM."""
     client = aioredis.Redis.from_url(redis_url)
     script = client.register_script("return redis.call('INCRBY', KEYS[1], ARGV[1])")
-    server = grpc.aio.server()
-    pb_grpc.add_ExternalProcessorServicer_to_server(RedisFloor(script, calls), server)
-    health = health_aio.HealthServicer()
-    for name in ("", EXT_PROC_SERVICE):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    server.add_insecure_port(address)
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(1.0)
+    await floor_serve(address, RedisFloor(script, calls))
     await client.aclose()
 
 

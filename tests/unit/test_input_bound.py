@@ -208,6 +208,15 @@ async def complete_json(
     await settled(proc.gw)
 
 
+async def first_request(gw: Gateway, lim: RecordingLimiter) -> tuple[RequestProcessor, int, int]:
+    """A first request, counted first (no hint yet) and completed with the engine's figure
+    equal to the count: the processor, its exact input and the TPM counter after it."""
+    first, _ = await request(gw, 1)
+    exact = first.s.cost.input_tokens if first.s.cost else 0
+    await complete_json(first, exact)
+    return first, exact, await tpm_value(lim, first)
+
+
 async def settled(gw: Gateway) -> None:
     while gw.pending:
         await asyncio.gather(*list(gw.pending))
@@ -288,10 +297,7 @@ async def test_a_request_abandoned_before_its_response_settles_on_the_exact_coun
     """The client leaves right after admission: settlement waits for the exact count and
     keeps only the input and the abandoned output's allowance."""
     gw, lim = gateway(1_000_000)
-    first, _ = await request(gw, 1)
-    exact = first.s.cost.input_tokens if first.s.cost else 0
-    await complete_json(first, exact)
-    before = await tpm_value(lim, first)
+    _, exact, before = await first_request(gw, lim)
     proc, _ = await request(gw, 2)
     assert admissions(gw, "bound") == 1
     proc.close(Closed.CANCELLED)
@@ -368,10 +374,7 @@ async def test_no_or_implausible_engine_figures_are_checked_against_a_count(
     """No input figure, one far below the bound or one above it: the exact count is taken at
     settlement and bounds the figure as for any counted request."""
     gw, lim = gateway(1_000_000, audit=1000)
-    first, _ = await request(gw, 1)
-    exact = first.s.cost.input_tokens if first.s.cost else 0
-    await complete_json(first, exact)
-    before = await tpm_value(lim, first)
+    _, exact, before = await first_request(gw, lim)
     second, _ = await request(gw, 2)
     assert second.s.input_pending
     await complete_json(second, reported)
@@ -448,10 +451,7 @@ async def test_an_answer_without_usage_keeps_the_reservation_on_the_exact_input(
     """A JSON answer without usage: the output reservation stands, as for a counted request,
     and the input is corrected from the bound to its count."""
     gw, lim = gateway(1_000_000, audit=1000)
-    first, _ = await request(gw, 1)
-    exact = first.s.cost.input_tokens if first.s.cost else 0
-    await complete_json(first, exact)
-    before = await tpm_value(lim, first)
+    _, exact, before = await first_request(gw, lim)
     second, _ = await request(gw, 2)
     assert second.s.input_pending
     await complete_json(second, None, usage=False)
