@@ -8,7 +8,7 @@ Non-streaming chat completions (the bench's admission shape: a 1k-token prompt, 
 - ``floor+1redis`` / ``floor+2redis``: the same with one or two awaited ``EVALSHA`` calls of a
   one-line script at the request body (what a Redis round trip inside a grpc.aio handler costs);
 - ``gateway``: ``ai-quota serve`` with the bench's rules;
-- ``gateway-info-logs-off``: the same at log level ``warning`` (the two info lines per request);
+- ``gateway-info-logs-off``: the same at log level ``warning`` (no info lines);
 - ``gateway-counted``: the same with ``requests.admit_on_bound: false`` (every prompt tokenized
   before admission, as before issue 17).
 
