@@ -115,6 +115,10 @@ def e2e_rules(extra_tenants: dict[str, dict[str, Any]] | None = None, **top: Any
                 "charging": {"streaming": "strict"},
             },
             "tpm5000": {"limits": [{"model": "*", "per": hour, "rpm": 1000, "tpm": 5000}]},
+            "tpm4000strict": {
+                "limits": [{"model": "*", "per": hour, "rpm": 1000, "tpm": 4000}],
+                "charging": {"streaming": "strict"},
+            },
             "inputonly": {
                 "limits": [{"model": "*", "per": hour, "tpm": 100000}],
                 "charging": {"mode": "input_only"},
@@ -176,6 +180,8 @@ def e2e_rules(extra_tenants: dict[str, dict[str, Any]] | None = None, **top: Any
         "completions": "big",
         "reload": "big",
         "replay": "big",
+        "bound": "big",
+        "boundstrict": "tpm4000strict",
     }
     for name, plan in names.items():
         rules["tenants"][f"t-{name}"] = tenant(plan, name)
