@@ -16,6 +16,11 @@ from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 MAX_RIDERS = 32
 
 
+def any_ledger(_: str) -> bool:
+    """``rides_with`` where every settlement may ride on any admission (one store)."""
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class Reclaimed:
     """A dead processor's request that an admission reclaimed: its ledger, the record draft

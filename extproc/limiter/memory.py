@@ -27,7 +27,14 @@ from extproc.clock import Clock, SystemClock
 from extproc.core.keys import EXPIRY_SLACK_MS, open_key
 from extproc.core.rules import RATE_SCALE, Adjustment, BucketCharge, UnconfirmedCharge, ceil_div
 from extproc.errors import LimiterUnavailable
-from extproc.limiter.base import AdmitResult, ChargeCall, ChargeResult, Reclaimed, SettleCall
+from extproc.limiter.base import (
+    AdmitResult,
+    ChargeCall,
+    ChargeResult,
+    Reclaimed,
+    SettleCall,
+    any_ledger,
+)
 
 LedgerState = Literal["admitted", "reclaimed", "settled", "cancelled"]
 
@@ -321,7 +328,7 @@ class MemoryLimiter:
 
     def rides_with(self, ledger: str) -> Callable[[str], bool]:
         """Every settlement may ride on any admission (one store, no slots)."""
-        return _anything
+        return any_ledger
 
     def _settle_one(self, call: SettleCall) -> bool:
         """One request's settlement (settle_lib.lua's ``settle``)."""
@@ -493,7 +500,3 @@ class MemoryLimiter:
         """How many members a sorted set has (ZCARD)."""
         z = self._typed(key, _Scored, self.clock.now_ms())
         return len(z.members) if z is not None else 0
-
-
-def _anything(_: str) -> bool:
-    return True

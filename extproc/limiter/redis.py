@@ -52,6 +52,7 @@ from extproc.limiter.base import (
     ChargeResult,
     Reclaimed,
     SettleCall,
+    any_ledger,
 )
 from extproc.limiter.breaker import BreakerSettings, BreakerState, CircuitBreaker
 from extproc.limiter.starvation import LoopLag, fair_wait
@@ -383,7 +384,7 @@ class RedisLimiter:
         """Which settlements (by ledger) may ride on ``ledger``'s admission: any on a single
         server, those of the same slot on Cluster (one script call runs on one slot)."""
         if not isinstance(self._client, RedisCluster):
-            return _anything
+            return any_ledger
         slot = key_slot(ledger.encode())
         return lambda other: key_slot(other.encode()) == slot
 
@@ -614,10 +615,6 @@ def _pack_settlement(keys: list[str], args: list[Any], s: SettleCall) -> None:
     for key, rate in unconfirmed:
         keys.append(key)
         args.append(rate)
-
-
-def _anything(_: str) -> bool:
-    return True
 
 
 def _str(value: Any) -> str:

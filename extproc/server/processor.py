@@ -412,10 +412,9 @@ class RequestProcessor:
     async def _settle(self) -> None:
         s = self.s
         await self._input_known()
-        if s.needs_count() and self._counting is None:
+        if s.needs_count():
             # the figures need the exact count: a large prompt's is taken off the event loop
-            self._counting = asyncio.ensure_future(self._count_exact(self._body_size))
-            await self._counting
+            await self._count_exact(self._body_size)
         if s.life.ending is None:
             s.life.name_ending(Ending.COMPLETED)
         driver = self.driver

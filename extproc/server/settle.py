@@ -75,6 +75,8 @@ async def settle(gw: Gateway, cfg: RuntimeConfig, s: Session, stream: StreamEnd 
         return
     now = gw.clock.now_ms()
     result = s.settlement(now, stream=stream, ending=ending)
+    if s.count_failed:  # the bound it was admitted on stands: an over-count, never an under-count
+        log.error("input_count_failed", request_id=s.request_id, kept="bound")
     if result.output is not None and result.total is not None and result.total > 0:
         if stream is not None:
             log_disagreement(gw, s, "output", s.stream_output(stream))

@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 import pytest
+import structlog.testing
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -456,3 +457,25 @@ async def test_an_answer_without_usage_keeps_the_reservation_on_the_exact_input(
     assert second.s.input_pending
     await complete_json(second, None, usage=False)
     assert await tpm_value(lim, second) - before == exact + 10  # input + max_tokens
+
+
+async def test_a_count_that_fails_keeps_the_bound_and_says_so() -> None:
+    """Should the exact count fail, the request is billed its bound (an over-count, never an
+    under-count) and settlement logs it as an error."""
+    gw, lim = gateway(1_000_000, audit=1000)
+    first, exact, before = await first_request(gw, lim)
+    bound = prompt_bound(first)
+    second, _ = await request(gw, 2)
+    assert second.s.input_pending
+
+    def broken() -> int:
+        raise RuntimeError("tokenizer gone")
+
+    second.s.count_input_with(broken)
+    assert second.s.input_figure() == bound  # a figure needed at once (a cut, the metadata)
+    with structlog.testing.capture_logs() as logs:
+        await complete_json(second, None, usage=False)
+    assert second.s.count_failed and exact < bound
+    assert second.s.cost is not None and second.s.cost.input_tokens == bound
+    assert await tpm_value(lim, second) - before == bound + 10
+    assert any(e["event"] == "input_count_failed" and e["log_level"] == "error" for e in logs)
