@@ -354,6 +354,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
         try:
             return await self.rt.evaluate(request)
         except match.RequestError as exc:
+            self.rt.metrics.requests.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except LimiterUnavailable as exc:
             self.rt.metrics.requests.labels("UNAVAILABLE").inc()

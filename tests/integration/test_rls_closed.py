@@ -173,6 +173,8 @@ async def test_caps_are_invalid_argument_naming_the_cap(
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details() == named
     assert keys_of(redis_server, running) == []
+    reg = running.gateway.metrics.registry
+    assert reg.get_sample_value("aiq_rls_requests_total", {"code": "INVALID_ARGUMENT"}) == 1
 
 
 async def test_default_caps(serve: Serve) -> None:
