@@ -70,6 +70,12 @@ async def test_no_rls_config_no_rls_api(serve: Serve) -> None:
             health_pb2.HealthCheckResponse.SERVING,
             health_pb2.HealthCheckResponse.NOT_SERVING,
         )
+    # AIQ_RLS_ADDRESS without a config binds nothing either
+    from extproc.stack import free_port, port_in_use
+
+    port = free_port()
+    _, alone = await serve("", rls_address=f"127.0.0.1:{port}")
+    assert alone.rls is None and alone.rls_server is None and not port_in_use(port)
     # with a config, the same call is served
     stub2, running2 = await serve(SEED_DIR)
     assert running2.rls is not None
