@@ -20,8 +20,10 @@ Shutdown (SIGTERM/SIGINT), in order:
 4. in-flight and kept settlements are flushed, the Redis pool is closed, the process exits.
 
 The RLS API (envoyproxy/ratelimit's ``ShouldRateLimit``, :mod:`extproc.rls`, docs/rls.md) is
-served by the same server unless ``AIQ_RLS_ADDRESS`` names its own; its config is reloaded on
-SIGHUP and when its files change.
+served only when an RLS config is given (``AIQ_RLS_CONFIG`` / ``--rls-config``; without one a
+``ShouldRateLimit`` call gets UNIMPLEMENTED and the health service does not answer for it), by
+the same server unless ``AIQ_RLS_ADDRESS`` names its own; its config is reloaded on SIGHUP and
+when its files change.
 
 SIGHUP reloads the rules and applies the failure settings (``failure.timeout_ms``,
 ``failure.breaker_cooldown_ms``) to the live limiter; nothing in the rules file needs a restart.
@@ -114,6 +116,8 @@ class Running:
     async def set_serving(self, serving: bool) -> None:
         """Report SERVING or NOT_SERVING on every health name we answer for."""
         for name in _HEALTH_NAMES:
+            if name == RLS_SERVICE and self.rls is None:
+                continue  # no RLS config: the RLS API is not served
             await self.health.set(name, _SERVING if serving else _NOT_SERVING)
 
     def note_reload(self, ok: bool) -> None:
@@ -238,11 +242,12 @@ async def start(
         _add_usage_service(server, gw)
         health = health_aio.HealthServicer()
         for name in (*_HEALTH_NAMES, REDIS_HEALTH):
-            await health.set(name, _NOT_SERVING)
+            if name != RLS_SERVICE or settings.rls_config:
+                await health.set(name, _NOT_SERVING)
         await health.set(CONFIG_HEALTH, _SERVING)  # the rules loaded, or start() failed
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         rls, rls_server, rls_port = _start_rls(
-            settings, lim, clk, mets, server=server, options=options, health=health
+            settings, gw, lim, clk, mets, server=server, options=options, health=health
         )
         port = add_grpc_port(server, settings.grpc_address, what="ext_proc gRPC API")
         await server.start()
@@ -279,7 +284,7 @@ async def start(
         admin=admin,
         rls=rls,
         rls_server=rls_server,
-        rls_port=rls_port or port,
+        rls_port=(rls_port or port) if rls is not None else 0,
     )
     running.ready_task = asyncio.create_task(running.wait_ready())
     return running
@@ -287,6 +292,7 @@ async def start(
 
 def _start_rls(
     settings: Settings,
+    gateway: Gateway,
     limiter: Limiter,
     clock: Clock,
     metrics: Metrics,
@@ -296,8 +302,19 @@ def _start_rls(
     health: Any,
 ) -> tuple[Any, Any, int]:
     """The RLS API (docs/rls.md) on the ext_proc server, or on its own at
-    ``settings.rls_address``: (runtime, own server or None, its port or 0)."""
+    ``settings.rls_address``: (runtime, own server or None, its port or 0).  Without an RLS
+    config nothing is registered: (None, None, 0)."""
+    from extproc.rls.match import Caps
     from extproc.rls.service import RlsRuntime, RlsSettings, add_rls_service
+
+    if not settings.rls_config:
+        if settings.rls_address:
+            log.warning(
+                "rls_address_without_config",
+                rls_address=settings.rls_address,
+                note="AIQ_RLS_ADDRESS is ignored: no RLS config (AIQ_RLS_CONFIG), no RLS API",
+            )
+        return None, None, 0
 
     rls = RlsRuntime(
         settings.rls_config,
@@ -311,7 +328,17 @@ def _start_rls(
             response_headers=settings.rls_response_headers,
             dynamic_metadata=settings.rls_dynamic_metadata,
             key_prefix=settings.key_prefix,
+            caps=Caps(
+                descriptors=settings.rls_max_descriptors,
+                entries=settings.rls_max_entries,
+                key_length=settings.rls_max_key_length,
+                value_length=settings.rls_max_value_length,
+                hits_addend=settings.rls_max_hits_addend,
+            ),
+            detailed_metric_series=settings.rls_detailed_metric_series,
         ),
+        # an ai_quota link charges only the tenants and models of the running rules
+        known=lambda: (gateway.config.tenants, gateway.config.models),
     )
     if not settings.rls_address:
         add_rls_service(server, rls)

@@ -80,7 +80,7 @@ class Settings(BaseSettings):
     admin_tls_client_ca: str = ""
     admin_allow_plaintext: bool = False
     # The RLS API (envoyproxy/ratelimit's ShouldRateLimit, docs/rls.md): its config (a YAML
-    # file or a directory of them, one per domain; "" serves no domain: every answer OK), a
+    # file or a directory of them, one per domain; "": the RLS API is not served at all), a
     # separate listen address ("" = the ext_proc server's), what Redis down answers (allow |
     # deny | error: gRPC UNAVAILABLE, Envoy's failure_mode_deny decides), their NEAR_LIMIT_RATIO,
     # SHADOW_MODE, LIMIT_RESPONSE_HEADERS_ENABLED and RESPONSE_DYNAMIC_METADATA, and how often
@@ -93,6 +93,14 @@ class Settings(BaseSettings):
     rls_response_headers: bool = False
     rls_dynamic_metadata: bool = False
     rls_watch_s: float = Field(default=1.0, ge=0)
+    # What one ShouldRateLimit may carry (each exceeded cap: INVALID_ARGUMENT naming it), and
+    # how many distinct detailed_metric values one rule may label (the rest: the rule's path).
+    rls_max_descriptors: int = Field(default=32, ge=1, le=1024)
+    rls_max_entries: int = Field(default=16, ge=1, le=256)
+    rls_max_key_length: int = Field(default=128, ge=1, le=8192)
+    rls_max_value_length: int = Field(default=512, ge=1, le=65536)
+    rls_max_hits_addend: int = Field(default=1_000_000, ge=1, le=2**32)
+    rls_detailed_metric_series: int = Field(default=100, ge=0, le=100_000)
 
     @field_validator("usage_stream", mode="before")
     @classmethod

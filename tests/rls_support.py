@@ -33,7 +33,8 @@ def fake_clock() -> FakeClock:
 
 
 class Server:
-    """Starts ``ai-quota serve`` in process (port 0) with an RLS config; stops all at the end."""
+    """Starts ``ai-quota serve`` in process (port 0) with an RLS config (and the rules file
+    ``config=``, tests/data/config/minimal.yaml unless given); stops all at the end."""
 
     def __init__(self, redis_url: str) -> None:
         self.redis_url = redis_url
@@ -49,7 +50,7 @@ class Server:
         **kw: Any,
     ) -> tuple[Any, Running]:
         settings = Settings(
-            config=str(ROOT / "tests" / "data" / "config" / "minimal.yaml"),
+            config=str(kw.pop("config", ROOT / "tests" / "data" / "config" / "minimal.yaml")),
             redis_url=redis_url or self.redis_url,
             grpc_address="127.0.0.1:0",
             key_prefix=f"t{uuid.uuid4().hex[:8]}",
@@ -61,7 +62,7 @@ class Server:
         )
         running = await start(settings, clock=clock or fake_clock())
         self.started.append(running)
-        ch = grpc.aio.insecure_channel(f"127.0.0.1:{running.rls_port}")
+        ch = grpc.aio.insecure_channel(f"127.0.0.1:{running.rls_port or running.port}")
         self.channels.append(ch)
         return rls_pb2_grpc.RateLimitServiceStub(ch), running
 

@@ -134,12 +134,17 @@ def banner(stack: Stack, args: argparse.Namespace, workdir: Path) -> str:
     """What the terminal shows once the stack is up: the addresses and how to try it."""
     base = stack.base_url
     metrics = f"http://127.0.0.1:{stack.metrics_port}/metrics" if stack.metrics_port else "off"
+    rls = (
+        f"127.0.0.1:{args.extproc_port}   envoyproxy/ratelimit config: {args.rls_config}"
+        if args.rls_config
+        else "not served (no --rls-config)"
+    )
     return f"""
 ai-quota is up.
   Envoy (OpenAI API) : {base}
   Envoy admin        : http://127.0.0.1:{args.admin_port}
   ext_proc (gRPC)    : 127.0.0.1:{args.extproc_port}   rules: {args.config}
-  RLS v3 (same port) : 127.0.0.1:{args.extproc_port}   envoyproxy/ratelimit config: {args.rls_config or "none"}
+  RLS v3 (same port) : {rls}
   simulator          : {stack.sim_url}   (ground truth: {stack.sim_url}/sim/requests)
   redis              : {stack.effective_redis_url}   (AOF in {workdir})
   metrics            : {metrics}

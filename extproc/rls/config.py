@@ -13,8 +13,11 @@ One file per domain (like their ``RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/config``), e
             detailed_metric: false  # metrics per distinct value instead of per rule
 
 plus the keys they accept that change little (``quota_mode``, ``value_to_metric``,
-``share_threshold``, ``metadata``) and one of ours, ``ai_quota``, which makes a rule count in an
-ai-quota bucket (a tenant's RPM or TPM window, see :class:`BucketLink`).
+``share_threshold``, ``metadata``), ``unit_multiplier`` in a ``rate_limit`` (the window is that
+many units: ``{unit: minute, unit_multiplier: 5}`` counts per 5 minutes), and two of ours:
+``ai_quota``, which makes a rule count in an ai-quota bucket (a tenant's RPM or TPM window, see
+:class:`BucketLink`), and the domain's ``allow_limit_override`` (default false: a descriptor's
+``limit`` override from Envoy is ignored and the descriptor matched against the rules).
 
 The parser works on PyYAML's node tree, so every error names the file, the line and the path
 (``descriptors[0].descriptors[1].rate_limit.unit``); it collects every error of a file rather
@@ -45,6 +48,8 @@ UNIT_SECONDS: dict[str, int] = {
 #: Units whose windows are the same as ai-quota's fixed windows (a bucket link needs one).
 BUCKET_UNITS = ("second", "minute", "hour", "day")
 MAX_REQUESTS_PER_UNIT = 2**32 - 1
+#: The longest window a ``unit_multiplier`` may make (ten years of 365 days).
+MAX_WINDOW_S = 10 * 365 * 86400
 
 _DESCRIPTOR_KEYS = {
     "key",
@@ -59,8 +64,15 @@ _DESCRIPTOR_KEYS = {
     "metadata",
     "ai_quota",
 }
-_RATE_LIMIT_KEYS = {"unit", "requests_per_unit", "unlimited", "name", "replaces"}
-_ROOT_KEYS = {"domain", "descriptors"}
+_RATE_LIMIT_KEYS = {
+    "unit",
+    "requests_per_unit",
+    "unit_multiplier",
+    "unlimited",
+    "name",
+    "replaces",
+}
+_ROOT_KEYS = {"domain", "descriptors", "allow_limit_override"}
 _LINK_KEYS = {"bucket", "tenant", "model"}
 _SAFE_TENANT = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -77,11 +89,15 @@ class RlsConfigError(ValueError):
 class BucketLink:
     """A rule that counts in an ai-quota bucket: the ``bucket`` (``rpm`` or ``tpm``) of the
     tenant named by the value of entry ``tenant`` (a key on the rule's path), for ``model``
-    (``*``: the tenant-wide bucket, or the key of an entry naming the model)."""
+    (``*``: the tenant-wide bucket, or the key of an entry naming the model).  The indexes are
+    the keys' positions on the path: the tenant is the value of the entry the tree matched at
+    that level, never another entry of the same key."""
 
     bucket: Literal["rpm", "tpm"]
     tenant_key: str
     model_key: str = "*"
+    tenant_index: int = 0
+    model_index: int = -1  # -1: the tenant-wide bucket
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +108,7 @@ class Rule:
     unit: str  # "" when unlimited
     requests_per_unit: int
     unlimited: bool = False
+    unit_multiplier: int = 1  # the window is this many units
     name: str = ""
     replaces: tuple[str, ...] = ()
     shadow_mode: bool = False
@@ -103,7 +120,7 @@ class Rule:
     @property
     def window_s(self) -> int:
         """The window's length in seconds (0 when unlimited)."""
-        return UNIT_SECONDS.get(self.unit, 0)
+        return UNIT_SECONDS.get(self.unit, 0) * self.unit_multiplier
 
 
 @dataclass(slots=True)
@@ -121,11 +138,13 @@ class Node:
 
 @dataclass(frozen=True, slots=True)
 class Domain:
-    """A domain's tree (the root node has no key) and the file it came from."""
+    """A domain's tree (the root node has no key), the file it came from, and whether a
+    descriptor's ``limit`` override from Envoy applies (``allow_limit_override``)."""
 
     name: str
     root: Node
     source: str
+    allow_override: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,12 +277,13 @@ def parse_text(text: str, name: str) -> Domain:
             f.error(items["domain"], "domain", "the domain must not be empty")
     elif isinstance(doc, yaml.MappingNode):
         f.error(doc, "", "missing key 'domain'")
+    allow_override = _bool(f, items.get("allow_limit_override"), "allow_limit_override")
     root = Node("", "", None)
     if "descriptors" in items:
         _descriptors(f, items["descriptors"], "descriptors", root, stat=domain, keys=[])
     if f.errors:
         raise RlsConfigError(f.errors)
-    return Domain(domain, root, name)
+    return Domain(domain, root, name, allow_override)
 
 
 def _descriptors(
@@ -327,6 +347,7 @@ def _descriptors(
                 unit=rule.unit,
                 requests_per_unit=rule.requests_per_unit,
                 unlimited=rule.unlimited,
+                unit_multiplier=rule.unit_multiplier,
                 name=rule.name,
                 replaces=rule.replaces,
                 shadow_mode=shadow,
@@ -387,6 +408,25 @@ def _rate_limit(
         rpu = _int(f, r["requests_per_unit"], f"{path}.requests_per_unit") or 0
     elif not unlimited:
         f.error(node, path, "missing key 'requests_per_unit'")
+    multiplier = 1
+    if "unit_multiplier" in r:
+        got = _int(f, r["unit_multiplier"], f"{path}.unit_multiplier")
+        if unlimited:
+            f.error(
+                r["unit_multiplier"],
+                f"{path}.unit_multiplier",
+                "an unlimited rate_limit takes no unit_multiplier",
+            )
+        elif got is not None and got < 1:
+            f.error(r["unit_multiplier"], f"{path}.unit_multiplier", "must be at least 1")
+        elif got is not None and unit in UNIT_SECONDS and UNIT_SECONDS[unit] * got > MAX_WINDOW_S:
+            f.error(
+                r["unit_multiplier"],
+                f"{path}.unit_multiplier",
+                f"{got} {unit}s is longer than the longest window ({MAX_WINDOW_S // 86400} days)",
+            )
+        elif got is not None:
+            multiplier = got
     name = ""
     if "name" in r:
         name = _string(f, r["name"], f"{path}.name") or ""
@@ -407,6 +447,7 @@ def _rate_limit(
         unit="" if unlimited else unit,
         requests_per_unit=rpu,
         unlimited=unlimited,
+        unit_multiplier=multiplier,
         name=name,
         replaces=tuple(replaces),
         shadow_mode=shadow,
@@ -433,6 +474,13 @@ def _link(
             f"an ai-quota bucket counts in fixed windows of {', '.join(BUCKET_UNITS)}; "
             f"this rule's unit is '{rule.unit or 'unlimited'}'",
         )
+    elif rule.unit_multiplier != 1:
+        f.error(
+            node,
+            path,
+            "an ai-quota bucket counts in windows of one unit; this rule has unit_multiplier "
+            f"{rule.unit_multiplier}",
+        )
     bucket = _string(f, m["bucket"], f"{path}.bucket") if "bucket" in m else None
     if "bucket" not in m:
         f.error(node, path, "missing key 'bucket' (rpm or tpm)")
@@ -457,8 +505,15 @@ def _link(
                 f"'{model}' is not a key on this descriptor's path ({' -> '.join(keys)}); "
                 "use '*' for the tenant-wide bucket",
             )
-    if bucket in ("rpm", "tpm") and tenant:
-        return BucketLink(bucket, tenant, model)  # type: ignore[arg-type]
+    if bucket in ("rpm", "tpm") and tenant and tenant in keys:
+        model_index = keys.index(model) if model != "*" and model in keys else -1
+        return BucketLink(
+            bucket,  # type: ignore[arg-type]
+            tenant,
+            model if model_index >= 0 else "*",
+            keys.index(tenant),  # the first entry of that key on the path
+            model_index,
+        )
     return None
 
 

@@ -9,7 +9,14 @@ values (a value-less key or a wildcard counts each value apart), except under
 ``share_threshold``, where every value a wildcard matches shares one counter.
 
 Windows are fixed and epoch-aligned (``window = now // unit``; a month is 30 days, a year
-365), as theirs, so a fleet can move from one service to the other mid-window.
+365), as theirs, so a fleet can move from one service to the other mid-window; a rule's
+``unit_multiplier`` makes the window that many units (``now // (unit * multiplier)``).
+
+What a caller sends is bounded before anything is looked up (:class:`Caps`: descriptors per
+request, entries per descriptor, key and value length, ``hits_addend``; each refused with
+:class:`RequestError` naming the cap), and only configured domains count: an unknown domain is
+answered OK without a counter, and a descriptor's ``limit`` override applies only in a domain
+that allows it (``allow_limit_override``), otherwise it is matched like any descriptor.
 
 Nothing here does IO: :func:`plan` turns a request into counter operations, the caller runs
 them (one Lua call) and :func:`decide` turns the counters' values into the answer.
@@ -17,22 +24,78 @@ them (one Lua call) and :func:`decide` turns the counters' values into the answe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import lru_cache
+from typing import Literal
 from urllib.parse import quote as _quote
 
 from extproc.core.keys import EXPIRY_SLACK_MS, bucket_key
 from extproc.core.rules import Limit
-from extproc.rls.config import UNIT_SECONDS, Domain, Node, RlsConfig, Rule, valid_tenant
+from extproc.rls.config import Domain, Node, RlsConfig, Rule, valid_tenant
 
-#: Limits on what one request may carry (an attacker's descriptors become Redis keys).
-MAX_DESCRIPTORS = 64
-MAX_ENTRIES = 32
-MAX_TEXT = 1024
 MAX_UINT32 = 2**32 - 1
 MAX_HITS = 2**32
+#: The metric label (``rule``) of every descriptor counted by a ``limit`` override: its
+#: entries are the caller's text, so they never become a label value.
+OVERRIDE_RULE = "override"
+
+
+@dataclass(frozen=True, slots=True)
+class Caps:
+    """What one request may carry (a caller's descriptors become Redis keys and work): each
+    exceeded cap is refused with :class:`RequestError` naming it (``AIQ_RLS_MAX_*``)."""
+
+    descriptors: int = 32  # descriptors per request
+    entries: int = 16  # entries per descriptor
+    key_length: int = 128  # characters of an entry's key (and of the domain)
+    value_length: int = 512  # characters of an entry's value
+    hits_addend: int = 1_000_000  # a request's or a descriptor's hits_addend
+
+    def check(self, domain: str, descriptors: Sequence[Descriptor], hits_addend: int) -> None:
+        """:class:`RequestError` naming the first cap the request exceeds."""
+        if len(domain) > self.key_length:
+            raise RequestError(
+                f"the domain is {len(domain)} characters, more than the cap "
+                f"AIQ_RLS_MAX_KEY_LENGTH={self.key_length}"
+            )
+        if len(descriptors) > self.descriptors:
+            raise RequestError(
+                f"{len(descriptors)} descriptors in one request, more than the cap "
+                f"AIQ_RLS_MAX_DESCRIPTORS={self.descriptors}"
+            )
+        if hits_addend > self.hits_addend:
+            raise RequestError(
+                f"hits_addend {hits_addend} is more than the cap "
+                f"AIQ_RLS_MAX_HITS_ADDEND={self.hits_addend}"
+            )
+        for i, d in enumerate(descriptors):
+            if len(d.entries) > self.entries:
+                raise RequestError(
+                    f"descriptor {i} has {len(d.entries)} entries, more than the cap "
+                    f"AIQ_RLS_MAX_ENTRIES={self.entries}"
+                )
+            if d.hits_addend is not None and d.hits_addend > self.hits_addend:
+                raise RequestError(
+                    f"descriptor {i}'s hits_addend {d.hits_addend} is more than the cap "
+                    f"AIQ_RLS_MAX_HITS_ADDEND={self.hits_addend}"
+                )
+            for k, v in d.entries:
+                if len(k) > self.key_length:
+                    raise RequestError(
+                        f"descriptor {i} has a key of {len(k)} characters, more than the cap "
+                        f"AIQ_RLS_MAX_KEY_LENGTH={self.key_length}"
+                    )
+                if len(v) > self.value_length:
+                    raise RequestError(
+                        f"descriptor {i} has a value of {len(v)} characters, more than the cap "
+                        f"AIQ_RLS_MAX_VALUE_LENGTH={self.value_length}"
+                    )
+
+
+#: The caps when none are given.
+DEFAULT_CAPS = Caps()
 
 
 class Code(IntEnum):
@@ -144,6 +207,8 @@ class Plan:
     domain: str
     items: tuple[Item, ...]
     global_shadow: bool = False
+    known_domain: bool = True  # False: not in the config (answered OK, nothing counted)
+    overrides_ignored: int = 0  # limit overrides in a domain that does not allow them
 
     @property
     def counted(self) -> list[Counted]:
@@ -157,11 +222,6 @@ def _q(text: str) -> str:
     return _quote(text, safe="")
 
 
-def _check_text(what: str, text: str) -> None:
-    if len(text) > MAX_TEXT:
-        raise RequestError(f"{what} is longer than {MAX_TEXT} characters")
-
-
 def plan(
     config: RlsConfig,
     domain: str,
@@ -171,32 +231,35 @@ def plan(
     *,
     prefix: str = "aiq",
     global_shadow: bool = False,
+    caps: Caps = DEFAULT_CAPS,
+    tenants: Container[str] | None = None,
+    models: Container[str] | None = None,
 ) -> Plan:
-    """Match every descriptor, apply ``replaces`` and build the counter keys."""
+    """Check the caps, match every descriptor, apply ``replaces`` and build the counter keys.
+
+    ``tenants`` and ``models`` (None: any) are the ai-quota tenants and canonical models an
+    ``ai_quota`` link may charge; a value outside them is counted by the rule on its own key,
+    as a rule without the link."""
     if not domain:
         raise RequestError("rate limit domain must not be empty")
     if not descriptors:
         raise RequestError("rate limit descriptor list must not be empty")
-    if len(descriptors) > MAX_DESCRIPTORS:
-        raise RequestError(f"more than {MAX_DESCRIPTORS} descriptors in one request")
-    _check_text("the domain", domain)
-    for d in descriptors:
-        if len(d.entries) > MAX_ENTRIES:
-            raise RequestError(f"a descriptor has more than {MAX_ENTRIES} entries")
-        for k, v in d.entries:
-            _check_text("a descriptor key", k)
-            _check_text("a descriptor value", v)
+    caps.check(domain, descriptors, hits_addend)
     dom = config.domains.get(domain)
+    if dom is None:
+        # as envoyproxy/ratelimit: an unknown domain has no limit, whatever the descriptors
+        # carry (their limit overrides included); nothing is counted or stored
+        none = tuple(Item(d, None, 0) for d in descriptors)
+        return Plan(domain, none, global_shadow, known_domain=False)
     found: list[Found | None] = []
+    ignored = 0
     for d in descriptors:
-        if d.override is not None:
+        if d.override is not None and dom.allow_override:
             unit, rpu = d.override
-            path = domain + "." + ".".join(f"{k}_{v}" if v else k for k, v in d.entries)
-            found.append(Found(Rule(path, unit, rpu), tuple(v for _, v in d.entries)))
-        elif dom is None:
-            found.append(None)
-        else:
-            found.append(find(dom, d.entries))
+            found.append(Found(Rule(OVERRIDE_RULE, unit, rpu), tuple(v for _, v in d.entries)))
+            continue
+        ignored += d.override is not None
+        found.append(find(dom, d.entries))
     replaced = {name for f in found if f is not None for name in f.rule.replaces}
     items = []
     for d, f in zip(descriptors, found, strict=True):
@@ -216,14 +279,23 @@ def plan(
                 d,
                 rule,
                 hits,
-                counted=_counted(domain, d, f, hits=hits, now_ms=now_ms, prefix=prefix),
+                counted=_counted(
+                    domain,
+                    d,
+                    f,
+                    hits=hits,
+                    now_ms=now_ms,
+                    prefix=prefix,
+                    tenants=tenants,
+                    models=models,
+                ),
             )
         )
     if global_shadow:
         items = [
             Item(i.descriptor, i.rule, i.hits, i.unlimited, _as_shadow(i.counted)) for i in items
         ]
-    return Plan(domain, tuple(items), global_shadow)
+    return Plan(domain, tuple(items), global_shadow, overrides_ignored=ignored)
 
 
 def _as_shadow(c: Counted | None) -> Counted | None:
@@ -246,23 +318,25 @@ def reset_seconds(unit_s: int, now_ms: int) -> int:
 
 
 def _counted(
-    domain: str, d: Descriptor, f: Found, *, hits: int, now_ms: int, prefix: str
+    domain: str,
+    d: Descriptor,
+    f: Found,
+    *,
+    hits: int,
+    now_ms: int,
+    prefix: str,
+    tenants: Container[str] | None = None,
+    models: Container[str] | None = None,
 ) -> Counted:
     rule = f.rule
-    unit_s = UNIT_SECONDS[rule.unit]
+    unit_s = rule.window_s
     idx, end = window(unit_s, now_ms)
     mode = 0 if rule.shadow_mode else (2 if rule.quota_mode else 1)
     reset = reset_seconds(unit_s, now_ms)
-    link = rule.link
+    link = _linked(rule, d, tenants, models)
     if link is not None:
-        tenant = _entry(d, link.tenant_key)
-        if tenant is None or not valid_tenant(tenant):
-            raise RequestError(
-                f"entry '{link.tenant_key}' must name a tenant (letters, digits, . _ : -; "
-                f"at most 128), found {tenant!r}"
-            )
-        model = "*" if link.model_key == "*" else (_entry(d, link.model_key) or "*")
-        lim = Limit(link.bucket, rule.requests_per_unit, unit_s, model, "tenant")
+        tenant, model, bucket = link
+        lim = Limit(bucket, rule.requests_per_unit, unit_s, model, "tenant")
         key = bucket_key(prefix, tenant, "", lim, idx)
     else:
         first = (f.key_values[0] or d.entries[0][0]) if d.entries else domain
@@ -274,11 +348,35 @@ def _counted(
     return Counted(key, hits, rule.requests_per_unit, end + EXPIRY_SLACK_MS, reset, mode)
 
 
-def _entry(d: Descriptor, key: str) -> str | None:
-    for k, v in d.entries:
-        if k == key:
-            return v
-    return None
+def _linked(
+    rule: Rule,
+    d: Descriptor,
+    tenants: Container[str] | None,
+    models: Container[str] | None,
+) -> tuple[str, str, Literal["rpm", "tpm"]] | None:
+    """(tenant, model, bucket) of the ai-quota bucket a linked rule charges, or None: no link,
+    or the values name no tenant (model) of the rules, and the rule counts on its own key.
+
+    The tenant is the value of the entry the tree matched at the link's level (a descriptor
+    matches a rule only with exactly as many entries as the rule's path is deep), so a caller
+    names only a tenant the config's descriptor lets through at that level."""
+    link = rule.link
+    if link is None or link.tenant_index >= len(d.entries):
+        return None
+    tenant = d.entries[link.tenant_index][1]
+    if not valid_tenant(tenant):
+        raise RequestError(
+            f"entry '{link.tenant_key}' must name a tenant (letters, digits, . _ : -; "
+            f"at most 128), found {tenant[:140]!r}"
+        )
+    model = "*"
+    if 0 <= link.model_index < len(d.entries):
+        model = d.entries[link.model_index][1] or "*"
+    if tenants is not None and tenant not in tenants:
+        return None
+    if model != "*" and models is not None and model not in models:
+        return None
+    return tenant, model, link.bucket
 
 
 # -- the answer ------------------------------------------------------------------------------

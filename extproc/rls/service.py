@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Container
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -62,12 +63,24 @@ class RlsSettings:
     response_headers: bool = False
     dynamic_metadata: bool = False
     key_prefix: str = "aiq"
+    caps: match.Caps = field(default_factory=match.Caps)
+    detailed_metric_series: int = 100  # per rule: distinct detailed_metric label values
+
+
+#: What an ai_quota link may charge: (tenants, canonical models) of the running rules.
+KnownBuckets = Callable[[], tuple[Container[str], Container[str]]]
 
 
 class RlsMetrics:
-    """Per rule (their stat names, as labels): hits, over/near/within the limit, shadow."""
+    """Per rule (their stat names, as labels): hits, over/near/within the limit, shadow.
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    Label values come from the config only: ``domain`` is a configured domain, ``rule`` a
+    configured rule's path, ``override`` for every descriptor counted by a ``limit`` override,
+    and with ``detailed_metric`` the request's values for at most ``detailed_series`` distinct
+    values per rule (per process); the rest are counted under the rule's path.  Unknown domains
+    are one unlabelled counter.  No caller text makes the number of series grow past that."""
+
+    def __init__(self, registry: CollectorRegistry, detailed_series: int = 100) -> None:
         labels = ["domain", "rule"]
         r = registry
         self.total_hits = Counter(
@@ -102,12 +115,26 @@ class RlsMetrics:
         self.config_loads = Counter(
             "aiq_rls_config_loads", "RLS config loads by outcome", ["outcome"], registry=r
         )
+        self.unknown_domain = Counter(
+            "aiq_rls_unknown_domain",
+            "ShouldRateLimit calls for a domain the config does not have (answered OK, "
+            "nothing counted)",
+            registry=r,
+        )
+        self.overrides_ignored = Counter(
+            "aiq_rls_overrides_ignored",
+            "Descriptor limit overrides ignored: their domain does not set allow_limit_override",
+            ["domain"],
+            registry=r,
+        )
+        self.detailed_series = detailed_series
         self._rules: dict[tuple[str, str], tuple[Any, Any, Any, Any, Any]] = {}
+        self._detailed: dict[tuple[str, str], int] = {}  # (domain, rule path): values labelled
 
     def add(self, domain: str, stats: tuple[match.RuleStats, ...]) -> None:
         """Count one decision's per-rule stats."""
         for st in stats:
-            total, over, near, within, shadow = self._children(domain, st.name)
+            total, over, near, within, shadow = self._children(domain, self._label(domain, st))
             total.inc(st.total_hits)
             if st.over_limit:
                 over.inc(st.over_limit)
@@ -129,9 +156,19 @@ class RlsMetrics:
                 self.within_limit.labels(domain, rule),
                 self.shadow_mode.labels(domain, rule),
             )
-            if len(self._rules) < 10_000:  # detailed_metric: unbounded values, bounded cache
-                self._rules[(domain, rule)] = got
+            self._rules[(domain, rule)] = got
         return got
+
+    def _label(self, domain: str, st: match.RuleStats) -> str:
+        """The ``rule`` label of a stat: its name while the rule has labelled fewer than
+        ``detailed_series`` distinct values, else the rule's path."""
+        if st.name == st.rule.path or (domain, st.name) in self._rules:
+            return st.name
+        seen = self._detailed.get((domain, st.rule.path), 0)
+        if seen >= self.detailed_series:
+            return st.rule.path
+        self._detailed[(domain, st.rule.path)] = seen + 1
+        return st.name
 
 
 class RlsRuntime:
@@ -144,12 +181,15 @@ class RlsRuntime:
         clock: Clock,
         registry: CollectorRegistry,
         settings: RlsSettings | None = None,
+        *,
+        known: KnownBuckets | None = None,
     ) -> None:
         self.path = path
         self.counters = counters
         self.clock = clock
         self.settings = settings or RlsSettings()
-        self.metrics = RlsMetrics(registry)
+        self.known = known
+        self.metrics = RlsMetrics(registry, self.settings.detailed_metric_series)
         self.config = RlsConfig()
         self._signature: tuple[tuple[str, int, int], ...] = ()
         self._watch: asyncio.Task[None] | None = None
@@ -197,6 +237,7 @@ class RlsRuntime:
         :class:`LimiterUnavailable` when Redis fails and the failure mode is ``error``)."""
         s = self.settings
         descriptors = [_descriptor(d) for d in request.descriptors]
+        tenants, models = self.known() if self.known is not None else (None, None)
         p = match.plan(
             self.config,
             request.domain,
@@ -205,7 +246,14 @@ class RlsRuntime:
             self.clock.now_ms(),
             prefix=s.key_prefix,
             global_shadow=s.shadow_mode,
+            caps=s.caps,
+            tenants=tenants,
+            models=models,
         )
+        if not p.known_domain:
+            self.metrics.unknown_domain.inc()
+        if p.overrides_ignored:
+            self.metrics.overrides_ignored.labels(p.domain).inc(p.overrides_ignored)
         counted = p.counted
         failed = ""
         if counted:
@@ -306,6 +354,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
         try:
             return await self.rt.evaluate(request)
         except match.RequestError as exc:
+            self.rt.metrics.requests.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except LimiterUnavailable as exc:
             self.rt.metrics.requests.labels("UNAVAILABLE").inc()

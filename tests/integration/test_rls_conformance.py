@@ -322,11 +322,20 @@ async def test_detailed_metric_names_values(serve: Serve, tmp_path: Path) -> Non
 
 
 async def test_limit_override_from_envoy(serve: Serve, tmp_path: Path) -> None:
-    """A descriptor's own limit (Envoy's route override) applies, even without a rule."""
+    """A descriptor's own limit (Envoy's route override) applies, even without a rule, in a
+    known domain (theirs: in any configured domain; ours: in a domain that sets
+    ``allow_limit_override``, elsewhere it is ignored and the rules decide)."""
     from envoy.type.v3 import ratelimit_unit_pb2
 
-    stub, _ = await serve(write(tmp_path, "domain: o\ndescriptors: []\n"))
+    stub, running = await serve(
+        write(tmp_path, "domain: o\nallow_limit_override: true\ndescriptors: []\n")
+    )
     req = request("o", [("any", "x")])
     req.descriptors[0].limit.requests_per_unit = 1
     req.descriptors[0].limit.unit = ratelimit_unit_pb2.MINUTE
     assert await codes(stub, req, 2) == [OK, OVER]
+    assert metric(running, "aiq_rls_over_limit_total", domain="o", rule="override") == 1
+    # the same request in a domain that does not allow overrides: no rule, no limit
+    stub2, running2 = await serve(write(tmp_path, "domain: o\ndescriptors: []\n"))
+    assert await codes(stub2, req, 2) == [OK, OK]
+    assert metric(running2, "aiq_rls_overrides_ignored_total", domain="o") == 2

@@ -84,17 +84,22 @@ async def test_both_descriptors_in_one_request_are_all_or_nothing(serve: Serve) 
     assert check.statuses[0].limit_remaining == 59
 
 
-async def test_tpm_counter_is_the_ext_proc_bucket(serve: Serve, redis_server: RedisServer) -> None:
-    """The linked TPM rule counts in the key ext_proc's admission charges for the tenant."""
+async def test_tpm_counter_is_the_ext_proc_bucket(
+    serve: Serve, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The linked TPM rule counts in the key ext_proc's admission charges for the tenant (a
+    tenant and model of the running rules)."""
     clock = fake_clock()
-    stub, running = await serve(SEED_DIR, clock=clock)
-    prefix = running.gateway.key_prefix
-    rules = load_config_text(
+    text = (
         "models:\n  gpt-4.1: {tokenizer: {kind: estimate, chars_per_token: 4}, max_output_tokens: 100}\n"
         "plans:\n  p: {limits: [{model: gpt-4.1, per: minute, rpm: 60, tpm: 100000}]}\n"
-        "tenants:\n  tenant-x: {plan: p, keys: [{name: k, plaintext: sk-x}]}\n",
-        source="rules",
+        "tenants:\n  tenant-x: {plan: p, keys: [{name: k, plaintext: sk-x}]}\n"
     )
+    rules_file = tmp_path / "rules.yaml"
+    rules_file.write_text(text)
+    stub, running = await serve(SEED_DIR, clock=clock, config=rules_file)
+    prefix = running.gateway.key_prefix
+    rules = load_config_text(text, source="rules")
     limits = rules.tenants["tenant-x"].limits
     buckets = windowed(prefix, "tenant-x", "k", list(limits), clock.now_ms())
     tpm = next(b for b in buckets if b.metric == "tpm")

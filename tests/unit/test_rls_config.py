@@ -91,6 +91,22 @@ descriptors:
     assert tpm.link == BucketLink("tpm", "tenant", "*")
 
 
+def test_unit_multiplier_and_allow_limit_override_load() -> None:
+    """``unit_multiplier`` (default 1) scales the window; ``allow_limit_override`` defaults to
+    false."""
+    text = (
+        "domain: d\ndescriptors:\n  - key: a\n"
+        "    rate_limit: {unit: second, unit_multiplier: 30, requests_per_unit: 3}\n"
+        "  - key: b\n    rate_limit: {unit: hour, requests_per_unit: 3}\n"
+    )
+    d = parse_text(text, "m.yaml")
+    a, b = d.root.children[("a", "")].rule, d.root.children[("b", "")].rule
+    assert a is not None and (a.unit, a.unit_multiplier, a.window_s) == ("second", 30, 30)
+    assert b is not None and (b.unit_multiplier, b.window_s) == (1, 3600)
+    assert not d.allow_override
+    assert parse_text("allow_limit_override: true\n" + text, "m.yaml").allow_override
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -154,6 +170,26 @@ descriptors:
             "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {requests_per_unit: 1}\n",
             "missing key 'unit'",
         ),
+        (
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: minute, unit_multiplier: 0, requests_per_unit: 1}\n",
+            "f.yaml:4: descriptors[0].rate_limit.unit_multiplier: must be at least 1",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: year, unit_multiplier: 11, requests_per_unit: 1}\n",
+            "11 years is longer than the longest window (3650 days)",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unlimited: true, unit_multiplier: 2}\n",
+            "an unlimited rate_limit takes no unit_multiplier",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: a\n    ai_quota: {bucket: tpm, tenant: a}\n    rate_limit: {unit: minute, unit_multiplier: 5, requests_per_unit: 1}\n",
+            "an ai-quota bucket counts in windows of one unit; this rule has unit_multiplier 5",
+        ),
+        (
+            "domain: d\nallow_limit_override: sometimes\n",
+            "f.yaml:2: allow_limit_override: expected true or false",
+        ),
         ("domain: [d\n", "f.yaml:2: not valid YAML"),
         ("", "the file is empty"),
     ],
@@ -214,7 +250,7 @@ def test_shipped_demo_config_loads() -> None:
     d = cfg.domains["ai-gateway"]
     model = d.root.children[("tenant", "")].children[("model", "")]
     tpm = model.children[("metric", "tpm")].rule
-    assert tpm is not None and tpm.link == BucketLink("tpm", "tenant", "model")
+    assert tpm is not None and tpm.link == BucketLink("tpm", "tenant", "model", 0, 1)
     assert tpm.requests_per_unit == 100_000
 
 

@@ -152,10 +152,10 @@ def test_bad_requests_are_refused() -> None:
         plan(c, "", [Descriptor((("k", "a"),))], 1, NOW)
     with pytest.raises(RequestError, match="descriptor list must not be empty"):
         plan(c, "d", [], 1, NOW)
-    with pytest.raises(RequestError, match="longer than"):
+    with pytest.raises(RequestError, match="AIQ_RLS_MAX_VALUE_LENGTH=512"):
         plan(c, "d", [Descriptor((("k", "a" * 2000),))], 1, NOW)
-    with pytest.raises(RequestError, match="more than 64"):
-        plan(c, "d", [Descriptor((("k", "a"),))] * 65, 1, NOW)
+    with pytest.raises(RequestError, match=r"33 descriptors .* AIQ_RLS_MAX_DESCRIPTORS=32"):
+        plan(c, "d", [Descriptor((("k", "a"),))] * 33, 1, NOW)
     linked = cfg(
         "domain: d\ndescriptors:\n  - key: tenant\n    ai_quota: {bucket: rpm, tenant: tenant}\n"
         "    rate_limit: {unit: minute, requests_per_unit: 5}\n"
@@ -366,11 +366,156 @@ def test_matcher_is_sans_io() -> None:
 
 
 def test_huge_hits_and_entryless_override() -> None:
-    """hits_addend past 2^32 is capped (still over every limit); an override without entries
-    gets a key tagged by the domain."""
+    """hits_addend past the cap is refused; with a cap past 2^32 it is clamped to 2^32 (still
+    over every limit); an override without entries gets a key tagged by the domain."""
     c = cfg(PRECEDENCE)
-    p = plan(c, "d", [Descriptor((("k", "a"),), hits_addend=2**63)], 1, NOW)
+    with pytest.raises(RequestError, match="AIQ_RLS_MAX_HITS_ADDEND=1000000"):
+        plan(c, "d", [Descriptor((("k", "a"),), hits_addend=2**63)], 1, NOW)
+    big = match.Caps(hits_addend=2**64)
+    p = plan(c, "d", [Descriptor((("k", "a"),), hits_addend=2**63)], 1, NOW, caps=big)
     assert p.counted[0].hits == 2**32
     assert decide(p, [0], False).overall is Code.OVER_LIMIT
-    bare = plan(c, "d", [Descriptor((), override=("minute", 3))], 1, NOW).counted[0]
+    allowing = cfg("allow_limit_override: true\n" + PRECEDENCE)
+    bare = plan(allowing, "d", [Descriptor((), override=("minute", 3))], 1, NOW).counted[0]
     assert bare.key.startswith("aiq:{d}:rls:d::60:") and bare.limit == 3
+
+
+CAPS = match.Caps(descriptors=2, entries=2, key_length=4, value_length=6, hits_addend=10)
+
+
+@pytest.mark.parametrize(
+    ("descriptors", "hits", "named"),
+    [
+        (
+            [Descriptor((("k", "a"),))] * 3,
+            1,
+            "3 descriptors in one request, more than the cap AIQ_RLS_MAX_DESCRIPTORS=2",
+        ),
+        (
+            [Descriptor((("k", "a"),) * 3)],
+            1,
+            "descriptor 0 has 3 entries, more than the cap AIQ_RLS_MAX_ENTRIES=2",
+        ),
+        (
+            [Descriptor((("kkkkk", "a"),))],
+            1,
+            "descriptor 0 has a key of 5 characters, more than the cap AIQ_RLS_MAX_KEY_LENGTH=4",
+        ),
+        (
+            [Descriptor((("k", "a"),)), Descriptor((("k", "a" * 7),))],
+            1,
+            "descriptor 1 has a "
+            "value of 7 characters, more than the cap AIQ_RLS_MAX_VALUE_LENGTH=6",
+        ),
+        (
+            [Descriptor((("k", "a"),))],
+            11,
+            "hits_addend 11 is more than the cap AIQ_RLS_MAX_HITS_ADDEND=10",
+        ),
+        (
+            [Descriptor((("k", "a"),), hits_addend=11)],
+            1,
+            "descriptor 0's hits_addend 11 is more than the cap AIQ_RLS_MAX_HITS_ADDEND=10",
+        ),
+    ],
+)
+def test_each_cap_is_refused_by_name(descriptors: list[Descriptor], hits: int, named: str) -> None:
+    """Every cap on what a request carries is refused with a message naming the cap; at the
+    cap itself the request passes.  Unknown domains are checked the same way."""
+    c = cfg(PRECEDENCE)
+    for domain in ("d", "x"):  # "x": not in the config
+        with pytest.raises(RequestError) as info:
+            plan(c, domain, descriptors, hits, NOW, caps=CAPS)
+        assert str(info.value) == named
+    at_cap = [Descriptor((("k", "a" * 6), ("kkkk", "b")), hits_addend=10)] * 2
+    assert len(plan(c, "d", at_cap, 10, NOW, caps=CAPS).items) == 2
+    with pytest.raises(RequestError, match="the domain is 5 characters, more than the cap"):
+        plan(c, "ddddd", [Descriptor((("k", "a"),))], 1, NOW, caps=CAPS)
+
+
+def test_unknown_domain_counts_nothing_even_with_an_override() -> None:
+    """An unknown domain (as envoyproxy/ratelimit) has no limit: an override there counts
+    nothing and creates no key."""
+    c = cfg("allow_limit_override: true\n" + PRECEDENCE)
+    p = plan(c, "elsewhere", [Descriptor((("k", "v" * 100),), override=("year", 1))], 1, NOW)
+    assert p.counted == [] and not p.known_domain
+    assert all(i.rule is None for i in p.items)
+    assert decide(p, [], True).overall is Code.OK
+
+
+def test_override_applies_only_where_the_domain_allows_it() -> None:
+    """Without allow_limit_override the override is ignored and the descriptor matched against
+    the rules (counted, not refused); with it, the override's limit applies, labelled
+    ``override`` whatever the caller's entries."""
+    plain = cfg(PRECEDENCE)
+    d = [
+        Descriptor((("k", "exact"),), override=("second", 1)),
+        Descriptor((("zz", "q"),), override=("day", 9)),
+    ]
+    p = plan(plain, "d", d, 1, NOW)
+    assert p.overrides_ignored == 2
+    assert p.items[0].rule is not None and p.items[0].rule.name == "exact"
+    assert p.items[0].counted is not None and p.items[0].counted.limit == 1
+    assert p.items[1].rule is None and p.items[1].counted is None  # unmatched: no limit
+    allowing = cfg("allow_limit_override: true\n" + PRECEDENCE)
+    q = plan(allowing, "d", d, 1, NOW)
+    assert q.overrides_ignored == 0
+    assert [i.counted.limit for i in q.items if i.counted] == [1, 9]
+    stats = decide(q, [0, 0], True).stats
+    assert {s.name for s in stats} == {match.OVERRIDE_RULE}
+
+
+def test_unit_multiplier_makes_the_window_that_many_units() -> None:
+    """``unit_multiplier: 5`` with unit minute: one counter per epoch-aligned 5 minutes, the
+    reset counting down the 5 minutes, the answer's unit still minute."""
+    c = cfg(
+        "domain: d\ndescriptors:\n  - key: k\n"
+        "    rate_limit: {unit: minute, unit_multiplier: 5, requests_per_unit: 10}\n"
+    )
+    start = (NOW // 300_000 + 1) * 300_000
+    k = [
+        plan(c, "d", [Descriptor((("k", "a"),))], 1, t).counted[0]
+        for t in (start - 1, start, start + 299_999, start + 300_000)
+    ]
+    assert k[0].key != k[1].key == k[2].key != k[3].key
+    assert k[1].key.endswith(f":300:{start // 300_000}")
+    assert (k[1].reset_s, k[2].reset_s) == (300, 1)
+    assert k[1].expire_at_ms > start + 300_000
+    rule = find(c.domains["d"], (("k", "a"),))
+    assert rule is not None and (rule.rule.unit, rule.rule.window_s) == ("minute", 300)
+
+
+LINKED = (
+    "domain: d\ndescriptors:\n  - key: tenant\n    descriptors:\n      - key: model\n"
+    "        ai_quota: {bucket: tpm, tenant: tenant, model: model}\n"
+    "        rate_limit: {unit: minute, requests_per_unit: 5}\n"
+)
+
+
+def test_link_charges_only_tenants_and_models_of_the_rules() -> None:
+    """A linked rule charges the ai-quota bucket only for a tenant and a canonical model of the
+    running rules; any other value is counted by the rule on its own RLS key."""
+    c = cfg(LINKED)
+    tenants, models = {"t1"}, {"m"}
+
+    def key(tenant: str, model: str) -> str:
+        d = [Descriptor((("tenant", tenant), ("model", model)))]
+        return plan(c, "d", d, 1, NOW, tenants=tenants, models=models).counted[0].key
+
+    assert key("t1", "m") == f"aiq:{{t1}}:tpm:t:m:60:{NOW // 60_000}"
+    assert key("t2", "m") == f"aiq:{{t2}}:rls:d:tenant=t2|model=m:60:{NOW // 60_000}"
+    assert key("t1", "alias") == f"aiq:{{t1}}:rls:d:tenant=t1|model=alias:60:{NOW // 60_000}"
+
+
+def test_link_takes_the_tenant_the_tree_matched() -> None:
+    """With the tenant key twice in a descriptor, the tenant is the entry at the link's level
+    of the path (the one the tree matched), not another entry of the same key."""
+    c = cfg(
+        "domain: d\ndescriptors:\n  - key: org\n    descriptors:\n      - key: tenant\n"
+        "        value: t1\n        ai_quota: {bucket: rpm, tenant: tenant}\n"
+        "        rate_limit: {unit: minute, requests_per_unit: 5}\n"
+    )
+    d = [Descriptor((("org", "x"), ("tenant", "t1")))]
+    assert plan(c, "d", d, 1, NOW).counted[0].key.startswith("aiq:{t1}:rpm:t:*:60:")
+    # a descriptor whose second entry is another tenant does not match the rule at all
+    assert plan(c, "d", [Descriptor((("org", "x"), ("tenant", "t2")))], 1, NOW).counted == []
