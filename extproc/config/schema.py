@@ -317,9 +317,9 @@ class RequestsPolicy(Strict):
     # ... and only while that leaves every such counter under this share of its limit: many
     # requests admitted on bounds at once then hold at most about this share beyond their counts
     bound_below: float = Field(default=0.25, gt=0.0, le=1.0)
-    # A request admitted on the bound is billed the upstream's input figure when it is under
-    # the bound, without counting; one in input_audit_every is counted anyway, so a drifting
-    # upstream shows in aiq_usage_disagreements_total (1: count every one).
+    # A request admitted on the bound is billed the upstream's input figure when it is in the
+    # range the bound proves, without counting; one in input_audit_every is counted anyway, and
+    # a model whose figure a count contradicts is counted from then on (1: count every one).
     input_audit_every: int = Field(default=16, ge=1, le=1_000_000)
 
 

@@ -124,6 +124,10 @@ class Admitted:
     # admitted on an upper bound of the input (``cost.input_tokens``); the exact count comes
     # later (:meth:`Session.input_counted`) and replaces it before any figure is decided
     input_bound: bool = False
+    # the fewest tokens the tokenizer can count for that bound (every token stands for at
+    # most its vocabulary's longest token in bytes): an upstream figure the counted path would
+    # refuse for any count from here to the bound is checked against the count
+    input_floor: int = 0
     # what admission charged for the input, once a count replaced the bound (-1: the count)
     charged_input: int = -1
 
@@ -213,10 +217,6 @@ INPUT_SLACK_TOKENS = 16
 INPUT_TEMPLATE_ALLOWANCE = 64
 #: Server-side state can add at most this much unseen input when the model sets no limit.
 UNSEEN_INPUT_CEILING = 1_000_000
-#: A request admitted on an upper bound of its input takes the upstream's input figure without
-#: being counted when it is at most the bound and at least this share of it (a byte bound is
-#: 1-8x the tokens of real text; below that share the figure is checked against a count).
-UPSTREAM_INPUT_MIN_SHARE = 1 / 32
 #: What an upstream can generate per second per sequence, for requests abandoned before their
 #: response (the bound on a dead client's bill).
 ABANDONED_TOKENS_PER_SECOND = 200
@@ -494,6 +494,12 @@ class Session:
         )
 
     @property
+    def counted_after_bound(self) -> bool:
+        """Admitted on a bound, and the exact count has replaced it since."""
+        rec = self._admitted
+        return rec is not None and not rec.input_bound and rec.charged_input >= 0
+
+    @property
     def input_pending(self) -> bool:
         """Admitted on a bound whose exact count has not been taken."""
         rec = self._admitted
@@ -501,12 +507,15 @@ class Session:
 
     def _upstream_input(self) -> int | None:
         """The upstream's input figure, when it stands for a request admitted on a bound without
-        a count: at most the bound and not implausibly below it."""
-        rep, cost = self._reported, self.cost
-        if rep is None or rep.input is None or cost is None:
+        a count: between the fewest tokens the tokenizer can count for that bound (1 at
+        least) and the bound itself, the range the exact count is proven to lie in.  Outside
+        it the figure is checked against the exact count, as on the counted path
+        (:func:`bounded_input`).  An upstream whose figures a count contradicted loses this
+        shortcut: the server counts its requests (:class:`extproc.core.audits.InputAudits`)."""
+        rep, adm = self._reported, self._admitted
+        if rep is None or rep.input is None or adm is None or adm.cost is None:
             return None
-        bound = cost.input_tokens
-        if bound * UPSTREAM_INPUT_MIN_SHARE <= rep.input <= bound:
+        if adm.input_bound and max(1, adm.input_floor) <= rep.input <= adm.cost.input_tokens:
             return rep.input
         return None
 

@@ -233,7 +233,7 @@ class RequestProcessor:
             api, req, model = s.api, s.req, s.model
             assert api is not None and req is not None and isinstance(model, Model)
             s.count_input_with(lambda: api.count_input(req, model.counter, model.tokenizer))
-            if self.gw.audit_input(self.cfg):
+            if self.gw.audit_input(self.cfg, model.name):
                 # Counted now to check the upstream's figure against it; the first step runs
                 # once this answer is being written: off the request's path.
                 self._counting = asyncio.ensure_future(self._count_exact(self._body_size))

@@ -21,6 +21,7 @@ from extproc.config.runtime import Model
 from extproc.core.admission import MAX_ROOM_HINTS, RoomHints
 from extproc.core.apis.base import RequestLimits
 from extproc.core.apis.registry import api_for_path
+from extproc.core.audits import InputAudits
 from extproc.core.lifecycle import Closed
 from extproc.core.rules import BucketCharge
 from extproc.core.tokens import (
@@ -479,3 +480,82 @@ async def test_a_count_that_fails_keeps_the_bound_and_says_so() -> None:
     assert second.s.cost is not None and second.s.cost.input_tokens == bound
     assert await tpm_value(lim, second) - before == bound + 10
     assert any(e["event"] == "input_count_failed" and e["log_level"] == "error" for e in logs)
+
+
+def test_the_floor_follows_from_the_tokenizers_longest_token() -> None:
+    """The floor is read from the encoding's vocabulary (cl100k_base's longest token is a run
+    of 128 spaces), and a text of that token repeated reaches it."""
+    longest = max(len(t) for t in bundled_encoding().token_byte_values())
+    bound = UTF8BoundCounter(EXACT)
+    assert bound.longest_token_bytes == EXACT.longest_token_bytes == longest == 128
+    spaces = " " * (longest * 10)
+    assert bound.fewest_tokens(bound.count(spaces)) <= EXACT.count(spaces) <= 11
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(texts, st.lists(texts, max_size=3))
+def test_the_floor_is_never_above_the_count(text: str, more: list[str]) -> None:
+    """Whatever the text (and with forced cuts), the fewest tokens the bound allows is at most
+    the exact count, for single texts and whole requests of every API."""
+    for counter in (EXACT, CUT):
+        bound = UTF8BoundCounter(counter)
+        assert bound.fewest_tokens(bound.count(text)) <= counter.count(text)
+    limits = RequestLimits(max_tokens_ceiling=1_000_000, max_n=16)
+    bound = UTF8BoundCounter(EXACT)
+    for path, body in _bodies(text, more, []).items():
+        api = api_for_path(path)
+        assert api is not None
+        try:
+            req = api.parse(orjson.dumps(body), limits)
+        except GatewayError:
+            continue
+        walked = api.count_input(req, bound, SPEC)
+        assert bound.fewest_tokens(walked) <= api.count_input(req, EXACT, SPEC), path
+
+
+def shortcut_stops(gw: Gateway, model: str = "m") -> float:
+    return float(gw.metrics.input_shortcut_stops.labels(model)._value.get())
+
+
+async def test_an_upstream_whose_audited_figure_is_low_loses_the_shortcut() -> None:
+    """An upstream reporting a sixth of the prompt (uncached tokens only, another tokenizer):
+    the audit bills the count's bound and stops the shortcut for the model, so its next
+    unaudited requests are counted and billed as counted, not at the upstream's figure."""
+    gw, lim = gateway(1_000_000, audit=2)
+    first, exact, before = await first_request(gw, lim)
+    low = exact // 6
+    assert prompt_bound(first) / 32 <= low  # believed by a share-of-the-bound floor
+    fair = max(0, int(exact * 0.75) - 16)  # what the counted path bills for it
+
+    second, _ = await request(gw, 2)  # not audited: the engine's figure, in range, is billed
+    assert second.s.input_pending
+    await complete_json(second, exact - 1)
+    total = await tpm_value(lim, second)
+    assert total == 2 * before - 1 and shortcut_stops(gw) == 0
+
+    third, _ = await request(gw, 3)  # audited: counted, the low figure disagrees
+    await complete_json(third, low)
+    assert third.s.input_tokens() == fair
+    assert await tpm_value(lim, third) - total == fair + 5
+    assert shortcut_stops(gw) == 1 and gw.input_audits.stopped("m")
+    total = await tpm_value(lim, third)
+
+    runs = tokenizer_runs(gw)
+    for n in (4, 5):  # one would be sampled, one not: both are counted now
+        proc, _ = await request(gw, n)
+        await complete_json(proc, low)
+        assert proc.s.input_tokens() == fair
+        assert await tpm_value(lim, proc) - total == fair + 5
+        total = await tpm_value(lim, proc)
+    assert tokenizer_runs(gw) == runs + 2
+    assert shortcut_stops(gw) == 1  # counted once per model
+
+
+def test_stopped_models_are_bounded() -> None:
+    """Past its size the table stops every model's shortcut instead of growing."""
+    audits = InputAudits(max_models=2)
+    assert audits.disagreed("a") and audits.disagreed("b") and not audits.disagreed("a")
+    assert not audits.stopped("c")
+    assert audits.disagreed("c")
+    assert len(audits) == 2 and audits.stopped("c") and audits.stopped("anything")
+    assert audits.count_now("anything", 1_000)
