@@ -424,6 +424,7 @@ class Session:
     __slots__ = (
         "_admitted",
         "_count",
+        "_count_inline",
         "_identified",
         "_output",
         "_parsed",
@@ -447,6 +448,7 @@ class Session:
         self._settlement: Settlement | None = None
         # the exact input count of a request admitted on a bound, taken when a figure needs it
         self._count: Callable[[], int] | None = None
+        self._count_inline = True
         self.count_failed = False
         self.account = RequestAccount()
         # the last stream charge whose answer never came (settlement undoes it if it ran)
@@ -472,10 +474,13 @@ class Session:
         if usage is not None:
             self.account.record(list(rec.buckets), usage)
 
-    def count_input_with(self, count: Callable[[], int]) -> None:
+    def count_input_with(self, count: Callable[[], int], *, inline: bool = True) -> None:
         """How to count the input exactly, for a request admitted on an upper bound: called at
-        most once, only when a figure needs the count (:meth:`needs_count`)."""
+        most once, only when a figure needs the count (:meth:`needs_count`).  A prompt too
+        large to count on the event loop (``inline`` False) is never counted here: the server
+        counts it in a worker thread (:meth:`input_counted`) before it asks for a figure."""
         self._count = count
+        self._count_inline = inline
 
     def input_counted(self, exact: int) -> None:
         """The exact input count of a request admitted on an upper bound: it replaces the bound
@@ -520,8 +525,9 @@ class Session:
         return None
 
     def needs_count(self) -> bool:
-        """Whether settling now would take the exact count (the server may take it first, off
-        the event loop, for a large prompt)."""
+        """Whether a figure (settlement, a cut's message, the access log's input) would take
+        the exact count now: the server takes it first, off the event loop for a large
+        prompt."""
         return self.input_pending and self._upstream_input() is None
 
     def _exact_input(self) -> None:
@@ -532,11 +538,15 @@ class Session:
         cost = self.cost
         assert cost is not None
         exact = cost.input_tokens
-        if self._count is not None:
+        if self._count is not None and self._count_inline:
             try:
                 exact = self._count()
             except Exception:
                 self.count_failed = True
+        elif self._count is not None:
+            # the server should have counted it off the loop first: never stall the loop, and
+            # keep the bound (an over-count, logged at settlement)
+            self.count_failed = True
         self._count = None
         self.input_counted(exact)
 
@@ -782,7 +792,11 @@ class Session:
             else:
                 output = None  # a JSON response without usage: the reservation stands
             if output is None:
-                # the reservation stands; an input admitted on a bound is corrected to its count
+                # the reservation stands; an input admitted on a bound is corrected to the
+                # upstream's figure within its proven range, else to its count
+                upstream = self._upstream_input() if self.input_pending else None
+                if upstream is not None:
+                    self.input_counted(upstream)
                 self._exact_input()
                 adm = self._admitted
                 assert adm is not None and adm.cost is not None
@@ -823,10 +837,9 @@ class Session:
     def pending_units(self, bucket: WindowedBucket, delivered: int) -> int:
         """Units settlement would still add to ``bucket`` if the stream ended now with
         ``delivered`` output tokens (what a cut message must add to the counter's value)."""
-        if self.cost is None or not bucket.limit.counts_tokens:
-            return 0
-        self._exact_input()
         cost = self.cost
-        assert cost is not None
-        final = Usage(input=cost.input_tokens, output=delivered, requests=cost.requests)
+        if cost is None or not bucket.limit.counts_tokens:
+            return 0
+        # the input as settlement will take it (the upstream's figure in range, or the count)
+        final = Usage(input=self.input_tokens(), output=delivered, requests=cost.requests)
         return bucket.rates.units(final) - self.account.charged(bucket.limit)

@@ -6,6 +6,7 @@ the bound never changes an admission's answer nor what a request is billed."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import orjson
@@ -163,7 +164,9 @@ def gateway(
     return Gateway(config=cfg, limiter=lim, clock=lim.inner.clock, metrics=Metrics()), lim
 
 
-async def request(gw: Gateway, n: int, *, stream: bool = False) -> tuple[RequestProcessor, Any]:
+async def request(
+    gw: Gateway, n: int, *, stream: bool = False, prompt: str = PROMPT
+) -> tuple[RequestProcessor, Any]:
     """Request headers and body; the request-body answer."""
     proc = RequestProcessor(gw)
     await proc.handle(
@@ -179,7 +182,7 @@ async def request(gw: Gateway, n: int, *, stream: bool = False) -> tuple[Request
         )
     )
     body = {"model": "m", "max_tokens": 10, "stream": stream}
-    body["messages"] = [{"role": "user", "content": PROMPT}]
+    body["messages"] = [{"role": "user", "content": prompt}]
     [resp] = await proc.handle(
         pb.ProcessingRequest(request_body=pb.HttpBody(body=orjson.dumps(body), end_of_stream=True))
     )
@@ -559,3 +562,76 @@ def test_stopped_models_are_bounded() -> None:
     assert audits.disagreed("c")
     assert len(audits) == 2 and audits.stopped("c") and audits.stopped("anything")
     assert audits.count_now("anything", 1_000)
+
+
+LARGE = PROMPT * 25  # 22,500 characters: counted in a worker thread at admission
+
+
+@pytest.mark.parametrize(
+    "ending", ["no_prompt_figure", "zero_figure", "upstream_error", "cut", "done"]
+)
+async def test_a_large_prompts_count_never_runs_on_the_event_loop(
+    ending: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large prompt admitted on its bound and not audited, whose figure then needs the exact
+    count (a JSON answer without an input figure or with one out of range, an upstream error's
+    access log, a stream's quota cut, a stream ending without usage): the count runs in a
+    worker thread, never in the event loop's, and the figures use it."""
+    gw, lim = gateway(1_000_000, audit=1000)
+    first, _ = await request(gw, 1, prompt=LARGE)  # counted first: the room hints
+    exact = first.s.cost.input_tokens if first.s.cost else 0
+    await complete_json(first, exact)
+    before = await tpm_value(lim, first)
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    plain = TiktokenCounter.count
+
+    def watched(self: TiktokenCounter, text: str) -> int:
+        if len(text) > 1000:  # the prompt (stream deltas are short)
+            threads.append(threading.get_ident())
+        return plain(self, text)
+
+    monkeypatch.setattr(TiktokenCounter, "count", watched)
+    stream = ending in ("cut", "done")
+    if ending == "cut":  # room for the bound and 8 tokens: the stream is cut at its limit
+        [tpm] = [b for b in first.s.buckets if b.kind == "tpm"]
+        before = tpm.limit.limit - prompt_bound(first) - 8
+        lim.inner.seed_counter(tpm.key, before)
+    proc, _ = await request(gw, 2, stream=stream, prompt=LARGE)
+    assert proc.s.input_pending and admissions(gw, "bound") == 1
+    if ending in ("no_prompt_figure", "zero_figure"):
+        await complete_json(proc, None if ending == "no_prompt_figure" else 0)
+    elif ending == "upstream_error":
+        await proc.handle(
+            pb.ProcessingRequest(
+                response_headers=headers({":status": "500", "content-type": "application/json"})
+            )
+        )
+    else:
+        await proc.handle(
+            pb.ProcessingRequest(
+                response_headers=headers({":status": "200", "content-type": "text/event-stream"})
+            )
+        )
+        for i in range(40):
+            await feed(proc, event(f" w{i}"))
+            if proc.s.life.ended:
+                break
+        if ending == "done":
+            assert not proc.s.life.ended
+            await feed(proc, b"data: [DONE]\n\n", end=True)
+    assert not proc.s.input_pending  # the access log's figure needed the count: it was taken
+    proc.close(Closed.EOF)
+    await settled(gw)
+    assert threads and loop_thread not in threads
+    assert not proc.s.count_failed
+    assert proc.s.cost is not None and proc.s.cost.input_tokens == exact
+    delivered = proc.driver.meter.delivered if proc.driver is not None else 0
+    billed = {
+        "no_prompt_figure": exact + 10,  # no usage read: the reservation stands
+        "zero_figure": int(exact * 0.75) - 16 + 5,  # the count's lower bound, as counted
+        "upstream_error": 0,  # an upstream error costs nothing
+        "cut": exact + delivered,
+        "done": exact + delivered,  # no usage: the input counted, the output delivered
+    }[ending]
+    assert await tpm_value(lim, proc) == before + billed
