@@ -154,6 +154,10 @@ class ModelEntry(Strict):
     # (vLLM, SGLang: stream_options.continuous_usage_stats); chat and completions streams then
     # ask for it and are metered by the engine's own count (docs/streaming-counting.md)
     stream_usage: Literal["final", "continuous"] = "final"
+    # What the upstream generates per second per sequence for this model: a request abandoned
+    # before its response is billed its input and this many output tokens per second it ran
+    # (never more than it reserved). Set it to the engine's decode speed (docs/semantics.md).
+    abandoned_tokens_per_second: int = Field(default=200, ge=0, le=1_000_000)
 
 
 class LimitEntry(Strict):

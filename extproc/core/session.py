@@ -67,6 +67,8 @@ class ModelInfo(Protocol):
     def exact_count(self) -> bool: ...
     @property
     def continuous_usage(self) -> bool: ...
+    @property
+    def abandoned_tokens_per_second(self) -> int: ...
     def stream_counter(self) -> Callable[[str], int]: ...
 
 
@@ -217,8 +219,10 @@ INPUT_SLACK_TOKENS = 16
 INPUT_TEMPLATE_ALLOWANCE = 64
 #: Server-side state can add at most this much unseen input when the model sets no limit.
 UNSEEN_INPUT_CEILING = 1_000_000
-#: What an upstream can generate per second per sequence, for requests abandoned before their
-#: response (the bound on a dead client's bill).
+#: What an upstream generates per second per sequence, for requests abandoned before their
+#: response: the default of a model's ``abandoned_tokens_per_second``.  A real engine (vLLM)
+#: aborts a non-stream when Envoy resets it for a client that left, having generated for as
+#: long as it ran (docs/engine-tests.md): the bill follows the time, not the reservation.
 ABANDONED_TOKENS_PER_SECOND = 200
 
 
@@ -283,11 +287,14 @@ def bounded_input(reported: int, counted: int, *, unseen: bool, ceiling: int | N
     return Figure(reported, reported, counted)
 
 
-def abandoned_output(cost: Cost, sequences: int, seconds: float) -> int:
-    """Output an upstream could have generated for a request abandoned ``seconds`` after its
-    admission, before its response: never more than was reserved."""
-    per_second = ABANDONED_TOKENS_PER_SECOND * max(1, sequences)
-    return min(cost.reserved_output, math.ceil(max(0.0, seconds) * per_second))
+def abandoned_output(
+    cost: Cost, sequences: int, elapsed_ms: int, rate: int = ABANDONED_TOKENS_PER_SECOND
+) -> int:
+    """Output an upstream could have generated for a request abandoned ``elapsed_ms`` after
+    its admission, before its response, at ``rate`` tokens per second per sequence (rounded
+    up): never more than was reserved."""
+    per_second = max(0, rate) * max(1, sequences)
+    return min(cost.reserved_output, -(-max(0, elapsed_ms) * per_second // 1000))
 
 
 # Media types that are streams but not SSE: the meter cannot read them.
@@ -787,7 +794,10 @@ class Session:
                 assert adm is not None
                 req = self.req
                 output = abandoned_output(
-                    cost, req.sequences if req else 1, (now_ms - adm.at_ms) / 1000.0
+                    cost,
+                    req.sequences if req else 1,
+                    now_ms - adm.at_ms,
+                    adm.model.abandoned_tokens_per_second,
                 )
             else:
                 output = None  # a JSON response without usage: the reservation stands
