@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from extproc.config.runtime import RuntimeConfig
+from extproc.config.runtime import Model, RuntimeConfig
 from extproc.core.lifecycle import Ending
 from extproc.core.rules import Adjustment, Usage
 from extproc.core.session import Figure, Session, Settlement, StreamEnd
@@ -84,7 +84,7 @@ async def settle(gw: Gateway, cfg: RuntimeConfig, s: Session, stream: StreamEnd 
             log_disagreement(gw, s, "output", fig)
         inp = s.input_figure()
         log_disagreement(gw, s, "input", inp)
-        if s.counted_after_bound and isinstance(inp, Figure) and inp.disagreement is not None:
+        if isinstance(inp, Figure) and inp.disagreement is not None and _has_shortcut(s):
             _stop_input_shortcut(gw, s)
     _record(gw, s, result, now)
     if result.total is None and not s.holds_slots:
@@ -103,6 +103,14 @@ async def settle(gw: Gateway, cfg: RuntimeConfig, s: Session, stream: StreamEnd 
         await _settle_now(gw, s, adjustments, ttl, delta)
     _count_tokens(gw, s, result, total)
     _log_settled(s, result, total, delta)
+
+
+def _has_shortcut(s: Session) -> bool:
+    """Whether the request's model may be admitted on a bound and billed at the upstream's
+    figure without a count (a tiktoken model): a count that contradicts its upstream's figure,
+    on a bound or counted first, stops that."""
+    model = s.model
+    return s.counted_after_bound or (isinstance(model, Model) and model.bound_counter is not None)
 
 
 def _stop_input_shortcut(gw: Gateway, s: Session) -> None:

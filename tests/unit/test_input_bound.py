@@ -635,3 +635,19 @@ async def test_a_large_prompts_count_never_runs_on_the_event_loop(
         "done": exact + delivered,  # no usage: the input counted, the output delivered
     }[ending]
     assert await tpm_value(lim, proc) == before + billed
+
+
+async def test_a_counted_first_request_contradicting_its_upstream_stops_the_shortcut() -> None:
+    """A request counted first (no hint yet) whose upstream figure a count contradicts stops
+    the shortcut as an audit would: the next one, admitted on the bound, is counted."""
+    gw, lim = gateway(1_000_000, audit=1000)
+    first, _ = await request(gw, 1)
+    exact = first.s.cost.input_tokens if first.s.cost else 0
+    await complete_json(first, exact // 6)
+    assert not first.s.counted_after_bound and shortcut_stops(gw) == 1
+    runs = tokenizer_runs(gw)
+    second, _ = await request(gw, 2)
+    assert admissions(gw, "bound") == 1
+    await complete_json(second, exact // 6)
+    assert tokenizer_runs(gw) == runs + 1
+    assert second.s.input_tokens() == int(exact * 0.75) - 16
