@@ -379,8 +379,8 @@ class RequestProcessor:
         usage = s.api.json_usage(plain)
         if usage is not None:
             s.report(Reported.of(usage))
-        await self._figures_ready()
-        s.json_output()  # decided once: the access log and settlement read the same figure
+        if s.json_output() is not None:  # decided once: the access log and settlement read it
+            await self._figures_ready()  # the access log's input figure beside it
         s.life.advance(Input.END)
         self._settle_later()
         return access_metadata(s, output_tokens=s.output_decided)

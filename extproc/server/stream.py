@@ -109,11 +109,14 @@ class StreamDriver:
         step = meter.feed(data, end)
         if not (step.charge or step.blocked or step.cut_reason or step.end_stream):
             # The common case: forward what completed, no Redis, no await (the final figures
-            # go with the terminal event only: none before the meter saw it).
+            # go with the terminal event only: none before the meter saw it; a large prompt's
+            # count, when they need it, is awaited then, once).
             if step.forward:
                 meta = None
                 if meter.complete and not self._final_sent:
                     await self._before_figures()
+                    if self.s.life.ended:  # cut meanwhile (shutdown): that cut said it all
+                        return out
                     meta = self._terminal_metadata()
                 out.append(wire.streamed_body(step.forward, False, meta))
             return out

@@ -645,9 +645,11 @@ async def test_a_counted_first_request_contradicting_its_upstream_stops_the_shor
     exact = first.s.cost.input_tokens if first.s.cost else 0
     await complete_json(first, exact // 6)
     assert not first.s.counted_after_bound and shortcut_stops(gw) == 1
-    runs = tokenizer_runs(gw)
+    runs, before = tokenizer_runs(gw), await tpm_value(lim, first)
     second, _ = await request(gw, 2)
     assert admissions(gw, "bound") == 1
     await complete_json(second, exact // 6)
     assert tokenizer_runs(gw) == runs + 1
-    assert second.s.input_tokens() == int(exact * 0.75) - 16
+    fair = int(exact * 0.75) - 16
+    assert second.s.input_tokens() == fair
+    assert await tpm_value(lim, second) - before == fair + 5
