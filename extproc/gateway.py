@@ -23,6 +23,7 @@ from extproc.clock import Clock
 from extproc.config.runtime import RuntimeConfig
 from extproc.core.admission import RoomHints
 from extproc.core.apis.base import ApiFormat
+from extproc.core.audits import InputAudits
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import MAX_RIDERS, AdmitResult, Limiter, SettleCall
 from extproc.limiter.batch import SETTLEMENT_RIDE_S, BatchSettings, Outcome, SettlementBatcher
@@ -67,7 +68,8 @@ class Gateway:
     _serial: itertools.count[int] = field(default_factory=itertools.count)
     # The per-token counters' values admissions last answered (whether a bound may be used)
     room: RoomHints = field(default_factory=RoomHints)
-    _audits: itertools.count[int] = field(default_factory=itertools.count)
+    # the audit sampler, and the models whose upstream input figures a count contradicted
+    input_audits: InputAudits = field(default_factory=InputAudits)
     _settlements: SettlementQueue | None = None
     # Settlements go to Redis many per call, from one background task (when the limiter can)
     _batcher: SettlementBatcher | None = None
@@ -108,10 +110,11 @@ class Gateway:
             self._bound[api.name] = bound
         return bound
 
-    def audit_input(self, config: RuntimeConfig) -> bool:
-        """Whether this request, admitted on a bound, is counted exactly anyway to check the
-        upstream's input figure (one in ``requests.input_audit_every``)."""
-        return (next(self._audits) + 1) % config.input_audit_every == 0
+    def audit_input(self, config: RuntimeConfig, model: str) -> bool:
+        """Whether this request of ``model``, admitted on a bound, is counted exactly at once:
+        to check the upstream's input figure (one in ``requests.input_audit_every``), or
+        because that model's figures disagreed with a count before (:class:`InputAudits`)."""
+        return self.input_audits.count_now(model, config.input_audit_every)
 
     def ledger_id(self, request_id: str) -> str:
         """A ledger id unique to one HTTP request: Envoy's request id, this process, a serial.

@@ -95,6 +95,13 @@ class Metrics:
             ["how"],
             registry=r,
         )
+        self.input_shortcut_stops = Counter(
+            "aiq_input_shortcut_stops",
+            "Models whose upstream input figure a count contradicted: their requests admitted "
+            "on a bound are counted from then on instead of billed at the upstream's figure",
+            ["model"],
+            registry=r,
+        )
         self.duplicate_hits = Counter(
             "aiq_idempotent_duplicates",
             "Limiter calls that found their ledger entry already applied",

@@ -308,6 +308,9 @@ EVERY = 16
 #: reaches it (measured 1-15 per stream on a pinned 2-core machine).
 RUN_AHEAD_BOUND = 2 * EVERY + 16
 
+#: The tiny model's ``abandoned_tokens_per_second`` in :func:`engine_rules`.
+ABANDON_RATE = 400
+
 #: Tenant (``e-<name>``, key ``sk-<name>``) -> plan, for the engine tests and bench.
 ENGINE_TENANTS = {
     "chat": "big",
@@ -327,6 +330,7 @@ ENGINE_TENANTS = {
     "conclazy": "lazy1500",
     "concstrict": "strict1500",
     "lagging": "lazy100",
+    "abandoned": "big",
 }
 
 
@@ -353,6 +357,9 @@ def engine_rules(tokenizer_json: Path, tenants: dict[str, str] | None = None) ->
                 "max_output_tokens": 2048,
                 # vLLM reports its running usage in every chunk when asked
                 "stream_usage": "continuous",
+                # above the tiny model's decode speed here (up to ~290 tokens/s pinned): an
+                # abandoned non-stream is never billed less than the engine generated
+                "abandoned_tokens_per_second": ABANDON_RATE,
             }
         },
         "plans": {

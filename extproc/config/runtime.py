@@ -12,6 +12,7 @@ from typing import Literal
 
 from extproc.config.schema import IdentityPolicy
 from extproc.core.rules import Charging, Limit, Rates
+from extproc.core.session import ABANDONED_TOKENS_PER_SECOND
 from extproc.core.tokens import TokenCounter, TokenizerSpec
 
 
@@ -34,6 +35,8 @@ class Model:
     currency: str = ""
     # the upstream reports running usage in every stream chunk when asked (vLLM, SGLang)
     continuous_usage: bool = False
+    # output tokens per second per sequence billed for a request abandoned before its response
+    abandoned_tokens_per_second: int = ABANDONED_TOKENS_PER_SECOND
 
     @property
     def exact_count(self) -> bool:

@@ -154,6 +154,10 @@ class ModelEntry(Strict):
     # (vLLM, SGLang: stream_options.continuous_usage_stats); chat and completions streams then
     # ask for it and are metered by the engine's own count (docs/streaming-counting.md)
     stream_usage: Literal["final", "continuous"] = "final"
+    # What the upstream generates per second per sequence for this model: a request abandoned
+    # before its response is billed its input and this many output tokens per second it ran
+    # (never more than it reserved). Set it to the engine's decode speed (docs/semantics.md).
+    abandoned_tokens_per_second: int = Field(default=200, ge=0, le=1_000_000)
 
 
 class LimitEntry(Strict):
@@ -317,9 +321,9 @@ class RequestsPolicy(Strict):
     # ... and only while that leaves every such counter under this share of its limit: many
     # requests admitted on bounds at once then hold at most about this share beyond their counts
     bound_below: float = Field(default=0.25, gt=0.0, le=1.0)
-    # A request admitted on the bound is billed the upstream's input figure when it is under
-    # the bound, without counting; one in input_audit_every is counted anyway, so a drifting
-    # upstream shows in aiq_usage_disagreements_total (1: count every one).
+    # A request admitted on the bound is billed the upstream's input figure when it is in the
+    # range the bound proves, without counting; one in input_audit_every is counted anyway, and
+    # a model whose figure a count contradicts is counted from then on (1: count every one).
     input_audit_every: int = Field(default=16, ge=1, le=1_000_000)
 
 

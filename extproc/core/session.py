@@ -67,6 +67,8 @@ class ModelInfo(Protocol):
     def exact_count(self) -> bool: ...
     @property
     def continuous_usage(self) -> bool: ...
+    @property
+    def abandoned_tokens_per_second(self) -> int: ...
     def stream_counter(self) -> Callable[[str], int]: ...
 
 
@@ -124,6 +126,10 @@ class Admitted:
     # admitted on an upper bound of the input (``cost.input_tokens``); the exact count comes
     # later (:meth:`Session.input_counted`) and replaces it before any figure is decided
     input_bound: bool = False
+    # the fewest tokens the tokenizer can count for that bound (every token stands for at
+    # most its vocabulary's longest token in bytes): an upstream figure the counted path would
+    # refuse for any count from here to the bound is checked against the count
+    input_floor: int = 0
     # what admission charged for the input, once a count replaced the bound (-1: the count)
     charged_input: int = -1
 
@@ -213,12 +219,10 @@ INPUT_SLACK_TOKENS = 16
 INPUT_TEMPLATE_ALLOWANCE = 64
 #: Server-side state can add at most this much unseen input when the model sets no limit.
 UNSEEN_INPUT_CEILING = 1_000_000
-#: A request admitted on an upper bound of its input takes the upstream's input figure without
-#: being counted when it is at most the bound and at least this share of it (a byte bound is
-#: 1-8x the tokens of real text; below that share the figure is checked against a count).
-UPSTREAM_INPUT_MIN_SHARE = 1 / 32
-#: What an upstream can generate per second per sequence, for requests abandoned before their
-#: response (the bound on a dead client's bill).
+#: What an upstream generates per second per sequence, for requests abandoned before their
+#: response: the default of a model's ``abandoned_tokens_per_second``.  A real engine (vLLM)
+#: aborts a non-stream when Envoy resets it for a client that left, having generated for as
+#: long as it ran (docs/engine-tests.md): the bill follows the time, not the reservation.
 ABANDONED_TOKENS_PER_SECOND = 200
 
 
@@ -283,11 +287,14 @@ def bounded_input(reported: int, counted: int, *, unseen: bool, ceiling: int | N
     return Figure(reported, reported, counted)
 
 
-def abandoned_output(cost: Cost, sequences: int, seconds: float) -> int:
-    """Output an upstream could have generated for a request abandoned ``seconds`` after its
-    admission, before its response: never more than was reserved."""
-    per_second = ABANDONED_TOKENS_PER_SECOND * max(1, sequences)
-    return min(cost.reserved_output, math.ceil(max(0.0, seconds) * per_second))
+def abandoned_output(
+    cost: Cost, sequences: int, elapsed_ms: int, rate: int = ABANDONED_TOKENS_PER_SECOND
+) -> int:
+    """Output an upstream could have generated for a request abandoned ``elapsed_ms`` after
+    its admission, before its response, at ``rate`` tokens per second per sequence (rounded
+    up): never more than was reserved."""
+    per_second = max(0, rate) * max(1, sequences)
+    return min(cost.reserved_output, -(-max(0, elapsed_ms) * per_second // 1000))
 
 
 # Media types that are streams but not SSE: the meter cannot read them.
@@ -424,6 +431,7 @@ class Session:
     __slots__ = (
         "_admitted",
         "_count",
+        "_count_inline",
         "_identified",
         "_output",
         "_parsed",
@@ -447,6 +455,7 @@ class Session:
         self._settlement: Settlement | None = None
         # the exact input count of a request admitted on a bound, taken when a figure needs it
         self._count: Callable[[], int] | None = None
+        self._count_inline = True
         self.count_failed = False
         self.account = RequestAccount()
         # the last stream charge whose answer never came (settlement undoes it if it ran)
@@ -472,10 +481,13 @@ class Session:
         if usage is not None:
             self.account.record(list(rec.buckets), usage)
 
-    def count_input_with(self, count: Callable[[], int]) -> None:
+    def count_input_with(self, count: Callable[[], int], *, inline: bool = True) -> None:
         """How to count the input exactly, for a request admitted on an upper bound: called at
-        most once, only when a figure needs the count (:meth:`needs_count`)."""
+        most once, only when a figure needs the count (:meth:`needs_count`).  A prompt too
+        large to count on the event loop (``inline`` False) is never counted here: the server
+        counts it in a worker thread (:meth:`input_counted`) before it asks for a figure."""
         self._count = count
+        self._count_inline = inline
 
     def input_counted(self, exact: int) -> None:
         """The exact input count of a request admitted on an upper bound: it replaces the bound
@@ -494,6 +506,12 @@ class Session:
         )
 
     @property
+    def counted_after_bound(self) -> bool:
+        """Admitted on a bound, and the exact count has replaced it since."""
+        rec = self._admitted
+        return rec is not None and not rec.input_bound and rec.charged_input >= 0
+
+    @property
     def input_pending(self) -> bool:
         """Admitted on a bound whose exact count has not been taken."""
         rec = self._admitted
@@ -501,18 +519,22 @@ class Session:
 
     def _upstream_input(self) -> int | None:
         """The upstream's input figure, when it stands for a request admitted on a bound without
-        a count: at most the bound and not implausibly below it."""
-        rep, cost = self._reported, self.cost
-        if rep is None or rep.input is None or cost is None:
+        a count: between the fewest tokens the tokenizer can count for that bound (1 at
+        least) and the bound itself, the range the exact count is proven to lie in.  Outside
+        it the figure is checked against the exact count, as on the counted path
+        (:func:`bounded_input`).  An upstream whose figures a count contradicted loses this
+        shortcut: the server counts its requests (:class:`extproc.core.audits.InputAudits`)."""
+        rep, adm = self._reported, self._admitted
+        if rep is None or rep.input is None or adm is None or adm.cost is None:
             return None
-        bound = cost.input_tokens
-        if bound * UPSTREAM_INPUT_MIN_SHARE <= rep.input <= bound:
+        if adm.input_bound and max(1, adm.input_floor) <= rep.input <= adm.cost.input_tokens:
             return rep.input
         return None
 
     def needs_count(self) -> bool:
-        """Whether settling now would take the exact count (the server may take it first, off
-        the event loop, for a large prompt)."""
+        """Whether a figure (settlement, a cut's message, the access log's input) would take
+        the exact count now: the server takes it first, off the event loop for a large
+        prompt."""
         return self.input_pending and self._upstream_input() is None
 
     def _exact_input(self) -> None:
@@ -523,11 +545,15 @@ class Session:
         cost = self.cost
         assert cost is not None
         exact = cost.input_tokens
-        if self._count is not None:
+        if self._count is not None and self._count_inline:
             try:
                 exact = self._count()
             except Exception:
                 self.count_failed = True
+        elif self._count is not None:
+            # the server should have counted it off the loop first: never stall the loop, and
+            # keep the bound (an over-count, logged at settlement)
+            self.count_failed = True
         self._count = None
         self.input_counted(exact)
 
@@ -768,12 +794,19 @@ class Session:
                 assert adm is not None
                 req = self.req
                 output = abandoned_output(
-                    cost, req.sequences if req else 1, (now_ms - adm.at_ms) / 1000.0
+                    cost,
+                    req.sequences if req else 1,
+                    now_ms - adm.at_ms,
+                    adm.model.abandoned_tokens_per_second,
                 )
             else:
                 output = None  # a JSON response without usage: the reservation stands
             if output is None:
-                # the reservation stands; an input admitted on a bound is corrected to its count
+                # the reservation stands; an input admitted on a bound is corrected to the
+                # upstream's figure within its proven range, else to its count
+                upstream = self._upstream_input() if self.input_pending else None
+                if upstream is not None:
+                    self.input_counted(upstream)
                 self._exact_input()
                 adm = self._admitted
                 assert adm is not None and adm.cost is not None
@@ -814,10 +847,9 @@ class Session:
     def pending_units(self, bucket: WindowedBucket, delivered: int) -> int:
         """Units settlement would still add to ``bucket`` if the stream ended now with
         ``delivered`` output tokens (what a cut message must add to the counter's value)."""
-        if self.cost is None or not bucket.limit.counts_tokens:
-            return 0
-        self._exact_input()
         cost = self.cost
-        assert cost is not None
-        final = Usage(input=cost.input_tokens, output=delivered, requests=cost.requests)
+        if cost is None or not bucket.limit.counts_tokens:
+            return 0
+        # the input as settlement will take it (the upstream's figure in range, or the count)
+        final = Usage(input=self.input_tokens(), output=delivered, requests=cost.requests)
         return bucket.rates.units(final) - self.account.charged(bucket.limit)

@@ -276,6 +276,18 @@ class TiktokenCounter:
         self.name = name or f"tiktoken:{encoding.name}"
         self.max_chars = max_chars
         self.max_piece_chars = max_piece_chars
+        self._longest: int | None = None
+
+    @property
+    def longest_token_bytes(self) -> int:
+        """The most bytes one ordinary token of the encoding stands for, read from its
+        vocabulary once (cl100k_base: 128, a run of spaces): a text of ``b`` bytes has at
+        least ``b / longest_token_bytes`` tokens."""
+        longest = self._longest
+        if longest is None:
+            longest = max((len(t) for t in self.encoding.token_byte_values()), default=1)
+            self._longest = longest
+        return longest
 
     def count(self, text: str) -> int:
         """Return the token count of ``text`` (exact unless a forced cut was needed)."""
@@ -308,6 +320,8 @@ class UTF8BoundCounter:
         self.name = f"utf8-bound:{inner.name}"
         self.max_chars = inner.max_chars
         self.max_piece_chars = inner.max_piece_chars
+        # read from the vocabulary here, when the configuration is compiled (not on a request)
+        self.longest_token_bytes = inner.longest_token_bytes
 
     def count(self, text: str) -> int:
         """At least ``inner.count(text)``: the UTF-8 length, plus each possible cut's slack."""
@@ -316,6 +330,17 @@ class UTF8BoundCounter:
         if len(text) > self.max_piece_chars:
             n += (len(text) // self.max_piece_chars + 1) * HARD_CUT_SLACK_TOKENS
         return n
+
+    def fewest_tokens(self, bound: int) -> int:
+        """The fewest tokens the inner counter can count for a request whose walk with this
+        counter gave ``bound``: each token stands for at most ``longest_token_bytes`` bytes,
+        and the slack :meth:`count` adds for a text longer than a piece is at most
+        ``2 * HARD_CUT_SLACK_TOKENS / max_piece_chars`` per byte; a framing constant is the
+        same in both walks.  An upstream input figure below what the exact path would accept
+        for this many tokens cannot be right."""
+        pieces = self.max_piece_chars
+        per_byte = self.longest_token_bytes * (pieces + 2 * HARD_CUT_SLACK_TOKENS)
+        return max(0, bound) * pieces // per_byte
 
     def __repr__(self) -> str:
         """Show which counter this bounds."""

@@ -28,6 +28,7 @@ from extproc.core.session import (
     run_ahead_budget,
     shadow_outcome,
 )
+from extproc.core.tokens import UTF8BoundCounter
 from extproc.errors import (
     BadRequest,
     LimiterUnavailable,
@@ -120,8 +121,19 @@ async def admit_body(
         )
         shadow = shadow_outcome(attempt.buckets, values, attempt.plan.cost)
         headers += _report_shadow(gw, s, shadow)
+    floor = 0
+    if attempt.on_bound and isinstance(model.bound_counter, UTF8BoundCounter):
+        floor = model.bound_counter.fewest_tokens(attempt.input_tokens)
     s.admit(
-        Admitted(model, cost, attempt.buckets, attempt.now, headers, input_bound=attempt.on_bound),
+        Admitted(
+            model,
+            cost,
+            attempt.buckets,
+            attempt.now,
+            headers,
+            input_bound=attempt.on_bound,
+            input_floor=floor,
+        ),
         admission.admission_usage(cost) if cost is not None else None,
     )
     gw.metrics.decisions.labels("admitted", "ok").inc()

@@ -55,7 +55,7 @@ from extproc.errors import UnsupportedEncoding as UnsupportedRequestEncoding
 from extproc.gateway import Gateway
 from extproc.server import wire
 from extproc.server.admit import admit_body, admit_rpm_only
-from extproc.server.counting import count_input
+from extproc.server.counting import OFFLOAD_BYTES, count_input
 from extproc.server.identity import IDENTITY_HEADERS, identify, presented_key, public_path, route
 from extproc.server.settle import access_metadata, settle
 from extproc.server.stream import StreamDriver
@@ -128,7 +128,7 @@ class RequestProcessor:
             if which == "response_headers":
                 return [await self.on_response_headers(req.response_headers)]
             if which == "response_trailers":
-                return self.on_response_trailers()
+                return await self.on_response_trailers()
             if which == "request_trailers":
                 return [wire.continue_request_trailers()]
             return []
@@ -232,8 +232,11 @@ class RequestProcessor:
         if s.input_pending:
             api, req, model = s.api, s.req, s.model
             assert api is not None and req is not None and isinstance(model, Model)
-            s.count_input_with(lambda: api.count_input(req, model.counter, model.tokenizer))
-            if self.gw.audit_input(self.cfg):
+            s.count_input_with(
+                lambda: api.count_input(req, model.counter, model.tokenizer),
+                inline=self._body_size <= OFFLOAD_BYTES,
+            )
+            if self.gw.audit_input(self.cfg, model.name):
                 # Counted now to check the upstream's figure against it; the first step runs
                 # once this answer is being written: off the request's path.
                 self._counting = asyncio.ensure_future(self._count_exact(self._body_size))
@@ -264,6 +267,14 @@ class RequestProcessor:
         if task is not None and not task.done():
             await asyncio.shield(task)
 
+    async def _figures_ready(self) -> None:
+        """Before a figure is decided (settlement, a cut's message, the access log's input):
+        the exact count it needs, a large prompt's in a worker thread within the counting
+        deadline, never on the event loop."""
+        await self._input_known()
+        if self.s.needs_count():
+            await self._count_exact(self._body_size)
+
     # -- response --------------------------------------------------------------------------
 
     async def on_response_headers(self, hh: Any) -> wire.ProcessingResponse:
@@ -291,6 +302,7 @@ class RequestProcessor:
         if how.kind == "upstream_error":
             s.life.name_ending(Ending.UPSTREAM_ERROR)
             s.life.advance(Input.END)
+            await self._figures_ready()  # the access log's input figure
             self._settle_later()
             return wire.continue_response_headers(
                 headers_out, metadata=access_metadata(s, output_tokens=0)
@@ -298,7 +310,9 @@ class RequestProcessor:
         if how.kind == "unmeterable":
             return self._unmeterable(how.reason)
         if how.kind == "stream":  # SSE, or SSE under a missing/odd content type
-            self.driver = StreamDriver(self.gw, self.cfg, s, how.decoder)
+            self.driver = StreamDriver(
+                self.gw, self.cfg, s, how.decoder, figures_ready=self._figures_ready
+            )
             s.life.advance(Input.STREAM_START)
             self.gw.metrics.active_streams.inc()
             return wire.continue_response_headers(
@@ -351,10 +365,10 @@ class RequestProcessor:
                 buf += body.body
             if not body.end_of_stream:
                 return [wire.continue_response_body()]
-            return [wire.continue_response_body(self._finish_json(bytes(buf), decoder))]
+            return [wire.continue_response_body(await self._finish_json(bytes(buf), decoder))]
         return [wire.continue_response_body()]
 
-    def _finish_json(self, raw: bytes, decoder: Any) -> dict[str, object]:
+    async def _finish_json(self, raw: bytes, decoder: Any) -> dict[str, object]:
         """The JSON body is complete: read its usage, end the request, settle in the background."""
         s = self.s
         assert s.api is not None
@@ -365,15 +379,16 @@ class RequestProcessor:
         usage = s.api.json_usage(plain)
         if usage is not None:
             s.report(Reported.of(usage))
-        s.json_output()  # decided once: the access log and settlement read the same figure
+        if s.json_output() is not None:  # decided once: the access log and settlement read it
+            await self._figures_ready()  # the access log's input figure beside it
         s.life.advance(Input.END)
         self._settle_later()
         return access_metadata(s, output_tokens=s.output_decided)
 
-    def on_response_trailers(self) -> list[wire.ProcessingResponse]:
+    async def on_response_trailers(self) -> list[wire.ProcessingResponse]:
         """Trailers pass; a metered stream first flushes what it holds."""
         self.s.life.advance(Input.TRAILERS)
-        out = self.driver.trailers() if self.driver is not None else []
+        out = await self.driver.trailers() if self.driver is not None else []
         out.append(wire.continue_response_trailers())
         return out
 
@@ -390,6 +405,7 @@ class RequestProcessor:
         driver, writer = self.driver, self.writer
         if driver is None or writer is None or self.s.life.state is not State.STREAMING:
             return False
+        await self._figures_ready()  # the cut's final figures
         async with self.write_lock:
             try:
                 for resp in driver.cut(CutReason.SHUTDOWN):
@@ -411,10 +427,7 @@ class RequestProcessor:
 
     async def _settle(self) -> None:
         s = self.s
-        await self._input_known()
-        if s.needs_count():
-            # the figures need the exact count: a large prompt's is taken off the event loop
-            await self._count_exact(self._body_size)
+        await self._figures_ready()
         if s.life.ending is None:
             s.life.name_ending(Ending.COMPLETED)
         driver = self.driver

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from extproc.config.runtime import RuntimeConfig
+from extproc.config.runtime import Model, RuntimeConfig
 from extproc.core.lifecycle import Ending
 from extproc.core.rules import Adjustment, Usage
 from extproc.core.session import Figure, Session, Settlement, StreamEnd
@@ -82,7 +82,10 @@ async def settle(gw: Gateway, cfg: RuntimeConfig, s: Session, stream: StreamEnd 
             log_disagreement(gw, s, "output", s.stream_output(stream))
         elif (fig := s.json_output()) is not None:
             log_disagreement(gw, s, "output", fig)
-        log_disagreement(gw, s, "input", s.input_figure())
+        inp = s.input_figure()
+        log_disagreement(gw, s, "input", inp)
+        if isinstance(inp, Figure) and inp.disagreement is not None and _has_shortcut(s):
+            _stop_input_shortcut(gw, s)
     _record(gw, s, result, now)
     if result.total is None and not s.holds_slots:
         _log_settled(s, result, s.account.total, 0)
@@ -100,6 +103,29 @@ async def settle(gw: Gateway, cfg: RuntimeConfig, s: Session, stream: StreamEnd 
         await _settle_now(gw, s, adjustments, ttl, delta)
     _count_tokens(gw, s, result, total)
     _log_settled(s, result, total, delta)
+
+
+def _has_shortcut(s: Session) -> bool:
+    """Whether the request's model may be admitted on a bound and billed at the upstream's
+    figure without a count (a tiktoken model): a count that contradicts its upstream's figure,
+    on a bound or counted first, stops that."""
+    model = s.model
+    return s.counted_after_bound or (isinstance(model, Model) and model.bound_counter is not None)
+
+
+def _stop_input_shortcut(gw: Gateway, s: Session) -> None:
+    """A request admitted on a bound whose upstream input figure a count contradicted: that
+    model's later requests on a bound are counted, not billed at the upstream's figure."""
+    model = s.model.name if s.model else ""
+    if gw.input_audits.disagreed(model):
+        gw.metrics.input_shortcut_stops.labels(model).inc()
+        log.warning(
+            "input_shortcut_stopped",
+            request_id=s.request_id,
+            model=model,
+            reported=s.reported.input if s.reported else None,
+            counted=s.cost.input_tokens if s.cost else None,
+        )
 
 
 async def _settle_now(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from collections.abc import Awaitable, Callable
 
 import structlog
 
@@ -47,11 +48,15 @@ class StreamDriver:
         cfg: RuntimeConfig,
         s: Session,
         decoder: BodyDecoder | None = None,
+        *,
+        figures_ready: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         cost, req, api, model = s.cost, s.req, s.api, s.model
         assert cost is not None and req is not None and api is not None and model is not None
         self.gw, self.cfg, self.s = gw, cfg, s
         self.decoder = decoder
+        # takes the exact input count a figure needs (a large prompt's off the event loop)
+        self._figures_ready = figures_ready
         self.reader = api.stream_reader()
         self.meter = StreamMeter(
             count=model.stream_counter(),
@@ -81,6 +86,7 @@ class StreamDriver:
             try:
                 data = self.decoder.feed(data) + (self.decoder.flush() if end else b"")
             except zlib.error:
+                await self._before_figures()
                 return self.cut(
                     CutReason.UNMETERABLE, "The upstream sent a corrupt compressed body."
                 )
@@ -103,28 +109,46 @@ class StreamDriver:
         step = meter.feed(data, end)
         if not (step.charge or step.blocked or step.cut_reason or step.end_stream):
             # The common case: forward what completed, no Redis, no await (the final figures
-            # go with the terminal event only: none before the meter saw it).
+            # go with the terminal event only: none before the meter saw it; a large prompt's
+            # count, when they need it, is awaited then, once).
             if step.forward:
-                meta = self._terminal_metadata() if meter.complete else None
+                meta = None
+                if meter.complete and not self._final_sent:
+                    await self._before_figures()
+                    if self.s.life.ended:  # cut meanwhile (shutdown): that cut said it all
+                        return out
+                    meta = self._terminal_metadata()
                 out.append(wire.streamed_body(step.forward, False, meta))
             return out
         out += await self._apply(step)
         return out
 
-    def trailers(self) -> list[wire.ProcessingResponse]:
+    async def trailers(self) -> list[wire.ProcessingResponse]:
         """Upstream trailers: flush what the meter holds before they pass."""
         if self.s.life.ended:
             return []
         step = self.meter.feed(b"", False)
         if not step.forward:
             return []
+        if self.complete and not self._final_sent:
+            await self._before_figures()
         return [wire.streamed_body(step.forward, False, self._terminal_metadata())]
+
+    async def _before_figures(self) -> None:
+        """The stream's figures are about to be decided (its end, a cut): the exact input
+        count they need is taken first, off the event loop for a large prompt."""
+        if self._figures_ready is not None and self.s.needs_count():
+            await self._figures_ready()
 
     async def _apply(self, step: Step) -> list[wire.ProcessingResponse]:
         """Forward what the meter released, start charges, wait when events are held."""
         meter = self.meter
         out: list[wire.ProcessingResponse] = []
         while True:
+            if step.cut_reason is not None or step.end_stream or meter.complete:
+                await self._before_figures()
+                if self.s.life.ended:  # cut meanwhile (shutdown): that cut has said it all
+                    return out
             if step.cut_reason is not None:
                 if step.forward:
                     out.append(wire.streamed_body(step.forward, False))

@@ -27,10 +27,12 @@ from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 from tokenizers import Tokenizer
 
 from extproc.bench.vllm import (
+    ABANDON_RATE,
     RUN_AHEAD_BOUND,
     SERVED_NAME,
     Engine,
     EngineMetrics,
+    tokens_billed,
     wait_idle,
     wait_metrics,
     wait_settled,
@@ -571,3 +573,67 @@ def test_run_ahead_when_the_processor_lags(
     assert delta.generation_tokens <= room + RUN_AHEAD_BOUND, info
     assert 0 <= excess <= RUN_AHEAD_BOUND, info
     assert billed == delta.prompt_tokens + seen["delivered"], info
+
+
+# -- a non-stream abandoned by its client ----------------------------------------------------
+
+
+@dataclass
+class Abandoned:
+    """One non-stream the client gave up on after ``after_s``: what the engine computed for it
+    (its /metrics) and what the gateway billed."""
+
+    after_s: float
+    prompt: int
+    generated: int
+    billed: int
+
+    @property
+    def billed_output(self) -> int:
+        return self.billed - self.prompt
+
+    def __str__(self) -> str:
+        return (
+            f"after {self.after_s} s: engine prompt {self.prompt}, generated {self.generated}; "
+            f"billed {self.billed} (output {self.billed_output})"
+        )
+
+
+def abandon(engine: Engine, gateway: Stack, grds: redis.Redis, after_s: float) -> Abandoned:
+    """A chat non-stream asking for far more tokens than the engine makes in ``after_s``,
+    whose client closes its connection at ``after_s`` (the SDK's timeout): Envoy resets the
+    upstream request."""
+    tenant = "e-abandoned"
+    c = openai.OpenAI(
+        base_url=gateway.base_url, api_key="sk-abandoned", max_retries=0, timeout=after_s
+    )
+    before = wait_idle(engine.metrics_url)
+    billed_before = tokens_billed(grds, tenant)
+    try:
+        with pytest.raises(openai.APITimeoutError):
+            c.chat.completions.create(
+                model=SERVED_NAME, messages=MSG, max_tokens=1500, extra_body=IGNORE_EOS
+            )
+    finally:
+        c.close()
+    delta = _after_cut(engine, before)
+    billed = wait_settled(grds, tenant) - billed_before
+    return Abandoned(after_s, delta.prompt_tokens, delta.generation_tokens, billed)
+
+
+def test_an_abandoned_non_stream_bills_what_the_engine_generated(
+    engine: Engine, gateway: Stack, grds: redis.Redis
+) -> None:
+    """A client that hangs up on a non-stream after 1 and 1.5 s: vLLM aborts the request when
+    Envoy resets it (running back to 0, far short of max_tokens) having generated for as long
+    as it ran; the gateway, which saw no response, bills the input and the model's
+    ``abandoned_tokens_per_second`` (set at or above the engine's decode speed) for the time
+    it ran: never less than the engine generated, at most that rate's allowance."""
+    runs = [abandon(engine, gateway, grds, after) for after in (1.0, 1.5)]
+    info = "; ".join(str(r) for r in runs)
+    print(info)
+    for r in runs:
+        assert r.prompt > 0, info
+        assert 0 < r.generated < 1500, info  # it ran, and stopped when the client left
+        assert r.generated <= r.billed_output, info
+        assert r.billed_output <= ABANDON_RATE * (r.after_s + 0.5), info

@@ -36,6 +36,8 @@ RULES = """
 models:
   m: {tokenizer: {kind: tiktoken, encoding: cl100k_base}, max_output_tokens: 1000}
   est: {tokenizer: {kind: estimate, chars_per_token: 3, safety_factor: 1.25}, max_output_tokens: 1000}
+  fast: {tokenizer: {kind: tiktoken, encoding: cl100k_base}, max_output_tokens: 1000, abandoned_tokens_per_second: 1500}
+  idle: {tokenizer: {kind: tiktoken, encoding: cl100k_base}, max_output_tokens: 1000, abandoned_tokens_per_second: 0}
 plans:
   p: {limits: [{model: "*", per: hour, rpm: 100, tpm: 100000}]}
 tenants:
@@ -168,6 +170,20 @@ def test_abandoned_request_pays_what_could_have_been_made(ms: int) -> None:
     expected = min(cost.reserved_output, -(-ms * ABANDONED_TOKENS_PER_SECOND // 1000))
     assert result.ending is Ending.CLIENT_DISCONNECTED
     assert result.output is not None and abs(result.output - expected) <= 1
+
+
+@pytest.mark.parametrize(("model", "rate"), [("m", 200), ("fast", 1500), ("idle", 0)])
+@given(ms=st.integers(0, 10_000))
+def test_the_abandon_rate_is_the_models(model: str, rate: int, ms: int) -> None:
+    """The abandon rule bills the model's own decode speed (``abandoned_tokens_per_second``,
+    200 by default) for the time the request ran, never more than was reserved: an engine
+    generates until Envoy's reset aborts it (docs/engine-tests.md)."""
+    s = admitted_session(model=model, stream=False)
+    assert s.model is not None and s.model.abandoned_tokens_per_second == rate
+    s.close(Closed.CANCELLED)
+    result = s.settlement(ms)
+    assert result.output == min(500, -(-ms * rate // 1000))
+    assert result.total == 20 + result.output
 
 
 @pytest.mark.parametrize("how", [Closed.EOF, Closed.CANCELLED])

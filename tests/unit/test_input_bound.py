@@ -6,6 +6,7 @@ the bound never changes an admission's answer nor what a request is billed."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import orjson
@@ -21,6 +22,7 @@ from extproc.config.runtime import Model
 from extproc.core.admission import MAX_ROOM_HINTS, RoomHints
 from extproc.core.apis.base import RequestLimits
 from extproc.core.apis.registry import api_for_path
+from extproc.core.audits import InputAudits
 from extproc.core.lifecycle import Closed
 from extproc.core.rules import BucketCharge
 from extproc.core.tokens import (
@@ -162,7 +164,9 @@ def gateway(
     return Gateway(config=cfg, limiter=lim, clock=lim.inner.clock, metrics=Metrics()), lim
 
 
-async def request(gw: Gateway, n: int, *, stream: bool = False) -> tuple[RequestProcessor, Any]:
+async def request(
+    gw: Gateway, n: int, *, stream: bool = False, prompt: str = PROMPT
+) -> tuple[RequestProcessor, Any]:
     """Request headers and body; the request-body answer."""
     proc = RequestProcessor(gw)
     await proc.handle(
@@ -178,7 +182,7 @@ async def request(gw: Gateway, n: int, *, stream: bool = False) -> tuple[Request
         )
     )
     body = {"model": "m", "max_tokens": 10, "stream": stream}
-    body["messages"] = [{"role": "user", "content": PROMPT}]
+    body["messages"] = [{"role": "user", "content": prompt}]
     [resp] = await proc.handle(
         pb.ProcessingRequest(request_body=pb.HttpBody(body=orjson.dumps(body), end_of_stream=True))
     )
@@ -479,3 +483,173 @@ async def test_a_count_that_fails_keeps_the_bound_and_says_so() -> None:
     assert second.s.cost is not None and second.s.cost.input_tokens == bound
     assert await tpm_value(lim, second) - before == bound + 10
     assert any(e["event"] == "input_count_failed" and e["log_level"] == "error" for e in logs)
+
+
+def test_the_floor_follows_from_the_tokenizers_longest_token() -> None:
+    """The floor is read from the encoding's vocabulary (cl100k_base's longest token is a run
+    of 128 spaces), and a text of that token repeated reaches it."""
+    longest = max(len(t) for t in bundled_encoding().token_byte_values())
+    bound = UTF8BoundCounter(EXACT)
+    assert bound.longest_token_bytes == EXACT.longest_token_bytes == longest == 128
+    spaces = " " * (longest * 10)
+    assert bound.fewest_tokens(bound.count(spaces)) <= EXACT.count(spaces) <= 11
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(texts, st.lists(texts, max_size=3))
+def test_the_floor_is_never_above_the_count(text: str, more: list[str]) -> None:
+    """Whatever the text (and with forced cuts), the fewest tokens the bound allows is at most
+    the exact count, for single texts and whole requests of every API."""
+    for counter in (EXACT, CUT):
+        bound = UTF8BoundCounter(counter)
+        assert bound.fewest_tokens(bound.count(text)) <= counter.count(text)
+    limits = RequestLimits(max_tokens_ceiling=1_000_000, max_n=16)
+    bound = UTF8BoundCounter(EXACT)
+    for path, body in _bodies(text, more, []).items():
+        api = api_for_path(path)
+        assert api is not None
+        try:
+            req = api.parse(orjson.dumps(body), limits)
+        except GatewayError:
+            continue
+        walked = api.count_input(req, bound, SPEC)
+        assert bound.fewest_tokens(walked) <= api.count_input(req, EXACT, SPEC), path
+
+
+def shortcut_stops(gw: Gateway, model: str = "m") -> float:
+    return float(gw.metrics.input_shortcut_stops.labels(model)._value.get())
+
+
+async def test_an_upstream_whose_audited_figure_is_low_loses_the_shortcut() -> None:
+    """An upstream reporting a sixth of the prompt (uncached tokens only, another tokenizer):
+    the audit bills the count's bound and stops the shortcut for the model, so its next
+    unaudited requests are counted and billed as counted, not at the upstream's figure."""
+    gw, lim = gateway(1_000_000, audit=2)
+    first, exact, before = await first_request(gw, lim)
+    low = exact // 6
+    assert prompt_bound(first) / 32 <= low  # believed by a share-of-the-bound floor
+    fair = max(0, int(exact * 0.75) - 16)  # what the counted path bills for it
+
+    second, _ = await request(gw, 2)  # not audited: the engine's figure, in range, is billed
+    assert second.s.input_pending
+    await complete_json(second, exact - 1)
+    total = await tpm_value(lim, second)
+    assert total == 2 * before - 1 and shortcut_stops(gw) == 0
+
+    third, _ = await request(gw, 3)  # audited: counted, the low figure disagrees
+    await complete_json(third, low)
+    assert third.s.input_tokens() == fair
+    assert await tpm_value(lim, third) - total == fair + 5
+    assert shortcut_stops(gw) == 1 and gw.input_audits.stopped("m")
+    total = await tpm_value(lim, third)
+
+    runs = tokenizer_runs(gw)
+    for n in (4, 5):  # one would be sampled, one not: both are counted now
+        proc, _ = await request(gw, n)
+        await complete_json(proc, low)
+        assert proc.s.input_tokens() == fair
+        assert await tpm_value(lim, proc) - total == fair + 5
+        total = await tpm_value(lim, proc)
+    assert tokenizer_runs(gw) == runs + 2
+    assert shortcut_stops(gw) == 1  # counted once per model
+
+
+def test_stopped_models_are_bounded() -> None:
+    """Past its size the table stops every model's shortcut instead of growing."""
+    audits = InputAudits(max_models=2)
+    assert audits.disagreed("a") and audits.disagreed("b") and not audits.disagreed("a")
+    assert not audits.stopped("c")
+    assert audits.disagreed("c")
+    assert len(audits) == 2 and audits.stopped("c") and audits.stopped("anything")
+    assert audits.count_now("anything", 1_000)
+
+
+LARGE = PROMPT * 25  # 22,500 characters: counted in a worker thread at admission
+
+
+@pytest.mark.parametrize(
+    "ending", ["no_prompt_figure", "zero_figure", "upstream_error", "cut", "done"]
+)
+async def test_a_large_prompts_count_never_runs_on_the_event_loop(
+    ending: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large prompt admitted on its bound and not audited, whose figure then needs the exact
+    count (a JSON answer without an input figure or with one out of range, an upstream error's
+    access log, a stream's quota cut, a stream ending without usage): the count runs in a
+    worker thread, never in the event loop's, and the figures use it."""
+    gw, lim = gateway(1_000_000, audit=1000)
+    first, _ = await request(gw, 1, prompt=LARGE)  # counted first: the room hints
+    exact = first.s.cost.input_tokens if first.s.cost else 0
+    await complete_json(first, exact)
+    before = await tpm_value(lim, first)
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    plain = TiktokenCounter.count
+
+    def watched(self: TiktokenCounter, text: str) -> int:
+        if len(text) > 1000:  # the prompt (stream deltas are short)
+            threads.append(threading.get_ident())
+        return plain(self, text)
+
+    monkeypatch.setattr(TiktokenCounter, "count", watched)
+    stream = ending in ("cut", "done")
+    if ending == "cut":  # room for the bound and 8 tokens: the stream is cut at its limit
+        [tpm] = [b for b in first.s.buckets if b.kind == "tpm"]
+        before = tpm.limit.limit - prompt_bound(first) - 8
+        lim.inner.seed_counter(tpm.key, before)
+    proc, _ = await request(gw, 2, stream=stream, prompt=LARGE)
+    assert proc.s.input_pending and admissions(gw, "bound") == 1
+    if ending in ("no_prompt_figure", "zero_figure"):
+        await complete_json(proc, None if ending == "no_prompt_figure" else 0)
+    elif ending == "upstream_error":
+        await proc.handle(
+            pb.ProcessingRequest(
+                response_headers=headers({":status": "500", "content-type": "application/json"})
+            )
+        )
+    else:
+        await proc.handle(
+            pb.ProcessingRequest(
+                response_headers=headers({":status": "200", "content-type": "text/event-stream"})
+            )
+        )
+        for i in range(40):
+            await feed(proc, event(f" w{i}"))
+            if proc.s.life.ended:
+                break
+        if ending == "done":
+            assert not proc.s.life.ended
+            await feed(proc, b"data: [DONE]\n\n", end=True)
+    assert not proc.s.input_pending  # the access log's figure needed the count: it was taken
+    proc.close(Closed.EOF)
+    await settled(gw)
+    assert threads and loop_thread not in threads
+    assert not proc.s.count_failed
+    assert proc.s.cost is not None and proc.s.cost.input_tokens == exact
+    delivered = proc.driver.meter.delivered if proc.driver is not None else 0
+    billed = {
+        "no_prompt_figure": exact + 10,  # no usage read: the reservation stands
+        "zero_figure": int(exact * 0.75) - 16 + 5,  # the count's lower bound, as counted
+        "upstream_error": 0,  # an upstream error costs nothing
+        "cut": exact + delivered,
+        "done": exact + delivered,  # no usage: the input counted, the output delivered
+    }[ending]
+    assert await tpm_value(lim, proc) == before + billed
+
+
+async def test_a_counted_first_request_contradicting_its_upstream_stops_the_shortcut() -> None:
+    """A request counted first (no hint yet) whose upstream figure a count contradicts stops
+    the shortcut as an audit would: the next one, admitted on the bound, is counted."""
+    gw, lim = gateway(1_000_000, audit=1000)
+    first, _ = await request(gw, 1)
+    exact = first.s.cost.input_tokens if first.s.cost else 0
+    await complete_json(first, exact // 6)
+    assert not first.s.counted_after_bound and shortcut_stops(gw) == 1
+    runs, before = tokenizer_runs(gw), await tpm_value(lim, first)
+    second, _ = await request(gw, 2)
+    assert admissions(gw, "bound") == 1
+    await complete_json(second, exact // 6)
+    assert tokenizer_runs(gw) == runs + 1
+    fair = int(exact * 0.75) - 16
+    assert second.s.input_tokens() == fair
+    assert await tpm_value(lim, second) - before == fair + 5

@@ -1,11 +1,15 @@
-"""Render errors the way OpenAI does: JSON bodies, 429 headers, the in-stream error event.
+"""Render errors the way each API does: JSON bodies, 429 headers, the in-stream error event
+(OpenAI's for chat, completions, Responses and embeddings; Anthropic's for Messages).
 
-This is the single place where :mod:`extproc.errors` become bytes and headers.
+This is the single place where :mod:`extproc.errors` become bytes and headers; the codecs
+(:mod:`extproc.core.apis`) call it.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import math
+from typing import Any, Final
 
 import orjson
 
@@ -56,6 +60,31 @@ def sse_cut_event(data: object, message: str) -> bytes:
     response (see ``extproc.server.stream``), the only signal inference-perf reads."""
     comment = " ".join(message.split()).encode()
     return b"event: error\n: " + comment + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def openai_cut_event(err: GatewayError) -> bytes:
+    """The event that ends a cut chat or completions stream: ``event: error`` with the OpenAI
+    error object, and no ``data: [DONE]`` after it."""
+    return sse_cut_event(
+        ErrorBody(err.message, err.error_type, err.code, err.param).as_dict(), err.message
+    )
+
+
+def responses_cut_event(err: GatewayError, *, sequence_number: int | None = None) -> bytes:
+    """The Responses stream's ``error`` event: top-level ``type: "error"``, ``code``,
+    ``message``, ``param`` and ``sequence_number`` (one past ``sequence_number``, else 0), and
+    an ``error`` object with the same message (the openai SDK raises on it)."""
+    seq = 0 if sequence_number is None else sequence_number + 1
+    inner = ErrorBody(err.message, err.error_type, err.code, err.param).as_dict()["error"]
+    data = {
+        "type": "error",
+        "code": err.code,
+        "message": err.message,
+        "param": err.param,
+        "sequence_number": seq,
+        "error": inner,
+    }
+    return sse_cut_event(data, err.message)
 
 
 def quota_cut_message(
@@ -135,3 +164,91 @@ def cut_error(reason: str, message: str | None = None, *, budget: bool = False) 
         return StreamCut(text, status=503, error_type="server_error", code=reason)
     text = message or "The upstream response could not be metered; the stream was stopped."
     return StreamCut(text, status=502, error_type="server_error", code=reason)
+
+
+# -- Anthropic (the Messages API) ---------------------------------------------------------
+
+#: Anthropic's error ``type`` for an HTTP status (others: ``api_error`` from 500 up,
+#: ``invalid_request_error`` below).
+ANTHROPIC_ERROR_TYPES: Final = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_type(status: int) -> str:
+    """Anthropic's error ``type`` for an HTTP status."""
+    known = ANTHROPIC_ERROR_TYPES.get(status)
+    if known is not None:
+        return known
+    return "api_error" if status >= 500 else "invalid_request_error"
+
+
+def anthropic_error_object(err: GatewayError) -> dict[str, Any]:
+    """``{"type": "error", "error": {"type", "message"}}`` for ``err``."""
+    return {
+        "type": "error",
+        "error": {"type": anthropic_error_type(err.status), "message": err.message},
+    }
+
+
+def anthropic_error_body(err: GatewayError) -> bytes:
+    """The JSON body of an immediate Anthropic-shaped error response."""
+    return orjson.dumps(anthropic_error_object(err))
+
+
+def anthropic_cut_event(err: GatewayError) -> bytes:
+    """The event that ends a cut Messages stream: ``event: error`` with the Anthropic error
+    object (the SDKs raise on it); nothing follows (no ``message_stop``, no ``[DONE]``)."""
+    return sse_cut_event(anthropic_error_object(err), err.message)
+
+
+def rfc3339(epoch_s: float) -> str:
+    """``2024-05-01T12:00:41Z`` for a Unix time (rounded up to the second)."""
+    instant = dt.datetime.fromtimestamp(math.ceil(epoch_s), tz=dt.UTC)
+    return instant.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def anthropic_error_headers(err: GatewayError, *, now_ms: int | None) -> list[tuple[str, str]]:
+    """Content type; on a 429 ``retry-after`` and the ``anthropic-ratelimit-*`` headers
+    (``*-reset`` only when ``now_ms`` is given); on a 503 ``retry-after: 1``."""
+    out = [("content-type", "application/json")]
+    if isinstance(err, QuotaExceeded):
+        if err.retry_after_s is not None:
+            out.append(("retry-after", str(retry_seconds(err.retry_after_s))))
+        out += _anthropic_ratelimit_headers(err, now_ms)
+    elif err.status == 503:
+        out.append(("retry-after", "1"))
+    return out
+
+
+def _anthropic_ratelimit_headers(err: QuotaExceeded, now_ms: int | None) -> list[tuple[str, str]]:
+    h = err.headers
+    families: list[tuple[tuple[str, ...], int | None, int | None, float | None]] = [
+        (("requests",), h.limit_requests, h.remaining_requests, h.reset_requests_s),
+        (
+            ("tokens", "input-tokens", "output-tokens"),
+            h.limit_tokens,
+            h.remaining_tokens,
+            h.reset_tokens_s,
+        ),
+    ]
+    out: list[tuple[str, str]] = []
+    for names, limit, remaining, reset_s in families:
+        if limit is None:
+            continue
+        for name in names:
+            prefix = f"anthropic-ratelimit-{name}"
+            out.append((f"{prefix}-limit", str(limit)))
+            out.append((f"{prefix}-remaining", str(max(0, remaining or 0))))
+            if now_ms is not None:
+                out.append((f"{prefix}-reset", rfc3339(now_ms / 1000 + (reset_s or 0.0))))
+    return out

@@ -44,14 +44,11 @@ so the ``input-tokens`` and ``output-tokens`` families repeat the ``tokens`` buc
 
 from __future__ import annotations
 
-import datetime as dt
-import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
-from extproc.core.admission import retry_seconds
 from extproc.core.apis.base import ApiName, ParsedRequest, RequestLimits
 from extproc.core.apis.common import (
     int_field,
@@ -61,7 +58,12 @@ from extproc.core.apis.common import (
     require_model,
     rewrite_fields,
 )
-from extproc.core.apis.errors import sse_cut_event
+from extproc.core.apis.errors import (
+    anthropic_cut_event,
+    anthropic_error_body,
+    anthropic_error_headers,
+    anthropic_error_type,
+)
 from extproc.core.chat_template import (
     count_templated,
     function_tools,
@@ -87,34 +89,11 @@ __all__ = [
 
 BUDGET_FIELD: Final = "max_tokens"
 
-#: Anthropic's error ``type`` for an HTTP status (others: ``api_error`` from 500 up,
-#: ``invalid_request_error`` below).
-ERROR_TYPES: Final = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    502: "api_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
-
 _TEXT_DELTAS: Final = {
     "text_delta": "text",
     "input_json_delta": "partial_json",
     "thinking_delta": "thinking",
 }
-
-
-def anthropic_error_type(status: int) -> str:
-    """Anthropic's error ``type`` for an HTTP status."""
-    known = ERROR_TYPES.get(status)
-    if known is not None:
-        return known
-    return "api_error" if status >= 500 else "invalid_request_error"
 
 
 # --------------------------------------------------------------------------- counting
@@ -294,12 +273,6 @@ class MessagesReader:
         return chunk
 
 
-def _rfc3339(epoch_s: float) -> str:
-    """``2024-05-01T12:00:41Z`` for a Unix time (rounded up to the second)."""
-    instant = dt.datetime.fromtimestamp(math.ceil(epoch_s), tz=dt.UTC)
-    return instant.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 class MessagesFormat:
     """``POST /v1/messages``: Anthropic-shaped errors and events, no ``[DONE]``."""
 
@@ -394,15 +367,9 @@ class MessagesFormat:
             return None
         return messages_usage(obj.get("usage")) if isinstance(obj, dict) else None
 
-    def _error_object(self, err: GatewayError) -> dict[str, Any]:
-        return {
-            "type": "error",
-            "error": {"type": anthropic_error_type(err.status), "message": err.message},
-        }
-
     def error_body(self, err: GatewayError) -> bytes:
         """``{"type": "error", "error": {"type", "message"}}``."""
-        return orjson.dumps(self._error_object(err))
+        return anthropic_error_body(err)
 
     def error_headers(
         self, err: GatewayError, *, now_ms: int | None = None
@@ -410,46 +377,14 @@ class MessagesFormat:
         """Content type; on a 429 ``retry-after`` and the ``anthropic-ratelimit-*`` headers
         (``*-reset`` only when ``now_ms`` is given or the format has a clock); on a 503
         ``retry-after: 1``."""
-        out = [("content-type", "application/json")]
-        if isinstance(err, QuotaExceeded):
-            if err.retry_after_s is not None:
-                out.append(("retry-after", str(retry_seconds(err.retry_after_s))))
-            if now_ms is None and self.clock is not None:
-                now_ms = self.clock.now_ms()
-            out += self._ratelimit_headers(err, now_ms)
-        elif err.status == 503:
-            out.append(("retry-after", "1"))
-        return out
-
-    @staticmethod
-    def _ratelimit_headers(err: QuotaExceeded, now_ms: int | None) -> list[tuple[str, str]]:
-        h = err.headers
-        families: list[tuple[tuple[str, ...], int | None, int | None, float | None]] = [
-            (("requests",), h.limit_requests, h.remaining_requests, h.reset_requests_s),
-            (
-                ("tokens", "input-tokens", "output-tokens"),
-                h.limit_tokens,
-                h.remaining_tokens,
-                h.reset_tokens_s,
-            ),
-        ]
-        out: list[tuple[str, str]] = []
-        for names, limit, remaining, reset_s in families:
-            if limit is None:
-                continue
-            for name in names:
-                prefix = f"anthropic-ratelimit-{name}"
-                out.append((f"{prefix}-limit", str(limit)))
-                out.append((f"{prefix}-remaining", str(max(0, remaining or 0))))
-                if now_ms is not None:
-                    out.append((f"{prefix}-reset", _rfc3339(now_ms / 1000 + (reset_s or 0.0))))
-        return out
+        if now_ms is None and self.clock is not None and isinstance(err, QuotaExceeded):
+            now_ms = self.clock.now_ms()
+        return anthropic_error_headers(err, now_ms=now_ms)
 
     def cut_events(self, err: GatewayError) -> bytes:
         """``event: error`` with the Anthropic error object; the SDKs raise on it.  Nothing
-        follows (no ``message_stop``, no ``[DONE]``); a comment line carries the message
-        (:func:`~extproc.core.apis.errors.sse_cut_event`)."""
-        return sse_cut_event(self._error_object(err), err.message)
+        follows (no ``message_stop``, no ``[DONE]``)."""
+        return anthropic_cut_event(err)
 
 
 MESSAGES = MessagesFormat()

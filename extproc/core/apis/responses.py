@@ -61,7 +61,7 @@ from extproc.core.apis.common import (
     require_model,
     rewrite_fields,
 )
-from extproc.core.apis.errors import error_body, error_headers, sse_cut_event
+from extproc.core.apis.errors import error_body, error_headers, responses_cut_event
 from extproc.core.chat_template import (
     count_templated,
     function_tools,
@@ -71,7 +71,7 @@ from extproc.core.chat_template import (
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
 from extproc.core.tokens import PromptShapeError, TokenCounter, TokenizerSpec, require_text
 from extproc.core.values import is_int
-from extproc.errors import BadRequest, ErrorBody, GatewayError
+from extproc.errors import BadRequest, GatewayError
 
 __all__ = ["RESPONSES", "ResponsesFormat", "ResponsesReader", "responses_usage"]
 
@@ -390,18 +390,8 @@ class ResponsesFormat:
         message: the openai SDK raises ``APIError`` for stream data carrying a non-empty
         ``error`` and would otherwise yield a plain ``ResponseErrorEvent`` and carry on.  No
         ``data: [DONE]``: the Responses API never sends one and the SDK needs none.  Rendered by
-        :func:`~extproc.core.apis.errors.sse_cut_event` (a comment line carries the message)."""
-        seq = 0 if sequence_number is None else sequence_number + 1
-        inner = ErrorBody(err.message, err.error_type, err.code, err.param).as_dict()["error"]
-        data = {
-            "type": "error",
-            "code": err.code,
-            "message": err.message,
-            "param": err.param,
-            "sequence_number": seq,
-            "error": inner,
-        }
-        return sse_cut_event(data, err.message)
+        :func:`~extproc.core.apis.errors.responses_cut_event`."""
+        return responses_cut_event(err, sequence_number=sequence_number)
 
 
 RESPONSES = ResponsesFormat()

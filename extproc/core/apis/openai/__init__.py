@@ -10,14 +10,14 @@ from __future__ import annotations
 import orjson
 
 from extproc.core.apis.base import ApiName, ParsedRequest, RequestLimits
-from extproc.core.apis.errors import error_body, error_headers, sse_cut_event
+from extproc.core.apis.errors import error_body, error_headers, openai_cut_event
 from extproc.core.apis.openai.counting import count_chat_request, count_completion_prompt
 from extproc.core.apis.openai.request import parse_request, rewrite_body
 from extproc.core.apis.openai.stream import parse_event_data
 from extproc.core.chat_template import chat_conversation, count_templated, template_of
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
 from extproc.core.tokens import TokenCounter, TokenizerSpec
-from extproc.errors import ErrorBody, GatewayError
+from extproc.errors import GatewayError
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -100,8 +100,7 @@ class OpenAICompletionsFormat:
     def cut_events(self, err: GatewayError) -> bytes:
         """``event: error`` with the OpenAI error object, and no ``data: [DONE]`` after it (a
         terminator would let clients that only look for it count the stream as a success)."""
-        body = ErrorBody(err.message, err.error_type, err.code, err.param).as_dict()
-        return sse_cut_event(body, err.message)
+        return openai_cut_event(err)
 
 
 CHAT = OpenAICompletionsFormat("chat")
