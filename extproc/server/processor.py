@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Any
 
 import structlog
 
 from extproc.config.runtime import Model
+from extproc.core import admission
+from extproc.core.admission import Cost
 from extproc.core.apis.openai import CHAT
 from extproc.core.apis.registry import api_for_path
 from extproc.core.keys import ledger_key
@@ -53,6 +56,7 @@ from extproc.errors import (
 )
 from extproc.errors import UnsupportedEncoding as UnsupportedRequestEncoding
 from extproc.gateway import Gateway
+from extproc.limiter.base import InputNote
 from extproc.server import wire
 from extproc.server.admit import admit_body, admit_rpm_only
 from extproc.server.counting import count_input
@@ -73,7 +77,9 @@ class RequestProcessor:
     __slots__ = (
         "_body_size",
         "_counting",
+        "_exact",
         "_json",
+        "_noting",
         "cfg",
         "driver",
         "gw",
@@ -94,6 +100,9 @@ class RequestProcessor:
         self.writer: Any = None  # the gRPC context, for a cut at shutdown
         # the exact input count of a request admitted on a bound, running after its answer
         self._counting: asyncio.Task[None] | None = None
+        # the exact input count taken for the ledger only (not audited): settlement reuses it
+        self._noting: asyncio.Task[None] | None = None
+        self._exact: int | None = None
         self._body_size = 0
 
     @property
@@ -236,27 +245,67 @@ class RequestProcessor:
             if self.gw.audit_input(self.cfg):
                 # Counted now to check the upstream's figure against it; the first step runs
                 # once this answer is being written: off the request's path.
-                self._counting = asyncio.ensure_future(self._count_exact(self._body_size))
+                self._counting = asyncio.ensure_future(
+                    self._count_exact(self._body_size, note=True)
+                )
+            elif s.cost is not None:
+                # Counted off the path too, for the ledger only: should this processor die,
+                # the reclaim refunds the bound down to the exact input.
+                self._noting = asyncio.ensure_future(self._note_exact(self._body_size))
         return wire.continue_request_body(new_body)
 
-    async def _count_exact(self, size: int) -> None:
-        """Replace the bound admission charged with the exact count (a large prompt in a worker
-        thread).  A count that cannot finish (the counting threads stayed busy past the
-        deadline) leaves the bound: an over-count, never an under-count."""
+    async def _counted(self, size: int) -> int | None:
+        """The exact input count (a large prompt in a worker thread); None when it cannot
+        finish (the counting threads stayed busy past the deadline)."""
         s = self.s
         api, req, model = s.api, s.req, s.model
         assert api is not None and req is not None and isinstance(model, Model)
         try:
-            exact = await count_input(self.gw, self.cfg, api, req, model, size=size)
+            return await count_input(self.gw, self.cfg, api, req, model, size=size)
         except GatewayError as err:
             log.warning("input_count_failed", request_id=s.request_id, error=err.message)
-            exact = None
         except Exception:  # the bound stands; the request goes on
             log.exception("input_count_failed", request_id=s.request_id)
-            exact = None
+        return None
+
+    def _note(self, bound: Cost, exact: int) -> None:
+        """Write ``exact`` into the request's open ledger: what admission charged each
+        per-token counter beyond it becomes refundable by a reclaim."""
+        s = self.s
+        if s.life.settling or exact >= bound.input_tokens:
+            return  # settlement is on its way (it bills the exact input), or nothing to refund
+        counted = replace(bound, input_tokens=exact)
+        refund = tuple(
+            (b.key, admission.admission_amount(b, bound) - admission.admission_amount(b, counted))
+            for b in s.buckets
+            if b.kind == "tpm"
+        )
+        self.gw.note_input(InputNote(s.ledger, exact, refund))
+
+    async def _note_exact(self, size: int) -> None:
+        """Count the input of a request admitted on a bound, for its ledger (settlement
+        reuses the count if it needs one)."""
+        bound = self.s.cost
+        assert bound is not None
+        exact = await self._counted(size)
+        if exact is not None:
+            self._exact = exact
+            self._note(bound, exact)
+
+    async def _count_exact(self, size: int, *, note: bool = False) -> None:
+        """Replace the bound admission charged with the exact count (a large prompt in a worker
+        thread); ``note``: write it into the open ledger too.  A count that cannot finish
+        (the counting threads stayed busy past the deadline) leaves the bound: an over-count,
+        never an under-count."""
+        s = self.s
+        exact = self._exact
+        if exact is None:
+            exact = await self._counted(size)
         cost = s.cost
         if s.input_pending and cost is not None:
             s.input_counted(cost.input_tokens if exact is None else exact)
+            if note and exact is not None:
+                self._note(cost, exact)
 
     async def _input_known(self) -> None:
         """Wait for an exact input count that is running."""
@@ -412,6 +461,8 @@ class RequestProcessor:
     async def _settle(self) -> None:
         s = self.s
         await self._input_known()
+        if self._noting is not None and not self._noting.done():
+            await asyncio.shield(self._noting)  # its count serves settlement too
         if s.needs_count():
             # the figures need the exact count: a large prompt's is taken off the event loop
             await self._count_exact(self._body_size)
