@@ -474,4 +474,7 @@ class RequestProcessor:
                 await asyncio.wait_for(asyncio.shield(driver.collect(wait=True)), 1.0)
             except Exception as exc:  # settlement must still run
                 log.warning("pending_charge_lost", request_id=self.request_id, error=repr(exc))
+            # not answered in time: counted once whether it ran (the settlement takes it back)
+            # or not (a charge after the settlement charges nothing)
+            driver.charge_unconfirmed()
         await settle(self.gw, self.cfg, s, driver.end() if driver is not None else None)
