@@ -1,7 +1,7 @@
 """Request body: parse, count input tokens (:mod:`extproc.server.counting`), plan the cost, run
 the one admission call; a refusal by a limit on the requested model may be served by the plan's
-fallback model (decided by :func:`extproc.core.session.fallback_for`).  A call that timed out
-keeps a cancel.  What the answers mean is decided in the core; this module makes the calls."""
+fallback model (decided by :func:`extproc.core.session.fallback_for`).  A call that timed out,
+or was cancelled (the request went away), keeps a cancel.  What the answers mean is decided in the core; this module makes the calls."""
 
 from __future__ import annotations
 
@@ -405,6 +405,11 @@ async def limiter_admit(
             settlements=riders,
         )
         done = res
+    except asyncio.CancelledError:
+        # The request went away while its call was out: the script may run (or have run)
+        # all the same.  The cancel undoes it if it did, or stops it from ever running.
+        _keep_cancel(gw, cfg, s, buckets, cost)
+        raise
     except LimiterUnavailable as exc:
         gw.metrics.limiter_errors.labels("admit").inc()
         # The call may still run once Redis answers (it timed out, it did not fail): keep a
