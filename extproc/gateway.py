@@ -155,7 +155,6 @@ class Gateway:
                 self.limiter,  # type: ignore[arg-type]
                 self.batch_settings,
                 on_result=self._settled,
-                on_dropped=self._settlement_dropped,
             )
         return self._batcher
 
@@ -202,8 +201,13 @@ class Gateway:
         if self._batcher is not None:
             self.metrics.settlement_backlog.set(len(self._batcher))
 
-    def _settlement_dropped(self, call: SettleCall) -> None:
-        self.metrics.settlements.labels("dropped").inc()
+    def settlements_full(self) -> bool:
+        """Whether the settlements waiting for Redis (batched, and kept after a failure)
+        reached the batcher's ``max_backlog``: admissions are then pushed back, so that no
+        settlement is ever dropped (the requests in flight still add theirs)."""
+        waiting = len(self._batcher) if self._batcher is not None else 0
+        kept = len(self._settlements) if self._settlements is not None else 0
+        return waiting + kept >= self.batch_settings.max_backlog
 
     def track(self, task: asyncio.Task[Any]) -> None:
         """Keep a background task alive until it ends (settlements are drained on shutdown)."""
@@ -286,6 +290,7 @@ class Gateway:
         if self._batcher is not None:
             left = await self._batcher.close(grace_s)
             if left:
+                self.metrics.settlements.labels("dropped").inc(len(left))
                 log.error(
                     "settlements_lost_on_shutdown",
                     count=len(left),

@@ -388,6 +388,17 @@ async def limiter_admit(
     """Run admission; None means Redis failed and the plan's policy is fail-open.  Requests
     of dead processors the call reclaimed get their usage records here."""
     charges = admission.admission_charges(buckets, cost)
+    if gw.settlements_full():
+        # Redis has not taken the settlements of the requests admitted before: admitting more
+        # would pile up more (dropping one would lose a correction), so push back.
+        open_ = cfg.failure_mode_for(s.plan) == "open"
+        gw.metrics.settlement_pushback.labels("unmetered" if open_ else "refused").inc()
+        log.warning("settlement_backlog_full", request_id=s.request_id, fail_open=open_)
+        if open_:
+            return None
+        raise LimiterUnavailable(
+            "the quota backend (Redis) is behind with settlements; retry shortly"
+        )
     # Settlements waiting for their batch ride on this call (applied first, at no extra round
     # trip); whatever happens to the call, they go back to the batcher (applied or not).
     riders = gw.riders_for(s.ledger)
