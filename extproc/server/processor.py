@@ -238,7 +238,7 @@ class RequestProcessor:
         self.s.life.advance(Input.ADMITTED)
         s = self.s
         self._body_size = len(body.body)
-        if s.input_pending:
+        if s.input_pending and s.cost is not None:  # admitted unmetered (fail-open): no count
             api, req, model = s.api, s.req, s.model
             assert api is not None and req is not None and isinstance(model, Model)
             s.count_input_with(lambda: api.count_input(req, model.counter, model.tokenizer))
@@ -248,7 +248,7 @@ class RequestProcessor:
                 self._counting = asyncio.ensure_future(
                     self._count_exact(self._body_size, note=True)
                 )
-            elif s.cost is not None:
+            else:
                 # Counted off the path too, for the ledger only: should this processor die,
                 # the reclaim refunds the bound down to the exact input.
                 self._noting = asyncio.ensure_future(self._note_exact(self._body_size))
@@ -463,7 +463,7 @@ class RequestProcessor:
         await self._input_known()
         if self._noting is not None and not self._noting.done():
             await asyncio.shield(self._noting)  # its count serves settlement too
-        if s.needs_count():
+        if s.needs_count() and s.cost is not None:  # fail-open: nothing charged, no figure
             # the figures need the exact count: a large prompt's is taken off the event loop
             await self._count_exact(self._body_size)
         if s.life.ending is None:
