@@ -70,6 +70,12 @@ log = structlog.get_logger("extproc")
 # Non-streaming JSON bodies read for their usage are buffered up to this size.
 MAX_USAGE_BODY = 8 << 20
 
+#: A request admitted on a bound of its input (not audited) that is still open this many
+#: seconds after its admission is counted, and the count noted in its ledger, so that a
+#: SIGKILL bills its exact input.  Shorter requests settle first and are never counted (the
+#: CPU the bound saves); one SIGKILLed sooner keeps its bound (docs/semantics.md).
+NOTE_AFTER_S = 0.25
+
 
 class RequestProcessor:
     """The phases of one HTTP request."""
@@ -249,8 +255,9 @@ class RequestProcessor:
                     self._count_exact(self._body_size, note=True)
                 )
             else:
-                # Counted off the path too, for the ledger only: should this processor die,
-                # the reclaim refunds the bound down to the exact input.
+                # Counted for the ledger only, if the request is still open after a moment:
+                # should this processor die, the reclaim refunds the bound down to the exact
+                # input (a short request settles first, and is never counted).
                 self._noting = asyncio.ensure_future(self._note_exact(self._body_size))
         return wire.continue_request_body(new_body)
 
@@ -283,10 +290,14 @@ class RequestProcessor:
         self.gw.note_input(InputNote(s.ledger, exact, refund))
 
     async def _note_exact(self, size: int) -> None:
-        """Count the input of a request admitted on a bound, for its ledger (settlement
-        reuses the count if it needs one)."""
+        """Count the input of a request admitted on a bound that is still open
+        :data:`NOTE_AFTER_S` later, for its ledger (settlement reuses the count if it needs
+        one; settlement cancels this when it comes first)."""
         bound = self.s.cost
         assert bound is not None
+        await asyncio.sleep(NOTE_AFTER_S)
+        if self.s.life.settling:
+            return
         exact = await self._counted(size)
         if exact is not None:
             self._exact = exact
@@ -461,8 +472,9 @@ class RequestProcessor:
     async def _settle(self) -> None:
         s = self.s
         await self._input_known()
-        if self._noting is not None and not self._noting.done():
-            await asyncio.shield(self._noting)  # its count serves settlement too
+        noting = self._noting
+        if noting is not None and not noting.done():
+            noting.cancel()  # a count for the ledger is no use now (settlement counts if it must)
         if s.needs_count() and s.cost is not None:  # fail-open: nothing charged, no figure
             # the figures need the exact count: a large prompt's is taken off the event loop
             await self._count_exact(self._body_size)
