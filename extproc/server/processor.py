@@ -258,7 +258,7 @@ class RequestProcessor:
                 # Counted for the ledger only, if the request is still open after a moment:
                 # should this processor die, the reclaim refunds the bound down to the exact
                 # input (a short request settles first, and is never counted).
-                self._noting = asyncio.ensure_future(self._note_exact(self._body_size))
+                self._noting = asyncio.ensure_future(self._note_exact(self._body_size, s.cost))
         return wire.continue_request_body(new_body)
 
     async def _counted(self, size: int) -> int | None:
@@ -289,23 +289,24 @@ class RequestProcessor:
         )
         self.gw.note_input(InputNote(s.ledger, exact, refund))
 
-    async def _note_exact(self, size: int) -> None:
-        """Count the input of a request admitted on a bound that is still open
-        :data:`NOTE_AFTER_S` later, for its ledger (settlement reuses the count if it needs
-        one; settlement cancels this when it comes first)."""
-        bound = self.s.cost
-        assert bound is not None
+    async def _note_exact(self, size: int, bound: Cost, exact: int | None = None) -> None:
+        """Note the exact input of a request admitted on ``bound`` in its ledger if it is still
+        open :data:`NOTE_AFTER_S` from now, counting it then unless ``exact`` is known
+        (settlement reuses the count; settlement cancels this when it comes first)."""
         await asyncio.sleep(NOTE_AFTER_S)
         if self.s.life.settling:
             return
-        exact = await self._counted(size)
-        if exact is not None:
+        if exact is None:
+            exact = await self._counted(size)
+            if exact is None:
+                return
             self._exact = exact
-            self._note(bound, exact)
+        self._note(bound, exact)
 
     async def _count_exact(self, size: int, *, note: bool = False) -> None:
         """Replace the bound admission charged with the exact count (a large prompt in a worker
-        thread); ``note``: write it into the open ledger too.  A count that cannot finish
+        thread); ``note``: write it into the open ledger too, if the request is still open
+        a moment later (:meth:`_note_exact`).  A count that cannot finish
         (the counting threads stayed busy past the deadline) leaves the bound: an over-count,
         never an under-count."""
         s = self.s
@@ -315,8 +316,8 @@ class RequestProcessor:
         cost = s.cost
         if s.input_pending and cost is not None:
             s.input_counted(cost.input_tokens if exact is None else exact)
-            if note and exact is not None:
-                self._note(cost, exact)
+            if note and exact is not None and not s.life.settling:
+                self._noting = asyncio.ensure_future(self._note_exact(size, cost, exact))
 
     async def _input_known(self) -> None:
         """Wait for an exact input count that is running."""
