@@ -1,7 +1,8 @@
 """Request body: parse, count input tokens (:mod:`extproc.server.counting`), plan the cost, run
 the one admission call; a refusal by a limit on the requested model may be served by the plan's
 fallback model (decided by :func:`extproc.core.session.fallback_for`).  A call that timed out,
-or was cancelled (the request went away), keeps a cancel.  What the answers mean is decided in the core; this module makes the calls."""
+or was cancelled (the request went away), keeps a cancel.  What the answers mean is decided in
+the core; this module makes the calls."""
 
 from __future__ import annotations
 

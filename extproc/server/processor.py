@@ -106,7 +106,8 @@ class RequestProcessor:
         self.writer: Any = None  # the gRPC context, for a cut at shutdown
         # the exact input count of a request admitted on a bound, running after its answer
         self._counting: asyncio.Task[None] | None = None
-        # the exact input count taken for the ledger only (not audited): settlement reuses it
+        # writing the exact input into the open ledger, a moment after admission (the count
+        # taken for it, when not audited, is kept: settlement reuses it)
         self._noting: asyncio.Task[None] | None = None
         self._exact: int | None = None
         self._body_size = 0
@@ -305,10 +306,9 @@ class RequestProcessor:
 
     async def _count_exact(self, size: int, *, note: bool = False) -> None:
         """Replace the bound admission charged with the exact count (a large prompt in a worker
-        thread); ``note``: write it into the open ledger too, if the request is still open
-        a moment later (:meth:`_note_exact`).  A count that cannot finish
-        (the counting threads stayed busy past the deadline) leaves the bound: an over-count,
-        never an under-count."""
+        thread); ``note``: write it into the open ledger too, if the request is still open a
+        moment later (:meth:`_note_exact`).  A count that cannot finish (the counting threads
+        stayed busy past the deadline) leaves the bound: an over-count, never an under-count."""
         s = self.s
         exact = self._exact
         if exact is None:
