@@ -29,9 +29,10 @@ def tokenized(gw: Gateway) -> float:
 
 
 async def test_a_dead_request_admitted_on_its_bound_is_reclaimed_to_its_exact_input() -> None:
-    lim = MemoryLimiter(FakeClock())
+    clock = FakeClock()
+    lim = MemoryLimiter(clock)
     cfg = load_config_text(RULES % ("lazy", 1000, 1.0, 1_000_000))
-    gw = Gateway(config=cfg, limiter=lim, clock=lim.clock, metrics=Metrics())
+    gw = Gateway(config=cfg, limiter=lim, clock=clock, metrics=Metrics())
     first, _ = await request(gw, 1)  # counted first: nothing known of the counters yet
     exact = first.s.cost.input_tokens if first.s.cost else 0
     await complete_json(first, exact)
@@ -55,7 +56,7 @@ async def test_a_dead_request_admitted_on_its_bound_is_reclaimed_to_its_exact_in
         await asyncio.sleep(0.01)
     assert tokenized(gw) == 2
     # the processor dies: nothing settles it; its lease runs out
-    lim.clock.advance(cfg.reservation_lease_ms / 1000 + 1)
+    clock.advance(cfg.reservation_lease_ms / 1000 + 1)
     reclaimer, _ = await request(gw, 4)  # on the bound too; it reclaims the dead one
     assert reclaimer.s.cost is not None
     [now] = await lim.read([tpm])
