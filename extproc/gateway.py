@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import structlog
 
@@ -25,7 +25,14 @@ from extproc.core.admission import RoomHints
 from extproc.core.apis.base import ApiFormat
 from extproc.core.audits import InputAudits
 from extproc.errors import LimiterUnavailable
-from extproc.limiter.base import MAX_RIDERS, AdmitResult, Limiter, SettleCall
+from extproc.limiter.base import (
+    MAX_RIDERS,
+    AdmitResult,
+    InputNote,
+    InputNoter,
+    Limiter,
+    SettleCall,
+)
 from extproc.limiter.batch import SETTLEMENT_RIDE_S, BatchSettings, Outcome, SettlementBatcher
 from extproc.limiter.kept import SettlementQueue
 from extproc.metrics import Metrics
@@ -48,6 +55,11 @@ class OpenRequest(Protocol):
 
 
 log = structlog.get_logger("extproc")
+
+#: Input notes waiting for their call at most (beyond, a note is dropped: the bound stays).
+MAX_INPUT_NOTES = 10_000
+#: How long a note waits for others to share its call.
+INPUT_NOTE_TICK_S = 0.005
 
 
 @dataclass
@@ -82,6 +94,10 @@ class Gateway:
     # third of it while their request runs; a processor that dies stops renewing, and the
     # tenant's next admission refunds what it had reserved (the bound on what a SIGKILL leaks).
     _leases: asyncio.Task[None] | None = None
+    # Exact input counts of requests admitted on a bound, on their way to their open ledgers
+    # (so that a reclaim after a SIGKILL refunds the rest of the bound), a few per Redis call
+    _notes: list[InputNote] = field(default_factory=list)
+    _noting: asyncio.Task[None] | None = None
     _bound: dict[str, ApiFormat] = field(default_factory=dict)
     # One usage record per settled request goes here (a Redis Stream; None: off).
     recorder: UsageRecorder | None = None
@@ -142,7 +158,6 @@ class Gateway:
                 self.limiter,  # type: ignore[arg-type]
                 self.batch_settings,
                 on_result=self._settled,
-                on_dropped=self._settlement_dropped,
             )
         return self._batcher
 
@@ -189,8 +204,13 @@ class Gateway:
         if self._batcher is not None:
             self.metrics.settlement_backlog.set(len(self._batcher))
 
-    def _settlement_dropped(self, call: SettleCall) -> None:
-        self.metrics.settlements.labels("dropped").inc()
+    def settlements_full(self) -> bool:
+        """Whether the settlements waiting for Redis (batched, and kept after a failure)
+        reached the batcher's ``max_backlog``: admissions are then pushed back, so that no
+        settlement is ever dropped (the requests in flight still add theirs)."""
+        waiting = len(self._batcher) if self._batcher is not None else 0
+        kept = len(self._settlements) if self._settlements is not None else 0
+        return waiting + kept >= self.batch_settings.max_backlog
 
     def track(self, task: asyncio.Task[Any]) -> None:
         """Keep a background task alive until it ends (settlements are drained on shutdown)."""
@@ -209,6 +229,32 @@ class Gateway:
             # must not log with that request's bound fields.
             loop = asyncio.get_running_loop()
             self._leases = loop.create_task(self._renew_loop(), context=contextvars.Context())
+
+    def note_input(self, note: InputNote) -> None:
+        """Write a request's exact input into its open ledger, in the background (a few
+        milliseconds, many notes per call).  A note that cannot be written (no room in the
+        queue, Redis failing) leaves the bound in the ledger: a SIGKILL then bills it, the
+        over-count it was before; the request's own settlement is not affected."""
+        if getattr(self.limiter, "note_inputs", None) is None:
+            return
+        if len(self._notes) >= MAX_INPUT_NOTES:
+            self.metrics.input_notes.labels("dropped").inc()
+            return
+        self._notes.append(note)
+        if self._noting is None or self._noting.done():
+            loop = asyncio.get_running_loop()
+            self._noting = loop.create_task(self._write_notes(), context=contextvars.Context())
+
+    async def _write_notes(self) -> None:
+        while self._notes:
+            await asyncio.sleep(INPUT_NOTE_TICK_S)  # others join the call
+            notes, self._notes = self._notes, []
+            noter: InputNoter = cast("InputNoter", self.limiter)
+            results = await noter.note_inputs(notes)
+            for r in results:
+                self.metrics.input_notes.labels(
+                    "written" if r else "failed" if r is None else "closed"
+                ).inc()
 
     def open_leases(self) -> dict[str, list[str]]:
         """Ledgers of requests admitted here and not yet settled, each with the concurrency
@@ -247,6 +293,7 @@ class Gateway:
         if self._batcher is not None:
             left = await self._batcher.close(grace_s)
             if left:
+                self.metrics.settlements.labels("dropped").inc(len(left))
                 log.error(
                     "settlements_lost_on_shutdown",
                     count=len(left),

@@ -71,6 +71,22 @@ class Metrics:
         self.settlements = Counter(
             "aiq_settlements", "Settlement calls by outcome", ["outcome"], registry=r
         )
+        self.settlement_pushback = Counter(
+            "aiq_settlement_pushback",
+            "Admissions pushed back because the settlements waiting for Redis reached the "
+            "backlog limit (refused with a 503 when failing closed, passed unmetered when "
+            "failing open): no settlement is ever dropped",
+            ["outcome"],
+            registry=r,
+        )
+        self.input_notes = Counter(
+            "aiq_input_notes",
+            "Exact input counts of requests admitted on a bound, noted in their open ledgers "
+            "(written; closed: the ledger was settled first; failed: Redis did not answer; "
+            "dropped: the queue was full)",
+            ["outcome"],
+            registry=r,
+        )
         self.settlement_backlog = Gauge(
             "aiq_settlement_backlog",
             "Settlements kept in memory until Redis answers again",

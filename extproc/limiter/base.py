@@ -24,11 +24,13 @@ def any_ledger(_: str) -> bool:
 @dataclass(frozen=True, slots=True)
 class Reclaimed:
     """A dead processor's request that an admission reclaimed: its ledger, the record draft
-    its admission left there, and the tokens the ledger had charged."""
+    its admission left there, the tokens the ledger had charged, and the exact input noted
+    in it (:meth:`InputNoter.note_inputs`; -1 when none was: the draft's figure stands)."""
 
     ledger: str
     draft: str
     charged: int
+    input: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,27 @@ class ChargeCall:
     amount: int
     strict: bool
     ledger_ttl_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class InputNote:
+    """The exact input of a request admitted on an upper bound of it, for its open ledger:
+    ``refund`` per counter key, the units admission charged beyond the exact input (a reclaim
+    gives them back with the reservation)."""
+
+    ledger: str
+    input_tokens: int
+    refund: tuple[tuple[str, int], ...]
+
+
+class InputNoter(Protocol):
+    """A limiter that notes exact inputs in open ledgers (Redis and in-memory limiters)."""
+
+    async def note_inputs(self, notes: list[InputNote]) -> list[bool | None]:
+        """Note each once in its ledger if the ledger is still open (admitted, not reclaimed
+        nor settled): per note True written, False left as it was, None its call failed.
+        Never raises for Redis."""
+        ...
 
 
 class BatchSettler(Protocol):

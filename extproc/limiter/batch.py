@@ -4,8 +4,11 @@ Two layers:
 
 - :class:`Backlog`, the decisions without I/O: what to send and when (a tick after the
   first settlement waits, at once while more than a batch is waiting, after a growing backoff
-  once a call failed), what a failed call puts back (at the front, in order), what a full
-  backlog drops (the oldest).  Time is passed in; nothing awaits.
+  once a call failed), what a failed call puts back (at the front, in order), whether the
+  backlog is full.  Nothing is ever dropped: a full backlog makes the gateway push back on
+  admissions (refused, or passed unmetered, per the failure mode) until Redis takes what
+  waits, so it cannot grow beyond the requests already in flight.  Time is passed in;
+  nothing awaits.
 - :class:`Batcher`, the asyncio driver: :meth:`~Batcher.submit` never blocks nor awaits; one
   background task sends the due batch and reports each outcome.  :class:`SettlementBatcher`
   sends through :meth:`extproc.limiter.base.BatchSettler.settle_many`,
@@ -52,7 +55,8 @@ SETTLEMENT_RIDE_S = 0.020
 #: Most settlements sent per batch (the limiter splits it further per Cluster slot and per
 #: script call).
 DEFAULT_MAX_BATCH = 256
-#: Most settlements kept while Redis does not take them; beyond it the oldest is dropped.
+#: Settlements kept while Redis does not take them at which new admissions are pushed back
+#: (:attr:`Backlog.full`); none is ever dropped.
 DEFAULT_MAX_BACKLOG = 10_000
 #: Retry delay after a failed call, doubled per consecutive failure up to the maximum.
 DEFAULT_BACKOFF_S = 0.05
@@ -114,7 +118,6 @@ class Backlog(Generic[T, R]):
         self._failures = 0
         self._riding = 0
         self._admissions = (-math.inf, -math.inf)  # when the last two admissions started
-        self.dropped = 0
 
     def __len__(self) -> int:
         """Settlements not yet applied (waiting, in flight, and riding on other calls)."""
@@ -135,19 +138,20 @@ class Backlog(Generic[T, R]):
         """Consecutive failed calls (0 once a call succeeds)."""
         return self._failures
 
-    def add(self, item: T, now: float, *, busy: bool = False) -> T | None:
-        """Queue ``item``; returns the oldest waiting item when the backlog was full (it is
-        dropped: the caller logs it).  ``busy``: other requests are in progress, so an
-        admission is likely to come (as when admissions are :meth:`flowing`)."""
-        lost = None
-        if len(self) >= self.settings.max_backlog and self._waiting:
-            lost = self._waiting.popleft()
-            self.dropped += 1
+    @property
+    def full(self) -> bool:
+        """At ``max_backlog`` or beyond: admissions must be pushed back (nothing is dropped;
+        the requests in flight may still add theirs)."""
+        return len(self) >= self.settings.max_backlog
+
+    def add(self, item: T, now: float, *, busy: bool = False) -> None:
+        """Queue ``item`` (always: a full backlog is the admissions' business, see
+        :attr:`full`).  ``busy``: other requests are in progress, so an admission is likely
+        to come (as when admissions are :meth:`flowing`)."""
         self._waiting.append(item)
         if self._due is None:
             ride = self.settings.ride_s > self.settings.tick_s and (busy or self.flowing(now))
             self._due = now + (self.settings.ride_s if ride else self.settings.tick_s)
-        return lost
 
     def saw_admission(self, now: float) -> None:
         """An admission call is starting (riders or not): :meth:`flowing` reads when."""
@@ -263,9 +267,8 @@ class Batcher(Generic[T, R]):
     """Sends queued items in batches from one background task (asyncio driver of
     :class:`Backlog`); ``send(batch)`` answers per item (None: not taken, retry).
 
-    ``on_result(outcome)`` runs for every item Redis took; ``on_dropped(item)`` for one the
-    full backlog pushed out.  Both run on the event loop and must not block.  ``what`` names
-    the items in log events (``settlement_dropped``...)."""
+    ``on_result(outcome)`` runs for every item Redis took, on the event loop (it must not
+    block).  ``what`` names the items in log events (``settlement_batch_deferred``...)."""
 
     def __init__(
         self,
@@ -273,14 +276,12 @@ class Batcher(Generic[T, R]):
         settings: BatchSettings | None = None,
         *,
         on_result: Callable[[Outcome[T, R]], None] | None = None,
-        on_dropped: Callable[[T], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         what: str = "item",
     ) -> None:
         self.send = send
         self.backlog: Backlog[T, R] = Backlog(settings)
         self.on_result = on_result
-        self.on_dropped = on_dropped
         self.what = what
         self.clock = clock
         self.calls = 0
@@ -300,15 +301,7 @@ class Batcher(Generic[T, R]):
         :meth:`Backlog.add` takes it."""
         if self._closed:
             raise RuntimeError(f"the {self.what} batcher is closed")
-        lost = self.backlog.add(item, self.clock(), busy=busy)
-        if lost is not None:
-            log.error(
-                f"{self.what}_dropped",
-                ledger=getattr(lost, "ledger", None),
-                backlog=len(self.backlog),
-            )
-            if self.on_dropped is not None:
-                self.on_dropped(lost)
+        self.backlog.add(item, self.clock(), busy=busy)
         self._idle.clear()
         self._wake.set()
         if self._task is None or self._task.done():
@@ -446,14 +439,12 @@ class SettlementBatcher(Batcher[SettleCall, bool]):
         settings: BatchSettings | None = None,
         *,
         on_result: Callable[[Outcome[SettleCall, bool]], None] | None = None,
-        on_dropped: Callable[[SettleCall], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(
             settler.settle_many,
             settings,
             on_result=on_result,
-            on_dropped=on_dropped,
             clock=clock,
             what="settlement",
         )
@@ -470,14 +461,12 @@ class ChargeBatcher(Batcher[ChargeCall, ChargeResult]):
         settings: BatchSettings | None = None,
         *,
         on_result: Callable[[Outcome[ChargeCall, ChargeResult]], None] | None = None,
-        on_dropped: Callable[[ChargeCall], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(
             charger.charge_many,
             settings,
             on_result=on_result,
-            on_dropped=on_dropped,
             clock=clock,
             what="charge",
         )

@@ -1,4 +1,4 @@
-"""Settlements Redis did not take, kept in memory (bounded) and retried with backoff until it
+"""Settlements Redis did not take, kept in memory and retried with backoff until it
 answers; applying one twice is harmless (the settle script is idempotent by ledger)."""
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from extproc.metrics import Metrics
 
 log = structlog.get_logger("extproc")
 
-MAX_KEPT_SETTLEMENTS = 10_000
-
 
 @dataclass(frozen=True, slots=True)
 class Kept:
@@ -33,28 +31,21 @@ class Kept:
 
 
 class SettlementQueue:
-    """Deferred settlements, bounded, retried with backoff until Redis takes them."""
+    """Deferred settlements, retried with backoff until Redis takes them (never dropped;
+    bounded by the gateway pushing back on admissions, :meth:`Gateway.settlements_full`)."""
 
-    def __init__(
-        self, limiter: Limiter, metrics: Metrics, *, max_kept: int = MAX_KEPT_SETTLEMENTS
-    ) -> None:
+    def __init__(self, limiter: Limiter, metrics: Metrics) -> None:
         self.limiter = limiter
         self.metrics = metrics
         self.kept: deque[Kept] = deque()
-        self.max_kept = max_kept
-        self.dropped = 0
         self._task: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
         return len(self.kept)
 
     def keep(self, item: Kept) -> None:
-        """Keep ``item`` (the oldest is dropped, and logged, when the queue is full)."""
-        if len(self.kept) >= self.max_kept:
-            lost = self.kept.popleft()
-            self.dropped += 1
-            self.metrics.settlements.labels("dropped").inc()
-            log.error("settlement_dropped", request_id=lost.request_id, ledger=lost.ledger)
+        """Keep ``item``: never dropped (the gateway pushes back on admissions while the
+        settlements waiting reach its backlog limit, :meth:`Gateway.settlements_full`)."""
         self.kept.append(item)
         self.metrics.settlements.labels("deferred").inc()
         self.metrics.settlement_backlog.set(len(self.kept))
@@ -100,6 +91,7 @@ class SettlementQueue:
         except TimeoutError:
             pass
         if self.kept:
+            self.metrics.settlements.labels("dropped").inc(len(self.kept))
             log.error(
                 "settlements_lost_on_shutdown",
                 count=len(self.kept),

@@ -31,6 +31,7 @@ from extproc.limiter.base import (
     AdmitResult,
     ChargeCall,
     ChargeResult,
+    InputNote,
     Reclaimed,
     SettleCall,
     any_ledger,
@@ -71,6 +72,7 @@ class _Ledger:
     seq: int = 0
     last_grant: int = 0
     charged: int = 0
+    input: int = -1  # the exact input noted (note.lua's "in"), -1: none
     refundable: dict[str, int] = field(default_factory=dict)
     slots: dict[str, None] = field(default_factory=dict)
     draft: str | None = None
@@ -259,7 +261,7 @@ class MemoryLimiter:
                 self._zrem(key, name, now)
             led.state = "reclaimed"
             if led.draft is not None:
-                out.append(Reclaimed(name, led.draft, led.charged))
+                out.append(Reclaimed(name, led.draft, led.charged, led.input))
                 led.draft = None
         return out
 
@@ -408,6 +410,23 @@ class MemoryLimiter:
             except LimiterUnavailable:
                 break
         return out + [None] * (len(items) - len(out))
+
+    async def note_inputs(self, notes: list[InputNote]) -> list[bool | None]:
+        """note.lua: each note once, into a ledger still open."""
+        self.round_trips += 1
+        now = self.clock.now_ms()
+        out: list[bool | None] = []
+        for note in notes:
+            led = self._typed(note.ledger, _Ledger, now)
+            if led is None or led.state != "admitted" or led.input >= 0:
+                out.append(False)
+                continue
+            led.input = note.input_tokens
+            for key, units in note.refund:
+                if units > 0:
+                    led.refundable[key] = led.refundable.get(key, 0) + units
+            out.append(True)
+        return out
 
     async def renew(
         self, ledgers: list[str], until_ms: int, *, held: dict[str, list[str]] | None = None

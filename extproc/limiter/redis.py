@@ -1,5 +1,5 @@
-"""The Redis limiter: four Lua scripts registered once (admit, charge, settle, and rls for
-the RLS API), a bounded timeout, a circuit breaker.  ``admit`` and ``settle`` share one copy
+"""The Redis limiter: five Lua scripts registered once (admit, charge, settle, note, and rls
+for the RLS API), a bounded timeout, a circuit breaker.  ``admit`` and ``settle`` share one copy
 of the settlement logic (``settle_lib.lua``, put in front of each): an admission also settles
 the settlements that ride on it (:meth:`RedisLimiter.admit`'s ``settlements``).
 
@@ -50,6 +50,7 @@ from extproc.limiter.base import (
     AdmitResult,
     ChargeCall,
     ChargeResult,
+    InputNote,
     Reclaimed,
     SettleCall,
     any_ledger,
@@ -184,6 +185,7 @@ class RedisLimiter:
         self._charge = client.register_script(load_script("charge"))
         self._settle = client.register_script(load_script("settle"))
         self._rls = client.register_script(load_script("rls"))
+        self._note = client.register_script(load_script("note"))
         self._export_state()
 
     @classmethod
@@ -374,8 +376,8 @@ class RedisLimiter:
             duplicate=status == 2,
             values=tuple(int(v) for v in res[1]),
             reclaimed=tuple(
-                Reclaimed(_str(flat[i]), _str(flat[i + 1]), int(flat[i + 2]))
-                for i in range(0, len(flat) - 2, 3)
+                Reclaimed(_str(flat[i]), _str(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3]))
+                for i in range(0, len(flat) - 3, 4)
             ),
             settled=tuple(bool(int(v)) for v in settled),
         )
@@ -472,6 +474,34 @@ class RedisLimiter:
             return True
 
         await self._per_slot([s.ledger for s in items], one)
+        return out
+
+    async def note_inputs(self, notes: list[InputNote]) -> list[bool | None]:
+        """Note exact inputs in open ledgers with few ``note.lua`` calls (grouped as
+        :meth:`settle_many`); per note True written, False left as it was, None its call
+        failed (retrying it is harmless: a ledger takes one note)."""
+        out: list[bool | None] = [None] * len(notes)
+
+        async def one(idx: list[int]) -> bool:
+            keys: list[str] = []
+            args: list[Any] = [len(idx)]
+            for i in idx:
+                note = notes[i]
+                keys.append(note.ledger)
+                args += [note.input_tokens, len(note.refund)]
+                for key, units in note.refund:
+                    args += [key, units]
+            try:
+                res = await self._call(
+                    "an input note", "note", lambda: self._note(keys=keys, args=args)
+                )
+            except LimiterUnavailable:
+                return False
+            for i, v in zip(idx, res, strict=True):
+                out[i] = bool(int(v))
+            return True
+
+        await self._per_slot([n.ledger for n in notes], one)
         return out
 
     async def _per_slot(

@@ -199,16 +199,18 @@ class RecordDraft:
         *,
         cost: Decimal | None = None,
         currency: str = "",
+        input_tokens: int = -1,
     ) -> UsageRecord:
-        """The record of a request reclaimed from a dead processor: the input, and the output
-        its stream charges had billed (what the counters keep)."""
+        """The record of a request reclaimed from a dead processor: the input (``input_tokens``:
+        the exact count noted in its ledger, when one was; else the draft's figure), and the
+        output its stream charges had billed (what the counters keep)."""
         return UsageRecord(
             request_id=self.request_id,
             tenant=self.tenant,
             key=self.key,
             model=self.model,
             api=self.api,
-            input_tokens=self.input_tokens,
+            input_tokens=input_tokens if input_tokens >= 0 else self.input_tokens,
             output_tokens=self.output_charged(charged),
             ending=RECLAIMED,
             admitted_at_ms=self.admitted_at_ms,

@@ -1,7 +1,8 @@
 """Request body: parse, count input tokens (:mod:`extproc.server.counting`), plan the cost, run
 the one admission call; a refusal by a limit on the requested model may be served by the plan's
-fallback model (decided by :func:`extproc.core.session.fallback_for`).  A call that timed out
-keeps a cancel.  What the answers mean is decided in the core; this module makes the calls."""
+fallback model (decided by :func:`extproc.core.session.fallback_for`).  A call that timed out,
+or was cancelled (the request went away), keeps a cancel.  What the answers mean is decided in
+the core; this module makes the calls."""
 
 from __future__ import annotations
 
@@ -400,6 +401,17 @@ async def limiter_admit(
     """Run admission; None means Redis failed and the plan's policy is fail-open.  Requests
     of dead processors the call reclaimed get their usage records here."""
     charges = admission.admission_charges(buckets, cost)
+    if gw.settlements_full():
+        # Redis has not taken the settlements of the requests admitted before: admitting more
+        # would pile up more (dropping one would lose a correction), so push back.
+        open_ = cfg.failure_mode_for(s.plan) == "open"
+        gw.metrics.settlement_pushback.labels("unmetered" if open_ else "refused").inc()
+        log.warning("settlement_backlog_full", request_id=s.request_id, fail_open=open_)
+        if open_:
+            return None
+        raise LimiterUnavailable(
+            "the quota backend (Redis) is behind with settlements; retry shortly"
+        )
     # Settlements waiting for their batch ride on this call (applied first, at no extra round
     # trip); whatever happens to the call, they go back to the batcher (applied or not).
     riders = gw.riders_for(s.ledger)
@@ -417,6 +429,11 @@ async def limiter_admit(
             settlements=riders,
         )
         done = res
+    except asyncio.CancelledError:
+        # The request went away while its call was out: the script may run (or have run)
+        # all the same.  The cancel undoes it if it did, or stops it from ever running.
+        _keep_cancel(gw, cfg, s, buckets, cost)
+        raise
     except LimiterUnavailable as exc:
         gw.metrics.limiter_errors.labels("admit").inc()
         # The call may still run once Redis answers (it timed out, it did not fail): keep a

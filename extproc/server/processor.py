@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Any
 
 import structlog
 
 from extproc.config.runtime import Model
+from extproc.core import admission
+from extproc.core.admission import Cost
 from extproc.core.apis.openai import CHAT
 from extproc.core.apis.registry import api_for_path
 from extproc.core.keys import ledger_key
@@ -53,6 +56,7 @@ from extproc.errors import (
 )
 from extproc.errors import UnsupportedEncoding as UnsupportedRequestEncoding
 from extproc.gateway import Gateway
+from extproc.limiter.base import InputNote
 from extproc.server import wire
 from extproc.server.admit import admit_body, admit_rpm_only
 from extproc.server.counting import OFFLOAD_BYTES, count_input
@@ -66,6 +70,12 @@ log = structlog.get_logger("extproc")
 # Non-streaming JSON bodies read for their usage are buffered up to this size.
 MAX_USAGE_BODY = 8 << 20
 
+#: A request admitted on a bound of its input (not audited) that is still open this many
+#: seconds after its admission is counted, and the count noted in its ledger, so that a
+#: SIGKILL bills its exact input.  Shorter requests settle first and are never counted (the
+#: CPU the bound saves); one SIGKILLed sooner keeps its bound (docs/semantics.md).
+NOTE_AFTER_S = 0.25
+
 
 class RequestProcessor:
     """The phases of one HTTP request."""
@@ -73,7 +83,9 @@ class RequestProcessor:
     __slots__ = (
         "_body_size",
         "_counting",
+        "_exact",
         "_json",
+        "_noting",
         "cfg",
         "driver",
         "gw",
@@ -94,6 +106,10 @@ class RequestProcessor:
         self.writer: Any = None  # the gRPC context, for a cut at shutdown
         # the exact input count of a request admitted on a bound, running after its answer
         self._counting: asyncio.Task[None] | None = None
+        # writing the exact input into the open ledger, a moment after admission (the count
+        # taken for it, when not audited, is kept: settlement reuses it)
+        self._noting: asyncio.Task[None] | None = None
+        self._exact: int | None = None
         self._body_size = 0
 
     @property
@@ -229,7 +245,7 @@ class RequestProcessor:
         self.s.life.advance(Input.ADMITTED)
         s = self.s
         self._body_size = len(body.body)
-        if s.input_pending:
+        if s.input_pending and s.cost is not None:  # admitted unmetered (fail-open): no count
             api, req, model = s.api, s.req, s.model
             assert api is not None and req is not None and isinstance(model, Model)
             s.count_input_with(
@@ -239,27 +255,72 @@ class RequestProcessor:
             if self.gw.audit_input(self.cfg, model.name):
                 # Counted now to check the upstream's figure against it; the first step runs
                 # once this answer is being written: off the request's path.
-                self._counting = asyncio.ensure_future(self._count_exact(self._body_size))
+                self._counting = asyncio.ensure_future(
+                    self._count_exact(self._body_size, note=True)
+                )
+            else:
+                # Counted for the ledger only, if the request is still open after a moment:
+                # should this processor die, the reclaim refunds the bound down to the exact
+                # input (a short request settles first, and is never counted).
+                self._noting = asyncio.ensure_future(self._note_exact(self._body_size, s.cost))
         return wire.continue_request_body(new_body)
 
-    async def _count_exact(self, size: int) -> None:
-        """Replace the bound admission charged with the exact count (a large prompt in a worker
-        thread).  A count that cannot finish (the counting threads stayed busy past the
-        deadline) leaves the bound: an over-count, never an under-count."""
+    async def _counted(self, size: int) -> int | None:
+        """The exact input count (a large prompt in a worker thread); None when it cannot
+        finish (the counting threads stayed busy past the deadline)."""
         s = self.s
         api, req, model = s.api, s.req, s.model
         assert api is not None and req is not None and isinstance(model, Model)
         try:
-            exact = await count_input(self.gw, self.cfg, api, req, model, size=size)
+            return await count_input(self.gw, self.cfg, api, req, model, size=size)
         except GatewayError as err:
             log.warning("input_count_failed", request_id=s.request_id, error=err.message)
-            exact = None
         except Exception:  # the bound stands; the request goes on
             log.exception("input_count_failed", request_id=s.request_id)
-            exact = None
+        return None
+
+    def _note(self, bound: Cost, exact: int) -> None:
+        """Write ``exact`` into the request's open ledger: what admission charged each
+        per-token counter beyond it becomes refundable by a reclaim."""
+        s = self.s
+        if s.life.settling or exact >= bound.input_tokens:
+            return  # settlement is on its way (it bills the exact input), or nothing to refund
+        counted = replace(bound, input_tokens=exact)
+        refund = tuple(
+            (b.key, admission.admission_amount(b, bound) - admission.admission_amount(b, counted))
+            for b in s.buckets
+            if b.kind == "tpm"
+        )
+        self.gw.note_input(InputNote(s.ledger, exact, refund))
+
+    async def _note_exact(self, size: int, bound: Cost, exact: int | None = None) -> None:
+        """Note the exact input of a request admitted on ``bound`` in its ledger if it is still
+        open :data:`NOTE_AFTER_S` from now, counting it then unless ``exact`` is known
+        (settlement reuses the count; settlement cancels this when it comes first)."""
+        await asyncio.sleep(NOTE_AFTER_S)
+        if self.s.life.settling:
+            return
+        if exact is None:
+            exact = await self._counted(size)
+            if exact is None:
+                return
+            self._exact = exact
+        self._note(bound, exact)
+
+    async def _count_exact(self, size: int, *, note: bool = False) -> None:
+        """Replace the bound admission charged with the exact count (a large prompt in a worker
+        thread); ``note``: write it into the open ledger too, if the request is still open a
+        moment later (:meth:`_note_exact`).  A count that cannot finish (the counting threads
+        stayed busy past the deadline) leaves the bound: an over-count, never an under-count."""
+        s = self.s
+        exact = self._exact
+        if exact is None:
+            exact = await self._counted(size)
         cost = s.cost
         if s.input_pending and cost is not None:
             s.input_counted(cost.input_tokens if exact is None else exact)
+            if note and exact is not None and not s.life.settling:
+                self._noting = asyncio.ensure_future(self._note_exact(size, cost, exact))
 
     async def _input_known(self) -> None:
         """Wait for an exact input count that is running."""
@@ -272,7 +333,7 @@ class RequestProcessor:
         the exact count it needs, a large prompt's in a worker thread within the counting
         deadline, never on the event loop."""
         await self._input_known()
-        if self.s.needs_count():
+        if self.s.needs_count() and self.s.cost is not None:  # fail-open: nothing charged
             await self._count_exact(self._body_size)
 
     # -- response --------------------------------------------------------------------------
@@ -427,6 +488,9 @@ class RequestProcessor:
 
     async def _settle(self) -> None:
         s = self.s
+        noting = self._noting
+        if noting is not None and not noting.done():
+            noting.cancel()  # a count for the ledger is no use now (settlement counts if it must)
         await self._figures_ready()
         if s.life.ending is None:
             s.life.name_ending(Ending.COMPLETED)
@@ -436,4 +500,7 @@ class RequestProcessor:
                 await asyncio.wait_for(asyncio.shield(driver.collect(wait=True)), 1.0)
             except Exception as exc:  # settlement must still run
                 log.warning("pending_charge_lost", request_id=self.request_id, error=repr(exc))
+            # not answered in time: counted once whether it ran (the settlement takes it back)
+            # or not (a charge after the settlement charges nothing)
+            driver.charge_unconfirmed()
         await settle(self.gw, self.cfg, s, driver.end() if driver is not None else None)

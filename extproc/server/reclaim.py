@@ -4,7 +4,9 @@ them.
 Admission leaves a record draft in each open request's ledger.  When the request's lease runs
 out unrenewed, the tenant's next admission reclaims it in its Lua call (the reservation goes
 back) and hands the draft back, once; this module turns it into the request's usage record:
-input as counted, output as the stream charges had billed it, ending ``reclaimed``.  Its
+input as counted (for a request admitted on an upper bound of its input, the exact count its
+processor noted in the ledger, when it had), output as the stream charges had billed it,
+ending ``reclaimed``.  Its
 ``record_id`` is the one the request's own settlement would have used, so a processor that was
 alive after all (its lease renewals were lost) and settles later writes a record that replaces
 it downstream.
@@ -37,21 +39,26 @@ def record_reclaimed(gw: Gateway, cfg: RuntimeConfig, reclaimed: Sequence[Reclai
             log.error("reclaimed_record_unreadable", ledger=r.ledger, error=str(exc))
             continue
         out = draft.output_charged(r.charged)
+        # the exact count noted in the ledger (the bound admission charged was refunded down
+        # to it), else the draft's figure
+        inp = r.input if r.input >= 0 else draft.input_tokens
         model = cfg.resolve_model(draft.model)
         cost: Decimal | None = None
         if model is not None and model.prices is not None and model.currency:
-            micros = model.prices.units(Usage(input=draft.input_tokens, output=out))
+            micros = model.prices.units(Usage(input=inp, output=out))
             cost = Decimal(micros).scaleb(-6)
         log.warning(
             "reclaimed",
             request_id=draft.request_id,
             tenant=draft.tenant,
-            input_tokens=draft.input_tokens,
+            input_tokens=inp,
             output_tokens=out,
             note="its processor died before settling it",
         )
         if gw.recorder is not None:
             currency = model.currency if model is not None else ""
             gw.recorder.record(
-                draft.reclaimed(r.ledger, r.charged, now, cost=cost, currency=currency)
+                draft.reclaimed(
+                    r.ledger, r.charged, now, cost=cost, currency=currency, input_tokens=inp
+                )
             )

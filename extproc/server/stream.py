@@ -233,6 +233,17 @@ class StreamDriver:
         """A charge was started and its answer not yet applied."""
         return self._task is not None
 
+    def charge_unconfirmed(self) -> None:
+        """Settlement will not wait any longer for the pending charge's answer: it is marked
+        unconfirmed (by its sequence number), so whichever runs first in Redis, it is counted
+        once: run before the settlement, the settlement takes back what it added (its
+        figures are computed without it); run after, it finds the ledger settled and charges
+        nothing."""
+        if self._task is not None and self._seq > 0:
+            self.s.unconfirmed = UnconfirmedCharge(
+                self._seq, tuple((b.key, b.rates.output) for b in self._charge_buckets)
+            )
+
     async def collect(self, *, wait: bool) -> Step | None:
         """Apply a finished (or, with ``wait``, the pending) charge's answer to the meter."""
         task = self._task

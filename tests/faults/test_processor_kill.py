@@ -31,7 +31,10 @@ MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a 
 @pytest.fixture(scope="module")
 def kstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     rules = e2e_rules(
-        {"t-conc1": {"plan": "conc1", "keys": [{"name": "c1", "plaintext": "sk-conc1"}]}}
+        {
+            "t-conc1": {"plan": "conc1", "keys": [{"name": "c1", "plaintext": "sk-conc1"}]},
+            "t-kill24": {"plan": "big", "keys": [{"name": "kill24", "plaintext": "sk-kill24"}]},
+        }
     )
     rules["plans"]["conc1"] = {"limits": [{"per": "hour", "rpm": 1000, "concurrency": 1}]}
     rules["failure"] = {"reservation_lease_seconds": LEASE_S}
@@ -221,3 +224,107 @@ async def test_sigkill_mid_stream_still_leaves_a_usage_record_per_request(kstack
     assert all(x.output_tokens >= 48 for x in reclaimed)  # their stream charges, billed
     assert len({x.record_id for x in recs}) == 4
     assert sum(x.input_tokens + x.output_tokens for x in recs) == charged
+
+
+#: A prompt of about 100 cl100k tokens (English: ~4.4 bytes a token, so its byte bound, on
+#: which admission decides far from the limit, is about four times its count).
+STORY = (
+    "The harbour town woke slowly. Fishing boats rocked against the pier while gulls argued "
+    "over scraps, and the baker on the corner pulled the first loaves from his oven. The "
+    "schoolteacher unlocked her classroom, the ferryman counted his passengers twice, and an "
+    "old dog stretched in the sun outside the post office. Tell me a long story about the day "
+    "a stranger arrived there with a sealed letter for the mayor, and what the letter said."
+)
+KILL_MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": STORY}]
+KILL_STREAMS, KILL_JSON = 17, 7  # 24 open requests, about 70 % streams
+
+
+async def _open_request(url: str, i: int, stream: bool) -> int:
+    """One request of the kill scenario: a long stream (20 ms a token) or a non-stream whose
+    answer would come after 8 s; its HTTP status (0: the connection broke)."""
+    headers = {"authorization": "Bearer sk-kill24", "x-client-request-id": f"kill24-{i}"}
+    headers |= {"x-sim-itl-ms": "20"} if stream else {"x-sim-ttft-ms": "8000"}
+    body = {"model": "sim-small", "messages": KILL_MSG, "max_tokens": 2000 if stream else 300}
+    body["stream"] = stream
+    async with httpx.AsyncClient(timeout=30) as c:
+        try:
+            async with c.stream(
+                "POST", f"{url}/chat/completions", headers=headers, content=orjson.dumps(body)
+            ) as r:
+                async for _ in r.aiter_bytes():
+                    pass
+                return r.status_code
+        except httpx.HTTPError:
+            return 0
+
+
+async def test_sigkill_with_24_open_requests_bills_what_they_could_cost(kstack: Stack) -> None:
+    """Issue 23, defect 1: 24 requests open (17 streams well into their output, 7 non-streams
+    waiting for their answer), all admitted on the byte bound of their ~100-token prompts; the
+    processor is SIGKILLed and restarted, and the tenant's next admissions reclaim them.  Once
+    every ledger is settled or reclaimed, the tenant's counter stands within 150 tokens above
+    the ground truth (each prompt's tokens, plus the output the simulator really sent for its
+    2xx answers), and not below it by more than the lazy charging lag (2N a stream)."""
+    rds = redis.Redis(port=kstack.ports.redis)
+    tenant = "t-kill24"
+    sim = f"{kstack.sim_url}/sim/requests"
+    async with httpx.AsyncClient(timeout=30) as c:
+        # the first admission knows nothing of the counters: counted first; the rest go on
+        # the bound, as on a busy gateway
+        r = await c.post(
+            f"{kstack.base_url}/chat/completions",
+            headers={"authorization": "Bearer sk-kill24"},
+            content=orjson.dumps({"model": "sim-small", "messages": KILL_MSG, "max_tokens": 5}),
+        )
+        assert r.status_code == 200
+    settled(rds, tenant, expect=1)
+    kinds = [True] * KILL_STREAMS + [False] * KILL_JSON
+    tasks = [
+        asyncio.ensure_future(_open_request(kstack.base_url, i, stream))
+        for i, stream in enumerate(kinds)
+    ]
+    # every request admitted, every stream past a few charges (16 tokens each)
+    deadline = time.monotonic() + 20
+    open_key = f"aiq:{{{tenant}}}:open"
+    while time.monotonic() < deadline:
+        if rds.zcard(open_key) == len(kinds):
+            made = sorted(charges_made(rds, tenant, len(kinds)), reverse=True)
+            if made[KILL_STREAMS - 1] >= 3:
+                break
+        await asyncio.sleep(0.05)
+    dead = rds.zrange(open_key, 0, -1)
+    assert len(dead) == len(kinds)
+    kstack.signal("extproc0", signal.SIGKILL)
+    kstack.proc("extproc0").popen.wait(10)
+    statuses = await asyncio.gather(*tasks)
+    assert statuses.count(200) < len(kinds)  # the kill broke them
+    kstack.restart("extproc0")
+    kstack.wait_extprocs_healthy()
+    await leases_ended(rds, tenant)
+
+    # each admission reclaims up to 8 dead reservations: three to reclaim 24
+    def reclaimed() -> bool:
+        return all(rds.hget(led, "state") == b"reclaimed" for led in dead)  # type: ignore[arg-type]
+
+    async with httpx.AsyncClient(timeout=30) as c:
+        for _ in range(10):
+            if reclaimed():
+                break
+            r = await c.post(
+                f"{kstack.base_url}/chat/completions",
+                headers={"authorization": "Bearer sk-kill24"},
+                content=orjson.dumps({"model": "sim-small", "messages": MSG, "max_tokens": 5}),
+            )
+            assert r.status_code == 200
+    assert reclaimed()
+    ledgers = len(list(rds.scan_iter(f"aiq:{{{tenant}}}:req:*")))
+    counter = settled(rds, tenant, expect=ledgers)
+    async with httpx.AsyncClient(timeout=30) as c:
+        recs = [x for x in (await c.get(sim)).json()["requests"] if x["tenant"] == tenant]
+    assert len(recs) == ledgers
+    truth = sum(
+        x["prompt_tokens"] + (x["tokens_sent"] if 200 <= (x["status"] or 0) < 300 else 0)
+        for x in recs
+    )
+    print(f"counter {counter} truth {truth} over {counter - truth}")
+    assert -KILL_STREAMS * 2 * 16 <= counter - truth <= 150

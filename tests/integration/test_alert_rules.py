@@ -120,6 +120,16 @@ CASES: list[dict[str, Any]] = [
             fires("AiQuotaUsageRecordsDropped", "2m", severity="critical", instance="a:9090"),
         ],
     },
+    {  # a full settlement backlog pushes back on admissions: critical at once
+        "input_series": [
+            series("aiq_settlement_pushback_total", 'outcome="refused"', "0 0 3x5"),
+            series("aiq_settlements_total", 'outcome="applied"', "0+100x8"),
+        ],
+        "alert_rule_test": [
+            silent("AiQuotaSettlementPushback", "30s"),
+            fires("AiQuotaSettlementPushback", "2m", severity="critical", instance="a:9090"),
+        ],
+    },
     {  # a stream cut for a fault alerts; cuts by quota (the product working) do not
         "input_series": [
             series("aiq_stream_cuts_total", 'reason="unmeterable_response"', "0 0 1x5"),
@@ -170,6 +180,7 @@ CASES: list[dict[str, Any]] = [
                 "AiQuotaRefusalSpike",
                 "AiQuotaStreamsCutByFaults",
                 "AiQuotaSettlementsDropped",
+                "AiQuotaSettlementPushback",
                 "AiQuotaSettlementBacklogGrowing",
                 "AiQuotaUsageRecordBacklog",
             )

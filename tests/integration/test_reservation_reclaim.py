@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from extproc.core.rules import Adjustment, BucketCharge
-from extproc.limiter.base import AdmitResult, Limiter
+from extproc.limiter.base import AdmitResult, InputNote, Limiter
 from extproc.records.model import RecordDraft, record_id_for
 from tests.helpers import far_ms
 from tests.limiters import Backend
@@ -142,3 +142,32 @@ async def test_a_reclaimed_request_hands_back_its_record_draft_once(backend: Bac
     res = await admit(lim, tag, charges, now + 3 * LEASE, 4)
     # 3 left no draft (its admission wrote none): reclaimed, no record handed back
     assert res.reclaimed == () and await r.ledger_state(f"{tag}:req:3") == "reclaimed"
+
+
+async def test_an_exact_input_noted_in_the_ledger_is_refunded_by_the_reclaim(
+    backend: Backend,
+) -> None:
+    """Issue 23, defect 1: a request admitted on an upper bound of its input notes its exact
+    count in its open ledger; the reclaim then gives back the rest of the bound with the
+    reservation, and hands the exact input back with the draft.  A note comes once, and never
+    to a ledger that is settled or gone."""
+    lim = backend.limiter
+    r = backend.probe
+    tag, charges = setup()  # admitted on a bound of 10 input tokens; the exact count is 4
+    now = 1_700_000_000_000
+    draft = RecordDraft("rid", "t", "k", "m", "chat", 10, 1_000, now).to_json()
+    await admit(lim, tag, charges, now, 1, draft)
+    note = InputNote(f"{tag}:req:1", 4, ((f"{tag}:tpm", 6),))
+    assert await lim.note_inputs([note]) == [True]  # type: ignore[attr-defined]
+    assert await lim.note_inputs([note]) == [False]  # type: ignore[attr-defined]
+    assert await lim.note_inputs(  # type: ignore[attr-defined]
+        [InputNote(f"{tag}:req:gone", 4, ((f"{tag}:tpm", 6),))]
+    ) == [False]
+    res = await admit(lim, tag, charges, now + LEASE + 1, 2)
+    assert (await r.counter(f"{tag}:tpm") or 0) == 4 + 1_010  # 1 keeps its exact input only
+    assert [(x.ledger, x.charged, x.input) for x in res.reclaimed] == [(f"{tag}:req:1", 1_010, 4)]
+    # settled first: a late note changes nothing
+    await lim.settle(f"{tag}:req:2", [], ledger_ttl_ms=TTL)
+    assert await lim.note_inputs(  # type: ignore[attr-defined]
+        [InputNote(f"{tag}:req:2", 4, ((f"{tag}:tpm", 6),))]
+    ) == [False]

@@ -82,15 +82,18 @@ def test_failed_items_return_to_the_front_in_order_with_a_doubling_backoff() -> 
     assert b.failures == 0 and len(b) == 0
 
 
-def test_a_full_backlog_drops_the_oldest_waiting_settlement() -> None:
-    """At max_backlog the oldest waiting item is dropped and handed back to be logged."""
+def test_a_full_backlog_drops_nothing_and_says_it_is_full() -> None:
+    """Issue 23, defect 6: at max_backlog nothing is dropped (the gateway pushes back on
+    admissions instead); every settlement added is still there, in order."""
     b = Backlog[SettleCall, bool](BatchSettings(max_batch=2, max_backlog=3))
-    assert [b.add(s(i), 0.0) for i in range(3)] == [None, None, None]
-    lost = b.add(s(3), 0.0)
-    assert lost is not None and lost.ledger == s(0).ledger
-    assert b.dropped == 1 and len(b) == 3
-    assert ledgers(b.drain()) == ledgers([s(1), s(2), s(3)])
-    assert len(b) == 0
+    for i in range(2):
+        b.add(s(i), 0.0)
+    assert not b.full
+    for i in range(2, 5):
+        b.add(s(i), 0.0)
+    assert b.full and len(b) == 5
+    assert ledgers(b.drain()) == ledgers([s(i) for i in range(5)])
+    assert len(b) == 0 and not b.full
 
 
 def test_drain_returns_in_flight_and_waiting_items() -> None:
@@ -161,23 +164,19 @@ async def test_batcher_retries_a_call_that_raised_and_reports_each_item_once() -
 
 
 async def test_batcher_hands_back_what_was_never_taken_on_close() -> None:
-    """Redis never answers: close() returns every item still kept, and the full backlog's
-    overflow went to on_dropped."""
+    """Redis never answers: close() returns every item submitted, beyond the backlog limit
+    too (none was dropped)."""
 
     async def send(batch: list[SettleCall]) -> list[bool | None]:
         return [None] * len(batch)
 
-    dropped: list[SettleCall] = []
     b: Batcher[SettleCall, bool] = Batcher(
-        send,
-        BatchSettings(tick_s=0.0, max_batch=2, max_backlog=3, backoff_s=0.01),
-        on_dropped=dropped.append,
+        send, BatchSettings(tick_s=0.0, max_batch=2, max_backlog=3, backoff_s=0.01)
     )
     for i in range(5):
         b.submit(s(i))
     left = await b.close(0.1)
-    assert ledgers(dropped) == ledgers([s(0), s(1)])
-    assert sorted(ledgers(left)) == sorted(ledgers([s(2), s(3), s(4)]))
+    assert sorted(ledgers(left)) == sorted(ledgers([s(i) for i in range(5)]))
 
 
 def test_steal_takes_matching_waiting_items_oldest_first_and_counts_them() -> None:

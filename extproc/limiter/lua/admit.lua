@@ -32,9 +32,11 @@
 -- back to the counters that still exist, and their concurrency slots are freed.  Every key
 -- touched shares the tenant's hash tag, so this stays in one Cluster slot.  A reclaimed
 -- ledger's record draft is handed back (once: it is removed) with what the ledger had
--- charged, so the caller writes the usage record its dead processor could not.
+-- charged and its exact input (note.lua; -1 when none was noted), so the caller writes the
+-- usage record its dead processor could not.  The refundable part ("r:" fields) holds the
+-- reserved output and, once noted, what admission charged beyond the exact input.
 --
--- Returns {status, {value per bucket}, {ledger, draft, charged, ...}, {rider results}}:
+-- Returns {status, {value per bucket}, {ledger, draft, charged, input, ...}, {rider results}}:
 -- status 1 admitted (values after charging), 0 refused (values as found), 2 duplicate
 -- request id (nothing charged; values as found); per rider 1 applied, 0 already settled.
 local riders, K0, A0 = settle_all(1, 1)
@@ -70,6 +72,7 @@ if now > 0 then
         reclaimed[#reclaimed + 1] = led
         reclaimed[#reclaimed + 1] = rec
         reclaimed[#reclaimed + 1] = redis.call('HGET', led, 'charged') or '0'
+        reclaimed[#reclaimed + 1] = redis.call('HGET', led, 'in') or '-1'
       end
     end
   end
