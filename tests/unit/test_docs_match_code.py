@@ -68,5 +68,9 @@ def test_rls_doc_says_an_unknown_domain_counts_nothing() -> None:
     only where a domain allows them."""
     rls = text("docs/rls.md")
     assert "Unknown domain or no matching rule: OK without a limit" not in rls
-    assert "An unknown domain is answered OK and **nothing is counted**" in rls
-    assert "only in a domain configured to allow overrides" in rls
+    assert (
+        "is answered OK without a limit whatever its descriptors carry, limit overrides "
+        "included: nothing is counted"
+    ) in rls
+    assert "applies only in a domain that allows it" in rls
+    assert "allow_limit_override" in rls
