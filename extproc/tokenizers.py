@@ -29,12 +29,10 @@ from tiktoken.load import load_tiktoken_bpe
 from tiktoken_ext import openai_public
 
 from extproc.core.chat_template import ChatTemplate, ContentFormat
+from extproc.core.counters import EstimateCounter, HuggingFaceCounter, TiktokenCounter
 from extproc.core.tokens import (
     DEFAULT_MAX_CHARS,
     DEFAULT_MAX_PIECE_CHARS,
-    EstimateCounter,
-    HuggingFaceCounter,
-    TiktokenCounter,
     TokenCounter,
     TokenizerSpec,
 )

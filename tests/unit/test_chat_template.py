@@ -20,7 +20,8 @@ from extproc.core.apis.openai import CHAT
 from extproc.core.apis.openai.counting import count_chat_request
 from extproc.core.apis.responses import RESPONSES, count_responses_input
 from extproc.core.chat_template import template_of
-from extproc.core.tokens import HuggingFaceCounter, TokenizerSpec
+from extproc.core.counters import HuggingFaceCounter
+from extproc.core.tokens import TokenizerSpec
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,8 @@ import tiktoken
 from tiktoken_ext import openai_public
 
 from extproc import tokenizers as tz
-from extproc.core.tokens import TiktokenCounter, TokenizerSpec
+from extproc.core.counters import TiktokenCounter
+from extproc.core.tokens import TokenizerSpec
 
 pytestmark = pytest.mark.unit
 
