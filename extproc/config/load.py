@@ -27,7 +27,8 @@ from extproc.core.rules import (
     Rates,
 )
 from extproc.core.tokens import TokenizerSpec, delta_counter
-from extproc.tokenizers import TokenizerLoadError, TokenizerRegistry
+from extproc.tokenizers.errors import TokenizerLoadError
+from extproc.tokenizers.registry import TokenizerRegistry
 
 UNKNOWN_MODEL_NAME = "(unknown)"
 
