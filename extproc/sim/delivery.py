@@ -37,18 +37,9 @@ from extproc.sim.script import (
 )
 from extproc.sim.state import SimState
 from extproc.sim.text import generate_pieces
-from extproc.sim.wire import (
-    CONTENT,
-    ENCODERS,
-    REASONING,
-    TOOL,
-    ChoiceOutput,
-    Encoder,
-    Unit,
-    WireContext,
-    tool_json_overhead,
-    tool_json_units,
-)
+from extproc.sim.wire import ENCODERS
+from extproc.sim.wire.base import CONTENT, REASONING, TOOL, ChoiceOutput, Encoder, Unit, WireContext
+from extproc.sim.wire.messages import tool_json_overhead, tool_json_units
 
 log = structlog.get_logger(__name__)
 

@@ -35,7 +35,7 @@ from extproc.sim.request import (
     plan_answer,
 )
 from extproc.sim.state import STATE_KEY, SimState
-from extproc.sim.wire import anthropic_error, openai_error
+from extproc.sim.wire.errors import anthropic_error, openai_error
 
 log = structlog.get_logger(__name__)
 
