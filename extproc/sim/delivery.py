@@ -23,8 +23,10 @@ import orjson
 import structlog
 from aiohttp import web
 
+from extproc.sim.controls import SimControls
+from extproc.sim.plan import Plan
 from extproc.sim.records import SimRecord
-from extproc.sim.request import GenerationRequest, Plan, SimControls
+from extproc.sim.request import GenerationRequest
 from extproc.sim.script import (
     END_ABORT,
     END_ERROR_EVENT,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
-from extproc.sim.request import UsageLie
+from extproc.sim.controls import UsageLie
 from extproc.sim.wire.base import REASONING, Encoder, Unit, UsageReport
 
 #: how a scripted stream ends

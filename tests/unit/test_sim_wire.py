@@ -9,17 +9,14 @@ import orjson
 import pytest
 
 from extproc.sim.config import TEXT_MODES, SimConfig
+from extproc.sim.controls import SimControls, UsageLie, parse_controls, parse_usage_lie
+from extproc.sim.plan import plan_answer
 from extproc.sim.request import (
     RequestError,
-    SimControls,
-    UsageLie,
-    parse_controls,
     parse_embeddings,
     parse_generation,
     parse_messages,
     parse_responses,
-    parse_usage_lie,
-    plan_answer,
 )
 from extproc.sim.script import (
     END_ABORT,
