@@ -360,8 +360,8 @@ def count_with_template(
     template, or None when the counter has no template, the body has a shape (or, for Responses
     and Messages, a tool) this path does not model, or the template cannot render it: the
     caller then counts with its API's framing formula."""
-    template = template_of(counter)
-    if template is None:
+    template = getattr(counter, "chat_template", None)  # template_of, without its call
+    if not isinstance(template, ChatTemplate):
         return None
     tools: Any = body.get("tools")
     if api != "chat":
