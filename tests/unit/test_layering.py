@@ -181,6 +181,20 @@ def test_no_import_cycles() -> None:
     assert not found, "\n".join(" -> ".join(c) for c in found)
 
 
+def test_no_cycles_between_packages() -> None:
+    """No package of extproc (``extproc.records``, ``extproc.usage``, ...; a top-level module
+    counts as one) reaches itself through its modules' imports, whichever modules they are:
+    ``records`` -> ``usage`` -> ``records`` is a cycle even when no module imports itself."""
+    graph: dict[str, set[str]] = {}
+    for module, imported in project_graph(type_checking=True).items():
+        package = ".".join(module.split(".")[:2])
+        targets = graph.setdefault(package, set())
+        targets.update(".".join(m.split(".")[:2]) for m in imported)
+        targets.discard(package)
+    found = import_cycles(graph)
+    assert not found, "\n".join(" -> ".join(c) for c in found)
+
+
 def test_the_cycle_finder_reports_a_cycle() -> None:
     """The cycle check itself can fail: a loop through three modules is reported whole, a
     diamond is not a cycle."""
