@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from extproc.tokenizers import BUNDLED_ENCODING, KNOWN_ENCODINGS, bundled_cl100k_path
+from extproc.tokenizers.tiktoken_files import BUNDLED_ENCODING, KNOWN_ENCODINGS, bundled_cl100k_path
 
 ENDOFTEXT = "<|endoftext|>"
 

@@ -252,7 +252,7 @@ def byte_deltas(token_bytes: Callable[[int], bytes], ids: Iterable[int]) -> list
 
 def tiktoken_engine() -> Engine:
     """cl100k_base, the bundled file."""
-    from extproc.tokenizers import bundled_encoding
+    from extproc.tokenizers.tiktoken_files import bundled_encoding
 
     enc = bundled_encoding()
     return Engine(

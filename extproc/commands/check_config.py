@@ -16,7 +16,7 @@ def run(args: argparse.Namespace) -> int:
     """Validate a rules file (or an RLS config): exit 0 when valid, 1 with every error
     otherwise."""
     from extproc.config import ConfigError, load_config
-    from extproc.rls.config import looks_like_rls
+    from extproc.rls.load import looks_like_rls
 
     if looks_like_rls(args.file):
         from extproc.rls.service import check_path

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from extproc.config import schema
 from extproc.config.runtime import ApiKey, Model, Plan, RuntimeConfig, Tenant
 from extproc.config.source import YamlSyntaxError, locate, parse_rules, render_path, where
+from extproc.core.counters import upper_bound_counter
 from extproc.core.rules import (
     RATE_SCALE,
     WINDOW_SECONDS,
@@ -25,8 +26,9 @@ from extproc.core.rules import (
     Period,
     Rates,
 )
-from extproc.core.tokens import TokenizerSpec, delta_counter, upper_bound_counter
-from extproc.tokenizers import TokenizerLoadError, TokenizerRegistry
+from extproc.core.tokens import TokenizerSpec, delta_counter
+from extproc.tokenizers.errors import TokenizerLoadError
+from extproc.tokenizers.registry import TokenizerRegistry
 
 UNKNOWN_MODEL_NAME = "(unknown)"
 

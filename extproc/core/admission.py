@@ -400,7 +400,7 @@ class RoomHints:
     """What each per-token counter held after the last admission that read it: a hint, never
     a decision (the admission script decides atomically).
 
-    Admission on an upper bound of the input (:func:`extproc.core.tokens.upper_bound_counter`)
+    Admission on an upper bound of the input (:func:`extproc.core.counters.upper_bound_counter`)
     reserves more than the request needs until the exact count replaces it; :meth:`ample`
     allows that only where the counters were far from their limits, so the bound can neither
     turn the admission's answer nor crowd out a tenant's other requests near its limit."""

@@ -5,8 +5,8 @@ vLLM (and transformers' ``apply_chat_template``) turn a chat request into one pr
 rendering the Jinja ``chat_template`` of the model's ``tokenizer_config.json`` with the
 conversation, the tool definitions, ``add_generation_prompt=True`` and the tokenizer's special
 tokens (``bos_token``, ``eos_token``, ...), then encode that string without adding special tokens;
-special-token text in it (``<|user|>``) becomes one token each.  :func:`count_templated` does the
-same over a compiled template (:class:`ChatTemplate`, built by :mod:`extproc.tokenizers`; this
+special-token text in it (``<|user|>``) becomes one token each.  :func:`count_with_template` does
+the same over a compiled template (:class:`ChatTemplate`, built by :mod:`extproc.tokenizers`; this
 module never imports Jinja and never reads a file).
 
 The conversation is built from the request body as vLLM builds it:
@@ -42,6 +42,7 @@ __all__ = [
     "TemplateRenderer",
     "chat_conversation",
     "count_templated",
+    "count_with_template",
     "function_tools",
     "messages_conversation",
     "responses_conversation",
@@ -340,3 +341,32 @@ def count_templated(
     if not isinstance(text, str):
         return None
     return counter.count(text) + media_tokens
+
+
+_CONVERSATIONS = {
+    "chat": chat_conversation,
+    "responses": responses_conversation,
+    "messages": messages_conversation,
+}
+
+
+def count_with_template(
+    api: Literal["chat", "responses", "messages"],
+    body: Mapping[str, Any],
+    counter: TokenCounter,
+    spec: TokenizerSpec,
+) -> int | None:
+    """The input tokens of an ``api`` request body counted by rendering the counter's chat
+    template, or None when the counter has no template, the body has a shape (or, for Responses
+    and Messages, a tool) this path does not model, or the template cannot render it: the
+    caller then counts with its API's framing formula."""
+    template = getattr(counter, "chat_template", None)  # template_of, without its call
+    if not isinstance(template, ChatTemplate):
+        return None
+    tools: Any = body.get("tools")
+    if api != "chat":
+        tools = function_tools(tools, api)
+        if tools is False:
+            return None
+    conversation = _CONVERSATIONS[api](body, template.content_format, spec)
+    return count_templated(template, conversation, body, counter, tools=tools)

@@ -13,7 +13,8 @@ Programmatic use::
 from __future__ import annotations
 
 from extproc.load.config import LoadConfig
-from extproc.load.report import LoadReport, validate_report
+from extproc.load.report import LoadReport
 from extproc.load.runner import run_load
+from extproc.load.validate import validate_report
 
 __all__ = ["LoadConfig", "LoadReport", "run_load", "validate_report"]

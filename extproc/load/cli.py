@@ -16,8 +16,9 @@ from extproc.load.config import (
     parse_weights,
 )
 from extproc.load.output import write_report
-from extproc.load.report import overshoot_violations, parse_tolerance, validate_report
 from extproc.load.runner import run_load
+from extproc.load.tolerance import overshoot_violations, parse_tolerance
+from extproc.load.validate import validate_report
 
 EXIT_OK = 0
 EXIT_OVERSHOOT = 1

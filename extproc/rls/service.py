@@ -32,7 +32,8 @@ from prometheus_client import CollectorRegistry, Counter
 from extproc.clock import Clock
 from extproc.errors import LimiterUnavailable
 from extproc.rls import match
-from extproc.rls.config import RlsConfig, RlsConfigError, load_path, signature
+from extproc.rls.config import RlsConfig, RlsConfigError
+from extproc.rls.load import load_path, signature
 
 log = structlog.get_logger("extproc.rls")
 

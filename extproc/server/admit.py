@@ -18,6 +18,7 @@ from extproc.config.runtime import Model, RuntimeConfig
 from extproc.core import admission
 from extproc.core.admission import Cost
 from extproc.core.apis.base import RequestLimits
+from extproc.core.counters import UTF8BoundCounter
 from extproc.core.keys import WindowedBucket
 from extproc.core.rules import Adjustment, Charging
 from extproc.core.session import (
@@ -29,7 +30,6 @@ from extproc.core.session import (
     run_ahead_budget,
     shadow_outcome,
 )
-from extproc.core.tokens import UTF8BoundCounter
 from extproc.errors import (
     BadRequest,
     LimiterUnavailable,

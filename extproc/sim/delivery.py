@@ -23,8 +23,10 @@ import orjson
 import structlog
 from aiohttp import web
 
+from extproc.sim.controls import SimControls
+from extproc.sim.plan import Plan
 from extproc.sim.records import SimRecord
-from extproc.sim.request import GenerationRequest, Plan, SimControls
+from extproc.sim.request import GenerationRequest
 from extproc.sim.script import (
     END_ABORT,
     END_ERROR_EVENT,
@@ -37,18 +39,9 @@ from extproc.sim.script import (
 )
 from extproc.sim.state import SimState
 from extproc.sim.text import generate_pieces
-from extproc.sim.wire import (
-    CONTENT,
-    ENCODERS,
-    REASONING,
-    TOOL,
-    ChoiceOutput,
-    Encoder,
-    Unit,
-    WireContext,
-    tool_json_overhead,
-    tool_json_units,
-)
+from extproc.sim.wire import ENCODERS
+from extproc.sim.wire.base import CONTENT, REASONING, TOOL, ChoiceOutput, Encoder, Unit, WireContext
+from extproc.sim.wire.messages import tool_json_overhead, tool_json_units
 
 log = structlog.get_logger(__name__)
 

@@ -20,22 +20,21 @@ import structlog
 from aiohttp import web
 
 from extproc.sim.config import SimConfig
+from extproc.sim.controls import SimControls, parse_controls
 from extproc.sim.delivery import Delivery, Generation
+from extproc.sim.plan import plan_answer
 from extproc.sim.records import SimRecord
 from extproc.sim.request import (
     EmbeddingsRequest,
     GenerationRequest,
     RequestError,
-    SimControls,
-    parse_controls,
     parse_embeddings,
     parse_generation,
     parse_messages,
     parse_responses,
-    plan_answer,
 )
 from extproc.sim.state import STATE_KEY, SimState
-from extproc.sim.wire import anthropic_error, openai_error
+from extproc.sim.wire.errors import anthropic_error, openai_error
 
 log = structlog.get_logger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
-from extproc.sim.request import UsageLie
-from extproc.sim.wire import REASONING, Encoder, Unit, UsageReport
+from extproc.sim.controls import UsageLie
+from extproc.sim.wire.base import REASONING, Encoder, Unit, UsageReport
 
 #: how a scripted stream ends
 END_EOF = "eof"

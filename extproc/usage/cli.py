@@ -11,6 +11,7 @@ import orjson
 from extproc._gen.aiquota.v1 import usage_pb2, usage_pb2_grpc
 from extproc.core.admission import human_duration
 from extproc.usage.discover import note, usage_address
+from extproc.usage.records_cli import add_subcommands
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -25,8 +26,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "running stack's .run/stack.json, else 127.0.0.1:50051)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    from extproc.records.export import add_subcommands
-
     add_subcommands(parser)
     parser.set_defaults(usage_parser=parser)
 

@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.core.apis.openai.counting import count_chat_request
 from extproc.core.tokens import TokenizerSpec
-from extproc.sim.request import chat_prompt_tokens
+from extproc.sim.prompt_tokens import chat_prompt_tokens
 from extproc.stack import Stack
 from extproc.tokenizers import load_counter
 from tests.e2e.conftest import client

@@ -11,8 +11,8 @@ import orjson
 import pytest
 
 from extproc.load.config import LoadConfig
-from extproc.load.report import validate_report
 from extproc.load.runner import run_load
+from extproc.load.validate import validate_report
 from extproc.stack import Stack
 
 pytestmark = pytest.mark.e2e

@@ -17,8 +17,9 @@ import redis
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
 from extproc.limiter.redis import RedisLimiter
-from extproc.rls.config import compile_domains, parse_text
+from extproc.rls.load import compile_domains
 from extproc.rls.match import Descriptor, plan
+from extproc.rls.parse import parse_text
 from extproc.stack import free_port
 from tests.helpers import RedisServer, far_ms, spawn
 from tests.rls_support import ROOT, request

@@ -24,9 +24,9 @@ from anthropic.types import MessageParam
 
 from extproc.sim.app import start_sim
 from extproc.sim.config import SimConfig
-from extproc.sim.request import messages_prompt_tokens, responses_prompt_tokens
+from extproc.sim.prompt_tokens import messages_prompt_tokens, responses_prompt_tokens
 from extproc.sim.text import count_tokens
-from extproc.sim.wire import TOOL_NAME
+from extproc.sim.wire.base import TOOL_NAME
 
 pytestmark = pytest.mark.integration
 

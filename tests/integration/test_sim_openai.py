@@ -15,7 +15,7 @@ from aiohttp import web
 
 from extproc.sim.app import start_sim
 from extproc.sim.config import SimConfig
-from extproc.sim.request import chat_prompt_tokens
+from extproc.sim.prompt_tokens import chat_prompt_tokens
 from extproc.sim.text import count_tokens
 
 pytestmark = pytest.mark.integration

@@ -19,8 +19,9 @@ from extproc.core.apis.messages import MESSAGES, count_messages_input
 from extproc.core.apis.openai import CHAT
 from extproc.core.apis.openai.counting import count_chat_request
 from extproc.core.apis.responses import RESPONSES, count_responses_input
-from extproc.core.chat_template import template_of
-from extproc.core.tokens import HuggingFaceCounter, TokenizerSpec
+from extproc.core.chat_template import count_with_template, template_of
+from extproc.core.counters import EstimateCounter, HuggingFaceCounter
+from extproc.core.tokens import TokenizerSpec
 
 pytestmark = pytest.mark.unit
 
@@ -219,6 +220,24 @@ def test_unmodelled_bodies_fall_back_to_the_formula(string_counter: HuggingFaceC
     assert CHAT.count_input(_req("chat", raising), string_counter, SPEC) == count_chat_request(
         raising, string_counter, SPEC
     )
+
+
+def test_one_template_path_for_the_three_chat_apis(parts_counter: HuggingFaceCounter) -> None:
+    """count_with_template renders chat, Responses and Messages bodies alike; None without a
+    template or with a tool it does not model (the codec's formula counts then)."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    responses = {"input": "hi"}
+    messages = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    n = count_with_template("chat", chat, parts_counter, SPEC)
+    assert n is not None and n == CHAT.count_input(_req("chat", chat), parts_counter, SPEC)
+    assert count_with_template("responses", responses, parts_counter, SPEC) == n
+    assert count_with_template("messages", messages, parts_counter, SPEC) == n
+    builtin = {**responses, "tools": [{"type": "web_search"}]}
+    assert count_with_template("responses", builtin, parts_counter, SPEC) is None
+    plain = EstimateCounter()
+    assert count_with_template("chat", chat, plain, SPEC) is None
+    assert count_with_template("responses", responses, plain, SPEC) is None
+    assert count_with_template("messages", messages, plain, SPEC) is None
 
 
 def test_media_parts_add_their_flat_cost(parts_counter: HuggingFaceCounter) -> None:

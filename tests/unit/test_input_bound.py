@@ -23,15 +23,15 @@ from extproc.core.admission import MAX_ROOM_HINTS, RoomHints
 from extproc.core.apis.base import RequestLimits
 from extproc.core.apis.registry import api_for_path
 from extproc.core.audits import InputAudits
-from extproc.core.lifecycle import Closed
-from extproc.core.rules import BucketCharge
-from extproc.core.tokens import (
+from extproc.core.counters import (
     EstimateCounter,
     TiktokenCounter,
-    TokenizerSpec,
     UTF8BoundCounter,
     upper_bound_counter,
 )
+from extproc.core.lifecycle import Closed
+from extproc.core.rules import BucketCharge
+from extproc.core.tokens import TokenizerSpec
 from extproc.errors import GatewayError
 from extproc.gateway import Gateway
 from extproc.limiter.memory import MemoryLimiter

@@ -1,15 +1,18 @@
 """The package reads top-down: the sans-IO core imports nothing above it, no module imports
 another that (directly or not) imports it back, and every "never" of the intended layering
-holds, imports for annotations only (``if TYPE_CHECKING:``) included:
+holds, imports for annotations only (``if TYPE_CHECKING:``) and imports inside functions
+included:
 
 - the core never imports config, the limiter or the server;
 - the side tools (sim, load, bench) never import the server, nor the server them;
-- usage and admin never import the server."""
+- usage and admin never import the server;
+- the usage records (``extproc/records/``) never import the usage commands nor the local stack."""
 
 from __future__ import annotations
 
 import ast
 import functools
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -31,9 +34,15 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def imports_of(path: Path, *, type_checking: bool = False) -> set[str]:
+def imports_of(
+    path: Path, *, type_checking: bool = False, modules: Collection[str] = ()
+) -> set[str]:
     """Modules imported anywhere in the file (function-level imports included); those under
-    ``if TYPE_CHECKING:`` (annotations only) only with ``type_checking``."""
+    ``if TYPE_CHECKING:`` (annotations only) only with ``type_checking``.
+
+    ``from P import m`` where ``P.m`` is one of ``modules`` imports the submodule ``P.m``, not a
+    name of ``P`` (P's ``__init__`` runs first, as for any import of ``P.m``): it counts as an
+    import of ``P`` itself only when some name it takes is not such a submodule."""
     tree = ast.parse(path.read_text("utf-8"))
     out: set[str] = set()
     skip: set[int] = set()
@@ -50,9 +59,18 @@ def imports_of(path: Path, *, type_checking: bool = False) -> set[str]:
             continue
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
-            out.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the file's own package, ``level - 1`` packages up
+                here = module_name(path).split(".")
+                if path.name != "__init__.py":
+                    here.pop()
+                up = here[: len(here) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            subs = {f"{base}.{a.name}" for a in node.names}
+            out.update(subs)
+            if not subs <= set(modules):
+                out.add(base)
     return out
 
 
@@ -63,7 +81,7 @@ def project_graph(*, type_checking: bool = False) -> dict[str, set[str]]:
     names = {module_name(p): p for p in files}
     graph: dict[str, set[str]] = {}
     for name, path in names.items():
-        found = imports_of(path, type_checking=type_checking)
+        found = imports_of(path, type_checking=type_checking, modules=names)
         graph[name] = {m for m in found if m in names and m != name}
     return graph
 
@@ -108,6 +126,8 @@ NEVER = [
     ),
     pytest.param("extproc.usage", "extproc.server", id="usage-server"),
     pytest.param("extproc.admin", "extproc.server", id="admin-server"),
+    pytest.param("extproc.records", "extproc.usage", id="records-usage"),
+    pytest.param("extproc.records", "extproc.stack", id="records-stack"),
 ]
 
 
@@ -132,9 +152,8 @@ def test_core_imports_nothing_above_it() -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_no_import_cycles() -> None:
-    """No module reaches itself through its imports (package __init__ re-exports included)."""
-    graph = project_graph()
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import cycle of ``graph`` met by a depth-first walk, as the chain back to its start."""
     cycles: list[list[str]] = []
     state: dict[str, int] = {}  # 1 visiting, 2 done
 
@@ -152,25 +171,70 @@ def test_no_import_cycles() -> None:
     for node in sorted(graph):
         if node not in state:
             visit(node, [])
-    # A package importing its own submodule (``extproc.config`` → ``extproc.config.load``)
-    # while the submodule imports a sibling through the package name is not a real cycle.
-    real = [c for c in cycles if not all(c[0].startswith(p) or p.startswith(c[0]) for p in c)]
-    assert not real, "\n".join(" -> ".join(c) for c in real)
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    """No module reaches itself through its imports: package ``__init__`` re-exports, imports
+    inside functions and imports for annotations only (``if TYPE_CHECKING:``) included."""
+    found = import_cycles(project_graph(type_checking=True))
+    assert not found, "\n".join(" -> ".join(c) for c in found)
+
+
+def test_no_cycles_between_packages() -> None:
+    """No package of extproc (``extproc.records``, ``extproc.usage``, ...; a top-level module
+    counts as one) reaches itself through its modules' imports, whichever modules they are:
+    ``records`` -> ``usage`` -> ``records`` is a cycle even when no module imports itself."""
+    graph: dict[str, set[str]] = {}
+    for module, imported in project_graph(type_checking=True).items():
+        package = ".".join(module.split(".")[:2])
+        targets = graph.setdefault(package, set())
+        targets.update(".".join(m.split(".")[:2]) for m in imported)
+        targets.discard(package)
+    found = import_cycles(graph)
+    assert not found, "\n".join(" -> ".join(c) for c in found)
+
+
+def test_the_cycle_finder_reports_a_cycle() -> None:
+    """The cycle check itself can fail: a loop through three modules is reported whole, a
+    diamond is not a cycle."""
+    graph = {
+        "a": {"b"},
+        "b": {"c"},
+        "c": {"a"},
+        "d": {"e", "f"},
+        "e": {"g"},
+        "f": {"g"},
+        "g": set(),
+    }
+    assert import_cycles(graph) == [["a", "b", "c", "a"]]
 
 
 def test_the_walker_finds_an_upward_import(tmp_path: Path) -> None:
-    """The check itself can fail: a file importing the server is reported, and an import for
-    annotations only counts for the layering rules."""
+    """The check itself can fail: a file importing the server is reported, an import inside a
+    function counts, and an import for annotations only counts for the layering rules."""
     f = tmp_path / "x.py"
     f.write_text(
         "from typing import TYPE_CHECKING\n"
         "from extproc.server.gateway import Gateway\nimport grpc\n"
         "if TYPE_CHECKING:\n    from extproc.limiter.base import Limiter\n"
+        "def later() -> None:\n    from extproc.usage.discover import note\n"
     )
     found = imports_of(f)
     assert "extproc.server.gateway" in found and "grpc" in found
+    assert "extproc.usage.discover" in found
     assert "extproc.limiter.base" not in found
     assert "extproc.limiter.base" in imports_of(f, type_checking=True)
+
+
+def test_a_submodule_taken_from_its_package_is_no_import_of_the_package(tmp_path: Path) -> None:
+    """``from P import m`` with ``P.m`` a module imports ``P.m``; a name of ``P`` imports ``P``."""
+    f = tmp_path / "x.py"
+    f.write_text("from extproc.config import schema\nfrom extproc.core import tokens, VALUE\n")
+    modules = {"extproc.config.schema", "extproc.core.tokens"}
+    found = imports_of(f, modules=modules)
+    assert "extproc.config.schema" in found and "extproc.config" not in found
+    assert {"extproc.core.tokens", "extproc.core"} <= found
 
 
 def test_chains_follow_imports_through_other_modules() -> None:

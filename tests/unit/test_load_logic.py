@@ -19,13 +19,11 @@ from extproc.load.config import (
 from extproc.load.progress import Counters, format_line
 from extproc.load.prompt import build_prompt, count_tokens
 from extproc.load.records import RequestRecord, join_ground_truth, sim_record_from_json
-from extproc.load.report import (
-    build_report,
-    overshoot_violations,
-    summary_text,
-    validate_report,
-)
+from extproc.load.report import LoadReport, build_report
 from extproc.load.sse import classify_stream, data_payloads, parse_error
+from extproc.load.summary import summary_text
+from extproc.load.tolerance import overshoot_violations
+from extproc.load.validate import validate_report
 from extproc.load.windows import (
     output_token_events,
     prompt_tokens_charged,
@@ -297,6 +295,17 @@ def test_report_counts_and_consistency() -> None:
     assert overshoot_violations(data, "0") and not overshoot_violations(data, "300%")
     assert "sk-a" in summary_text(data)
     orjson.dumps(data)
+
+
+def test_a_built_report_checks_and_prints_itself() -> None:
+    """LoadReport's own problems() and summary_text() are the module functions over its data,
+    and validate_report takes the report object as well as its dict."""
+    cfg = LoadConfig(keys=("sk-a", "sk-b"), models=("m", "m2"), limits_tpm=(("sk-a", 5),))
+    rep = build_report(_records(), cfg, started_at=1200.0, ended_at=1210.0, run_id="run")
+    assert rep.problems() == validate_report(rep) == validate_report(rep.data) == []
+    assert rep.summary_text() == summary_text(rep.data)
+    broken = LoadReport(data={**rep.data, "totals": {}}, records=rep.records)
+    assert broken.problems() == validate_report(broken.data) != []
 
 
 @pytest.mark.parametrize(

@@ -6,13 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from extproc.rls.config import (
-    BucketLink,
-    RlsConfigError,
-    load_path,
-    looks_like_rls,
-    parse_text,
-)
+from extproc.rls.config import BucketLink, RlsConfigError
+from extproc.rls.load import load_path, looks_like_rls
+from extproc.rls.parse import parse_text
 
 pytestmark = pytest.mark.unit
 

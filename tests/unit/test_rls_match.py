@@ -10,8 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extproc.rls import match
-from extproc.rls.config import RlsConfig, compile_domains, parse_text
+from extproc.rls.config import RlsConfig
+from extproc.rls.load import compile_domains
 from extproc.rls.match import Code, Descriptor, RequestError, decide, find, plan
+from extproc.rls.parse import parse_text
 
 pytestmark = pytest.mark.unit
 

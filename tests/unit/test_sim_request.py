@@ -9,16 +9,11 @@ import pytest
 
 from extproc.sim.cli import config_from_args, configure_parser
 from extproc.sim.config import SimConfig
+from extproc.sim.controls import SimControls, parse_controls
+from extproc.sim.plan import plan_answer
+from extproc.sim.prompt_tokens import chat_prompt_tokens, completion_prompt_tokens
 from extproc.sim.records import RecordStore
-from extproc.sim.request import (
-    RequestError,
-    SimControls,
-    chat_prompt_tokens,
-    completion_prompt_tokens,
-    parse_controls,
-    parse_generation,
-    plan_answer,
-)
+from extproc.sim.request import RequestError, parse_generation
 from extproc.sim.text import count_tokens
 
 pytestmark = pytest.mark.unit

@@ -9,17 +9,14 @@ import orjson
 import pytest
 
 from extproc.sim.config import TEXT_MODES, SimConfig
+from extproc.sim.controls import SimControls, UsageLie, parse_controls, parse_usage_lie
+from extproc.sim.plan import plan_answer
 from extproc.sim.request import (
     RequestError,
-    SimControls,
-    UsageLie,
-    parse_controls,
     parse_embeddings,
     parse_generation,
     parse_messages,
     parse_responses,
-    parse_usage_lie,
-    plan_answer,
 )
 from extproc.sim.script import (
     END_ABORT,
@@ -32,16 +29,9 @@ from extproc.sim.script import (
     burst,
 )
 from extproc.sim.text import count_tokens, generate_pieces
-from extproc.sim.wire import (
-    CONTENT,
-    ENCODERS,
-    REASONING,
-    TOOL,
-    Unit,
-    WireContext,
-    tool_json_overhead,
-    tool_json_units,
-)
+from extproc.sim.wire import ENCODERS
+from extproc.sim.wire.base import CONTENT, REASONING, TOOL, Unit, WireContext
+from extproc.sim.wire.messages import tool_json_overhead, tool_json_units
 
 pytestmark = pytest.mark.unit
 
@@ -360,7 +350,7 @@ def test_parse_responses_messages_embeddings() -> None:
 
 def test_unary_bodies() -> None:
     """Non-streaming bodies of the new APIs carry text and usage in their own shapes."""
-    from extproc.sim.wire import ChoiceOutput, UsageReport
+    from extproc.sim.wire.base import ChoiceOutput, UsageReport
 
     out = [ChoiceOutput(0, " think", " hello world")]
     usage = UsageReport(output=3, reasoning=1)

@@ -17,12 +17,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 from extproc import tokenizers as tz
 from extproc.core import tokens as tk
 from extproc.core.apis.openai.counting import count_chat_request, count_completion_prompt
+from extproc.core.counters import EstimateCounter, HuggingFaceCounter, TiktokenCounter
 from extproc.core.tokens import (
-    EstimateCounter,
-    HuggingFaceCounter,
     PromptShapeError,
     PromptTooLarge,
-    TiktokenCounter,
     TokenizerSpec,
     split_for_counting,
 )

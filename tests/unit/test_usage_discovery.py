@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 
 from extproc.cli import build_parser
-from extproc.records import export
 from extproc.stack import DEFAULT_WORKDIR, STACK_FILE
-from extproc.usage import discover
+from extproc.usage import discover, records_cli
 from extproc.usage.discover import redis_url, stack_files, usage_address
 
 pytestmark = pytest.mark.unit
@@ -91,7 +90,7 @@ def test_usage_and_export_use_the_stack_and_say_so_on_stderr(
     monkeypatch.setattr(discover, "stack_files", lambda cwd=None: [stack])
     for name in ("AIQ_USAGE_ADDRESS", "AIQ_GRPC_ADDRESS", "AIQ_REDIS_URL", "AIQ_USAGE_STREAM"):
         monkeypatch.delenv(name, raising=False)
-    url, stream = export._target(argparse.Namespace(redis_url=None, stream=None))
+    url, stream = records_cli.target(argparse.Namespace(redis_url=None, stream=None))
     assert (url, stream) == ("redis://127.0.0.1:6390/0", "aiq:usage")
     out = capsys.readouterr()
     assert out.out == ""

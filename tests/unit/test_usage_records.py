@@ -13,9 +13,10 @@ import pytest
 from redis.crc import key_slot
 
 from extproc.cli import build_parser
-from extproc.records.export import entry_time_ms, parse_time, render, run_consume, run_export
+from extproc.records.export import entry_time_ms, parse_time, render
 from extproc.records.model import FIELDS, RecordFormatError, UsageRecord
 from extproc.records.writer import marker_prefix
+from extproc.usage.records_cli import run_consume, run_export
 
 pytestmark = pytest.mark.unit
 

@@ -20,7 +20,7 @@ def tokenizer_inprocess(b: Bench) -> dict[str, float]:
     """Median time of ``count_chat_request`` with the cl100k counter at 1k and 32k tokens."""
     from extproc.core.apis.openai.counting import count_chat_request
     from extproc.core.tokens import TokenizerSpec
-    from extproc.tokenizers import load_counter
+    from extproc.tokenizers.registry import load_counter
 
     spec = TokenizerSpec(kind="tiktoken", encoding="cl100k_base")
     counter = load_counter(spec)

@@ -1,17 +1,19 @@
 """Small pieces the Responses, Messages and Embeddings formats share: reading the body, integer
-budget fields, the forwarded-body rewrite and compact JSON for counting definitions.
+budget fields, the forwarded-body rewrite, compact JSON for counting definitions and the usage
+of a non-streaming response.
 
 Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import orjson
 
 from extproc.core.apis.base import ParsedRequest
+from extproc.core.chunks import Usage
 from extproc.core.tokens import (
     PromptShapeError,
     TokenCounter,
@@ -26,9 +28,11 @@ __all__ = [
     "int_field",
     "json_object",
     "json_text",
+    "object_list",
     "optional_bool",
     "require_model",
     "rewrite_fields",
+    "usage_of_json",
 ]
 
 #: ``ParsedRequest.notes`` key set when parsing changed the body (an integral float made an int).
@@ -64,6 +68,25 @@ def optional_bool(body: Mapping[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise BadRequest(f"'{name}' must be a boolean", param=name)
     return value
+
+
+def object_list(body: Mapping[str, Any], name: str) -> None:
+    """``BadRequest`` unless the field ``name`` is absent, null or an array of objects."""
+    value = body.get(name)
+    if value is not None and not (
+        isinstance(value, list) and all(isinstance(v, dict) for v in value)
+    ):
+        raise BadRequest(f"'{name}' must be an array of objects", param=name)
+
+
+def usage_of_json(body: bytes, read: Callable[[object], Usage | None]) -> Usage | None:
+    """``read`` over the ``usage`` member of a non-streaming response body; None when the body
+    is not a JSON object."""
+    try:
+        obj = orjson.loads(body)
+    except (orjson.JSONDecodeError, RecursionError):
+        return None
+    return read(obj.get("usage")) if isinstance(obj, dict) else None
 
 
 def int_field(

@@ -22,10 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import orjson
-
 from extproc.core.apis.base import ApiName, ParsedRequest, RequestLimits
-from extproc.core.apis.common import json_object, require_model, rewrite_fields
+from extproc.core.apis.common import json_object, require_model, rewrite_fields, usage_of_json
 from extproc.core.apis.errors import error_body, error_headers, sse_error_event
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
 from extproc.core.tokens import PromptShapeError, TokenCounter, TokenizerSpec
@@ -151,11 +149,7 @@ class EmbeddingsFormat:
 
     def json_usage(self, body: bytes) -> Usage | None:
         """``usage.prompt_tokens`` of the response."""
-        try:
-            obj = orjson.loads(body)
-        except (orjson.JSONDecodeError, RecursionError):
-            return None
-        return embeddings_usage(obj.get("usage")) if isinstance(obj, dict) else None
+        return usage_of_json(body, embeddings_usage)
 
     def error_body(self, err: GatewayError) -> bytes:
         """OpenAI's ``{"error": {...}}``."""

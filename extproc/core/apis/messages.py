@@ -54,9 +54,11 @@ from extproc.core.apis.common import (
     int_field,
     json_object,
     json_text,
+    object_list,
     optional_bool,
     require_model,
     rewrite_fields,
+    usage_of_json,
 )
 from extproc.core.apis.errors import (
     anthropic_cut_event,
@@ -64,12 +66,7 @@ from extproc.core.apis.errors import (
     anthropic_error_headers,
     anthropic_error_type,
 )
-from extproc.core.chat_template import (
-    count_templated,
-    function_tools,
-    messages_conversation,
-    template_of,
-)
+from extproc.core.chat_template import count_with_template
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
 from extproc.core.tokens import PromptShapeError, TokenCounter, TokenizerSpec, require_text
 from extproc.core.values import is_int
@@ -311,11 +308,7 @@ class MessagesFormat:
         system = body.get("system")
         if system is not None and not isinstance(system, str | list):
             raise BadRequest("'system' must be a string or an array of text blocks", param="system")
-        tools = body.get("tools")
-        if tools is not None and not (
-            isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
-        ):
-            raise BadRequest("'tools' must be an array of objects", param="tools")
+        object_list(body, "tools")
         stream = optional_bool(body, "stream")
         return ParsedRequest(
             api="messages",
@@ -332,15 +325,8 @@ class MessagesFormat:
     def count_input(self, req: ParsedRequest, counter: TokenCounter, spec: TokenizerSpec) -> int:
         """Input tokens: the model's chat template rendered when it has one and the body
         renders, else the framing formula (see the module docstring)."""
-        template = template_of(counter)
-        if template is not None:
-            conversation = messages_conversation(req.body, template.content_format, spec)
-            tools = function_tools(req.body.get("tools"), "messages")
-            if tools is not False:
-                n = count_templated(template, conversation, req.body, counter, tools=tools)
-                if n is not None:
-                    return n
-        return count_messages_input(req.body, counter, spec)
+        n = count_with_template("messages", req.body, counter, spec)
+        return n if n is not None else count_messages_input(req.body, counter, spec)
 
     def rewrite(
         self,
@@ -361,11 +347,7 @@ class MessagesFormat:
 
     def json_usage(self, body: bytes) -> Usage | None:
         """``usage`` of a non-streaming message object."""
-        try:
-            obj = orjson.loads(body)
-        except (orjson.JSONDecodeError, RecursionError):
-            return None
-        return messages_usage(obj.get("usage")) if isinstance(obj, dict) else None
+        return usage_of_json(body, messages_usage)
 
     def error_body(self, err: GatewayError) -> bytes:
         """``{"type": "error", "error": {"type", "message"}}``."""

@@ -57,18 +57,15 @@ from extproc.core.apis.common import (
     int_field,
     json_object,
     json_text,
+    object_list,
     optional_bool,
     require_model,
     rewrite_fields,
+    usage_of_json,
 )
 from extproc.core.apis.errors import error_body, error_headers, responses_cut_event
-from extproc.core.chat_template import (
-    count_templated,
-    function_tools,
-    responses_conversation,
-    template_of,
-)
-from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
+from extproc.core.chat_template import count_with_template
+from extproc.core.chunks import MalformedChunk, StreamChunk, Usage, detail
 from extproc.core.tokens import PromptShapeError, TokenCounter, TokenizerSpec, require_text
 from extproc.core.values import is_int
 from extproc.errors import BadRequest, GatewayError
@@ -205,15 +202,9 @@ def responses_usage(value: object) -> Usage | None:
         prompt,
         completion,
         total,
-        cached_input_tokens=_detail(value, "input_tokens_details", "cached_tokens"),
-        reasoning_tokens=_detail(value, "output_tokens_details", "reasoning_tokens"),
+        cached_input_tokens=detail(value, "input_tokens_details", "cached_tokens"),
+        reasoning_tokens=detail(value, "output_tokens_details", "reasoning_tokens"),
     )
-
-
-def _detail(usage: Mapping[str, Any], group: str, name: str) -> int:
-    g = usage.get(group)
-    v = g.get(name) if isinstance(g, Mapping) else None
-    return v if isinstance(v, int) and is_int(v) and v >= 0 else 0
 
 
 def _load_event(data: str) -> dict[str, Any]:
@@ -298,11 +289,7 @@ class ResponsesFormat:
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             raise BadRequest("'instructions' must be a string", param="instructions")
-        tools = body.get("tools")
-        if tools is not None and not (
-            isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
-        ):
-            raise BadRequest("'tools' must be an array of objects", param="tools")
+        object_list(body, "tools")
         stream = optional_bool(body, "stream")
         notes: dict[str, Any] = {}
         n = body.get("n")
@@ -338,15 +325,8 @@ class ResponsesFormat:
     def count_input(self, req: ParsedRequest, counter: TokenCounter, spec: TokenizerSpec) -> int:
         """Input tokens: the model's chat template rendered when it has one and the body
         renders, else the framing formula (see the module docstring)."""
-        template = template_of(counter)
-        if template is not None:
-            conversation = responses_conversation(req.body, template.content_format, spec)
-            tools = function_tools(req.body.get("tools"), "responses")
-            if tools is not False:
-                n = count_templated(template, conversation, req.body, counter, tools=tools)
-                if n is not None:
-                    return n
-        return count_responses_input(req.body, counter, spec)
+        n = count_with_template("responses", req.body, counter, spec)
+        return n if n is not None else count_responses_input(req.body, counter, spec)
 
     def rewrite(
         self,
@@ -367,11 +347,7 @@ class ResponsesFormat:
 
     def json_usage(self, body: bytes) -> Usage | None:
         """``usage`` of a non-streaming response object."""
-        try:
-            obj = orjson.loads(body)
-        except (orjson.JSONDecodeError, RecursionError):
-            return None
-        return responses_usage(obj.get("usage")) if isinstance(obj, dict) else None
+        return usage_of_json(body, responses_usage)
 
     def error_body(self, err: GatewayError) -> bytes:
         """``{"error": {message, type, param, code}}``, as for chat completions."""

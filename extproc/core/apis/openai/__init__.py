@@ -14,7 +14,7 @@ from extproc.core.apis.errors import error_body, error_headers, openai_cut_event
 from extproc.core.apis.openai.counting import count_chat_request, count_completion_prompt
 from extproc.core.apis.openai.request import parse_request, rewrite_body
 from extproc.core.apis.openai.stream import parse_event_data
-from extproc.core.chat_template import chat_conversation, count_templated, template_of
+from extproc.core.chat_template import count_with_template
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
 from extproc.core.tokens import TokenCounter, TokenizerSpec
 from extproc.errors import GatewayError
@@ -53,15 +53,8 @@ class OpenAICompletionsFormat:
 
     def count_input(self, req: ParsedRequest, counter: TokenCounter, spec: TokenizerSpec) -> int:
         if self.name == "chat":
-            template = template_of(counter)
-            if template is not None:
-                conversation = chat_conversation(req.body, template.content_format, spec)
-                n = count_templated(
-                    template, conversation, req.body, counter, tools=req.body.get("tools")
-                )
-                if n is not None:
-                    return n
-            return count_chat_request(req.body, counter, spec)
+            n = count_with_template("chat", req.body, counter, spec)
+            return n if n is not None else count_chat_request(req.body, counter, spec)
         return count_completion_prompt(req.body, counter)
 
     def rewrite(
