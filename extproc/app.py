@@ -56,6 +56,7 @@ from extproc.config.load import load_config_text
 from extproc.config.runtime import RuntimeConfig
 from extproc.config.version import config_version
 from extproc.gateway import Gateway
+from extproc.limiter.allowance import AllowanceLimiter, AllowanceSettings
 from extproc.limiter.base import Limiter
 from extproc.limiter.redis import RedisLimiter
 from extproc.metrics import Metrics
@@ -214,13 +215,26 @@ async def start(
         cfg = config
     clk = clock or SystemClock(settings.clock_offset_ms)
     mets = metrics or Metrics()
-    lim = limiter or RedisLimiter.from_url(
+    redis_lim = limiter or RedisLimiter.from_url(
         settings.redis_url,
         timeout_ms=cfg.redis_timeout_ms,
         cooldown_ms=cfg.breaker_cooldown_ms,
         clock=clk,
         metrics=mets,
     )
+    lim: Limiter = redis_lim
+    if settings.allowances and isinstance(redis_lim, RedisLimiter):
+        lim = AllowanceLimiter(
+            redis_lim,
+            AllowanceSettings(
+                share=settings.allowance_share,
+                ttl_ms=settings.allowance_ttl_ms,
+                min_rate=settings.allowance_min_rate,
+                max_window_s=settings.allowance_max_window_s,
+            ),
+            clock=clk,
+            metrics=mets,
+        )
     gw = Gateway(
         config=cfg,
         limiter=lim,
@@ -247,7 +261,7 @@ async def start(
         await health.set(CONFIG_HEALTH, _SERVING)  # the rules loaded, or start() failed
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         rls, rls_server, rls_port = _start_rls(
-            settings, gw, lim, clk, mets, server=server, options=options, health=health
+            settings, gw, redis_lim, clk, mets, server=server, options=options, health=health
         )
         port = add_grpc_port(server, settings.grpc_address, what="ext_proc gRPC API")
         await server.start()

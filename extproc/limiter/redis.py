@@ -1,5 +1,5 @@
-"""The Redis limiter: five Lua scripts registered once (admit, charge, settle, note, and rls
-for the RLS API), a bounded timeout, a circuit breaker.  ``admit`` and ``settle`` share one copy
+"""The Redis limiter: six Lua scripts registered once (admit, charge, settle, note, allowance,
+and rls for the RLS API), a bounded timeout, a circuit breaker.  ``admit`` and ``settle`` share one copy
 of the settlement logic (``settle_lib.lua``, put in front of each): an admission also settles
 the settlements that ride on it (:meth:`RedisLimiter.admit`'s ``settlements``).
 
@@ -48,6 +48,7 @@ from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import (
     MAX_RIDERS,
     AdmitResult,
+    AllowanceTake,
     ChargeCall,
     ChargeResult,
     InputNote,
@@ -186,6 +187,7 @@ class RedisLimiter:
         self._settle = client.register_script(load_script("settle"))
         self._rls = client.register_script(load_script("rls"))
         self._note = client.register_script(load_script("note"))
+        self._allowance = client.register_script(load_script("allowance"))
         self._export_state()
 
     @classmethod
@@ -502,6 +504,35 @@ class RedisLimiter:
             return True
 
         await self._per_slot([n.ledger for n in notes], one)
+        return out
+
+    async def take_allowances(self, items: list[AllowanceTake]) -> list[tuple[int, int] | None]:
+        """Take allowances with ``allowance.lua``, one call per Cluster slot (grouped as
+        :meth:`settle_many`): per item (granted, value after), None when its call failed.
+        Not retried after a timeout (a second run would take twice; what a lost answer took
+        stays counted until its window ends, as a SIGKILLed replica's allowance does)."""
+        out: list[tuple[int, int] | None] = [None] * len(items)
+
+        async def one(idx: list[int]) -> bool:
+            keys = [items[i].key for i in idx]
+            args: list[Any] = []
+            for i in idx:
+                t = items[i]
+                args += [t.want, t.limit, t.expire_at_ms, t.share_ppm, t.least]
+            try:
+                res = await self._call(
+                    "an allowance",
+                    "allowance",
+                    _script_call(self._allowance, keys, args),
+                    retry=False,
+                )
+            except LimiterUnavailable:
+                return False
+            for i, v in zip(idx, res, strict=True):
+                out[i] = (int(v[0]), int(v[1]))
+            return True
+
+        await self._per_slot([t.key for t in items], one)
         return out
 
     async def _per_slot(
