@@ -112,6 +112,7 @@ class _Bucket:
     largest: int = 0  # largest amount one admission asked for (decays at each take)
     taking: bool = False
     touched_ms: int = 0
+    quiet_until_ms: int = 0  # a take found the tenant near its limit: none asked until then
 
 
 @dataclass(slots=True)
@@ -337,6 +338,10 @@ class AllowanceLimiter:
         takes: list[AllowanceTake] = []
         for c in buckets:
             st = self._states.get(c.key)
+            if st is not None and now < st.quiet_until_ms:
+                return  # near its limit: an allowance of the others would not be drawn from
+        for c in buckets:
+            st = self._states.get(c.key)
             if st is None or st.taking or max(st.hits, st.hits_prev) < s.min_rate:
                 continue
             want = self._want(st, now)
@@ -392,8 +397,10 @@ class AllowanceLimiter:
                 st.units += grant
                 st.deadline_ms = now + self.settings.ttl_ms
             else:
-                # near the limit: nothing taken, and what is still held goes back now
+                # near the limit: nothing taken, none asked for a while, and what is still
+                # held goes back now
                 self._count_take("none")
+                st.quiet_until_ms = now + self.settings.ttl_ms
                 if st.units > 0:
                     near.setdefault(st.tag, []).append(
                         Adjustment(st.key, -st.units, st.expire_at_ms)
