@@ -19,7 +19,8 @@ tenant far from its limit it takes an *allowance*: units pre-debited in Redis by
 Sizing: a bucket gets an allowance only when this replica admits at least ``min_rate``
 requests a second on it; it asks for what the bucket drew here over the last ``ttl_ms`` (at
 least four of its largest recent amounts), and the script grants at most ``share`` of the
-room left (``limit - value``) and nothing when that is less than the largest recent amount.
+room left (``limit - value``), what the replica still holds of it included (held + grant <=
+share x room), and nothing when that is less than the largest recent amount.
 Near the limit allowances therefore shrink to nothing and every admission goes to Redis,
 which judges it against a counter that includes every replica's allowances: strict mode
 never exceeds a limit, lazy mode keeps its per-stream bound.
@@ -347,9 +348,18 @@ class AllowanceLimiter:
             want = self._want(st, now)
             if st.units * 2 >= want or now + EXPIRY_SLACK_MS >= st.expire_at_ms:
                 continue
+            cap = (st.limit - st.seen) * s.share_ppm // 1_000_000 - st.units
+            if st.seen and cap < max(st.largest, 1):
+                continue  # it holds its share of the room left already: a take grants nothing
             takes.append(
                 AllowanceTake(
-                    st.key, want - st.units, st.limit, st.expire_at_ms, s.share_ppm, st.largest
+                    st.key,
+                    want - st.units,
+                    st.limit,
+                    st.expire_at_ms,
+                    s.share_ppm,
+                    st.largest,
+                    st.units,
                 )
             )
         if not takes or self._closed:
@@ -396,6 +406,8 @@ class AllowanceLimiter:
                 self._count("taken", grant)
                 st.units += grant
                 st.deadline_ms = now + self.settings.ttl_ms
+            elif (t.limit - value) * t.share_ppm // 1_000_000 >= max(t.least, 1):
+                self._count_take("none")  # it holds its share already: not near the limit
             else:
                 # near the limit: nothing taken, none asked for a while, and what is still
                 # held goes back now

@@ -91,9 +91,10 @@ class InputNote:
 
 @dataclass(frozen=True, slots=True)
 class AllowanceTake:
-    """One counter's allowance asked for (:class:`AllowanceTaker`): up to ``want`` units, at
-    most ``share_ppm`` parts per million of the room left (``limit`` - value), and none when
-    that is less than ``least``."""
+    """One counter's allowance asked for (:class:`AllowanceTaker`): up to ``want`` units, so
+    that with the ``held`` units the replica still holds it holds at most ``share_ppm`` parts
+    per million of the room left (``limit`` - value), and none when that is less than
+    ``least``."""
 
     key: str
     want: int
@@ -101,6 +102,7 @@ class AllowanceTake:
     expire_at_ms: int
     share_ppm: int
     least: int = 1
+    held: int = 0
 
 
 class AllowanceTaker(Protocol):

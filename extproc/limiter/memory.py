@@ -420,7 +420,7 @@ class MemoryLimiter:
         for t in items:
             value = self._counter_value(t.key, now)
             room = t.limit - value
-            grant = min(t.want, room * t.share_ppm // 1_000_000) if room > 0 else 0
+            grant = min(t.want, room * t.share_ppm // 1_000_000 - t.held) if room > 0 else 0
             if grant < max(1, t.least):
                 grant = 0
             if grant > 0:

@@ -518,7 +518,7 @@ class RedisLimiter:
             args: list[Any] = []
             for i in idx:
                 t = items[i]
-                args += [t.want, t.limit, t.expire_at_ms, t.share_ppm, t.least]
+                args += [t.want, t.limit, t.expire_at_ms, t.share_ppm, t.least, t.held]
             try:
                 res = await self._call(
                     "an allowance",
