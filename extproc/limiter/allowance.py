@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import math
 import uuid
@@ -47,6 +48,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+
+import structlog
 
 from extproc.clock import Clock, SystemClock
 from extproc.core.keys import EXPIRY_SLACK_MS, counter_name
@@ -64,6 +67,8 @@ from extproc.limiter.base import (
 
 if TYPE_CHECKING:
     from extproc.metrics import Metrics
+
+log = structlog.get_logger("extproc")
 
 #: Bucket states and local ledgers kept at most (beyond, admissions go to Redis).
 MAX_STATES = 50_000
@@ -680,7 +685,13 @@ class AllowanceLimiter:
             await asyncio.wait(list(self._tasks), timeout=2.0)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.give_back(), timeout=2.0)
+        log.info(
+            "allowances_closed", **dataclasses.asdict(self.stats), unreturned=self._unreturned()
+        )
         await self.inner.close()
+
+    def _unreturned(self) -> int:
+        return -sum(a.amount for c in self._returns for a in c.adjustments)
 
     # -- metrics -------------------------------------------------------------------------------
 
