@@ -16,8 +16,8 @@ tenant far from its limit it takes an *allowance*: units pre-debited in Redis by
   take found the tenant near its limit, and on shutdown.  An allowance whose window ended is
   dropped (its counter no longer counts).
 
-Sizing: a bucket gets an allowance only when this replica admits at least ``min_rate``
-requests a second on it; it asks for what the bucket drew here over the last ``ttl_ms`` (at
+Sizing: a bucket gets an allowance only when this replica makes at least ``min_rate`` limiter
+calls a second on it (admissions and stream charges); it asks for what the bucket drew here over the last ``ttl_ms`` (at
 least four of its largest recent amounts), and the script grants at most ``share`` of the
 room left (``limit - value``), what the replica still holds of it included (held + grant <=
 share x room), and nothing when that is less than the largest recent amount.
@@ -307,8 +307,11 @@ class AllowanceLimiter:
             if seen is not None:
                 seen.seen = v
 
-    def _observe(self, buckets: Sequence[BucketCharge], now: int) -> None:
-        """Count an admission of these buckets on this replica (the rate sizing follows)."""
+    def _observe(
+        self, buckets: Sequence[BucketCharge], now: int, *, admission: bool = True
+    ) -> None:
+        """Count a limiter call (an admission or a stream charge) of these buckets on this
+        replica: the rate and the size of its allowances follow."""
         second = now // 1000
         for c in buckets:
             st = self._state(c, now)
@@ -319,7 +322,8 @@ class AllowanceLimiter:
                 st.hits, st.second = 0, second
             st.hits += 1
             st.drawn += c.amount
-            st.largest = max(st.largest, c.amount)
+            if admission:
+                st.largest = max(st.largest, c.amount)
             st.touched_ms = now
 
     def _give_back_short(self, buckets: Sequence[BucketCharge], now: int) -> SettleCall | None:
@@ -342,13 +346,24 @@ class AllowanceLimiter:
         """Take (in the background) allowances for the buckets that run short."""
         s = self.settings
         takes: list[AllowanceTake] = []
+        busy = False
         for c in buckets:
             st = self._states.get(c.key)
             if st is not None and now < st.quiet_until_ms:
                 return  # near its limit: an allowance of the others would not be drawn from
+            if st is not None and max(st.hits, st.hits_prev) >= s.min_rate:
+                busy = True
+        if not busy:  # one busy bucket is enough: a request draws from all of its buckets
+            return
         for c in buckets:
             st = self._states.get(c.key)
-            if st is None or st.taking or max(st.hits, st.hits_prev) < s.min_rate:
+            if st is None:
+                continue
+            if st.units and now < st.deadline_ms < now + s.ttl_ms // 2:
+                # still drawn from: it stays (its size is bounded by the share at its take);
+                # an allowance nobody draws from goes back within ``ttl_ms``
+                st.deadline_ms = now + s.ttl_ms
+            if st.taking:
                 continue
             want = self._want(st, now)
             if st.units * 2 >= want or now + EXPIRY_SLACK_MS >= st.expire_at_ms:
@@ -443,10 +458,13 @@ class AllowanceLimiter:
         """Draw a locally admitted request's charge from the allowances when they hold it,
         else charge in Redis (strict or lazy, as the wrapped limiter does)."""
         loc = self._ledgers.get(ledger)
+        now = self.clock.now_ms()
+        if buckets and all(self._eligible(c) for c in buckets):
+            self._observe(buckets, now, admission=False)  # the demand sizing follows
+            self._refill(buckets, now)
         if loc is not None and not loc.settled:
             if seq <= loc.seq and seq == loc.last_local[0]:
                 return ChargeResult(granted=amount, exhausted=False, values=())
-            now = self.clock.now_ms()
             plan = self._plan(buckets, now) if seq > loc.seq else None
             if plan is not None:
                 drawn = []

@@ -1,7 +1,7 @@
 """Local allowances on the real stack: Envoy, two ``ai-quota serve`` processors with
 ``AIQ_ALLOWANCES=1``, the simulator and Redis, driven by the openai SDK.  Far from its limits
-a tenant's non-streaming requests cost at most 0.1 Redis round trips each (INFO
-commandstats), and once the processors have drained (SIGTERM: they give their allowances back)
+a tenant's non-streaming requests cost at most 0.1 Redis round trips each and its streams at
+most one (INFO commandstats), and once the processors have drained (SIGTERM: they give their allowances back)
 the counters hold exactly what the requests used."""
 
 from __future__ import annotations
@@ -62,6 +62,46 @@ def run(stack: Stack, count: int) -> list[int]:
         sdk.close()
 
 
+def streams(stack: Stack, count: int) -> list[int]:
+    """``count`` streams of up to 256 tokens, four at a time: each one's total tokens."""
+    sdk = client(stack, "sk-allow")
+
+    def one(_: int) -> int:
+        total = 0
+        for ch in sdk.chat.completions.create(
+            model="sim-small",
+            messages=MSG,
+            max_tokens=256,
+            stream=True,
+            stream_options={"include_usage": True},
+        ):
+            if ch.usage is not None:
+                total = ch.usage.total_tokens
+        assert total > 0
+        return total
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            return list(pool.map(one, range(count)))
+    finally:
+        sdk.close()
+
+
+STREAMED: list[int] = []
+
+
+def test_streams_far_from_the_limit_take_at_most_one_round_trip(astack: Stack) -> None:
+    """Lazy streams charged every 16 tokens (16 charges for 256 tokens) draw from the
+    allowances: at most one Redis round trip per stream."""
+    STREAMED.extend(streams(astack, 40))  # warm-up
+    before = system.redis_calls(astack.ports.redis)
+    STREAMED.extend(streams(astack, 60))
+    after = system.redis_calls(astack.ports.redis)
+    calls = system.limiter_round_trips(before, after)
+    print(f"limiter round trips per stream: {sum(calls.values()) / 60:.3f} {calls}")
+    assert sum(calls.values()) / 60 <= 1.0, calls
+
+
 def test_far_from_the_limit_requests_skip_redis_and_counters_end_exact(astack: Stack) -> None:
     warm = run(astack, 60)  # each processor sees the bucket busy and takes allowances
     before = system.redis_calls(astack.ports.redis)
@@ -74,7 +114,7 @@ def test_far_from_the_limit_requests_skip_redis_and_counters_end_exact(astack: S
     astack.kill("extproc1")
     rds = redis.Redis(port=astack.ports.redis)
     try:
-        assert tpm_used(rds, TENANT) == sum(warm) + sum(used)
-        assert tpm_used(rds, TENANT, "rpm") == 360
+        assert tpm_used(rds, TENANT) == sum(warm) + sum(used) + sum(STREAMED)
+        assert tpm_used(rds, TENANT, "rpm") == 360 + len(STREAMED)
     finally:
         rds.close()
