@@ -94,6 +94,14 @@ class Settings(BaseSettings):
     rls_dynamic_metadata: bool = False
     rls_watch_s: float = Field(default=1.0, ge=0)
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url_parses(cls, value: str) -> str:
+        from extproc.limiter.redis_url import parse_redis_url
+
+        parse_redis_url(value)  # a RedisUrlError (a ValueError) names what is wrong
+        return value
+
     @field_validator("usage_stream", mode="before")
     @classmethod
     def _usage_stream_off(cls, value: object) -> object:
@@ -174,6 +182,10 @@ def _describe(cls: type[Settings], exc: ValidationError, from_flags: set[str]) -
         loc = str(err["loc"][0]) if err["loc"] else ""
         field = _field_of(cls, loc)
         value: Any = err.get("input")
+        if field == "redis_url" and isinstance(value, str):
+            from extproc.limiter.redis_url import redact
+
+            value = redact(value)  # never a password in an error message
         if field in from_flags:
             where = f"--{field.replace('_', '-')}={value}"
         elif field in cls.model_fields:

@@ -55,6 +55,7 @@ from extproc.limiter.base import (
     any_ledger,
 )
 from extproc.limiter.breaker import BreakerSettings, BreakerState, CircuitBreaker
+from extproc.limiter.redis_url import async_client
 from extproc.limiter.starvation import LoopLag, fair_wait
 
 if TYPE_CHECKING:
@@ -198,30 +199,16 @@ class RedisLimiter:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         metrics: Metrics | None = None,
     ) -> RedisLimiter:
-        """Connect to ``redis://host:port/db`` or ``redis+cluster://host:port`` (lazily).
+        """Connect to ``redis://host:port/db``, ``redis+cluster://host:port`` or
+        ``redis+sentinel://host:port[,host:port...]/<master>[/db]`` (lazily; see
+        :mod:`extproc.limiter.redis_url`).
 
-        A single server gets a ``BlockingConnectionPool`` of ``max_connections``: a call that
+        A single server (or a Sentinel group's master) gets a ``BlockingConnectionPool`` of ``max_connections``: a call that
         finds every connection busy waits for one (within its ``timeout_ms``) instead of
         failing with "Too many connections".
         """
         t = starved_ceiling_s(timeout_ms / 1000.0)  # the per-call bound is fair_wait's
-        client: Any
-        if url.startswith("redis+cluster://"):
-            client = RedisCluster.from_url(
-                "redis://" + url.removeprefix("redis+cluster://"),
-                socket_timeout=t,
-                socket_connect_timeout=t,
-                max_connections=max_connections,
-            )
-        else:
-            pool = aioredis.BlockingConnectionPool.from_url(
-                url,
-                socket_timeout=t,
-                socket_connect_timeout=t,
-                max_connections=max_connections,
-                timeout=t,
-            )
-            client = aioredis.Redis.from_pool(pool)  # owns the pool: close() disconnects it
+        client = async_client(url, timeout_s=t, max_connections=max_connections, pool_timeout_s=t)
         use_hiredis_packing(client)
         return cls(
             client,

@@ -1,0 +1,199 @@
+"""Real Redis HA topologies on loopback for the HA tests and drills: a Sentinel group (a master,
+its replicas, three sentinels) and a Cluster with replicas.  Every process is started here and
+stopped by ``stop()``; waits poll the real servers, bounded in time."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from extproc.stack import free_port, port_in_use
+from tests.helpers import spawn
+
+
+def _binary() -> str:
+    path = shutil.which("redis-server")
+    if path is None:
+        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+    return path
+
+
+def wait_ping(port: int, within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            with redis.Redis(port=port, socket_timeout=1) as c:
+                c.ping()
+            return
+        except redis.exceptions.RedisError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+class SentinelGroup:
+    """``replicas + 1`` redis-servers (the first the master) and ``sentinels`` sentinels
+    (quorum 2) monitoring it as ``name``, with ``down-after-milliseconds`` ``down_after_ms``."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        name: str = "aiq",
+        replicas: int = 2,
+        sentinels: int = 3,
+        down_after_ms: int = 1000,
+        extra: list[str] | None = None,
+    ) -> None:
+        self.workdir = workdir
+        self.name = name
+        workdir.mkdir(parents=True, exist_ok=True)
+        binary = _binary()
+        self.ports = [free_port() for _ in range(replicas + 1)]
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._argv: dict[int, list[str]] = {}
+        for i, port in enumerate(self.ports):
+            d = workdir / f"redis-{port}"
+            d.mkdir(exist_ok=True)
+            argv = [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(d),
+                *(extra or []),
+            ]
+            if i > 0:
+                argv += ["--replicaof", "127.0.0.1", str(self.ports[0])]
+            self._argv[port] = argv
+            self.procs[port] = spawn(argv, d / "redis.log")
+        for port in self.ports:
+            wait_ping(port)
+        self.sentinel_ports = [free_port() for _ in range(sentinels)]
+        for port in self.sentinel_ports:
+            d = workdir / f"sentinel-{port}"
+            d.mkdir(exist_ok=True)
+            conf = d / "sentinel.conf"
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {d}\n"
+                f"sentinel monitor {name} 127.0.0.1 {self.ports[0]} 2\n"
+                f"sentinel down-after-milliseconds {name} {down_after_ms}\n"
+                f"sentinel failover-timeout {name} 10000\n"
+                f"sentinel parallel-syncs {name} 1\n"
+            )
+            self.procs[port] = spawn([binary, str(conf), "--sentinel"], d / "sentinel.log")
+        for port in self.sentinel_ports:
+            wait_ping(port)
+        self.wait_replicas(replicas)
+        self.wait_sentinels_agree(self.ports[0])
+
+    def url(self, scheme: str = "redis+sentinel", name: str | None = None) -> str:
+        hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+        return f"{scheme}://{hosts}/{name or self.name}"
+
+    def master_port(self) -> int:
+        """The master's port as the first answering sentinel sees it."""
+        for port in self.sentinel_ports:
+            try:
+                with redis.Redis(port=port, socket_timeout=1) as c:
+                    addr = c.sentinel_get_master_addr_by_name(self.name)
+                if addr:
+                    return int(addr[1])
+            except redis.exceptions.RedisError:
+                continue
+        raise RuntimeError("no sentinel answered")
+
+    def wait_replicas(self, n: int, within_s: float = 15.0) -> None:
+        deadline = time.monotonic() + within_s
+        master = self.master_port()
+        while True:
+            with redis.Redis(port=master, socket_timeout=1) as c:
+                info = c.info("replication")
+            online = sum(
+                1
+                for k, v in info.items()
+                if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online"
+            )
+            if online >= n:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {online} of {n} replicas online")
+            time.sleep(0.05)
+
+    def wait_sentinels_agree(self, master: int, within_s: float = 20.0) -> None:
+        """Until every sentinel names ``master`` and knows the other sentinels."""
+        deadline = time.monotonic() + within_s
+        while True:
+            ok = True
+            for port in self.sentinel_ports:
+                try:
+                    with redis.Redis(port=port, socket_timeout=1) as c:
+                        state = c.sentinel_master(self.name)
+                    if (
+                        int(state["port"]) != master
+                        or int(state["num-other-sentinels"]) < len(self.sentinel_ports) - 1
+                    ):
+                        ok = False
+                except redis.exceptions.RedisError:
+                    ok = False
+            if ok:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError("the sentinels did not agree on the master")
+            time.sleep(0.1)
+
+    def kill(self, port: int) -> None:
+        """SIGKILL the redis-server on ``port``."""
+        proc = self.procs[port]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    def wait_new_master(self, old: int, within_s: float = 30.0) -> tuple[int, float]:
+        """(new master's port, monotonic time its promotion was seen: it answers as master)."""
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                port = self.master_port()
+            except RuntimeError:
+                port = old
+            if port != old:
+                try:
+                    with redis.Redis(port=port, socket_timeout=1) as c:
+                        if c.info("replication")["role"] == "master":
+                            return port, time.monotonic()
+                except redis.exceptions.RedisError:
+                    pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("no new master was promoted")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def port_with_bus() -> int:
+    """A free port whose cluster-bus port (port + 10000) is valid and free too."""
+    while True:
+        p = free_port()
+        if p + 10000 <= 65535 and not port_in_use(p + 10000):
+            return p

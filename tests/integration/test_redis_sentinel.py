@@ -1,0 +1,90 @@
+"""Everything that talks to Redis works on a real Sentinel group (a master, two replicas,
+three sentinels on loopback): the limiter, the usage-record writer, the admin store and the
+export command's client all reach the master through ``redis+sentinel://``; an unknown master
+name is a clear error."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from extproc.admin.store import AdminStore
+from extproc.core.rules import BucketCharge
+from extproc.errors import LimiterUnavailable
+from extproc.limiter.redis import RedisLimiter
+from extproc.limiter.redis_url import RedisUrlError, check_master
+from extproc.records import export
+from extproc.records.writer import redis_client
+from tests.ha_support import SentinelGroup
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelGroup]:
+    g = SentinelGroup(Path(tmp_path_factory.mktemp("sentinel")), replicas=1)
+    yield g
+    g.stop()
+
+
+def _master(group: SentinelGroup) -> redis.Redis:
+    return redis.Redis(port=group.master_port(), decode_responses=True)
+
+
+async def test_limiter_charges_the_master(group: SentinelGroup) -> None:
+    lim = RedisLimiter.from_url(group.url(), timeout_ms=500)
+    t = f"s:{{{uuid.uuid4().hex[:8]}}}"
+    far = int(time.time() * 1000) + 60_000
+    try:
+        res = await lim.admit(
+            f"{t}:req",
+            [BucketCharge(f"{t}:tpm", "tpm", 42, 1000, far)],
+            tpm_charged=42,
+            count_refused=False,
+            ledger_ttl_ms=60_000,
+        )
+        assert res.admitted
+        assert await lim.ping()
+    finally:
+        await lim.close()
+    with _master(group) as m:
+        assert m.get(f"{t}:tpm") == "42"
+
+
+async def test_records_admin_and_export_clients_reach_the_master(group: SentinelGroup) -> None:
+    key = f"s:{uuid.uuid4().hex[:8]}"
+    writer = redis_client(group.url())
+    try:
+        await writer.set(f"{key}:w", "1")
+    finally:
+        await writer.aclose()
+    store = AdminStore.from_url(group.url(), prefix=key)
+    try:
+        assert await store.version() == 0
+        await store.client.set(f"{key}:a", "1")
+    finally:
+        await store.close()
+    sync = export.sync_client(group.url())
+    try:
+        sync.set(f"{key}:e", "1")
+    finally:
+        sync.close()
+    with _master(group) as m:
+        assert [m.get(f"{key}:{s}") for s in "wae"] == ["1", "1", "1"]
+
+
+async def test_unknown_master_name_is_a_clear_error(group: SentinelGroup) -> None:
+    with pytest.raises(RedisUrlError, match="no sentinel knows a master named 'nope'"):
+        await check_master(group.url(name="nope"))
+    await check_master(group.url())  # the right name passes
+    lim = RedisLimiter.from_url(group.url(name="nope"), timeout_ms=300)
+    try:
+        with pytest.raises(LimiterUnavailable, match="MasterNotFoundError"):
+            await lim.read(["x"])
+    finally:
+        await lim.close()
