@@ -27,10 +27,7 @@ if seen then
   for v in string.gmatch(seen, '[^,]+') do
     before[#before + 1] = tonumber(v)
   end
-  if counted then
-  redis.call('SET', id, table.concat(before, ','), 'PX', ARGV[1])
-end
-return {1, before}
+  return {1, before}
 end
 local force = ARGV[2] == '1'
 local n = #KEYS - 1
