@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -153,6 +154,21 @@ class SentinelGroup:
             if time.monotonic() > deadline:
                 raise RuntimeError("the sentinels did not agree on the master")
             time.sleep(0.1)
+
+    def cut_replication(self, replica: int, sleep_s: float) -> threading.Thread:
+        """Make ``replica`` drop its link to the master, then sleep ``sleep_s`` (DEBUG SLEEP:
+        it cannot reconnect meanwhile), so that the master acknowledges writes it never
+        gets: what an asynchronous replica misses when its master dies.  Needs the servers
+        started with ``--enable-debug-command local``; runs in a thread (the sleep blocks)."""
+
+        def run() -> None:
+            with redis.Redis(port=replica, socket_timeout=sleep_s + 5) as c:
+                c.execute_command("CLIENT", "KILL", "TYPE", "master")
+                c.execute_command("DEBUG", "SLEEP", str(sleep_s))
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
 
     def kill(self, port: int) -> None:
         """SIGKILL the redis-server on ``port``."""

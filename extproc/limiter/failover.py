@@ -139,11 +139,11 @@ class Failover:
         if not self._cluster:
             rid = await self._run_id(None)
             known = self._run_ids.get("")
-            self._run_ids[""] = rid
             if known is not None and known != rid:
                 changed = True
                 log.warning("redis_new_master", previous=known, now=rid, journal=len(entries))
             await self._replay_single([e for e in entries if e.owner != rid], rid)
+            self._run_ids[""] = rid  # only once caught up: a failed replay is tried again
         else:
             seen: dict[str, str] = {}
             if not self._run_ids:  # the first time: learn every primary's run id
@@ -160,7 +160,6 @@ class Failover:
                 if known is not None and known != rid:
                     changed = True
                     log.warning("redis_new_master", node=name, previous=known, now=rid)
-                self._run_ids[name] = rid
             # a slot whose entries were acknowledged by another process than its master now
             stale = {
                 slot: [e for e in group if e.owner != seen[self._node_name(slot)]]
@@ -171,6 +170,7 @@ class Failover:
             await asyncio.gather(
                 *(self._replay_slot(g, seen[self._node_name(s)]) for s, g in stale.items() if g)
             )
+            self._run_ids.update(seen)  # only once caught up
         if changed:
             self.failovers += 1
             if self.metrics is not None:
@@ -193,10 +193,10 @@ class Failover:
             self.metrics.journal_replays.inc()
         for start in range(0, len(entries), REPLAY_CHUNK):
             chunk = entries[start : start + REPLAY_CHUNK]
-            pipe = self._client.pipeline(transaction=False)
-            for e in chunk:
-                await self._scripts[e.script](keys=e.keys, args=e.args, client=pipe)
-            await pipe.execute()
+            async with self._client.pipeline(transaction=False) as pipe:
+                for e in chunk:
+                    await self._scripts[e.script](keys=e.keys, args=e.args, client=pipe)
+                await pipe.execute()
             self._replayed(chunk, rid)
 
     async def _replay_slot(self, entries: list[Entry], rid: str) -> None:
