@@ -219,6 +219,7 @@ async def start(
         cooldown_ms=cfg.breaker_cooldown_ms,
         clock=clk,
         metrics=mets,
+        journal_s=settings.redis_journal_s,
     )
     gw = Gateway(
         config=cfg,

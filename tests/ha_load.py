@@ -38,7 +38,9 @@ class Report:
     unfinished: int = 0  # calls still unacknowledged at the deadline
     fault_at: float = 0.0
     promoted_at: float = 0.0
-    first_success_after_fault: float | None = None  # seconds from the fault
+    first_failure_after_fault: float = 0.0  # monotonic
+    first_success_after_fault: float | None = None  # seconds from the fault to the first
+    # success of a call started after the first failure the fault caused (None: none failed)
     failed_after_promotion: int = 0  # call attempts started > 2 s after the promotion that failed
     errors: Counter[str] = field(default_factory=Counter)
 
@@ -119,6 +121,8 @@ class Load:
             except LimiterUnavailable as exc:
                 r.calls_failed += 1
                 r.errors[_kind(exc)] += 1
+                if r.fault_at and not r.first_failure_after_fault and started >= r.fault_at:
+                    r.first_failure_after_fault = started
                 if r.promoted_at and started > r.promoted_at + 2.0:
                     r.failed_after_promotion += 1
                 if time.monotonic() > self._deadline:
@@ -127,7 +131,11 @@ class Load:
                 await asyncio.sleep(0.05)
                 continue
             r.calls_ok += 1
-            if r.fault_at and r.first_success_after_fault is None and started > r.fault_at:
+            if (
+                r.first_failure_after_fault
+                and r.first_success_after_fault is None
+                and started > r.first_failure_after_fault
+            ):
                 r.first_success_after_fault = time.monotonic() - r.fault_at
             return True
 

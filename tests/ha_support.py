@@ -213,3 +213,141 @@ def port_with_bus() -> int:
         p = free_port()
         if p + 10000 <= 65535 and not port_in_use(p + 10000):
             return p
+
+
+class HaCluster:
+    """A Redis Cluster of ``primaries`` primaries with one replica each (``redis-cli --cluster
+    create --cluster-replicas 1``), ``cluster-node-timeout`` ``node_timeout_ms``."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        primaries: int = 3,
+        node_timeout_ms: int = 2000,
+        extra: list[str] | None = None,
+    ) -> None:
+        binary = _binary()
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RuntimeError("redis-cli is not installed")
+        self.ports = [port_with_bus() for _ in range(primaries * 2)]
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        for p in self.ports:
+            d = workdir / str(p)
+            d.mkdir(parents=True)
+            self.procs[p] = spawn(
+                [
+                    binary,
+                    *("--port", str(p), "--bind", "127.0.0.1"),
+                    *("--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf")),
+                    *("--cluster-node-timeout", str(node_timeout_ms)),
+                    *("--save", "", "--appendonly", "no", "--dir", str(d)),
+                    *(extra or []),
+                ],
+                d / "log",
+            )
+        try:
+            for p in self.ports:
+                wait_ping(p)
+            subprocess.run(
+                [
+                    cli,
+                    "--cluster",
+                    "create",
+                    *[f"127.0.0.1:{p}" for p in self.ports],
+                    *("--cluster-replicas", "1", "--cluster-yes"),
+                ],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
+            self.wait_ok()
+            deadline = time.monotonic() + 20
+            while len(self.replicas_online()) < primaries:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the cluster's replicas did not come online")
+                time.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.ports[0]}"
+
+    def _any(self, avoid: set[int] | None = None) -> redis.Redis:
+        for p in self.ports:
+            if p in (avoid or set()) or self.procs[p].poll() is not None:
+                continue
+            return redis.Redis(port=p, socket_timeout=1, decode_responses=True)
+        raise RuntimeError("no node alive")
+
+    def wait_ok(self, within_s: float = 30.0, avoid: set[int] | None = None) -> None:
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                with self._any(avoid) as c:
+                    if c.cluster("info").get("cluster_state") == "ok":
+                        return
+            except redis.exceptions.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster did not reach state ok")
+            time.sleep(0.05)
+
+    def primary_of(self, key: str, avoid: set[int] | None = None) -> int:
+        """The port of the primary serving ``key``'s slot, as a live node sees it."""
+        with self._any(avoid) as c:
+            slot = int(c.cluster("keyslot", key))
+            for start, end, primary, *_ in c.execute_command("CLUSTER", "SLOTS"):
+                if int(start) <= slot <= int(end):
+                    return int(primary[1])
+        raise RuntimeError(f"slot of {key!r} not served")
+
+    def replica_of(self, primary: int) -> int:
+        with redis.Redis(port=primary, socket_timeout=1) as c:
+            info = c.info("replication")
+        for k, v in info.items():
+            if k.startswith("slave") and isinstance(v, dict):
+                return int(v["port"])
+        raise RuntimeError(f"{primary} has no replica")
+
+    def replicas_online(self) -> list[int]:
+        out = []
+        for p in self.ports:
+            try:
+                with redis.Redis(port=p, socket_timeout=1) as c:
+                    info = c.info("replication")
+                if info.get("role") == "slave" and info.get("master_link_status") == "up":
+                    out.append(p)
+            except redis.exceptions.RedisError:
+                continue
+        return out
+
+    def cut_replication(self, replica: int, sleep_s: float) -> threading.Thread:
+        """As :meth:`SentinelGroup.cut_replication`."""
+        return SentinelGroup.cut_replication(self, replica, sleep_s)  # type: ignore[arg-type]
+
+    def kill(self, port: int) -> None:
+        os.kill(self.procs[port].pid, signal.SIGKILL)
+        self.procs[port].wait(10)
+
+    def wait_new_primary(self, key: str, old: int, within_s: float = 30.0) -> tuple[int, float]:
+        """(port of the new primary of ``key``'s slot, monotonic time it answered as one)."""
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                port = self.primary_of(key, avoid={old})
+                if port != old:
+                    with redis.Redis(port=port, socket_timeout=1) as c:
+                        if c.info("replication")["role"] == "master":
+                            return port, time.monotonic()
+            except redis.exceptions.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("no new primary was promoted")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        SentinelGroup.stop(self)  # type: ignore[arg-type]
