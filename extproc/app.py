@@ -220,6 +220,7 @@ async def start(
         clock=clk,
         metrics=mets,
         journal_s=settings.redis_journal_s,
+        stream_tolerance_s=settings.redis_stream_tolerance_s,
     )
     gw = Gateway(
         config=cfg,

@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     # Redis HA (docs/operations.md "Redis HA"): how long acknowledged charges are kept for a
     # replay to a new master after a failover or restart (0: no journal, no replay).
     redis_journal_s: float = Field(default=10.0, ge=0, le=600)
+    # A stream charge that Redis does not answer is sent again (idempotent) for this long before
+    # the stream's failure mode applies: a failover shorter than this cuts no stream (0: at once).
+    redis_stream_tolerance_s: float = Field(default=0.0, ge=0, le=60)
     grpc_address: str = "127.0.0.1:50051"
     key_prefix: str = "aiq"
     log_format: Literal["json", "console"] = "json"
@@ -137,7 +140,8 @@ class Settings(BaseSettings):
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
-        """Read ``AIQ_CONFIG``, ``AIQ_REDIS_URL``, ``AIQ_REDIS_JOURNAL_S``, ``AIQ_GRPC_ADDRESS``, ``AIQ_KEY_PREFIX``,
+        """Read ``AIQ_CONFIG``, ``AIQ_REDIS_URL``, ``AIQ_REDIS_JOURNAL_S``,
+        ``AIQ_REDIS_STREAM_TOLERANCE_S``, ``AIQ_GRPC_ADDRESS``, ``AIQ_KEY_PREFIX``,
         ``AIQ_LOG_FORMAT`` (json|console), ``AIQ_LOG_LEVEL``, ``AIQ_METRICS_PORT``,
         ``AIQ_USAGE_ADDRESS``, ``AIQ_WORKERS``, ``AIQ_REUSEPORT`` (1|0|true|false),
         ``AIQ_EVENT_LOOP`` (uvloop|asyncio), ``AIQ_SHUTDOWN_GRACE_S``, ``AIQ_DRAIN_NOTICE_S``,

@@ -176,8 +176,12 @@ class RedisLimiter:
         stall_retries: int = 1,
         metrics: Metrics | None = None,
         journal_s: float = DEFAULT_WINDOW_S,
+        stream_tolerance_s: float = 0.0,
     ) -> None:
         self._client = client
+        #: how long a stream charge keeps being sent again (same sequence number) before its
+        #: stream gives up on it: a failover shorter than this does not cut streams in flight
+        self.stream_tolerance_s = stream_tolerance_s
         self._cluster = isinstance(client, RedisCluster)
         self._clock = clock or SystemClock()
         self._timeout = timeout_ms / 1000.0
@@ -223,6 +227,7 @@ class RedisLimiter:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         metrics: Metrics | None = None,
         journal_s: float = DEFAULT_WINDOW_S,
+        stream_tolerance_s: float = 0.0,
     ) -> RedisLimiter:
         """Connect to ``redis://host:port/db``, ``redis+cluster://host:port`` or
         ``redis+sentinel://host:port[,host:port...]/<master>[/db]`` (lazily; see
@@ -243,6 +248,7 @@ class RedisLimiter:
             breaker=breaker,
             metrics=metrics,
             journal_s=journal_s,
+            stream_tolerance_s=stream_tolerance_s,
         )
 
     # -- live settings -----------------------------------------------------------------------
@@ -463,15 +469,31 @@ class RedisLimiter:
         strict: bool,
         ledger_ttl_ms: int,
     ) -> ChargeResult:
-        """Run ``charge.lua`` for one stream: a lazy batch or a strict lease."""
+        """Run ``charge.lua`` for one stream: a lazy batch or a strict lease.  While Redis
+        does not answer, the same charge (same sequence number: applied once) is sent again
+        for up to :attr:`stream_tolerance_s` before the stream is told (a failover shorter
+        than that leaves the stream running; it only waits for this answer when it needs it)."""
         keys: list[str] = []
         args: list[Any] = [1]
         call = ChargeCall(ledger, seq, buckets, amount, strict, ledger_ttl_ms)
         _pack_charge(keys, args, call)
-        where = self._owner(ledger)
-        res = await self._call(
-            "a stream charge", "charge", lambda: self._charge(keys=keys, args=args)
-        )
+        give_up = time.monotonic() + self.stream_tolerance_s
+        maybe_ran = False
+        while True:
+            where = self._owner(ledger)
+            try:
+                res = await self._call(
+                    "a stream charge", "charge", lambda: self._charge(keys=keys, args=args)
+                )
+                break
+            except LimiterUnavailable as exc:
+                maybe_ran = maybe_ran or exc.maybe_ran
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    if maybe_ran and not exc.maybe_ran:
+                        raise LimiterUnavailable(str(exc), maybe_ran=True) from exc
+                    raise
+                await asyncio.sleep(min(0.1, left))
         result = _charge_result(res[0])
         self._journal_charge(call, result, where)
         return result

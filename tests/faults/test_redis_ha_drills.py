@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from extproc.core.rules import BucketCharge
+from extproc.errors import LimiterUnavailable
 from extproc.limiter.breaker import BreakerSettings
 from extproc.limiter.redis import RedisLimiter
 from extproc.metrics import Metrics
@@ -280,3 +282,43 @@ async def test_cluster_graceful_failover(
     assert report.unfinished == 0
     assert (s["lost"], s["doubled"]) == (0, 0)
     assert report.failed_after_promotion == 0
+
+
+@pytest.mark.parametrize("tolerance_s", [0.0, 3.0])
+async def test_stream_charge_tolerates_a_short_outage(tmp_path: Path, tolerance_s: float) -> None:
+    """Redis frozen 1 s (SIGSTOP) while a stream charges: with AIQ_REDIS_STREAM_TOLERANCE_S=3
+    the charge is sent again (same sequence number) until Redis answers, and lands once; with
+    0 the stream is told at once (its failure mode applies)."""
+    server = RedisServer(tmp_path / "redis")
+    lim = RedisLimiter.from_url(
+        server.url,
+        timeout_ms=150,
+        stream_tolerance_s=tolerance_s,
+        breaker=BreakerSettings(open_s=0.3),
+    )
+    t = f"tol:{{{tolerance_s}}}"
+    far = int(time.time() * 1000) + 60_000
+    b = [BucketCharge(f"{t}:tpm", "tpm", 10, 10**9, far)]
+    try:
+        assert (
+            await lim.admit(f"{t}:r", b, tpm_charged=10, count_refused=False, ledger_ttl_ms=60_000)
+        ).admitted
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        loop = asyncio.get_running_loop()
+        loop.call_later(1.0, os.kill, server.proc.pid, signal.SIGCONT)
+        started = time.monotonic()
+        if tolerance_s:
+            res = await lim.charge(f"{t}:r", 1, b, 25, strict=False, ledger_ttl_ms=60_000)
+            assert res.granted == 25
+            assert 0.9 < time.monotonic() - started < tolerance_s
+        else:
+            with pytest.raises(LimiterUnavailable):
+                await lim.charge(f"{t}:r", 1, b, 25, strict=False, ledger_ttl_ms=60_000)
+            assert time.monotonic() - started < 0.9
+            await asyncio.sleep(1.2)
+        with redis.Redis(port=server.port) as r:
+            assert int(r.get(f"{t}:tpm") or 0) in ((35,) if tolerance_s else (10, 35))
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        await lim.close()
+        server.stop()
