@@ -7,11 +7,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
 from pathlib import Path
 
+import hiredis
 import redis
 
 from extproc.stack import free_port, port_in_use
@@ -159,15 +161,32 @@ class SentinelGroup:
         """Make ``replica`` drop its link to the master, then sleep ``sleep_s`` (DEBUG SLEEP:
         it cannot reconnect meanwhile), so that the master acknowledges writes it never
         gets: what an asynchronous replica misses when its master dies.  Needs the servers
-        started with ``--enable-debug-command local``; runs in a thread (the sleep blocks)."""
+        started with ``--enable-debug-command local``.  Returns once both commands are sent;
+        the thread returned ends with the sleep."""
+
+        killed = threading.Event()
+
+        # Both commands in one write: the replica drops the link and starts sleeping in the
+        # same turn of its event loop, with no chance to reconnect in between.
+        packed = hiredis.pack_command(("CLIENT", "KILL", "TYPE", "master")) + hiredis.pack_command(
+            ("DEBUG", "SLEEP", str(sleep_s))
+        )
 
         def run() -> None:
-            with redis.Redis(port=replica, socket_timeout=sleep_s + 5) as c:
-                c.execute_command("CLIENT", "KILL", "TYPE", "master")
-                c.execute_command("DEBUG", "SLEEP", str(sleep_s))
+            with socket.create_connection(("127.0.0.1", replica), timeout=sleep_s + 5) as sock:
+                sock.sendall(packed)
+                killed.set()  # (the replies come once the sleep is over)
+                first = b""
+                while b"+OK" not in first:
+                    more = sock.recv(64)
+                    if not more:
+                        break
+                    first += more
 
         t = threading.Thread(target=run, daemon=True)
         t.start()
+        if not killed.wait(10):
+            raise RuntimeError(f"replica {replica} did not drop its link")
         return t
 
     def kill(self, port: int) -> None:

@@ -41,6 +41,22 @@ def _report(name: str, report: Report, record: Callable[[str, object], None]) ->
     return summary
 
 
+def _cut_off(master: int, key: str) -> None:
+    """Wait until ``master`` has no replica attached, then until it has acknowledged more
+    charges of ``key`` (at most 0.3 s): writes no replica has."""
+    deadline = time.monotonic() + 0.3
+    with redis.Redis(port=master, socket_timeout=1) as m:
+        while int(m.info("replication")["connected_slaves"]) > 0:
+            assert time.monotonic() < deadline, "the master still sees a replica"
+            time.sleep(0.005)
+        cut_at = int(m.get(key) or 0)
+        while int(m.get(key) or 0) - cut_at < 500:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        assert int(m.get(key) or 0) > cut_at, "no charge acknowledged after the cut"
+
+
 def _server_errors(report: Report, errorstats: dict[str, dict[str, int]]) -> None:
     """The new master's NOSCRIPT / READONLY / MOVED... counts (ERR is left out: redis-py's
     CLIENT SETINFO on each new connection, which Redis 7.0 does not know)."""
@@ -71,8 +87,8 @@ async def _sentinel_drill(tmp_path: Path, *, journal_s: float) -> tuple[Report, 
         await asyncio.sleep(WARM_S)
         # the replicas drop their link and sleep 0.7 s: for 0.3 s the master acknowledges
         # writes that only it has, then it dies
-        cuts = [group.cut_replication(p, 0.7) for p in group.ports if p != old]
-        await asyncio.sleep(0.3)
+        cuts = [group.cut_replication(p, 1.0) for p in group.ports if p != old]
+        await asyncio.to_thread(_cut_off, old, load.key)
         load.report.fault_at = time.monotonic()
         group.kill(old)
         for cut in cuts:
@@ -231,8 +247,8 @@ async def _cluster_drill(tmp_path: Path, *, graceful: bool) -> tuple[Report, Met
             with redis.Redis(port=replica) as r:
                 r.execute_command("CLUSTER", "FAILOVER")
         else:
-            cut = cluster.cut_replication(replica, 0.7)
-            await asyncio.sleep(0.3)
+            cut = cluster.cut_replication(replica, 1.0)
+            await asyncio.to_thread(_cut_off, old, load.key)
             load.report.fault_at = time.monotonic()
             cluster.kill(old)
             await asyncio.to_thread(cut.join, 5)
