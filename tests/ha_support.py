@@ -13,7 +13,6 @@ import threading
 import time
 from pathlib import Path
 
-import hiredis
 import redis
 
 from extproc.stack import free_port, port_in_use
@@ -25,6 +24,14 @@ def _binary() -> str:
     if path is None:
         raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
     return path
+
+
+def _resp(*words: str) -> bytes:
+    """One command in RESP."""
+    out = f"*{len(words)}\r\n"
+    for w in words:
+        out += f"${len(w.encode())}\r\n{w}\r\n"
+    return out.encode()
 
 
 def wait_ping(port: int, within_s: float = 10.0) -> None:
@@ -168,9 +175,7 @@ class SentinelGroup:
 
         # Both commands in one write: the replica drops the link and starts sleeping in the
         # same turn of its event loop, with no chance to reconnect in between.
-        packed = hiredis.pack_command(("CLIENT", "KILL", "TYPE", "master")) + hiredis.pack_command(
-            ("DEBUG", "SLEEP", str(sleep_s))
-        )
+        packed = _resp("CLIENT", "KILL", "TYPE", "master") + _resp("DEBUG", "SLEEP", str(sleep_s))
 
         def run() -> None:
             with socket.create_connection(("127.0.0.1", replica), timeout=sleep_s + 5) as sock:
