@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import redis.exceptions
 import structlog
 from redis.asyncio.cluster import RedisCluster
 
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
     from extproc.metrics import Metrics
 
 log = structlog.get_logger("extproc.limiter.failover")
+
+#: What a master that cannot be reached raises (its slot's calls wait for the next recovery).
+_UNREACHABLE = (redis.exceptions.RedisError, OSError, asyncio.TimeoutError)
 
 #: Entries sent per pipeline when replaying to a single master.
 REPLAY_CHUNK = 200
@@ -59,6 +63,10 @@ class Failover:
         self.idle_check_s = idle_check_s
         self._on_recovered = on_recovered
         self.suspect = True  # nothing is known about the master yet
+        # Cluster: slots whose master could not be asked (its node down): their calls fail
+        # until a recovery reaches the new master; slots checked since the last failure
+        self.pending: set[int] = set()
+        self._checked: set[int] = set()
         self._run_ids: dict[str, str] = {}  # node name ("" single server) -> run id
         self._recovery: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -101,6 +109,7 @@ class Failover:
     def failed(self) -> None:
         """A call failed: the master may have changed; check before the next call."""
         self.suspect = True
+        self._checked.clear()
         self._start_watch()
 
     def answered(self) -> None:
@@ -110,15 +119,24 @@ class Failover:
 
     # -- recovery ----------------------------------------------------------------------------
 
-    async def ensure(self) -> None:
-        """While suspect, wait for a recovery (starting one if none runs); it raises what
-        the recovery raised (the caller's call then fails as Redis unavailable)."""
+    async def ensure(self, slot: int = 0) -> None:
+        """While suspect, wait for a recovery (starting one if none runs) before a call on
+        ``slot``; it raises what the recovery raised (the call then fails as Redis
+        unavailable).  On a Cluster only the slots the journal holds wait, and a slot whose
+        master could not be reached fails at once."""
         if not self.suspect:
+            return
+        if self._cluster and (slot in self._checked or not self.journal.holds(slot)):
             return
         task = self._recovery
         if task is None or task.done():
             task = self._recovery = asyncio.get_running_loop().create_task(self._recover())
         await asyncio.shield(task)
+        if slot in self.pending:
+            raise redis.exceptions.ConnectionError(
+                f"the master of slot {slot} has not answered since a failure; its journal is "
+                "not replayed yet"
+            )
 
     async def _run_id(self, node: Any) -> str:
         if node is None:
@@ -145,32 +163,25 @@ class Failover:
             await self._replay_single([e for e in entries if e.owner != rid], rid)
             self._run_ids[""] = rid  # only once caught up: a failed replay is tried again
         else:
-            seen: dict[str, str] = {}
             if not self._run_ids:  # the first time: learn every primary's run id
-                for name, info in (
-                    await self._client.info("server", target_nodes=RedisCluster.PRIMARIES)
-                ).items():
-                    seen[str(name)] = str(info["run_id"])
-            for slot in by_slot:
-                node = self._client.nodes_manager.get_node_from_slot(slot)
-                if node.name not in seen:
-                    seen[node.name] = await self._run_id(node)
-            for name, rid in seen.items():
-                known = self._run_ids.get(name)
-                if known is not None and known != rid:
-                    changed = True
-                    log.warning("redis_new_master", node=name, previous=known, now=rid)
-            # a slot whose entries were acknowledged by another process than its master now
-            stale = {
-                slot: [e for e in group if e.owner != seen[self._node_name(slot)]]
-                for slot, group in by_slot.items()
-            }
-            if any(e.owner for g in stale.values() for e in g):
-                changed = True
-            await asyncio.gather(
-                *(self._replay_slot(g, seen[self._node_name(s)]) for s, g in stale.items() if g)
+                await self._client.initialize()
+                for node in self._client.get_primaries():
+                    with contextlib.suppress(*_UNREACHABLE):
+                        self._run_ids[node.name] = await self._run_id(node)
+            results = await asyncio.gather(
+                *(self._recover_slot(slot, group) for slot, group in by_slot.items()),
+                return_exceptions=True,
             )
-            self._run_ids.update(seen)  # only once caught up
+            for slot, res in zip(by_slot, results, strict=True):
+                if isinstance(res, BaseException):
+                    if not isinstance(res, _UNREACHABLE):
+                        raise res
+                    self.pending.add(slot)
+                else:
+                    self.pending.discard(slot)
+                    self._checked.add(slot)
+                    changed = changed or res
+            self.pending &= set(by_slot)
         if changed:
             self.failovers += 1
             if self.metrics is not None:
@@ -180,7 +191,7 @@ class Failover:
                 replayed=self.replayed - before,
                 seconds=round(time.perf_counter() - started, 3),
             )
-        self.suspect = False
+        self.suspect = bool(self.pending)
         if self._on_recovered is not None:
             self._on_recovered(changed)
         self._export()
@@ -198,6 +209,21 @@ class Failover:
                     await self._scripts[e.script](keys=e.keys, args=e.args, client=pipe)
                 await pipe.execute()
             self._replayed(chunk, rid)
+
+    async def _recover_slot(self, slot: int, entries: list[Entry]) -> bool:
+        """Cluster: ask the master of ``slot`` its run id and replay the slot's entries it
+        did not acknowledge; whether it is a new master."""
+        node = self._client.nodes_manager.get_node_from_slot(slot)
+        rid = await self._run_id(node)
+        known = self._run_ids.get(node.name)
+        stale = [e for e in entries if e.owner != rid]
+        new_master = (known is not None and known != rid) or any(e.owner for e in stale)
+        if new_master:
+            log.warning("redis_new_master", node=node.name, slot=slot, previous=known, now=rid)
+        if stale:
+            await self._replay_slot(stale, rid)
+        self._run_ids[node.name] = rid  # only once caught up
+        return new_master
 
     async def _replay_slot(self, entries: list[Entry], rid: str) -> None:
         self.replays += 1

@@ -55,6 +55,7 @@ class Journal:
         self.window_s = window_s
         self.max_entries = max_entries
         self._entries: deque[Entry] = deque()
+        self._per_slot: dict[int, int] = {}
         self.dropped = 0  # entries pushed out by max_entries before their window ended
 
     def __len__(self) -> int:
@@ -66,9 +67,17 @@ class Journal:
     def add(self, entry: Entry) -> None:
         """Keep ``entry`` (the oldest entry goes when the journal is full)."""
         if len(self._entries) >= self.max_entries:
-            self._entries.popleft()
+            self._forget(self._entries.popleft())
             self.dropped += 1
         self._entries.append(entry)
+        self._per_slot[entry.slot] = self._per_slot.get(entry.slot, 0) + 1
+
+    def _forget(self, entry: Entry) -> None:
+        left = self._per_slot[entry.slot] - 1
+        if left:
+            self._per_slot[entry.slot] = left
+        else:
+            del self._per_slot[entry.slot]
 
     def confirm(self, now: float) -> None:
         """Redis answered with the same master at ``now``: entries older than the window
@@ -76,12 +85,12 @@ class Journal:
         horizon = now - self.window_s
         entries = self._entries
         while entries and entries[0].at < horizon:
-            entries.popleft()
+            self._forget(entries.popleft())
 
     def replayable(self, now: float) -> list[Entry]:
         """The entries whose idempotency key still holds at ``now``, oldest first."""
         return [e for e in self._entries if e.until > now]
 
-    def slots(self) -> set[int]:
-        """The slots of the entries held."""
-        return {e.slot for e in self._entries}
+    def holds(self, slot: int) -> bool:
+        """Whether an entry of ``slot`` is held."""
+        return slot in self._per_slot

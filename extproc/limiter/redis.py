@@ -315,7 +315,13 @@ class RedisLimiter:
     # -- calls -------------------------------------------------------------------------------
 
     async def _call(
-        self, what: str, script: str, make: Callable[[], Awaitable[T]], *, retry: bool = True
+        self,
+        what: str,
+        script: str,
+        make: Callable[[], Awaitable[T]],
+        *,
+        retry: bool = True,
+        slot: int = 0,
     ) -> T:
         """Run ``make()`` against Redis under the timeout, the stall retry (``retry``: the
         call is idempotent) and the breaker."""
@@ -332,7 +338,7 @@ class RedisLimiter:
             self.round_trips += 1
             try:
                 result = await fair_wait(
-                    self._after_failover(make),
+                    self._after_failover(make, slot),
                     self._timeout,
                     self.lag,
                     starved_ceiling_s(self._timeout),
@@ -362,11 +368,11 @@ class RedisLimiter:
             self._export_state()
             return result
 
-    async def _after_failover(self, make: Callable[[], Awaitable[T]]) -> T:
+    async def _after_failover(self, make: Callable[[], Awaitable[T]], slot: int) -> T:
         """``make()``, after the journal was replayed to a new master if one may have taken
         over (extproc.limiter.failover)."""
         if self.failover is not None and self.failover.suspect:
-            await self.failover.ensure()
+            await self.failover.ensure(slot)
         return await make()
 
     def _recovered(self, new_master: bool) -> None:
@@ -427,7 +433,9 @@ class RedisLimiter:
             args += _previous(keys, b)
         args += [now_ms, lease_until_ms, record_draft]
         where = self._owner(ledger)
-        res = await self._call("admission", "admit", lambda: self._admit(keys=keys, args=args))
+        res = await self._call(
+            "admission", "admit", lambda: self._admit(keys=keys, args=args), slot=where[0]
+        )
         status = int(res[0])
         flat = res[2] if len(res) > 2 else []
         settled = res[3] if len(res) > 3 else []
@@ -483,7 +491,10 @@ class RedisLimiter:
             where = self._owner(ledger)
             try:
                 res = await self._call(
-                    "a stream charge", "charge", lambda: self._charge(keys=keys, args=args)
+                    "a stream charge",
+                    "charge",
+                    lambda: self._charge(keys=keys, args=args),
+                    slot=where[0],
                 )
                 break
             except LimiterUnavailable as exc:
@@ -529,7 +540,10 @@ class RedisLimiter:
             where = self._owner(items[idx[0]].ledger)
             try:
                 res = await self._call(
-                    "a stream charge", "charge", lambda: self._charge(keys=keys, args=args)
+                    "a stream charge",
+                    "charge",
+                    lambda: self._charge(keys=keys, args=args),
+                    slot=where[0],
                 )
             except LimiterUnavailable:
                 return False
@@ -557,7 +571,9 @@ class RedisLimiter:
             keys, args, SettleCall(ledger, adjustments, ledger_ttl_ms, cancel, unconfirmed)
         )
         where = self._owner(ledger)
-        res = await self._call("settlement", "settle", lambda: self._settle(keys=keys, args=args))
+        res = await self._call(
+            "settlement", "settle", lambda: self._settle(keys=keys, args=args), slot=where[0]
+        )
         applied = bool(int(res[0]))
         if applied:
             self._journal("settle", keys, args, ledger_ttl_ms, where)
@@ -578,7 +594,10 @@ class RedisLimiter:
             where = self._owner(items[idx[0]].ledger)
             try:
                 res = await self._call(
-                    "settlement", "settle", lambda: self._settle(keys=keys, args=args)
+                    "settlement",
+                    "settle",
+                    lambda: self._settle(keys=keys, args=args),
+                    slot=where[0],
                 )
             except LimiterUnavailable:
                 return False
@@ -633,7 +652,7 @@ class RedisLimiter:
                     pipe.pexpireat(slot, until_ms + EXPIRY_SLACK_MS)
             return await pipe.execute()
 
-        await self._call("a lease renewal", "renew", run)
+        await self._call("a lease renewal", "renew", run, slot=self._slot(ledgers[0]))
 
     async def rls_check(
         self, counters: list[tuple[str, int, int, int, int]]
@@ -659,7 +678,9 @@ class RedisLimiter:
                 _, hits, limit, expire, mode = counters[i]
                 args += [hits, limit, expire, mode]
             where = self._owner(first)
-            res = await self._call("a rate limit check", "rls", _script_call(self._rls, keys, args))
+            res = await self._call(
+                "a rate limit check", "rls", _script_call(self._rls, keys, args), slot=where[0]
+            )
             if int(res[0]) == 1 and any(counters[i][1] > 0 for i in idxs):
                 self._journal(
                     "rls", keys, [RLS_CALL_ID_TTL_MS, "1", *args[2:]], RLS_CALL_ID_TTL_MS, where
@@ -673,7 +694,9 @@ class RedisLimiter:
         """MGET the counters (one slot: all keys share a tenant's hash tag)."""
         if not keys:
             return []
-        vals = await self._call("a read", "read", lambda: self._client.mget(keys))
+        vals = await self._call(
+            "a read", "read", lambda: self._client.mget(keys), slot=self._slot(keys[0])
+        )
         return [int(v) if v is not None else 0 for v in vals]
 
     async def count_slots(self, keys: list[str], now_ms: int) -> list[int]:
@@ -687,7 +710,7 @@ class RedisLimiter:
                 pipe.zcount(k, f"({now_ms}", "+inf")
             return await pipe.execute()
 
-        return [int(v) for v in await self._call("a read", "read", run)]
+        return [int(v) for v in await self._call("a read", "read", run, slot=self._slot(keys[0]))]
 
     async def ping(self) -> bool:
         """PING, bypassing the breaker."""
