@@ -5,14 +5,21 @@ name is a clear error."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from extproc._gen.aiquota.v1 import usage_pb2, usage_pb2_grpc
 from extproc.admin.store import AdminStore
 from extproc.core.rules import BucketCharge
 from extproc.errors import LimiterUnavailable
@@ -20,9 +27,12 @@ from extproc.limiter.redis import RedisLimiter
 from extproc.limiter.redis_url import RedisUrlError, check_master
 from extproc.records import export
 from extproc.records.writer import redis_client
+from extproc.stack import free_port
 from tests.ha_support import SentinelGroup
 
 pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +98,57 @@ async def test_unknown_master_name_is_a_clear_error(group: SentinelGroup) -> Non
             await lim.read(["x"])
     finally:
         await lim.close()
+
+
+def _serve(group: SentinelGroup, url: str) -> tuple[subprocess.Popen[bytes], int]:
+    grpc_port = free_port()
+    env = {
+        **os.environ,
+        "AIQ_CONFIG": str(ROOT / "config/demo.yaml"),
+        "AIQ_REDIS_URL": url,
+        "AIQ_GRPC_ADDRESS": f"127.0.0.1:{grpc_port}",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "extproc", "serve"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    return proc, grpc_port
+
+
+def test_serve_on_a_sentinel_url_answers_from_the_master(group: SentinelGroup) -> None:
+    """`ai-quota serve` with AIQ_REDIS_URL=redis+sentinel://...: SERVING once the master
+    answered, the usage API reads the tenant's counters through it, exit 0 on SIGTERM."""
+    proc, port = _serve(group, group.url())
+    try:
+        deadline = time.monotonic() + 30
+        status = None
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while time.monotonic() < deadline:
+                try:
+                    status = stub.Check(
+                        health_pb2.HealthCheckRequest(service="aiquota.v1.Redis"), timeout=1
+                    ).status
+                    if status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            resp = usage_pb2_grpc.UsageStub(ch).GetUsage(
+                usage_pb2.GetUsageRequest(api_key="sk-demo-tight"), timeout=10
+            )
+        assert resp.tenant == "demo-tight"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out.decode(errors="replace")[-2000:]
+
+
+def test_serve_with_an_unknown_master_name_exits_2(group: SentinelGroup) -> None:
+    proc, _ = _serve(group, group.url(name="nope"))
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert b"no sentinel knows a master named 'nope'" in out
