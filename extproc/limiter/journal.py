@@ -28,7 +28,7 @@ from typing import Any
 #: Default: keep acknowledged charges this long while Redis answers (s).
 DEFAULT_WINDOW_S = 10.0
 #: Default: at most this many entries per process.
-DEFAULT_MAX_ENTRIES = 200_000
+DEFAULT_MAX_ENTRIES = 50_000
 
 
 @dataclass(slots=True)
