@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc._gen.aiquota.v1 import usage_pb2, usage_pb2_grpc
 from extproc.admin.store import AdminStore
+from extproc.bench.redis_ha import SentinelGroup
 from extproc.core.rules import BucketCharge
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.redis import RedisLimiter
@@ -28,7 +29,6 @@ from extproc.limiter.redis_url import RedisUrlError, check_master
 from extproc.records import export
 from extproc.records.writer import redis_client
 from extproc.stack import free_port
-from tests.ha_support import SentinelGroup
 
 pytestmark = pytest.mark.integration
 

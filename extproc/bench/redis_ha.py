@@ -1,6 +1,7 @@
-"""Real Redis HA topologies on loopback for the HA tests and drills: a Sentinel group (a master,
-its replicas, three sentinels) and a Cluster with replicas.  Every process is started here and
-stopped by ``stop()``; waits poll the real servers, bounded in time."""
+"""Real Redis HA topologies on loopback for the failover drills (``scripts/bench --only failover``
+and tests/faults/test_redis_ha_drills.py): a Sentinel group (a master, its replicas, three
+sentinels) and a Cluster with replicas.  Every process is started here and stopped by
+``stop()``; waits poll the real servers, bounded in time."""
 
 from __future__ import annotations
 
@@ -16,7 +17,12 @@ from pathlib import Path
 import redis
 
 from extproc.stack import free_port, port_in_use
-from tests.helpers import spawn
+
+
+def spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """Start ``argv`` with its output appended to ``log``."""
+    with log.open("ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)  # noqa: S603 - redis-server
 
 
 def _binary() -> str:
@@ -274,7 +280,7 @@ class HaCluster:
         try:
             for p in self.ports:
                 wait_ping(p)
-            subprocess.run(
+            subprocess.run(  # noqa: S603 - the system's redis-cli
                 [
                     cli,
                     "--cluster",

@@ -1,4 +1,5 @@
-"""A bounded mixed load on the real limiter for the Redis HA drills, with its own ground truth.
+"""A bounded mixed load on the real limiter for the Redis failover drills, with its own ground
+truth.
 
 ``workers`` clients send requests for one busy tenant (one hash tag): 70 % streams (an
 admission, five lazy charges of 10 tokens 20 ms apart, a settlement) and 30 % plain requests
