@@ -197,6 +197,7 @@ class RedisLimiter:
         self._charge = client.register_script(load_script("charge"))
         self._settle = client.register_script(load_script("settle"))
         self._rls = client.register_script(load_script("rls"))
+        self._export_state()
         # Redis HA: acknowledged charges kept journal_s seconds and replayed to a new master
         # (extproc.limiter.failover); 0 turns it off.
         self.failover: Failover | None = None
@@ -213,7 +214,6 @@ class RedisLimiter:
                 metrics=metrics,
                 on_recovered=self._recovered,
             )
-        self._export_state()
 
     @classmethod
     def from_url(
