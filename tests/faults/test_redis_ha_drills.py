@@ -200,10 +200,10 @@ async def test_stream_charge_tolerates_a_short_outage(tmp_path: Path, tolerance_
         stream_tolerance_s=tolerance_s,
         breaker=BreakerSettings(open_s=0.3),
     )
-    t = f"tol:{{{tolerance_s}}}"
-    far = int(time.time() * 1000) + 60_000
-    b = [BucketCharge(f"{t}:tpm", "tpm", 10, 10**9, far)]
     try:
+        t = f"tol:{{{tolerance_s}}}"
+        far = int(time.time() * 1000) + 60_000
+        b = [BucketCharge(f"{t}:tpm", "tpm", 10, 10**9, far)]
         assert (
             await lim.admit(f"{t}:r", b, tpm_charged=10, count_refused=False, ledger_ttl_ms=60_000)
         ).admitted
