@@ -13,6 +13,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -40,11 +41,12 @@ def _resp(*words: str) -> bytes:
     return out.encode()
 
 
-def wait_ping(port: int, within_s: float = 10.0) -> None:
+def wait_ping(port: int, within_s: float = 10.0, **kw: Any) -> None:
+    """Until the server on ``port`` answers PING (``kw``: TLS options)."""
     deadline = time.monotonic() + within_s
     while True:
         try:
-            with redis.Redis(port=port, socket_timeout=1) as c:
+            with redis.Redis(port=port, socket_timeout=1, **kw) as c:
                 c.ping()
             return
         except redis.exceptions.RedisError:
@@ -66,9 +68,28 @@ class SentinelGroup:
         sentinels: int = 3,
         down_after_ms: int = 1000,
         extra: list[str] | None = None,
+        tls_cert: Path | None = None,
     ) -> None:
         self.workdir = workdir
         self.name = name
+        # TLS (tls_cert and its key beside it, .key): every server and sentinel listens with
+        # TLS only, replication and the sentinels' links included
+        self._kw: dict[str, Any] = {}
+        tls_args: list[str] = []
+        tls_conf = ""
+        if tls_cert is not None:
+            key = tls_cert.with_suffix(".key")
+            self._kw = {"ssl": True, "ssl_ca_certs": str(tls_cert)}
+            tls_args = [
+                *("--tls-cert-file", str(tls_cert), "--tls-key-file", str(key)),
+                *("--tls-ca-cert-file", str(tls_cert), "--tls-auth-clients", "no"),
+                *("--tls-replication", "yes"),
+            ]
+            tls_conf = (
+                f"tls-cert-file {tls_cert}\ntls-key-file {key}\ntls-ca-cert-file {tls_cert}\n"
+                "tls-auth-clients no\ntls-replication yes\n"
+            )
+        port_flag = "--tls-port" if tls_cert is not None else "--port"
         workdir.mkdir(parents=True, exist_ok=True)
         binary = _binary()
         self.ports = [free_port() for _ in range(replicas + 1)]
@@ -79,8 +100,9 @@ class SentinelGroup:
             d.mkdir(exist_ok=True)
             argv = [
                 binary,
-                "--port",
+                port_flag,
                 str(port),
+                *(("--port", "0") if tls_cert is not None else ()),
                 "--bind",
                 "127.0.0.1",
                 "--save",
@@ -89,6 +111,7 @@ class SentinelGroup:
                 "no",
                 "--dir",
                 str(d),
+                *tls_args,
                 *(extra or []),
             ]
             if i > 0:
@@ -96,14 +119,15 @@ class SentinelGroup:
             self._argv[port] = argv
             self.procs[port] = spawn(argv, d / "redis.log")
         for port in self.ports:
-            wait_ping(port)
+            wait_ping(port, **self._kw)
         self.sentinel_ports = [free_port() for _ in range(sentinels)]
         for port in self.sentinel_ports:
             d = workdir / f"sentinel-{port}"
             d.mkdir(exist_ok=True)
             conf = d / "sentinel.conf"
+            listen = f"port 0\ntls-port {port}\n" if tls_cert is not None else f"port {port}\n"
             conf.write_text(
-                f"port {port}\nbind 127.0.0.1\ndir {d}\n"
+                f"{listen}bind 127.0.0.1\ndir {d}\n{tls_conf}"
                 f"sentinel monitor {name} 127.0.0.1 {self.ports[0]} 2\n"
                 f"sentinel down-after-milliseconds {name} {down_after_ms}\n"
                 f"sentinel failover-timeout {name} 10000\n"
@@ -111,7 +135,7 @@ class SentinelGroup:
             )
             self.procs[port] = spawn([binary, str(conf), "--sentinel"], d / "sentinel.log")
         for port in self.sentinel_ports:
-            wait_ping(port)
+            wait_ping(port, **self._kw)
         self.wait_replicas(replicas)
         self.wait_sentinels_agree(self.ports[0])
 
@@ -123,7 +147,7 @@ class SentinelGroup:
         """The master's port as the first answering sentinel sees it."""
         for port in self.sentinel_ports:
             try:
-                with redis.Redis(port=port, socket_timeout=1) as c:
+                with redis.Redis(port=port, socket_timeout=1, **self._kw) as c:
                     addr = c.sentinel_get_master_addr_by_name(self.name)
                 if addr:
                     return int(addr[1])
@@ -135,7 +159,7 @@ class SentinelGroup:
         deadline = time.monotonic() + within_s
         master = self.master_port()
         while True:
-            with redis.Redis(port=master, socket_timeout=1) as c:
+            with redis.Redis(port=master, socket_timeout=1, **self._kw) as c:
                 info = c.info("replication")
             online = sum(
                 1
@@ -155,7 +179,7 @@ class SentinelGroup:
             ok = True
             for port in self.sentinel_ports:
                 try:
-                    with redis.Redis(port=port, socket_timeout=1) as c:
+                    with redis.Redis(port=port, socket_timeout=1, **self._kw) as c:
                         state = c.sentinel_master(self.name)
                     if (
                         int(state["port"]) != master
@@ -216,7 +240,7 @@ class SentinelGroup:
                 port = old
             if port != old:
                 try:
-                    with redis.Redis(port=port, socket_timeout=1) as c:
+                    with redis.Redis(port=port, socket_timeout=1, **self._kw) as c:
                         if c.info("replication")["role"] == "master":
                             return port, time.monotonic()
                 except redis.exceptions.RedisError:

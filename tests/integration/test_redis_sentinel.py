@@ -152,3 +152,48 @@ def test_serve_with_an_unknown_master_name_exits_2(group: SentinelGroup) -> None
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert b"no sentinel knows a master named 'nope'" in out
+
+
+async def test_rediss_sentinel_speaks_tls_to_sentinels_and_master(tmp_path: Path) -> None:
+    """A group listening with TLS only (servers, sentinels, replication):
+    ``rediss+sentinel://...?ssl_ca_certs=`` reaches the master through the sentinels and
+    charges it; without the CA the certificate is refused."""
+    cert = tmp_path / "redis.pem"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-keyout", str(cert.with_suffix(".key")), "-out", str(cert)),
+            *("-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    group = SentinelGroup(tmp_path / "tls", replicas=1, tls_cert=cert)
+    try:
+        url = group.url("rediss+sentinel") + f"?ssl_ca_certs={cert}"
+        lim = RedisLimiter.from_url(url, timeout_ms=1000)
+        t = f"tls:{{{uuid.uuid4().hex[:8]}}}"
+        far = int(time.time() * 1000) + 60_000
+        try:
+            res = await lim.admit(
+                f"{t}:req",
+                [BucketCharge(f"{t}:tpm", "tpm", 9, 1000, far)],
+                tpm_charged=9,
+                count_refused=False,
+                ledger_ttl_ms=60_000,
+            )
+            assert res.admitted
+        finally:
+            await lim.close()
+        with redis.Redis(
+            port=group.master_port(), ssl=True, ssl_ca_certs=str(cert), decode_responses=True
+        ) as m:
+            assert m.get(f"{t}:tpm") == "9"
+        untrusted = RedisLimiter.from_url(group.url("rediss+sentinel"), timeout_ms=1000)
+        try:
+            with pytest.raises(LimiterUnavailable):
+                await untrusted.read([f"{t}:tpm"])
+        finally:
+            await untrusted.close()
+    finally:
+        group.stop()
