@@ -58,6 +58,7 @@ from extproc.config.version import config_version
 from extproc.gateway import Gateway
 from extproc.limiter.base import Limiter
 from extproc.limiter.redis import RedisLimiter
+from extproc.limiter.redis_url import check_master
 from extproc.metrics import Metrics
 from extproc.ports import ListenError, add_grpc_port, serve_metrics
 from extproc.records.writer import make_recorder
@@ -214,12 +215,16 @@ async def start(
         cfg = config
     clk = clock or SystemClock(settings.clock_offset_ms)
     mets = metrics or Metrics()
+    if limiter is None:
+        await check_master(settings.redis_url)  # a Sentinel master name no sentinel knows
     lim = limiter or RedisLimiter.from_url(
         settings.redis_url,
         timeout_ms=cfg.redis_timeout_ms,
         cooldown_ms=cfg.breaker_cooldown_ms,
         clock=clk,
         metrics=mets,
+        journal_s=settings.redis_journal_s,
+        stream_tolerance_s=settings.redis_stream_tolerance_s,
     )
     gw = Gateway(
         config=cfg,

@@ -44,6 +44,12 @@ class Settings(BaseSettings):
 
     config: str = "config/demo.yaml"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Redis HA (docs/operations.md "Redis HA"): how long acknowledged charges are kept for a
+    # replay to a new master after a failover or restart (0: no journal, no replay).
+    redis_journal_s: float = Field(default=10.0, ge=0, le=600)
+    # A stream charge that Redis does not answer is sent again (idempotent) for this long before
+    # the stream's failure mode applies: a failover shorter than this cuts no stream (0: at once).
+    redis_stream_tolerance_s: float = Field(default=0.0, ge=0, le=60)
     grpc_address: str = "127.0.0.1:50051"
     key_prefix: str = "aiq"
     log_format: Literal["json", "console"] = "json"
@@ -102,6 +108,14 @@ class Settings(BaseSettings):
     rls_max_hits_addend: int = Field(default=1_000_000, ge=1, le=2**32)
     rls_detailed_metric_series: int = Field(default=100, ge=0, le=100_000)
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url_parses(cls, value: str) -> str:
+        from extproc.limiter.redis_url import parse_redis_url
+
+        parse_redis_url(value)  # a RedisUrlError (a ValueError) names what is wrong
+        return value
+
     @field_validator("usage_stream", mode="before")
     @classmethod
     def _usage_stream_off(cls, value: object) -> object:
@@ -134,7 +148,8 @@ class Settings(BaseSettings):
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
-        """Read ``AIQ_CONFIG``, ``AIQ_REDIS_URL``, ``AIQ_GRPC_ADDRESS``, ``AIQ_KEY_PREFIX``,
+        """Read ``AIQ_CONFIG``, ``AIQ_REDIS_URL``, ``AIQ_REDIS_JOURNAL_S``,
+        ``AIQ_REDIS_STREAM_TOLERANCE_S``, ``AIQ_GRPC_ADDRESS``, ``AIQ_KEY_PREFIX``,
         ``AIQ_LOG_FORMAT`` (json|console), ``AIQ_LOG_LEVEL``, ``AIQ_METRICS_PORT``,
         ``AIQ_USAGE_ADDRESS``, ``AIQ_WORKERS``, ``AIQ_REUSEPORT`` (1|0|true|false),
         ``AIQ_EVENT_LOOP`` (uvloop|asyncio), ``AIQ_SHUTDOWN_GRACE_S``, ``AIQ_DRAIN_NOTICE_S``,
@@ -182,6 +197,10 @@ def _describe(cls: type[Settings], exc: ValidationError, from_flags: set[str]) -
         loc = str(err["loc"][0]) if err["loc"] else ""
         field = _field_of(cls, loc)
         value: Any = err.get("input")
+        if field == "redis_url" and isinstance(value, str):
+            from extproc.limiter.redis_url import redact
+
+            value = redact(value)  # never a password in an error message
         if field in from_flags:
             where = f"--{field.replace('_', '-')}={value}"
         elif field in cls.model_fields:

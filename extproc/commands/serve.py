@@ -14,7 +14,9 @@ def configure_parser(s: argparse.ArgumentParser) -> None:
     """Flags of ``ai-quota serve`` (each overrides its ``AIQ_*`` variable)."""
     s.add_argument("--config", help=f"rules file (env AIQ_CONFIG, default {DEMO_CONFIG})")
     s.add_argument(
-        "--redis-url", help="redis://host:port/db or redis+cluster://host:port (env AIQ_REDIS_URL)"
+        "--redis-url",
+        help="redis://host:port/db, redis+cluster://host:port or "
+        "redis+sentinel://host:port[,host:port...]/<master>[/db] (env AIQ_REDIS_URL)",
     )
     s.add_argument(
         "--grpc-address",
@@ -80,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from extproc.admin.errors import AdminConfigError
     from extproc.app import serve_forever
     from extproc.config import ConfigError
+    from extproc.limiter.redis_url import RedisUrlError
     from extproc.logs import configure_logging
     from extproc.ports import ListenError
     from extproc.rls.config import RlsConfigError
@@ -131,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except AdminConfigError as exc:
         print(f"ai-quota serve: {exc}", file=sys.stderr)
+        return 2
+    except RedisUrlError as exc:  # a Sentinel master name no sentinel knows
+        print(f"ai-quota serve: AIQ_REDIS_URL: {exc}", file=sys.stderr)
         return 2
 
 

@@ -61,6 +61,17 @@ CASES: list[dict[str, Any]] = [
             fires("AiQuotaBreakerOpen", "2m", severity="critical", instance="a:9090"),
         ],
     },
+    {  # a new Redis master seen once (the journal replayed); a replica whose journal overflowed
+        "input_series": [
+            series("aiq_redis_failovers_total", "", "0 0 0 1x10"),
+            series("aiq_journal_dropped", "", "0 0 0 50x10", "b:9090"),
+        ],
+        "alert_rule_test": [
+            silent("AiQuotaRedisFailover", "1m"),
+            fires("AiQuotaRedisFailover", "2m", severity="info", instance="a:9090"),
+            fires("AiQuotaJournalOverflow", "2m", instance="b:9090"),
+        ],
+    },
     {  # nine of ten Redis calls failing
         "input_series": [
             series("aiq_redis_call_seconds_count", 'script="admit",outcome="ok"', "0+10x20"),
@@ -167,6 +178,8 @@ CASES: list[dict[str, Any]] = [
             series("aiq_settlement_backlog", "", "0x40"),
             series("aiq_usage_record_backlog", "", "0x40"),
             series("aiq_admin_calls_total", 'method="CreateKey",code="OK"', "0+1x40"),
+            series("aiq_redis_failovers_total", "", "0x40"),
+            series("aiq_journal_dropped", "", "0x40"),
         ],
         "alert_rule_test": [
             silent(name, "20m")
@@ -183,6 +196,8 @@ CASES: list[dict[str, Any]] = [
                 "AiQuotaSettlementPushback",
                 "AiQuotaSettlementBacklogGrowing",
                 "AiQuotaUsageRecordBacklog",
+                "AiQuotaRedisFailover",
+                "AiQuotaJournalOverflow",
             )
         ],
     },

@@ -339,3 +339,42 @@ def test_envoy_config_output_has_no_yaml_anchors() -> None:
     assert "&id" not in out and "*id" not in out
     assert not re.search(r"^\s*[-\w]+: [&*]\w+", out, flags=re.M)
     assert "health_checks" in out
+
+
+# -- the Sentinel override ---------------------------------------------------------------------
+
+SENTINEL_FILE = COMPOSE_DIR / "sentinel.yaml"
+
+
+def test_sentinel_override_points_the_processors_at_its_sentinels() -> None:
+    """compose/sentinel.yaml: two replicas of the base file's redis, three sentinels watching
+    it under the master name the processors' AIQ_REDIS_URL asks for, pinned images."""
+    from extproc.limiter.redis_url import parse_redis_url
+
+    services = yaml.safe_load(SENTINEL_FILE.read_text())["services"]
+    base = _services()
+    assert set(services) - set(base) == {
+        "redis-replica-1",
+        "redis-replica-2",
+        "sentinel-1",
+        "sentinel-2",
+        "sentinel-3",
+    }
+    for name, service in services.items():
+        if "image" in service:
+            assert _is_pinned(service["image"]), name
+    target = parse_redis_url(services["extproc"]["environment"]["AIQ_REDIS_URL"])
+    assert target.kind == "sentinel"
+    assert {host for host, _ in target.sentinels} == {"sentinel-1", "sentinel-2", "sentinel-3"}
+    for n in (1, 2, 3):
+        script = services[f"sentinel-{n}"]["command"][0]
+        assert f"sentinel monitor {target.master} redis 6379 2" in script
+        assert script.index("resolve-hostnames") < script.index("sentinel monitor")
+    for n in (1, 2):
+        argv = services[f"redis-replica-{n}"]["command"]
+        assert argv[argv.index("--replicaof") + 1 : argv.index("--replicaof") + 3] == [
+            "redis",
+            "6379",
+        ]
+    master = services["redis"]["command"]
+    assert master[master.index("--min-replicas-to-write") + 1] == "1"

@@ -381,3 +381,27 @@ def test_admin_pods_take_no_traffic_and_only_admin_clients_reach_them(
     assert [a for a in proc_rules if a.startswith("--config=")] == [
         a for a in admin_rules if a.startswith("--config=")
     ]
+
+
+def test_redis_sentinel_overlay_is_valid_and_points_at_its_sentinels(no_network: None) -> None:
+    """deploy/kubernetes/redis-sentinel: valid Kubernetes; the Secret's URL names the three
+    sentinel pods through their headless Service and the master name they monitor."""
+    from extproc.limiter.redis_url import parse_redis_url
+
+    objs = render(BASE / "redis-sentinel")
+    for obj in objs:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    target = parse_redis_url(one(objs, "Secret", "ai-quota-redis")["stringData"]["url"])
+    assert target.kind == "sentinel"
+    sentinels = one(objs, "StatefulSet", "ai-quota-sentinel")
+    service = sentinels["spec"]["serviceName"]
+    assert [h for h, _ in target.sentinels] == [
+        f"ai-quota-sentinel-{i}.{service}.ai-quota.svc"
+        for i in range(sentinels["spec"]["replicas"])
+    ]
+    conf = one(objs, "ConfigMap", "ai-quota-sentinel")["data"]["sentinel.conf"]
+    assert f"sentinel monitor {target.master} ai-quota-redis-0.ai-quota-redis.ai-quota.svc" in conf
+    assert conf.index("resolve-hostnames yes") < conf.index("sentinel monitor")
+    redis_set = one(objs, "StatefulSet", "ai-quota-redis")
+    assert redis_set["spec"]["replicas"] == 3
+    assert one(objs, "Service", "ai-quota-redis")["spec"]["clusterIP"] == "None"

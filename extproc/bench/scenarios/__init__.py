@@ -12,6 +12,7 @@ from extproc.bench.scenarios import (
     admin,
     admission,
     engine,
+    failover,
     profile,
     rls,
     rolling,
@@ -35,6 +36,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     soak.SCENARIO,
     rls.SCENARIO,
     admin.SCENARIO,
+    failover.SCENARIO,
     engine.SCENARIO,
 )
 
