@@ -16,6 +16,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import grpc
 
 from extproc.stack import DEFAULT_WORKDIR, STACK_FILE
 
@@ -122,6 +125,61 @@ def redis_url(
     default ``redis://127.0.0.1:6379/0``."""
     names = ("AIQ_REDIS_URL",)
     return resolve(flag, names, "redis_url", DEFAULT_REDIS_URL, env=env, files=files)
+
+
+@dataclass(frozen=True)
+class PortCredentials:
+    """How a side command reaches the gRPC port: TLS with this CA (and server name) and a
+    bearer token file (the admin token for any tenant); empty: plaintext, no token."""
+
+    ca_file: str = ""
+    server_name: str = ""
+    token_file: str = ""
+
+    def channel(self, address: str) -> Any:
+        """A blocking channel to ``address`` (TLS when a CA is known)."""
+        if not self.ca_file:
+            return grpc.insecure_channel(address)
+        creds = grpc.ssl_channel_credentials(Path(self.ca_file).read_bytes())
+        options = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+        return grpc.secure_channel(address, creds, options=options)
+
+    def token(self) -> str:
+        """The first token of the token file ("" without one)."""
+        if not self.token_file:
+            return ""
+        for line in Path(self.token_file).read_text(encoding="utf-8").splitlines():
+            if line.strip() and not line.strip().startswith("#"):
+                return line.strip()
+        return ""
+
+
+def port_credentials(
+    found: Found,
+    *,
+    ca_file: str | None = None,
+    token_file: str | None = None,
+    server_name: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> PortCredentials:
+    """The flags; else ``AIQ_USAGE_CA_FILE`` / ``AIQ_USAGE_TOKEN_FILE`` /
+    ``AIQ_USAGE_SERVER_NAME``; else, when the address came from a running stack's stack.json,
+    that stack's CA and admin token (docs/security.md)."""
+    environ = os.environ if env is None else env
+    ca = ca_file or environ.get("AIQ_USAGE_CA_FILE", "")
+    token = token_file or environ.get("AIQ_USAGE_TOKEN_FILE", "")
+    name = server_name or environ.get("AIQ_USAGE_SERVER_NAME", "")
+    if found.from_stack and not (ca or token):
+        try:
+            info = json.loads(Path(found.origin).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            info = {}
+        creds = info.get("credentials") if isinstance(info, dict) else None
+        if isinstance(creds, dict):
+            ca = str(creds.get("ca") or "")
+            token = str(creds.get("admin_token_file") or "")
+            name = name or str(creds.get("server_name") or "")
+    return PortCredentials(ca_file=ca, server_name=name, token_file=token)
 
 
 def note(command: str, found: Found) -> None:
