@@ -130,6 +130,14 @@ def _a_process_exited(stack: Stack) -> bool:
     return exited
 
 
+def _door(stack: Stack) -> str:
+    c = stack.credentials
+    if c is None:
+        return "plaintext, no credential (--insecure)"
+    how = "Envoy's client certificate" if stack.security == "mtls" else "Envoy's bearer token"
+    return f"TLS + {how}; CA, certificates and tokens in {c.dir} (docs/security.md)"
+
+
 def banner(stack: Stack, args: argparse.Namespace, workdir: Path) -> str:
     """What the terminal shows once the stack is up: the addresses and how to try it."""
     base = stack.base_url
@@ -145,6 +153,7 @@ ai-quota is up.
   metrics            : {metrics}
   logs               : {workdir}/*.log (Envoy's access log: envoy0.log)
   addresses          : {stack.state_file}
+  gRPC port's door   : {_door(stack)}
 
 Try it (demo keys: sk-demo-standard, sk-demo-tight = 5 RPM / 2,000 TPM, sk-demo-strict,
 sk-demo-budget = $0.02 a month, 2 at once):

@@ -161,19 +161,29 @@ def port_credentials(
     token_file: str | None = None,
     server_name: str | None = None,
     env: Mapping[str, str] | None = None,
+    files: Sequence[Path] | None = None,
 ) -> PortCredentials:
     """The flags; else ``AIQ_USAGE_CA_FILE`` / ``AIQ_USAGE_TOKEN_FILE`` /
-    ``AIQ_USAGE_SERVER_NAME``; else, when the address came from a running stack's stack.json,
-    that stack's CA and admin token (docs/security.md)."""
+    ``AIQ_USAGE_SERVER_NAME``; else, when the address is a running stack's (read from its
+    stack.json, or given and listed there), that stack's CA and admin token
+    (docs/security.md)."""
     environ = os.environ if env is None else env
     ca = ca_file or environ.get("AIQ_USAGE_CA_FILE", "")
     token = token_file or environ.get("AIQ_USAGE_TOKEN_FILE", "")
     name = server_name or environ.get("AIQ_USAGE_SERVER_NAME", "")
+    info: object = {}
     if found.from_stack and not (ca or token):
         try:
             info = json.loads(Path(found.origin).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             info = {}
+    elif not (ca or token):  # an address given by hand: the running stack's, if it is one
+        running = running_stack(stack_files() if files is None else files)
+        if running is not None:
+            listed = running[0].get("extprocs")
+            if isinstance(listed, list) and found.value in listed:
+                info = running[0]
+    if info:
         creds = info.get("credentials") if isinstance(info, dict) else None
         if isinstance(creds, dict):
             ca = str(creds.get("ca") or "")
