@@ -118,13 +118,19 @@ def _token_file(path: Path, token: str) -> None:
 
 
 def make(
-    directory: Path, *, client_name: str = CLIENT_NAME, days: int = 30, reuse: bool = True
+    directory: Path,
+    *,
+    client_name: str = CLIENT_NAME,
+    days: int = 30,
+    reuse: bool = True,
+    shared: bool = False,
 ) -> DevCredentials:
     """Write a CA, server and client certificates and two token files under ``directory``
-    (kept when they are already there and ``reuse``)."""
+    (kept when they are already there and ``reuse``).  ``shared``: readable by every user (a
+    volume that containers running as different users mount, and nothing else does)."""
     d = directory
     d.mkdir(parents=True, exist_ok=True)
-    os.chmod(d, 0o700)
+    os.chmod(d, 0o755 if shared else 0o700)
     token_file, admin_file = d / "grpc-token", d / "admin-token"
     wanted = [
         d / n for n in ("ca.pem", "server.pem", "server.key", f"{client_name}.pem", "grpc-token")
@@ -157,6 +163,9 @@ def make(
         _leaf(d, client_name, f"DNS:{client_name}", "clientAuth", days)
         _token_file(token_file, secrets.token_urlsafe(32))
         _token_file(admin_file, secrets.token_urlsafe(32))
+    if shared:
+        for f in d.iterdir():
+            os.chmod(f, 0o644)
     return DevCredentials(
         dir=d,
         ca=d / "ca.pem",
@@ -174,3 +183,28 @@ def make(
 def client_cert(directory: Path, name: str, *, days: int = 30) -> tuple[Path, Path]:
     """One more client certificate (DNS SAN ``name``) from the CA :func:`make` wrote there."""
     return _leaf(directory, name, f"DNS:{name}", "clientAuth", days)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m extproc.devcerts DIR [--shared] [--days N]``: make (or keep) the credentials
+    in DIR, e.g. compose's one-shot ``credentials`` service."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m extproc.devcerts", description=main.__doc__)
+    parser.add_argument("directory")
+    parser.add_argument("--shared", action="store_true", help="readable by every user")
+    parser.add_argument("--days", type=int, default=365)
+    args = parser.parse_args(argv)
+    try:
+        made = make(Path(args.directory), days=args.days, shared=args.shared)
+    except CertError as exc:
+        print(f"devcerts: {exc}", file=sys.stderr)
+        return 1
+    for name, path in made.describe().items():
+        print(f"{name}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

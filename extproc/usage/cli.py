@@ -37,6 +37,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--server-name", help="the name in the service's certificate (default: its address)"
     )
+    parser.add_argument("--cert-file", help="a client certificate (a port with mutual TLS)")
+    parser.add_argument("--key-file", help="the client certificate's key")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     from extproc.records.export import add_subcommands
 
@@ -53,7 +55,12 @@ def run(args: argparse.Namespace) -> int:
     address = usage_address(args.address)
     note("ai-quota usage", address)
     door = port_credentials(
-        address, ca_file=args.ca_file, token_file=args.token_file, server_name=args.server_name
+        address,
+        ca_file=args.ca_file,
+        token_file=args.token_file,
+        server_name=args.server_name,
+        cert_file=args.cert_file,
+        key_file=args.key_file,
     )
     try:
         token = door.token() or args.key or ""

@@ -135,12 +135,17 @@ class PortCredentials:
     ca_file: str = ""
     server_name: str = ""
     token_file: str = ""
+    cert_file: str = ""  # a client certificate, for a port that asks for one (mutual TLS)
+    key_file: str = ""
 
     def channel(self, address: str) -> Any:
         """A blocking channel to ``address`` (TLS when a CA is known)."""
         if not self.ca_file:
             return grpc.insecure_channel(address)
-        creds = grpc.ssl_channel_credentials(Path(self.ca_file).read_bytes())
+        pair: tuple[bytes, bytes] | tuple[None, None] = (None, None)
+        if self.cert_file:
+            pair = (Path(self.key_file).read_bytes(), Path(self.cert_file).read_bytes())
+        creds = grpc.ssl_channel_credentials(Path(self.ca_file).read_bytes(), *pair)
         options = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
         return grpc.secure_channel(address, creds, options=options)
 
@@ -160,6 +165,8 @@ def port_credentials(
     ca_file: str | None = None,
     token_file: str | None = None,
     server_name: str | None = None,
+    cert_file: str | None = None,
+    key_file: str | None = None,
     env: Mapping[str, str] | None = None,
     files: Sequence[Path] | None = None,
 ) -> PortCredentials:
@@ -189,7 +196,17 @@ def port_credentials(
             ca = str(creds.get("ca") or "")
             token = str(creds.get("admin_token_file") or "")
             name = name or str(creds.get("server_name") or "")
-    return PortCredentials(ca_file=ca, server_name=name, token_file=token)
+            mtls = isinstance(info, dict) and info.get("security") == "mtls"
+            if mtls and not cert_file:
+                cert_file = str(creds.get("client_cert") or "")
+                key_file = str(creds.get("client_key") or "")
+    return PortCredentials(
+        ca_file=ca,
+        server_name=name,
+        token_file=token,
+        cert_file=cert_file or "",
+        key_file=key_file or "",
+    )
 
 
 def note(command: str, found: Found) -> None:
