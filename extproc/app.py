@@ -116,6 +116,7 @@ class Running:
     rls: Any = None  # extproc.rls.service.RlsRuntime: the RLS API's config and counters
     rls_server: Any = None  # the RLS API's own server when AIQ_RLS_ADDRESS is set
     rls_port: int = 0
+    health_server: Any = None  # grpc.health.v1 alone, plaintext, at AIQ_HEALTH_ADDRESS
     _health_updates: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def set_serving(self, serving: bool) -> None:
@@ -173,6 +174,8 @@ class Running:
         stopping = asyncio.create_task(self.server.stop(grace + 2.0))
         if self.rls_server is not None:
             await self.rls_server.stop(1.0)
+        if self.health_server is not None:
+            await self.health_server.stop(0.5)
         if self.rls is not None:
             await self.rls.close()
         deadline = loop.time() + grace
@@ -290,9 +293,16 @@ async def start(
             what="ext_proc gRPC API",
             credentials=security.credentials,
         )
+        health_server = None
+        if settings.health_address:
+            health_server = grpc.aio.server(options=options)
+            health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
+            add_grpc_port(health_server, settings.health_address, what="health (plaintext)")
         await server.start()
         if rls_server is not None:
             await rls_server.start()
+        if health_server is not None:
+            await health_server.start()
     except BaseException:
         # What was built so far holds connections and tasks: close it, or the process hangs
         # on its way out instead of reporting the error.
@@ -328,6 +338,7 @@ async def start(
         rls=rls,
         rls_server=rls_server,
         rls_port=rls_port or port,
+        health_server=health_server,
     )
     running.ready_task = asyncio.create_task(running.wait_ready())
     return running

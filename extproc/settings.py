@@ -106,6 +106,9 @@ class Settings(BaseSettings):
     grpc_tls_client_ca: str = ""
     grpc_allowed_sans: str = ""
     grpc_allow_plaintext: bool = False
+    # grpc.health.v1 alone, in plaintext, on its own host:port ("" = none): for probes that
+    # cannot speak TLS (the kubelet's gRPC probes) when the main port is TLS-only.
+    health_address: str = ""
 
     @property
     def allowed_sans(self) -> list[str]:
@@ -152,8 +155,8 @@ class Settings(BaseSettings):
         ``AIQ_ADMIN_TLS_CERT``, ``AIQ_ADMIN_TLS_KEY``, ``AIQ_ADMIN_TLS_CLIENT_CA``,
         ``AIQ_ADMIN_ALLOW_PLAINTEXT``, ``AIQ_RLS_*`` (docs/rls.md), ``AIQ_INSECURE``,
         ``AIQ_GRPC_TOKEN_FILE``, ``AIQ_GRPC_TLS_CERT``, ``AIQ_GRPC_TLS_KEY``,
-        ``AIQ_GRPC_TLS_CLIENT_CA``, ``AIQ_GRPC_ALLOWED_SANS``, ``AIQ_GRPC_ALLOW_PLAINTEXT``
-        (docs/security.md) from
+        ``AIQ_GRPC_TLS_CLIENT_CA``, ``AIQ_GRPC_ALLOWED_SANS``, ``AIQ_GRPC_ALLOW_PLAINTEXT``,
+        ``AIQ_HEALTH_ADDRESS`` (docs/security.md) from
         ``env`` (default ``os.environ``); explicit non-None ``overrides`` (CLI flags) win.
 
         Raises :class:`SettingsError` naming every variable whose value is invalid."""

@@ -105,6 +105,8 @@ class Supervisor:
             "AIQ_GRPC_TLS_CLIENT_CA": s.grpc_tls_client_ca,
             "AIQ_GRPC_ALLOWED_SANS": s.grpc_allowed_sans,
             "AIQ_GRPC_ALLOW_PLAINTEXT": "1" if s.grpc_allow_plaintext else "0",
+            # health-only port: the first worker alone (the others would clash on it)
+            "AIQ_HEALTH_ADDRESS": s.health_address if w.index == 0 else "",
         }
         if self._multiproc_dir:
             env["PROMETHEUS_MULTIPROC_DIR"] = self._multiproc_dir

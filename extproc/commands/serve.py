@@ -94,6 +94,11 @@ def configure_parser(s: argparse.ArgumentParser) -> None:
         "(repeatable; env AIQ_GRPC_ALLOWED_SANS, comma-separated; default: any the CA signed)",
     )
     s.add_argument(
+        "--health-address",
+        help="also serve grpc.health.v1 alone, in plaintext, on this host:port (env "
+        "AIQ_HEALTH_ADDRESS): for probes that cannot speak TLS, e.g. the kubelet's",
+    )
+    s.add_argument(
         "--rls-address",
         help="serve the RLS API on its own host:port (env AIQ_RLS_ADDRESS; default: the "
         "ext_proc port)",
@@ -129,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
             rls_config=args.rls_config,
             rls_address=args.rls_address,
             insecure=args.insecure,
+            health_address=args.health_address,
             grpc_token_file=args.grpc_token_file,
             grpc_tls_cert=args.grpc_tls_cert,
             grpc_tls_key=args.grpc_tls_key,

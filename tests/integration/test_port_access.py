@@ -361,3 +361,36 @@ def test_refusals_are_logged_once_a_minute_per_peer_and_all_counted(
     for p in range(10_000):  # distinct peers: the memory of who was logged stays bounded
         guard.note(_Ctx(f"ipv4:10.1.{p // 256}.{p % 256}:1"), "x.y", "missing")
     assert len(guard._logged) <= 4096
+
+
+async def test_a_plaintext_health_port_serves_health_only(
+    redis_server: RedisServer, rules: Path, creds: devcerts.DevCredentials
+) -> None:
+    """AIQ_HEALTH_ADDRESS: the kubelet's gRPC probes (no TLS) reach grpc.health.v1 and nothing
+    else, while the main port is TLS-only."""
+    from extproc.stack import free_port
+
+    port = free_port()
+    running, _ = await serve(
+        redis_server,
+        rules,
+        grpc_token_file=str(creds.token_file),
+        grpc_tls_cert=str(creds.server_cert),
+        grpc_tls_key=str(creds.server_key),
+        health_address=f"127.0.0.1:{port}",
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=EXT_PROC), timeout=5)
+            assert answer.status in (
+                health_pb2.HealthCheckResponse.SERVING,
+                health_pb2.HealthCheckResponse.NOT_SERVING,
+            )
+            assert await rls_code(ch, bearer(creds.token)) == grpc.StatusCode.UNIMPLEMENTED
+            assert await usage(ch, tenant="acme") == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        await running.stop(1.0)
+
+
+EXT_PROC = "envoy.service.ext_proc.v3.ExternalProcessor"
