@@ -76,7 +76,7 @@ class UsageServicer(usage_pb2_grpc.UsageServicer):
             presented = self.guard.usage_caller(context).presented_key
             key = cfg.keys_by_digest.get(key_digest(presented)) if presented else None
             if key is not None:
-                tenant_id = key.tenant
+                key_name, tenant_id = key.name, key.tenant
         if request.api_key:
             key = cfg.keys_by_digest.get(key_digest(request.api_key))
             if key is None:
