@@ -29,6 +29,7 @@ import hmac
 import inspect
 import ipaddress
 import os
+import ssl
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -411,6 +412,13 @@ class CertFiles:
                     raise AccessConfigError(f"gRPC TLS: the {what} file is not PEM ({marker!r})")
                 log.error("grpc_tls_file_not_pem", file=what, note="keeping the last ones")
                 return None
+        try:  # a key that is not the certificate's (a renewal caught half-way) is refused
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert, self.key)
+        except (ssl.SSLError, OSError) as exc:
+            if strict:
+                raise AccessConfigError(f"gRPC TLS: certificate and key: {exc}") from exc
+            log.error("grpc_tls_pair_unusable", error=str(exc), note="keeping the last ones")
+            return None
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
     def fetch(self) -> Any:

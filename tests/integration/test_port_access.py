@@ -4,6 +4,7 @@ what a refused caller leaves behind (nothing in Redis, a counted and rate-limite
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -107,13 +108,16 @@ async def process_code(ch: Any, metadata: Any = None) -> grpc.StatusCode:
     """The status of an ext_proc Process stream that sends request headers."""
     stub = ep_grpc.ExternalProcessorStub(ch)
     call = stub.Process(metadata=metadata)
-    await call.write(ep_pb.ProcessingRequest(request_headers=ep_pb.HttpHeaders()))
-    await call.done_writing()
     try:
+        # the server may refuse before reading: a write can then meet the finished call
+        await call.write(ep_pb.ProcessingRequest(request_headers=ep_pb.HttpHeaders()))
+        await call.done_writing()
         async for _ in call:
             pass
     except grpc.aio.AioRpcError as exc:
         return exc.code()
+    except asyncio.InvalidStateError:
+        pass
     return await call.code()
 
 
@@ -394,3 +398,42 @@ async def test_a_plaintext_health_port_serves_health_only(
 
 
 EXT_PROC = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+async def test_a_renewed_certificate_is_served_without_a_restart(
+    redis_server: RedisServer, rules: Path, tmp_path: Path
+) -> None:
+    """The certificate and key files replaced (another CA's): the next connection's handshake
+    presents the new certificate; a client trusting only the old CA no longer connects."""
+    import shutil
+
+    first = devcerts.make(tmp_path / "first")
+    second = devcerts.make(tmp_path / "second")
+    live = tmp_path / "live"
+    live.mkdir()
+    shutil.copy(first.server_cert, live / "tls.crt")
+    shutil.copy(first.server_key, live / "tls.key")
+    running, _ = await serve(
+        redis_server,
+        rules,
+        grpc_token_file=str(first.token_file),
+        grpc_tls_cert=str(live / "tls.crt"),
+        grpc_tls_key=str(live / "tls.key"),
+    )
+    try:
+        async with tls_channel(running.port, first) as ch:
+            assert await rls_code(ch, bearer(first.token)) == grpc.StatusCode.OK
+        # a renewal writes new files and renames them over the old ones, one after the other:
+        # a handshake in between meets a key that is not the certificate's and keeps the old
+        shutil.copy(second.server_key, live / "new.key")
+        shutil.copy(second.server_cert, live / "new.crt")
+        (live / "new.key").replace(live / "tls.key")
+        async with tls_channel(running.port, first) as ch:
+            assert await rls_code(ch, bearer(first.token)) == grpc.StatusCode.OK
+        (live / "new.crt").replace(live / "tls.crt")
+        async with tls_channel(running.port, second) as ch:
+            assert await rls_code(ch, bearer(first.token)) == grpc.StatusCode.OK
+        async with tls_channel(running.port, first) as ch:
+            assert await rls_code(ch, bearer(first.token)) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await running.stop(1.0)
