@@ -141,6 +141,7 @@ def counters(stack: Stack, tenant: str) -> dict[Any, Any]:
 
 
 def test_ext_proc_and_rls_serve_traffic_over_tls_with_a_bearer_token(tstack: Stack) -> None:
+    """Envoy with the token over TLS: chat completions through ext_proc and RLS-limited requests pass."""
     assert tstack.credentials is not None
     envoy_yaml = (tstack.workdir / "envoy0.yaml").read_text()
     assert "UpstreamTlsContext" in envoy_yaml and "initial_metadata" in envoy_yaml
@@ -160,6 +161,7 @@ def test_ext_proc_and_rls_serve_traffic_over_tls_with_a_bearer_token(tstack: Sta
 
 
 def test_ext_proc_and_rls_serve_traffic_over_mutual_tls(mstack: Stack) -> None:
+    """Envoy with its client certificate: ext_proc and RLS serve; another certificate of the CA is refused."""
     assert mstack.credentials is not None
     assert "initial_metadata" not in (mstack.workdir / "envoy0.yaml").read_text()
     assert chat(mstack) > 0
@@ -193,6 +195,7 @@ def test_ext_proc_and_rls_serve_traffic_over_mutual_tls(mstack: Stack) -> None:
 
 
 def test_a_plain_client_is_refused_process_rls_and_usage(tstack: Stack) -> None:
+    """A client without Envoy's credential (plaintext, or TLS without token) is refused for Process, ShouldRateLimit and GetUsage."""
     with grpc.insecure_channel(f"127.0.0.1:{tstack.extproc_ports[0]}") as ch:  # no TLS
         assert process_code(ch) == grpc.StatusCode.UNAVAILABLE
         assert rls_code(ch, "t-door", 1900) == grpc.StatusCode.UNAVAILABLE
@@ -207,6 +210,7 @@ def test_a_plain_client_is_refused_process_rls_and_usage(tstack: Stack) -> None:
 
 
 def test_usage_answers_a_tenants_own_key_for_that_tenant_only(tstack: Stack) -> None:
+    """GetUsage with a tenant's key answers that tenant; another tenant is PERMISSION_DENIED; the admin token reads any."""
     chat(tstack, "sk-door")
     with tls_without_credential(tstack) as ch:
         own = get_usage(ch, (("authorization", "Bearer sk-door"),))

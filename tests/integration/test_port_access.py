@@ -165,6 +165,7 @@ async def token_port(
 async def test_without_credentials_every_service_but_health_is_refused(
     token_port: tuple[Running, str], creds: devcerts.DevCredentials
 ) -> None:
+    """Without Envoy's token, Process, ShouldRateLimit and GetUsage are UNAUTHENTICATED (counted per service and reason); health answers."""
     running, _ = token_port
     async with tls_channel(running.port, creds) as ch:
         assert await process_code(ch) == UNAUTH
@@ -186,6 +187,7 @@ async def test_without_credentials_every_service_but_health_is_refused(
 async def test_the_token_serves_ext_proc_and_rls(
     token_port: tuple[Running, str], creds: devcerts.DevCredentials
 ) -> None:
+    """With the caller token, RLS answers and Process gets past the door."""
     running, _ = token_port
     async with tls_channel(running.port, creds) as ch:
         assert await rls_code(ch, bearer(creds.token)) == grpc.StatusCode.OK
@@ -215,6 +217,7 @@ async def test_an_unauthenticated_drain_leaves_the_tenant_untouched(
 async def test_usage_answers_a_tenant_its_own_usage_and_the_admin_any(
     token_port: tuple[Running, str], creds: devcerts.DevCredentials
 ) -> None:
+    """A tenant's key reads that tenant only (another: PERMISSION_DENIED); the admin token reads any; Envoy's token reads none."""
     running, _ = token_port
     async with tls_channel(running.port, creds) as ch:
         own = await usage(ch, bearer("sk-acme"))
@@ -238,6 +241,7 @@ async def test_usage_answers_a_tenant_its_own_usage_and_the_admin_any(
 async def test_a_rotation_keeps_both_tokens_then_only_the_new(
     redis_server: RedisServer, rules: Path, creds: devcerts.DevCredentials, tmp_path: Path
 ) -> None:
+    """The token file rewritten old+new, then new only, then emptied: the tokens in force follow it without a restart."""
     tokens = tmp_path / "tokens"
     tokens.write_text("old-token\n")
     running, _ = await serve(
@@ -266,6 +270,7 @@ async def test_a_rotation_keeps_both_tokens_then_only_the_new(
 async def test_mutual_tls_admits_allowed_sans_only(
     redis_server: RedisServer, rules: Path, creds: devcerts.DevCredentials
 ) -> None:
+    """Mutual TLS: Envoy's certificate (allowed SAN) passes, another of the same CA is PERMISSION_DENIED, none fails the handshake."""
     running, _ = await serve(
         redis_server,
         rules,
@@ -296,6 +301,7 @@ async def test_mutual_tls_admits_allowed_sans_only(
 async def test_insecure_is_an_explicit_choice(
     redis_server: RedisServer, rules: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """No credential: start() refuses unless insecure=True, which serves everyone."""
     with pytest.raises(AccessConfigError, match="--insecure or AIQ_INSECURE=1"):
         await serve(redis_server, rules)
     running, _ = await serve(redis_server, rules, insecure=True)
@@ -320,6 +326,7 @@ async def test_insecure_is_an_explicit_choice(
 def test_settings_that_would_leave_the_port_open_are_refused(
     kw: dict[str, Any], message: str
 ) -> None:
+    """Incomplete or unsafe settings are refused with a message naming what to set."""
     args: dict[str, Any] = {
         "address": "127.0.0.1:50051",
         "insecure": False,
@@ -346,6 +353,7 @@ class _Ctx:
 def test_refusals_are_logged_once_a_minute_per_peer_and_all_counted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """Every refusal is counted with bounded labels; each peer host is logged at most once a minute; the log memory is bounded."""
     from prometheus_client import CollectorRegistry, Counter
 
     reg = CollectorRegistry()
