@@ -11,6 +11,7 @@ from extproc.bench.scenarios import (
     accuracy,
     admin,
     admission,
+    door,
     engine,
     profile,
     rls,
@@ -34,6 +35,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     rolling.SCENARIO,
     soak.SCENARIO,
     rls.SCENARIO,
+    door.SCENARIO,
     admin.SCENARIO,
     engine.SCENARIO,
 )
