@@ -112,6 +112,22 @@ def _leaf(d: Path, name: str, sans: str, usage: str, days: int) -> tuple[Path, P
     return pem, key
 
 
+def _valid_for_a_day(*certs: Path) -> bool:
+    """Whether every certificate is still valid 24 hours from now (``openssl -checkend``)."""
+    binary = shutil.which("openssl")
+    if binary is None:
+        return True  # nothing to check with; make() would fail the same way
+    for cert in certs:
+        done = subprocess.run(  # noqa: S603 - our own arguments
+            [binary, "x509", "-checkend", "86400", "-noout", "-in", str(cert)],
+            capture_output=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            return False
+    return True
+
+
 def _token_file(path: Path, token: str) -> None:
     path.write_text(token + "\n")
     os.chmod(path, 0o600)
@@ -135,7 +151,10 @@ def make(
     wanted = [
         d / n for n in ("ca.pem", "server.pem", "server.key", f"{client_name}.pem", "grpc-token")
     ]
-    if not (reuse and all(p.is_file() for p in wanted) and admin_file.is_file()):
+    kept = reuse and all(p.is_file() for p in wanted) and admin_file.is_file()
+    if kept and not _valid_for_a_day(d / "server.pem", d / f"{client_name}.pem"):
+        kept = False  # expired or about to: make a new set
+    if not kept:
         _openssl(
             "req",
             "-x509",

@@ -445,3 +445,15 @@ async def test_a_renewed_certificate_is_served_without_a_restart(
             assert await rls_code(ch, bearer(first.token)) == grpc.StatusCode.UNAVAILABLE
     finally:
         await running.stop(1.0)
+
+
+def test_local_credentials_are_kept_until_they_near_expiry(tmp_path: Path) -> None:
+    """`ai-quota up` keeps .run/credentials across runs, and makes a new set when the
+    certificates expire within a day."""
+    first = devcerts.make(tmp_path / "c")
+    again = devcerts.make(tmp_path / "c")
+    assert again.token == first.token and again.ca.read_bytes() == first.ca.read_bytes()
+    short = devcerts.make(tmp_path / "short", days=1)  # valid for less than a day and a second
+    renewed = devcerts.make(tmp_path / "short")
+    assert renewed.token != short.token
+    assert (tmp_path / "c").stat().st_mode & 0o077 == 0  # only the owner reads them
