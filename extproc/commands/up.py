@@ -33,6 +33,13 @@ def configure_parser(u: argparse.ArgumentParser) -> None:
     )
     u.add_argument("--redis-url", help="use this Redis instead of starting one")
     u.add_argument(
+        "--security",
+        choices=["token", "mtls", "insecure"],
+        default="token",
+        help="how Envoy reaches the processors' gRPC port: TLS + a bearer token (default), "
+        "mutual TLS, or plaintext without credentials (docs/security.md)",
+    )
+    u.add_argument(
         "--rls-config",
         default=DEMO_RLS_CONFIG,
         help="envoyproxy/ratelimit config the RLS API serves (default %(default)s; '' for none)",
@@ -102,6 +109,7 @@ def _stack(args: argparse.Namespace, workdir: Path) -> Stack:
         log_format="json",
         inherit_output=False,
         metrics_port=args.metrics_port or 0,
+        security=args.security,
         extproc_env={"AIQ_RLS_CONFIG": str(Path(args.rls_config).resolve())}
         if args.rls_config
         else {},
