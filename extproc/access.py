@@ -455,12 +455,25 @@ def is_loopback(host: str) -> bool:
 
 @dataclass(frozen=True)
 class PortSecurity:
-    """What ``ai-quota serve`` puts on its gRPC port(s): credentials for the listener (None:
-    plaintext) and the guard."""
+    """What ``ai-quota serve`` puts on its gRPC port(s): the guard, and TLS when ``tls_files``
+    is set (the files were read once, so a bad one fails the start)."""
 
-    credentials: Any
     guard: PortGuard
     tls_files: CertFiles | None = None
+
+    @property
+    def tls(self) -> bool:
+        """Whether the port(s) serve TLS."""
+        return self.tls_files is not None
+
+    def credentials(self) -> Any:
+        """Server credentials for one listener (None: plaintext).  Each listener gets its own:
+        grpc does not share a dynamic configuration between servers, and each fetcher must see
+        a change of the files for itself."""
+        if self.tls_files is None:
+            return None
+        f = self.tls_files
+        return server_credentials(CertFiles(f.cert, f.key, f.client_ca))
 
 
 def check_settings(
@@ -544,5 +557,4 @@ def build(
             tls=files is not None,
             note="--insecure: anyone who reaches this port may call ext_proc, RLS and usage",
         )
-    creds = server_credentials(files) if files is not None else None
-    return PortSecurity(credentials=creds, guard=guard, tls_files=files)
+    return PortSecurity(guard=guard, tls_files=files)

@@ -291,7 +291,7 @@ async def start(
             server,
             settings.grpc_address,
             what="ext_proc gRPC API",
-            credentials=security.credentials,
+            credentials=security.credentials(),
         )
         health_server = None
         if settings.health_address:
@@ -321,7 +321,7 @@ async def start(
         models=sorted(cfg.models),
         tenants=len(cfg.tenants),
         failure_mode=cfg.failure_mode,
-        tls=security.credentials is not None,
+        tls=security.tls,
         mutual_tls=security.guard.client_certs,
         caller_tokens=security.guard.tokens is not None,
     )
@@ -381,7 +381,7 @@ def _start_rls(
     add_rls_service(own, rls)
     health_pb2_grpc.add_HealthServicer_to_server(health, own)
     port = add_grpc_port(
-        own, settings.rls_address, what="RLS API", credentials=security.credentials
+        own, settings.rls_address, what="RLS API", credentials=security.credentials()
     )
     rls.start_watching(settings.rls_watch_s)  # once bound: a failed start leaves no task
     return rls, own, port

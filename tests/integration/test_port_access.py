@@ -457,3 +457,31 @@ def test_local_credentials_are_kept_until_they_near_expiry(tmp_path: Path) -> No
     renewed = devcerts.make(tmp_path / "short")
     assert renewed.token != short.token
     assert (tmp_path / "c").stat().st_mode & 0o077 == 0  # only the owner reads them
+
+
+async def test_the_rls_api_on_its_own_address_has_the_same_door(
+    redis_server: RedisServer, rules: Path, creds: devcerts.DevCredentials
+) -> None:
+    """AIQ_RLS_ADDRESS: the RLS API's own port serves the same TLS and answers the same
+    caller token only."""
+    from extproc.stack import free_port
+
+    rls_port = free_port()
+    running, _ = await serve(
+        redis_server,
+        rules,
+        grpc_token_file=str(creds.token_file),
+        grpc_tls_cert=str(creds.server_cert),
+        grpc_tls_key=str(creds.server_key),
+        rls_address=f"127.0.0.1:{rls_port}",
+    )
+    try:
+        assert running.rls_port == rls_port
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{rls_port}") as ch:
+            assert await rls_code(ch, bearer(creds.token)) == grpc.StatusCode.UNAVAILABLE
+        async with tls_channel(rls_port, creds) as ch:
+            assert await rls_code(ch, hits=1900) == UNAUTH
+            assert await rls_code(ch, bearer(creds.token)) == grpc.StatusCode.OK
+    finally:
+        await running.stop(1.0)
+    assert metric(running, "aiq_grpc_refused_total", service="rls", reason="missing") == 1
