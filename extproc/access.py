@@ -184,16 +184,6 @@ class UsageCaller:
     presented_key: str = ""  # the API key sent as the bearer token ("" when none)
 
 
-class Refused(Exception):
-    """A call the guard refused: the status, the metric's reason, a message for the caller."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.reason = reason
-        self.message = message
-
-
 class PortGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """The gRPC port's credential checks (see the module docstring).
 
@@ -251,7 +241,7 @@ class PortGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return _guarded(handler, check, call=False)
 
     def _cert_allowed(self, context: Any) -> str:
-        """ "" when the peer's certificate may call; else the refusal reason."""
+        """The refusal reason for the peer's certificate; empty when it may call."""
         names = cert_names(context)
         if not names:
             return "missing"
