@@ -216,3 +216,12 @@ class Metrics:
             ["method", "code"],
             registry=r,
         )
+        # -- the gRPC port's door (extproc.access, docs/security.md) -------------------------
+        self.grpc_refused = Counter(
+            "aiq_grpc_refused",
+            "Calls on the gRPC port refused for their credential, by service (ext_proc, rls, "
+            "usage, other) and reason (missing, wrong_token, san_not_allowed, unknown_key, "
+            "other_tenant)",
+            ["service", "reason"],
+            registry=r,
+        )

@@ -99,6 +99,28 @@ class Settings(BaseSettings):
     rls_response_headers: bool = False
     rls_dynamic_metadata: bool = False
     rls_watch_s: float = Field(default=1.0, ge=0)
+    # The gRPC port's door (docs/security.md): callers of ext_proc and RLS (Envoy) present a
+    # bearer token from grpc_token_file (one per line: two during a rotation) and/or a client
+    # certificate signed by grpc_tls_client_ca whose SAN is in grpc_allowed_sans (comma-
+    # separated; "" = any the CA signed); TLS from grpc_tls_cert/key (reloaded when they
+    # change); tokens in plaintext off loopback only with grpc_allow_plaintext (a mesh
+    # terminates TLS); no credential at all only with insecure (AIQ_INSECURE=1, --insecure).
+    insecure: bool = False
+    grpc_token_file: str = ""
+    grpc_tls_cert: str = ""
+    grpc_tls_key: str = ""
+    grpc_tls_client_ca: str = ""
+    grpc_allowed_sans: str = ""
+    grpc_allow_plaintext: bool = False
+    # grpc.health.v1 alone, in plaintext, on its own host:port ("" = none): for probes that
+    # cannot speak TLS (the kubelet's gRPC probes) when the main port is TLS-only.
+    health_address: str = ""
+
+    @property
+    def allowed_sans(self) -> list[str]:
+        """``grpc_allowed_sans`` as a list (comma-separated in the variable)."""
+        return [s.strip() for s in self.grpc_allowed_sans.split(",") if s.strip()]
+
     # What one ShouldRateLimit may carry (each exceeded cap: INVALID_ARGUMENT naming it), and
     # how many distinct detailed_metric values one rule may label (the rest: the rule's path).
     rls_max_descriptors: int = Field(default=32, ge=1, le=1024)
@@ -155,7 +177,10 @@ class Settings(BaseSettings):
         ``AIQ_EVENT_LOOP`` (uvloop|asyncio), ``AIQ_SHUTDOWN_GRACE_S``, ``AIQ_DRAIN_NOTICE_S``,
         ``AIQ_ADMIN_STORE``, ``AIQ_ADMIN_PORT``, ``AIQ_ADMIN_HOST``, ``AIQ_ADMIN_TOKEN_FILE``,
         ``AIQ_ADMIN_TLS_CERT``, ``AIQ_ADMIN_TLS_KEY``, ``AIQ_ADMIN_TLS_CLIENT_CA``,
-        ``AIQ_ADMIN_ALLOW_PLAINTEXT``, ``AIQ_RLS_*`` (docs/rls.md) from
+        ``AIQ_ADMIN_ALLOW_PLAINTEXT``, ``AIQ_RLS_*`` (docs/rls.md), ``AIQ_INSECURE``,
+        ``AIQ_GRPC_TOKEN_FILE``, ``AIQ_GRPC_TLS_CERT``, ``AIQ_GRPC_TLS_KEY``,
+        ``AIQ_GRPC_TLS_CLIENT_CA``, ``AIQ_GRPC_ALLOWED_SANS``, ``AIQ_GRPC_ALLOW_PLAINTEXT``,
+        ``AIQ_HEALTH_ADDRESS`` (docs/security.md) from
         ``env`` (default ``os.environ``); explicit non-None ``overrides`` (CLI flags) win.
 
         Raises :class:`SettingsError` naming every variable whose value is invalid."""

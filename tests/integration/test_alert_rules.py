@@ -120,6 +120,16 @@ CASES: list[dict[str, Any]] = [
         ],
         "alert_rule_test": [fires("AiQuotaAdminUnauthenticatedCalls", "2m")],
     },
+    {  # an Envoy left on a retired token; refused usage reads alone do not page
+        "input_series": [
+            series("aiq_grpc_refused_total", 'service="ext_proc",reason="wrong_token"', "0+4x10"),
+            series("aiq_grpc_refused_total", 'service="usage",reason="other_tenant"', "0+9x10"),
+        ],
+        "alert_rule_test": [
+            fires("AiQuotaGrpcCallsRefused", "2m", service="ext_proc"),
+            silent("AiQuotaGrpcCallsRefused", "30s"),
+        ],
+    },
     {  # lost settlements and lost usage records are critical at once
         "input_series": [
             series("aiq_settlements_total", 'outcome="dropped"', "0 0 5x5"),
@@ -190,6 +200,7 @@ CASES: list[dict[str, Any]] = [
                 "AiQuotaConfigReloadFailed",
                 "AiQuotaAdminStoreUnreachable",
                 "AiQuotaAdminUnauthenticatedCalls",
+                "AiQuotaGrpcCallsRefused",
                 "AiQuotaRefusalSpike",
                 "AiQuotaStreamsCutByFaults",
                 "AiQuotaSettlementsDropped",

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from extproc.config import load_config
-from extproc.envoy_config import EnvoyPorts, render_yaml
+from extproc.envoy_config import EnvoyPorts, GrpcClientAuth, render_yaml
 
 pytestmark = pytest.mark.integration
 
@@ -34,8 +34,13 @@ COMPOSE_PORTS = EnvoyPorts(
     listen_host="0.0.0.0",
     upstreams=(("sim", 18080),),
     extprocs=(("extproc", 50051),),
+    extproc_auth=GrpcClientAuth(
+        ca_file="/credentials/ca.pem",
+        cert_file="/credentials/envoy.pem",
+        key_file="/credentials/envoy.key",
+    ),
 )
-EXPECTED_SERVICES = {"redis", "extproc", "sim", "envoy"}
+EXPECTED_SERVICES = {"redis", "credentials", "extproc", "sim", "envoy"}
 
 
 def _compose(path: Path = COMPOSE_FILE) -> dict[str, Any]:
@@ -293,9 +298,36 @@ def test_compose_envoy_yaml_matches_the_compose_services() -> None:
     assert envoy_mounts.get(COMPOSE_ENVOY.resolve()) == "/etc/envoy/envoy.yaml"
 
 
-def test_compose_envoy_yaml_passes_envoy_validate() -> None:
-    """envoy --mode validate accepts compose/envoy.yaml (STRICT_DNS names need not resolve)."""
-    _validate(COMPOSE_ENVOY)
+def test_the_grpc_port_is_closed_by_default() -> None:
+    """The processors serve TLS and answer only Envoy's client certificate; both mount the
+    credentials the one-shot service makes; the gRPC port is not published (docs/security.md)."""
+    services = _services()
+    env = services["extproc"]["environment"]
+    assert env["AIQ_GRPC_TLS_CLIENT_CA"] == "/credentials/ca.pem"
+    assert env["AIQ_GRPC_ALLOWED_SANS"] == "envoy"
+    assert env["AIQ_GRPC_TLS_CERT"] and env["AIQ_GRPC_TLS_KEY"]
+    assert "AIQ_INSECURE" not in env and "ports" not in services["extproc"]
+    for name in ("extproc", "envoy"):
+        assert "credentials:/credentials:ro" in services[name]["volumes"]
+    assert services["extproc"]["depends_on"]["credentials"] == {
+        "condition": "service_completed_successfully"
+    }
+    assert services["credentials"]["command"][:3] == ["python", "-m", "extproc.devcerts"]
+    assert "credentials" in _compose()["volumes"]
+    cluster = _clusters(yaml.safe_load(COMPOSE_ENVOY.read_text()))["extproc"]
+    tls = cluster["transport_socket"]["typed_config"]["common_tls_context"]
+    assert tls["tls_certificates"][0]["private_key"]["filename"] == "/credentials/envoy.key"
+
+
+def test_compose_envoy_yaml_passes_envoy_validate(tmp_path: Path) -> None:
+    """envoy --mode validate accepts compose/envoy.yaml (STRICT_DNS names need not resolve),
+    with the /credentials files (read at validation) made by the same code as in compose."""
+    from extproc.devcerts import make
+
+    creds = make(tmp_path / "credentials")
+    text = COMPOSE_ENVOY.read_text().replace("/credentials/", f"{creds.dir}/")
+    (tmp_path / "envoy.yaml").write_text(text)
+    _validate(tmp_path / "envoy.yaml")
 
 
 def test_local_envoy_yaml_equals_the_renderer_default() -> None:

@@ -118,6 +118,7 @@ def test_sighup_reloads_the_rls_config(redis_server: RedisServer, tmp_path: Path
         **os.environ,
         "AIQ_CONFIG": str(ROOT / "tests" / "data" / "config" / "minimal.yaml"),
         "AIQ_REDIS_URL": redis_server.url,
+        "AIQ_INSECURE": "1",  # this test is about something else than the door
         "AIQ_GRPC_ADDRESS": f"127.0.0.1:{port}",
         "AIQ_RLS_CONFIG": str(cfg),
         "AIQ_RLS_WATCH_S": "0",
@@ -177,6 +178,7 @@ def test_workers_serve_rls_from_the_flag(redis_server: RedisServer, tmp_path: Pa
         **os.environ,
         "AIQ_CONFIG": str(ROOT / "tests" / "data" / "config" / "minimal.yaml"),
         "AIQ_REDIS_URL": redis_server.url,
+        "AIQ_INSECURE": "1",  # this test is about something else than the door
         "AIQ_ADMIN_STORE": "0",
         "AIQ_USAGE_STREAM": "off",
         "AIQ_KEY_PREFIX": f"wk{uuid.uuid4().hex[:6]}",
