@@ -247,3 +247,33 @@ async def test_stream_charges_and_refunds_stay_local(pair: Pair) -> None:
     truth += 130
     await lim.give_back()
     assert await pair.value(tpm) == truth
+
+
+async def test_a_take_is_idempotent_and_replayed_after_a_failover(
+    redis_server: RedisServer,
+) -> None:
+    """A take carries a call id: the journalled replay of an answered take grants nothing on
+    the master that ran it, and on a master that lost it (a failover) puts back exactly the
+    grant, whatever the room, so the units the replica holds stay counted."""
+    from redis.asyncio import Redis
+
+    from extproc.limiter.base import AllowanceTake
+
+    lim = RedisLimiter.from_url(redis_server.url, timeout_ms=1000)
+    rds = Redis(port=redis_server.port)
+    try:
+        _, _, tpm = tenant_keys()
+        [got] = await lim.take_allowances([AllowanceTake(tpm, 500, 10_000, far(), 100_000)])
+        assert got == (500, 500)
+        assert lim.failover is not None
+        [entry] = [e for e in lim.failover.journal if e.script == "allowance"]
+        replay = lim._allowance  # the registered script, as the failover replays it
+        await replay(keys=entry.keys, args=entry.args)
+        assert int(await rds.get(tpm) or 0) == 500  # ran already: nothing more
+        await rds.delete(tpm, entry.keys[0])  # a new master that never saw the take
+        await rds.set(tpm, 9_990)  # ... and other replicas' charges since
+        await replay(keys=entry.keys, args=entry.args)
+        assert int(await rds.get(tpm) or 0) == 9_990 + 500
+    finally:
+        await rds.aclose()
+        await lim.close()
