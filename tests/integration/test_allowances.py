@@ -57,6 +57,7 @@ async def pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
         p = Pair(AllowanceLimiter(store, settings), AllowanceLimiter(store, settings), store)
         yield p
         await p.a.close()
+        await p.b.close()  # the store's close releases nothing: closing it twice is harmless
         return
     server: RedisServer = request.getfixturevalue("redis_server")
     inner = [RedisLimiter.from_url(server.url, timeout_ms=1000) for _ in range(3)]
