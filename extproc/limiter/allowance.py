@@ -301,11 +301,35 @@ class AllowanceLimiter:
         return res
 
     def _saw(self, buckets: Sequence[BucketCharge], values: Sequence[int]) -> None:
-        """Remember the counters' values Redis answered with (headers of local admissions)."""
+        """Remember the counters' values Redis answered with (headers of local admissions),
+        and give back what is held beyond ``share`` of the room they leave."""
+        back: dict[str, list[Adjustment]] = {}
         for c, v in zip(buckets, values, strict=False):
             seen = self._states.get(c.key)
             if seen is not None:
                 seen.seen = v
+                self._trim(seen, v, back)
+        self._queue_returns(back)
+
+    def _trim(self, st: _Bucket, value: int, back: dict[str, list[Adjustment]]) -> None:
+        """The room left shrank (other replicas used it): what this replica holds beyond
+        ``share`` of it goes back, so that it does not keep the others from the rest."""
+        cap = max(0, (st.limit - value) * self.settings.share_ppm // 1_000_000)
+        excess = st.units - cap
+        if excess > 0 and excess >= max(st.largest, 1):
+            st.units -= excess
+            back.setdefault(st.tag, []).append(Adjustment(st.key, -excess, st.expire_at_ms))
+
+    def _queue_returns(self, back: dict[str, list[Adjustment]]) -> None:
+        """Send these give-backs in the background (the sweeper retries what fails)."""
+        if not back:
+            return
+        for tag, adj in back.items():
+            self._returns.append(self._return_call(tag, adj))
+        if not self._closed:
+            task = asyncio.get_running_loop().create_task(self._flush_returns())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def _observe(
         self, buckets: Sequence[BucketCharge], now: int, *, admission: bool = True
@@ -428,6 +452,7 @@ class AllowanceLimiter:
                 st.deadline_ms = now + self.settings.ttl_ms
             elif (t.limit - value) * t.share_ppm // 1_000_000 >= max(t.least, 1):
                 self._count_take("none")  # it holds its share already: not near the limit
+                self._trim(st, value, near)  # ... or more, the room having shrunk
             else:
                 # near the limit: nothing taken, none asked for a while, and what is still
                 # held goes back now
