@@ -13,7 +13,8 @@ tenant far from its limit it takes an *allowance*: units pre-debited in Redis by
 - what an allowance still holds goes back to Redis (a refund through ``settle.lua``) when its
   time is up (``ttl_ms``), when admission had to go to Redis because it fell short (the rest
   rides on that admission call, applied before its check, so the request may use it), when a
-  take found the tenant near its limit, and on shutdown.  An allowance whose window ended is
+  take found the tenant near its limit, the part beyond ``share`` of the room left whenever a
+  Redis answer shows that room shrank, and on shutdown.  An allowance whose window ended is
   dropped (its counter no longer counts).
 
 Sizing: a bucket gets an allowance only when this replica makes at least ``min_rate`` limiter
