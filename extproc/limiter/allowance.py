@@ -71,8 +71,11 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("extproc")
 
-#: Bucket states and local ledgers kept at most (beyond, admissions go to Redis).
+#: Bucket states kept at most (beyond, new buckets' admissions go to Redis).
 MAX_STATES = 50_000
+#: Requests admitted from allowances remembered at most (until settled).  Modes that settle
+#: nothing (``input_only``, ``reserve_max``, RPM only) never come back: the oldest is forgotten
+#: (a later charge or settlement of it goes to Redis, which counts it right all the same).
 MAX_LEDGERS = 100_000
 #: Settled local ledgers remembered (a duplicate settlement answers "already settled").
 MAX_SETTLED = 100_000
@@ -163,7 +166,7 @@ class AllowanceLimiter:
         self.metrics = metrics
         self.stats = AllowanceStats()
         self._states: dict[str, _Bucket] = {}
-        self._ledgers: dict[str, _Local] = {}
+        self._ledgers: OrderedDict[str, _Local] = OrderedDict()
         self._settled: OrderedDict[str, None] = OrderedDict()
         self._returns: list[SettleCall] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -257,9 +260,13 @@ class AllowanceLimiter:
         if local:
             self._observe(buckets, now)
         plan = self._plan(buckets, now) if local and not settlements else None
-        if plan is not None and len(self._ledgers) < MAX_LEDGERS:
+        if plan is not None:
             for c, st in zip(buckets, plan, strict=True):
                 st.units -= c.amount
+            if len(self._ledgers) >= MAX_LEDGERS:
+                # the oldest (a request never settled: modes that settle nothing): forgotten,
+                # its later calls, if any, go to Redis, which counts them right all the same
+                self._ledgers.popitem(last=False)
             self._ledgers[ledger] = _Local()
             self.stats.local_admissions += 1
             self._saved("admit")

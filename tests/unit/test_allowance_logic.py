@@ -186,3 +186,21 @@ async def test_near_the_limit_what_is_held_goes_back_and_takes_pause() -> None:
     assert lim.stats.takes == takes
     assert lim.stats.local_admissions == local
     await lim.close()
+
+
+async def test_requests_never_settled_do_not_stop_allowances(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Modes that settle nothing leave their local requests unsettled: past the bound the
+    oldest is forgotten, and admissions stay local."""
+    import extproc.limiter.allowance as allowance
+
+    monkeypatch.setattr(allowance, "MAX_LEDGERS", 5)
+    clock, _store, lim = setup()
+    await warm(clock, lim)
+    local = lim.stats.local_admissions
+    for n in range(10):  # never settled
+        assert await admit(lim, 500 + n, charges(clock, 10))
+    assert lim.stats.local_admissions == local + 10
+    assert len(lim._ledgers) == 5
+    await lim.close()
