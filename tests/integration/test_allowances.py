@@ -47,10 +47,10 @@ class Pair:
         return (await self.reader.read([key]))[0]
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
     """Two replicas with allowances: on one MemoryLimiter, or two Redis limiters (one client
-    each) on the session's redis-server."""
+    each) on the session's redis-server, or on a three-node Redis Cluster."""
     settings = AllowanceSettings(share=0.1, ttl_ms=2_000, min_rate=4)
     if request.param == "memory":
         store = MemoryLimiter()
@@ -59,8 +59,13 @@ async def pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
         await p.a.close()
         await p.b.close()  # the store's close releases nothing: closing it twice is harmless
         return
-    server: RedisServer = request.getfixturevalue("redis_server")
-    inner = [RedisLimiter.from_url(server.url, timeout_ms=1000) for _ in range(3)]
+    if request.param == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        url = server.url
+    else:
+        ports: list[int] = request.getfixturevalue("cluster")
+        url = f"redis+cluster://127.0.0.1:{ports[0]}"
+    inner = [RedisLimiter.from_url(url, timeout_ms=1000) for _ in range(3)]
     p = Pair(AllowanceLimiter(inner[0], settings), AllowanceLimiter(inner[1], settings), inner[2])
     try:
         yield p
