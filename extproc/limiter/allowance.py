@@ -491,8 +491,7 @@ class AllowanceLimiter:
                     s.share_ppm,
                     st.largest,
                     st.units,
-                    # open at once what brings the opened part up to one tranche
-                    max(0, -(-(want - st.units) // max(s.tranches, 1)) - (st.units - st.closed)),
+                    st.units - st.closed,
                 )
             )
         if not takes or self._closed:
@@ -567,8 +566,9 @@ class AllowanceLimiter:
                 self._count_take("granted")
                 self._count("taken", grant)
                 st.units += grant
-                st.closed += grant - min(grant, t.opening)
-                st.tranche = -(-t.want // max(s.tranches, 1))
+                st.tranche = max(-(-(t.held + grant) // max(s.tranches, 1)), t.least)
+                # what brings the open part up to one tranche is open at once (allowance.lua)
+                st.closed += grant - max(0, min(grant, st.tranche - t.opened))
                 st.deadline_ms = now + self.settings.ttl_ms
             elif (t.limit - value) * t.share_ppm // 1_000_000 >= max(t.least, 1):
                 self._count_take("none")  # it holds its share already: not near the limit
@@ -596,7 +596,7 @@ class AllowanceLimiter:
                 st.releasing = 0
 
     def _needs_open(self, st: _Bucket) -> bool:
-        return st.closed > 0 and st.units - st.closed < max(st.tranche // 2, 1)
+        return st.closed > 0 and st.units - st.closed < max(st.tranche // 2, st.largest, 1)
 
     def _open_ahead(self, plan: Sequence[_Bucket]) -> None:
         """Open the next tranche, in the background, of each allowance half drawn."""
@@ -889,7 +889,9 @@ class AllowanceLimiter:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
 
     async def _sweep_loop(self) -> None:
-        tick = max(self.settings.ttl_ms / 4000, 0.05)
+        # a quarter of an allowance's time, and often enough to renew the allowance ledgers'
+        # leases every third of theirs
+        tick = max(min(self.settings.ttl_ms / 4000, self.settings.lease_ms / 6000), 0.05)
         while True:
             await asyncio.sleep(tick)
             self.sweep()

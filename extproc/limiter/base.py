@@ -105,8 +105,9 @@ class AllowanceTake:
     share_ppm: int
     least: int = 1
     held: int = 0
-    #: with a lease: how much of the grant is open at once (the rest in tranches)
-    opening: int = 0
+    #: with a lease: the units of this counter the replica holds open (a grant opens what
+    #: brings them up to one of its tranches at once; the rest is recorded, in tranches)
+    opened: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -437,9 +437,11 @@ class MemoryLimiter:
         alw = [0]
         gen = ""
         led: _Ledger | None = None
+        tranches = 1
         if lease is not None:
             open_set = open_key(lease.ledger)
             self._reclaim(open_set, lease.now_ms, now, alw, only_alw=True)
+            tranches = max(lease.tranches, 1)
             led = self._typed(lease.ledger, _Ledger, now)
             if led is None or led.state != "admitted":
                 self._keys.pop(lease.ledger, None)
@@ -461,7 +463,8 @@ class MemoryLimiter:
             if grant > 0:
                 value = self._incr(t.key, grant, now)
                 self._expire_at(t.key, t.expire_at_ms, now)
-                closed = grant - min(grant, t.opening)
+                tranche = max(-(-(t.held + grant) // tranches), t.least)
+                closed = grant - max(0, min(grant, tranche - t.opened))
                 if led is not None and closed > 0:
                     led.refundable[t.key] = led.refundable.get(t.key, 0) + closed
             out.append(AllowanceGrant(grant, value, gen, alw[0] if not out else 0))

@@ -668,7 +668,7 @@ class RedisLimiter:
             for i in idx:
                 t = items[i]
                 args += [t.want, t.limit, t.expire_at_ms, t.share_ppm, t.least, t.held]
-                args.append(t.opening if lease is not None else t.want)
+                args.append(t.opened)
             tail: list[Any] = []
             if lease is not None:
                 keys += [lease.ledger, open_key(lease.ledger)]
@@ -689,7 +689,7 @@ class RedisLimiter:
                 out[i] = AllowanceGrant(int(v[0]), int(v[1]), gen, reclaimed if n == 0 else 0)
                 t = items[i]
                 replay += [int(v[0]), t.limit, t.expire_at_ms, t.share_ppm, t.least, t.held]
-                replay.append(t.opening if lease is not None else int(v[0]))
+                replay.append(t.opened)
             if any(int(v[0]) > 0 for v in grants):
                 self._journal("allowance", keys, replay + tail, RLS_CALL_ID_TTL_MS, where)
             return True

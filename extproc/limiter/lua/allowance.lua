@@ -22,14 +22,15 @@
 --                allowances shrink to nothing and admission goes to the admission script), and
 --                what the replica already holds of this counter (the grant tops it up to the
 --                share at most: held + grant <= share x room), and (leased takes) how much of
---                the grant is open at once (the rest is recorded, see below)
+--                what it holds is open (see below)
 -- then           (leased takes) now (unix ms), the lease deadline (unix ms), the number of
---                tranches a grant is split into (the replica's sizing), and the allowance
---                ledger's TTL (ms)
+--                tranches a grant is split into, and the allowance ledger's TTL (ms)
 --
--- Tranches (leased takes): a grant is split into tranches the replica opens one by one
--- (tranche.lua) as it draws; what is not open at once is recorded as "r:" in the allowance
--- ledger until the replica opens it.  If the lease runs out (the
+-- Tranches (leased takes): what the replica holds after a grant (held + grant) is split into
+-- tranches of ceil((held + grant) / tranches) units, at least the least worth taking (its
+-- largest request), that the replica opens one by one (tranche.lua) as it draws; at the take,
+-- what brings its open units up to one tranche is open at once, and the rest of the grant is
+-- recorded as "r:" in the allowance ledger until the replica opens it.  If the lease runs out (the
 -- replica died), the next admission (admit.lua) or take (here) of the tenant reclaims the
 -- ledger like a request's: the never-opened units go back to their counters.
 --
@@ -61,7 +62,7 @@ if seen then
 end
 local reclaimed = 0
 local gen = ''
-local L, open
+local L, open, tranches
 if leased then
   L = KEYS[n + 2]
   open = KEYS[n + 3]
@@ -91,7 +92,8 @@ if leased then
       end
     end
   end
-    if redis.call('HGET', L, 'state') ~= 'admitted' then
+    tranches = tonumber(ARGV[t + 2])
+  if redis.call('HGET', L, 'state') ~= 'admitted' then
     redis.call('DEL', L)
     redis.call('HSET', L, 'state', 'admitted', 'alw', 1, 'gen', id)
   end
@@ -131,7 +133,9 @@ for i = 1, n do
     value = redis.call('INCRBY', key, grant)
     redis.call('PEXPIREAT', key, ARGV[a + 3])
     if leased then
-      local closed = grant - math.min(grant, tonumber(ARGV[a + 7]))
+      local tranche = math.max(math.ceil((tonumber(ARGV[a + 6]) + grant) / tranches), least)
+      local now_open = tranche - tonumber(ARGV[a + 7])
+      local closed = grant - math.max(0, math.min(grant, now_open))
       if closed > 0 then
         redis.call('HINCRBY', L, 'r:' .. key, closed)
       end
