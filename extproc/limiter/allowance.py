@@ -31,10 +31,16 @@ Only fixed-window request and token counters (``rpm``, ``tpm``) with windows up 
 a money budget or weighted tokens, a sliding window, a shadow limit) is admitted by Redis as
 before, whole.
 
-A SIGKILLed replica's allowances are not refunded: Redis does not know what it drew from
-them, and refunding the rest as last reported could hand out units its requests already
-used (strict mode would go over).  They stay counted as used until their window ends: the
-leak is at most ``share`` of the room left at each take, per bucket and replica.
+Tranches: a take's grant is split into tranches; the replica draws only from those it has
+opened.  What is not open is recorded in the replica's allowance ledger for the tenant (a
+hash leased in the tenant's open reservations like a request's ledger, renewed every third
+of ``lease_ms`` while the replica lives); the next tranche is opened in the background
+(``tranche.lua``) when the open part falls under half a tranche.  If the replica dies, its
+lease runs out and the tenant's next admission (``admit.lua``'s reclaim) or take gives the
+never-opened tranches back; the leak is what it had opened and not used, about 1.5 tranches.
+Opening takes units off the record before the replica may draw from them, and never-opened
+units given back are opened first (or the ledger itself is settled), so a reclaim never
+refunds units a request used nor units already refunded: strict mode stays exact.
 """
 
 from __future__ import annotations
@@ -102,7 +108,7 @@ class AllowanceSettings:
     tranches: int = 4
     #: the allowance ledger's lease (``failure.reservation_lease_seconds``): renewed while
     #: this replica lives; once it runs out, the never-opened tranches go back to the tenant
-    lease_ms: int = 30_000
+    lease_ms: int = 15_000
 
     @property
     def share_ppm(self) -> int:
