@@ -683,8 +683,7 @@ class AllowanceLimiter:
             return
         with contextlib.suppress(Exception):
             await self.inner.renew(due, now + s.lease_ms)
-            for tag in held:
-                lease = self._leases[tag]
+            for lease in self._leases.values():
                 if lease.ledger in due:
                     lease.renewed_ms = now
 
