@@ -576,7 +576,7 @@ def _with_component(deploy: Obj, component: Path) -> Obj:
     component's patches use is supported: a test fails loudly on anything else."""
     comp = yaml.safe_load((component / "kustomization.yaml").read_text())
     assert comp["kind"] == "Component"
-    out = yaml.safe_load(yaml.safe_dump(deploy))
+    out: Obj = yaml.safe_load(yaml.safe_dump(deploy))
     for entry in comp["patches"]:
         patch = yaml.safe_load((component / entry["path"]).read_text())
         assert (patch["kind"], patch["metadata"]["name"]) == (
