@@ -467,8 +467,7 @@ MTLS_COMPONENT = EG / "processors-mtls"
 
 # A stand-in for kubectl: `create ...` prints the object it was asked for (as JSON, with the
 # files' contents, read before make-secrets removes them), `apply -f -` records it.
-_FAKE_KUBECTL = r"""#!/usr/bin/env python3
-import json, os, sys
+_FAKE_KUBECTL = r"""import json, os, sys
 argv = sys.argv[1:]
 if argv[:1] == ["apply"]:
     with open(os.environ["FAKE_KUBECTL_LOG"], "a") as log:
@@ -507,7 +506,7 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Obj]
         pytest.skip("make-secrets needs openssl (scripts/setup installs it)")
     tmp = tmp_path_factory.mktemp("make-secrets")
     fake = tmp / "kubectl"
-    fake.write_text(_FAKE_KUBECTL)
+    fake.write_text(f"#!{sys.executable}\n{_FAKE_KUBECTL}")  # this interpreter, not PATH's
     fake.chmod(0o755)
     log = tmp / "applied.jsonl"
     env = {
