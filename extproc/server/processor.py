@@ -495,12 +495,8 @@ class RequestProcessor:
         if s.life.ending is None:
             s.life.name_ending(Ending.COMPLETED)
         driver = self.driver
-        if driver is not None and driver.charge_pending:
-            try:
-                await asyncio.wait_for(asyncio.shield(driver.collect(wait=True)), 1.0)
-            except Exception as exc:  # settlement must still run
-                log.warning("pending_charge_lost", request_id=self.request_id, error=repr(exc))
-            # not answered in time: counted once whether it ran (the settlement takes it back)
-            # or not (a charge after the settlement charges nothing)
-            driver.charge_unconfirmed()
+        if driver is not None:
+            # a charge not answered in time is counted once whether it ran (the settlement
+            # takes it back) or not (a charge after the settlement charges nothing)
+            await driver.settle_charge()
         await settle(self.gw, self.cfg, s, driver.end() if driver is not None else None)
