@@ -39,6 +39,7 @@ from extproc.core.lifecycle import (
     LifecycleError,
     State,
 )
+from extproc.core.policies import fails_open
 from extproc.core.session import (
     Identified,
     Reported,
@@ -395,7 +396,7 @@ class RequestProcessor:
     def _unmeterable(self, what: str) -> wire.ProcessingResponse:
         """A 2xx response the meter cannot read: refused (fail-closed) or passed (fail-open)."""
         s = self.s
-        if self.cfg.failure_mode_for(s.plan) == "open":
+        if fails_open(self.cfg.failure_mode_for(s.plan)):
             log.warning("response_unmetered", request_id=s.request_id, reason=what)
             s.life.advance(Input.END)
             self._settle_later()

@@ -10,14 +10,14 @@ non-2xx answer nothing; an abandoned request what the upstream could have made w
 
 from __future__ import annotations
 
-from decimal import Decimal
 from typing import Any
 
 import structlog
 
 from extproc.config.runtime import Model, RuntimeConfig
 from extproc.core.lifecycle import Ending
-from extproc.core.rules import Adjustment, Usage
+from extproc.core.policies import billed
+from extproc.core.rules import Adjustment
 from extproc.core.session import Figure, Session, Settlement, StreamEnd
 from extproc.errors import LimiterUnavailable
 from extproc.gateway import Gateway
@@ -166,15 +166,17 @@ def _record(gw: Gateway, s: Session, result: Settlement, now_ms: int) -> None:
     cost, tenant, model = s.cost, s.tenant, s.model
     if gw.recorder is None or cost is None or tenant is None:
         return
-    charged = result.total if result.total is not None else s.account.total
-    inp = min(result.input, max(0, charged))  # 0 for a non-2xx: nothing charged
-    out = result.output if result.output is not None else max(0, charged - inp)
-    money: Decimal | None = None
-    if model is not None and model.prices is not None and model.currency:
-        usage = result.usage if charged > 0 else Usage()
-        if result.total is None and charged > 0:
-            usage = Usage(input=inp, output=out, requests=cost.requests)
-        money = Decimal(model.prices.units(usage)).scaleb(-6)
+    priced = model is not None and model.prices is not None and bool(model.currency)
+    bill = billed(
+        charged=result.total if result.total is not None else s.account.total,
+        final_total=result.total is not None,
+        input_tokens=result.input,
+        output_tokens=result.output,
+        usage=result.usage,
+        requests=cost.requests,
+        prices=model.prices if priced and model is not None else None,
+    )
+    inp, out, money = bill.input, bill.output, bill.money
     rep = s.reported
     admitted = s.admitted
     gw.recorder.record(

@@ -42,6 +42,7 @@ from extproc.core.events import (
 )
 from extproc.core.lifecycle import CutReason
 from extproc.core.meter import StreamMeter
+from extproc.core.policies import fails_open
 from extproc.core.session import Session, StreamEnd
 from extproc.core.streaming import CHARGE_WAIT_SECONDS, MeteredStream
 from extproc.errors import LimiterUnavailable
@@ -77,7 +78,7 @@ class StreamDriver:
             force_include_usage=cfg.force_include_usage,
             key_prefix=gw.key_prefix,
             lease_ms=cfg.reservation_lease_ms,
-            fail_open=cfg.failure_mode_for(s.plan) == "open",
+            fail_open=fails_open(cfg.failure_mode_for(s.plan)),
             now_ms=gw.clock.now_ms,
         )
         # takes the exact input count a figure needs (a large prompt's off the event loop)
