@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from decimal import Decimal
 
+from extproc.core import admission
 from extproc.core.admission import Cost
 from extproc.core.keys import WindowedBucket
+from extproc.core.records import ModelInfo, TenantInfo
 from extproc.core.rules import Rates, Usage
 
 
@@ -93,3 +95,65 @@ def billed(
             billed_usage = Usage(input=inp, output=out, requests=requests)
         money = Decimal(prices.units(billed_usage)).scaleb(-6)
     return Billed(inp, out, money)
+
+
+# -- policies beside the limits --------------------------------------------------------------
+
+
+def fallback_for(
+    fallbacks: dict[str, dict[str, str]],
+    *,
+    tenant: TenantInfo,
+    model: ModelInfo,
+    buckets: tuple[WindowedBucket, ...],
+    values: tuple[int, ...],
+    cost: Cost,
+) -> str | None:
+    """The plan's fallback model for a refused request, when what refused it was a limit on
+    the requested model (a tenant-wide limit would refuse the fallback too)."""
+    name = fallbacks.get(tenant.plan, {}).get(model.name)
+    if name is None or not model.known:
+        return None
+    on_model = any(
+        b.limit.model == model.name
+        and not b.limit.shadow
+        and admission.would_refuse(b, v, admission.admission_amount(b, cost))
+        for b, v in zip(buckets, values, strict=True)
+    )
+    return name if on_model else None
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowOutcome:
+    """Each limit kind's decision at admission (``(metric, decision)`` to count) and the shadow
+    limits that would have refused the request."""
+
+    decisions: tuple[tuple[str, str], ...]
+    exceeded: tuple[str, ...]
+
+    def headers(self) -> tuple[tuple[str, str], ...]:
+        """``x-ratelimit-shadow-exceeded`` naming the shadow limits that would have refused."""
+        if not self.exceeded:
+            return ()
+        return (("x-ratelimit-shadow-exceeded", "; ".join(self.exceeded)),)
+
+
+def shadow_outcome(
+    buckets: tuple[WindowedBucket, ...], values: tuple[int, ...], cost: Cost
+) -> ShadowOutcome:
+    """Shadow limits are counted and reported, never enforced: which would have refused."""
+    kinds: set[str] = set()
+    decisions: list[tuple[str, str]] = []
+    exceeded: list[str] = []
+    for b, v in zip(buckets, values, strict=True):
+        if not b.limit.shadow:
+            kinds.add(b.metric)
+            continue
+        # values are after charging: over the limit means this admission would have been refused
+        if v > b.limit.limit and admission.admission_amount(b, cost) > 0:
+            exceeded.append(admission.describe(b.limit))
+            decisions.append((b.metric, "shadow_refused"))
+        else:
+            decisions.append((b.metric, "shadow_allowed"))
+    decisions += [(kind, "allowed") for kind in sorted(kinds)]
+    return ShadowOutcome(tuple(decisions), tuple(exceeded))

@@ -48,8 +48,9 @@ from extproc.core.events import (
 from extproc.core.keys import WindowedBucket
 from extproc.core.lifecycle import CutReason, Ending, Input
 from extproc.core.meter import Step, StreamMeter
+from extproc.core.records import Reported, StreamEnd
 from extproc.core.rules import RATE_SCALE, UnconfirmedCharge
-from extproc.core.session import Reported, Session, StreamEnd
+from extproc.core.session import Session
 
 #: How long settlement waits for the answer of a charge still in flight before it settles
 #: without it (the charge is then marked unconfirmed: counted once whichever runs first).

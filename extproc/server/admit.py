@@ -1,6 +1,6 @@
 """Request body: parse, count input tokens (:mod:`extproc.server.counting`), plan the cost, run
 the one admission call; a refusal by a limit on the requested model may be served by the plan's
-fallback model (decided by :func:`extproc.core.session.fallback_for`).  A call that timed out,
+fallback model (decided by :func:`extproc.core.policies.fallback_for`).  A call that timed out,
 or was cancelled (the request went away), keeps a cancel.  What the answers mean is decided in
 the core; this module makes the calls."""
 
@@ -19,17 +19,12 @@ from extproc.core import admission, policies
 from extproc.core.admission import Cost
 from extproc.core.apis.base import RequestLimits
 from extproc.core.counters import UTF8BoundCounter
+from extproc.core.figures import run_ahead_budget
 from extproc.core.keys import WindowedBucket
+from extproc.core.policies import ShadowOutcome, fallback_for, shadow_outcome
+from extproc.core.records import Admitted, Parsed
 from extproc.core.rules import Adjustment, Charging
-from extproc.core.session import (
-    Admitted,
-    Parsed,
-    Session,
-    ShadowOutcome,
-    fallback_for,
-    run_ahead_budget,
-    shadow_outcome,
-)
+from extproc.core.session import Session
 from extproc.errors import (
     BadRequest,
     LimiterUnavailable,

@@ -7,7 +7,7 @@ module only turns them into Envoy messages, limiter calls, metrics and log lines
 
 * request headers → :mod:`extproc.server.identity` (caller, path policy)
 * request body → :mod:`extproc.server.admit` (count, the one admission call)
-* response headers → :func:`extproc.core.session.classify`; then :mod:`extproc.server.stream`
+* response headers → :func:`extproc.core.classify.classify`; then :mod:`extproc.server.stream`
   meters SSE, or a JSON body's usage is read
 * the end, whatever it is → :mod:`extproc.server.settle`, in the background, after the last
   response (with the request's final figures as dynamic metadata) has been sent
@@ -30,6 +30,7 @@ from extproc.core import admission
 from extproc.core.admission import Cost
 from extproc.core.apis.openai import CHAT
 from extproc.core.apis.registry import api_for_path
+from extproc.core.classify import classify, parse_status
 from extproc.core.keys import ledger_key
 from extproc.core.lifecycle import (
     Closed,
@@ -40,14 +41,8 @@ from extproc.core.lifecycle import (
     State,
 )
 from extproc.core.policies import fails_open
-from extproc.core.session import (
-    Identified,
-    Reported,
-    Responding,
-    Session,
-    classify,
-    parse_status,
-)
+from extproc.core.records import Identified, Reported, Responding
+from extproc.core.session import Session
 from extproc.errors import (
     AuthenticationError,
     BadRequest,

@@ -15,10 +15,12 @@ from typing import Any
 import structlog
 
 from extproc.config.runtime import Model, RuntimeConfig
+from extproc.core.figures import Figure
 from extproc.core.lifecycle import Ending
 from extproc.core.policies import billed
+from extproc.core.records import Settlement, StreamEnd
 from extproc.core.rules import Adjustment
-from extproc.core.session import Figure, Session, Settlement, StreamEnd
+from extproc.core.session import Session
 from extproc.errors import LimiterUnavailable
 from extproc.gateway import Gateway
 from extproc.limiter.base import SettleCall

@@ -13,22 +13,19 @@ from extproc.config.runtime import Model, RuntimeConfig
 from extproc.core import admission
 from extproc.core.admission import Cost
 from extproc.core.apis.base import ParsedRequest
+from extproc.core.figures import ABANDONED_TOKENS_PER_SECOND, Figure, bounded_input, bounded_output
 from extproc.core.lifecycle import Closed, Ending, Input
-from extproc.core.rules import Charging, Usage
-from extproc.core.session import (
-    ABANDONED_TOKENS_PER_SECOND,
+from extproc.core.records import (
     Admitted,
-    Figure,
     Identified,
     Metering,
     Parsed,
     Reported,
     Responding,
-    Session,
     StreamEnd,
-    bounded_input,
-    bounded_output,
 )
+from extproc.core.rules import Charging, Usage
+from extproc.core.session import Session
 
 pytestmark = pytest.mark.unit
 
