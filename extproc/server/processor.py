@@ -2,13 +2,15 @@
 
 The servicer creates one :class:`RequestProcessor` per gRPC stream (one per HTTP request) and
 calls :meth:`RequestProcessor.handle` per ProcessingRequest.  Every fact about the request is a
-phase record of the session; every decision is a function of :mod:`extproc.core.session`.  This
-module only turns them into Envoy messages, limiter calls, metrics and log lines.
+phase record of the session; every decision is a function of the core (:mod:`extproc.core.session`,
+:mod:`extproc.core.policies`, :mod:`extproc.core.classify`, :mod:`extproc.core.figures`).  This
+module only turns them into Envoy messages, limiter calls, metrics and log lines; it still moves
+the request's lifecycle itself (a stream's moves are the core's :mod:`extproc.core.streaming`).
 
 * request headers → :mod:`extproc.server.identity` (caller, path policy)
 * request body → :mod:`extproc.server.admit` (count, the one admission call)
 * response headers → :func:`extproc.core.classify.classify`; then :mod:`extproc.server.stream`
-  meters SSE, or a JSON body's usage is read
+  executes the core's metered stream, or a JSON body's usage is read
 * the end, whatever it is → :mod:`extproc.server.settle`, in the background, after the last
   response (with the request's final figures as dynamic metadata) has been sent
 
