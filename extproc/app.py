@@ -32,6 +32,11 @@ Tenants and keys from the Redis admin store (``extproc.admin``, docs/admin.md) a
 the rules: every replica follows the store (``AIQ_ADMIN_STORE``) and swaps the merged rules in
 when it changes; a SIGHUP reload merges the store into the new file.  ``--admin-port`` serves
 the admin API.
+
+The port answers only its callers (:mod:`extproc.access`, docs/security.md): ext_proc and RLS
+need Envoy's bearer token or client certificate, the usage API a tenant's key or the admin
+token; health stays open.  TLS comes from ``AIQ_GRPC_TLS_*``; a port without any credential
+starts only with ``AIQ_INSECURE=1`` (``--insecure``), and says so.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from extproc.access import AccessConfigError, PortGuard, PortSecurity
+from extproc.access import build as build_security
 from extproc.clock import Clock, SystemClock
 from extproc.config import load_config
 from extproc.config.load import load_config_text
@@ -58,6 +65,7 @@ from extproc.config.version import config_version
 from extproc.gateway import Gateway
 from extproc.limiter.base import Limiter
 from extproc.limiter.redis import RedisLimiter
+from extproc.limiter.redis_url import check_master
 from extproc.metrics import Metrics
 from extproc.ports import ListenError, add_grpc_port, serve_metrics
 from extproc.records.writer import make_recorder
@@ -111,6 +119,7 @@ class Running:
     rls: Any = None  # extproc.rls.service.RlsRuntime: the RLS API's config and counters
     rls_server: Any = None  # the RLS API's own server when AIQ_RLS_ADDRESS is set
     rls_port: int = 0
+    health_server: Any = None  # grpc.health.v1 alone, plaintext, at AIQ_HEALTH_ADDRESS
     _health_updates: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def set_serving(self, serving: bool) -> None:
@@ -170,6 +179,8 @@ class Running:
         stopping = asyncio.create_task(self.server.stop(grace + 2.0))
         if self.rls_server is not None:
             await self.rls_server.stop(1.0)
+        if self.health_server is not None:
+            await self.health_server.stop(0.5)
         if self.rls is not None:
             await self.rls.close()
         deadline = loop.time() + grace
@@ -187,7 +198,32 @@ class Running:
         await self.gateway.limiter.close()
 
 
-def _add_usage_service(server: Any, gateway: Gateway) -> None:
+def port_security(settings: Settings, metrics: Metrics) -> PortSecurity:
+    """The gRPC port's TLS credentials and credential guard (docs/security.md); raises
+    :class:`extproc.access.AccessConfigError` for settings that would leave it open by
+    accident.  The usage API's admin is whoever holds the admin API's token."""
+    from extproc.admin.auth import TokenFile
+    from extproc.admin.errors import AdminConfigError
+
+    try:
+        admin_token = TokenFile(settings.admin_token_file) if settings.admin_token_file else None
+    except AdminConfigError as exc:
+        raise AccessConfigError(str(exc)) from exc
+    return build_security(
+        address=settings.grpc_address,
+        insecure=settings.insecure,
+        token_file=settings.grpc_token_file,
+        tls_cert=settings.grpc_tls_cert,
+        tls_key=settings.grpc_tls_key,
+        client_ca=settings.grpc_tls_client_ca,
+        allowed_sans=settings.allowed_sans,
+        allow_plaintext=settings.grpc_allow_plaintext,
+        admin_token=admin_token,
+        refused=metrics.grpc_refused,
+    )
+
+
+def _add_usage_service(server: Any, gateway: Gateway, guard: PortGuard) -> None:
     try:
         from extproc.usage.service import add_usage_service
     except ImportError:  # generated protobuf code missing (package not built)
@@ -195,7 +231,7 @@ def _add_usage_service(server: Any, gateway: Gateway) -> None:
             "usage_service_unavailable", reason="generated code missing; reinstall the package"
         )
         return
-    add_usage_service(server, gateway)
+    add_usage_service(server, gateway, guard)
 
 
 async def start(
@@ -214,12 +250,17 @@ async def start(
         cfg = config
     clk = clock or SystemClock(settings.clock_offset_ms)
     mets = metrics or Metrics()
+    security = port_security(settings, mets)  # before anything opens a connection
+    if limiter is None:
+        await check_master(settings.redis_url)  # a Sentinel master name no sentinel knows
     lim = limiter or RedisLimiter.from_url(
         settings.redis_url,
         timeout_ms=cfg.redis_timeout_ms,
         cooldown_ms=cfg.breaker_cooldown_ms,
         clock=clk,
         metrics=mets,
+        journal_s=settings.redis_journal_s,
+        stream_tolerance_s=settings.redis_stream_tolerance_s,
     )
     gw = Gateway(
         config=cfg,
@@ -237,9 +278,9 @@ async def start(
         if config is None and limiter is None and settings.admin_store:
             admin = await _start_admin(settings, gw)
         options = [("grpc.so_reuseport", 1 if settings.workers > 1 or settings.reuse_port else 0)]
-        server = grpc.aio.server(options=options)
+        server = grpc.aio.server(options=options, interceptors=[security.guard])
         pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessorServicer(gw), server)
-        _add_usage_service(server, gw)
+        _add_usage_service(server, gw, security.guard)
         health = health_aio.HealthServicer()
         for name in (*_HEALTH_NAMES, REDIS_HEALTH):
             if name != RLS_SERVICE or settings.rls_config:
@@ -247,12 +288,32 @@ async def start(
         await health.set(CONFIG_HEALTH, _SERVING)  # the rules loaded, or start() failed
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         rls, rls_server, rls_port = _start_rls(
-            settings, gw, lim, clk, mets, server=server, options=options, health=health
+            settings,
+            gw,
+            lim,
+            clk,
+            mets,
+            server=server,
+            options=options,
+            health=health,
+            security=security,
         )
-        port = add_grpc_port(server, settings.grpc_address, what="ext_proc gRPC API")
+        port = add_grpc_port(
+            server,
+            settings.grpc_address,
+            what="ext_proc gRPC API",
+            credentials=security.credentials(),
+        )
+        health_server = None
+        if settings.health_address:
+            health_server = grpc.aio.server(options=options)
+            health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
+            add_grpc_port(health_server, settings.health_address, what="health (plaintext)")
         await server.start()
         if rls_server is not None:
             await rls_server.start()
+        if health_server is not None:
+            await health_server.start()
     except BaseException:
         # What was built so far holds connections and tasks: close it, or the process hangs
         # on its way out instead of reporting the error.
@@ -271,6 +332,9 @@ async def start(
         models=sorted(cfg.models),
         tenants=len(cfg.tenants),
         failure_mode=cfg.failure_mode,
+        tls=security.tls,
+        mutual_tls=security.guard.client_certs,
+        caller_tokens=security.guard.tokens is not None,
     )
     if cfg.plaintext_keys:
         log.warning(
@@ -285,6 +349,7 @@ async def start(
         rls=rls,
         rls_server=rls_server,
         rls_port=(rls_port or port) if rls is not None else 0,
+        health_server=health_server,
     )
     running.ready_task = asyncio.create_task(running.wait_ready())
     return running
@@ -300,6 +365,7 @@ def _start_rls(
     server: Any,
     options: list[tuple[str, int]],
     health: Any,
+    security: PortSecurity,
 ) -> tuple[Any, Any, int]:
     """The RLS API (docs/rls.md) on the ext_proc server, or on its own at
     ``settings.rls_address``: (runtime, own server or None, its port or 0).  Without an RLS
@@ -344,10 +410,12 @@ def _start_rls(
         add_rls_service(server, rls)
         rls.start_watching(settings.rls_watch_s)
         return rls, None, 0
-    own = grpc.aio.server(options=options)
+    own = grpc.aio.server(options=options, interceptors=[security.guard])
     add_rls_service(own, rls)
     health_pb2_grpc.add_HealthServicer_to_server(health, own)
-    port = add_grpc_port(own, settings.rls_address, what="RLS API")
+    port = add_grpc_port(
+        own, settings.rls_address, what="RLS API", credentials=security.credentials()
+    )
     rls.start_watching(settings.rls_watch_s)  # once bound: a failed start leaves no task
     return rls, own, port
 

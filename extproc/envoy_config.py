@@ -55,6 +55,62 @@ DEFAULT_TRUSTED_HEADERS = ("x-authenticated-tenant", "x-authenticated-user")
 
 
 @dataclass(frozen=True)
+class GrpcClientAuth:
+    """How Envoy proves itself to the processor's gRPC port (docs/security.md): a bearer token
+    sent as the ``grpc_service``'s ``initial_metadata``, and/or TLS (the processor's certificate
+    checked against ``ca_file`` and ``server_name``) with a client certificate (mutual TLS)."""
+
+    token: str = ""
+    ca_file: str = ""  # TLS to the processor when set
+    cert_file: str = ""  # Envoy's client certificate (mutual TLS) ...
+    key_file: str = ""  # ... and its key
+    server_name: str = "ai-quota"  # SNI, and the DNS SAN the processor's certificate must hold
+
+    @property
+    def tls(self) -> bool:
+        """Whether Envoy talks TLS to the processor."""
+        return bool(self.ca_file)
+
+
+def secure_grpc_service(service: dict[str, Any], auth: GrpcClientAuth | None) -> dict[str, Any]:
+    """``service`` (a ``grpc_service``) with the bearer token as its ``initial_metadata``."""
+    if auth is not None and auth.token:
+        service["initial_metadata"] = [{"key": "authorization", "value": f"Bearer {auth.token}"}]
+    return service
+
+
+def secure_cluster(cluster: dict[str, Any], auth: GrpcClientAuth | None) -> dict[str, Any]:
+    """``cluster`` (the processor's) with an ``UpstreamTlsContext`` when ``auth`` uses TLS."""
+    if auth is None or not auth.tls:
+        return cluster
+    common: dict[str, Any] = {
+        "alpn_protocols": ["h2"],
+        "validation_context": {
+            "trusted_ca": {"filename": auth.ca_file},
+            "match_typed_subject_alt_names": [
+                {"san_type": "DNS", "matcher": {"exact": auth.server_name}}
+            ],
+        },
+    }
+    if auth.cert_file:
+        common["tls_certificates"] = [
+            {
+                "certificate_chain": {"filename": auth.cert_file},
+                "private_key": {"filename": auth.key_file},
+            }
+        ]
+    cluster["transport_socket"] = {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "sni": auth.server_name,
+            "common_tls_context": common,
+        },
+    }
+    return cluster
+
+
+@dataclass(frozen=True)
 class EnvoyPorts:
     """Where Envoy listens and what it talks to."""
 
@@ -78,6 +134,9 @@ class EnvoyPorts:
     trusted_headers: tuple[str, ...] = DEFAULT_TRUSTED_HEADERS
     # Filters that set them (ext_authz, Lua, ...): placed after the removal, before ext_proc.
     identity_filters: tuple[dict[str, Any], ...] = ()
+    # How Envoy authenticates to the processors (token, TLS, client certificate); None: plaintext
+    # without credentials (a processor served --insecure).
+    extproc_auth: GrpcClientAuth | None = None
 
 
 @dataclass(frozen=True)
@@ -178,24 +237,30 @@ def _hcm(name: str, with_filter: bool, p: EnvoyPorts) -> dict[str, Any]:
                 "name": "envoy.filters.http.ext_proc",
                 "typed_config": {
                     "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-                    "grpc_service": {
-                        "envoy_grpc": {"cluster_name": "extproc"},
-                        "timeout": "5s",
-                        "retry_policy": {
-                            "retry_on": "connect-failure,refused-stream,reset,unavailable",
-                            "num_retries": 3,
-                            "retry_back_off": {"base_interval": "0.02s", "max_interval": "0.2s"},
-                            "retry_host_predicate": [
-                                {
-                                    "name": "envoy.retry_host_predicates.previous_hosts",
-                                    "typed_config": {
-                                        "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
-                                    },
-                                }
-                            ],
-                            "host_selection_retry_max_attempts": 5,
+                    "grpc_service": secure_grpc_service(
+                        {
+                            "envoy_grpc": {"cluster_name": "extproc"},
+                            "timeout": "5s",
+                            "retry_policy": {
+                                "retry_on": "connect-failure,refused-stream,reset,unavailable",
+                                "num_retries": 3,
+                                "retry_back_off": {
+                                    "base_interval": "0.02s",
+                                    "max_interval": "0.2s",
+                                },
+                                "retry_host_predicate": [
+                                    {
+                                        "name": "envoy.retry_host_predicates.previous_hosts",
+                                        "typed_config": {
+                                            "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                                        },
+                                    }
+                                ],
+                                "host_selection_retry_max_attempts": 5,
+                            },
                         },
-                    },
+                        p.extproc_auth,
+                    ),
                     "failure_mode_allow": False,
                     "status_on_error": {"code": 503},
                     "processing_mode": {
@@ -312,37 +377,41 @@ def render(p: EnvoyPorts) -> dict[str, Any]:
                         "endpoints": [{"lb_endpoints": _endpoints(p.upstreams)}],
                     },
                 },
-                {
-                    "name": "extproc",
-                    "type": _cluster_type(p.extprocs),
-                    "connect_timeout": "1s",
-                    "circuit_breakers": high,
-                    "typed_extension_protocol_options": {
-                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                            "explicit_http_config": {
-                                "http2_protocol_options": {
-                                    "max_concurrent_streams": 100000,
-                                    "connection_keepalive": {"interval": "10s", "timeout": "2s"},
-                                }
-                            },
-                        }
-                    },
-                    "health_checks": [_grpc_health_check(p)],
-                    "outlier_detection": {
-                        "split_external_local_origin_errors": True,
-                        "consecutive_local_origin_failure": 2,
-                        "consecutive_gateway_failure": 2,
-                        "interval": "1s",
-                        "base_ejection_time": "5s",
-                        "max_ejection_percent": 50,
-                    },
-                    "load_assignment": {
-                        "cluster_name": "extproc",
-                        "endpoints": [{"lb_endpoints": _endpoints(p.extprocs)}],
-                    },
-                },
+                secure_cluster(_extproc_cluster(p, high), p.extproc_auth),
             ],
+        },
+    }
+
+
+def _extproc_cluster(p: EnvoyPorts, high: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": "extproc",
+        "type": _cluster_type(p.extprocs),
+        "connect_timeout": "1s",
+        "circuit_breakers": high,
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {
+                    "http2_protocol_options": {
+                        "max_concurrent_streams": 100000,
+                        "connection_keepalive": {"interval": "10s", "timeout": "2s"},
+                    }
+                },
+            }
+        },
+        "health_checks": [_grpc_health_check(p)],
+        "outlier_detection": {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 2,
+            "consecutive_gateway_failure": 2,
+            "interval": "1s",
+            "base_ejection_time": "5s",
+            "max_ejection_percent": 50,
+        },
+        "load_assignment": {
+            "cluster_name": "extproc",
+            "endpoints": [{"lb_endpoints": _endpoints(p.extprocs)}],
         },
     }
 

@@ -147,6 +147,34 @@ class Metrics:
         self.breaker_state = Gauge(
             "aiq_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", registry=r
         )
+        # -- Redis HA (extproc.limiter.failover, docs/operations.md "Redis HA") -------------
+        self.redis_failovers = Counter(
+            "aiq_redis_failovers",
+            "New Redis masters seen (a promoted replica or a restarted server: its run id changed)",
+            registry=r,
+        )
+        self.journal_replays = Counter(
+            "aiq_journal_replays",
+            "Times this replica replayed its journal of acknowledged charges to a new master",
+            registry=r,
+        )
+        self.journal_replayed = Counter(
+            "aiq_journal_replayed_calls",
+            "Acknowledged script calls re-sent to a new master (idempotent: one the new master "
+            "already had changed nothing)",
+            ["script"],
+            registry=r,
+        )
+        self.journal_entries = Gauge(
+            "aiq_journal_entries",
+            "Acknowledged charges held for replay after a failover",
+            registry=r,
+        )
+        self.journal_dropped = Gauge(
+            "aiq_journal_dropped",
+            "Journal entries pushed out by its size bound before their window ended (since start)",
+            registry=r,
+        )
         # -- configuration -------------------------------------------------------------------
         self.config_version = Gauge(
             "aiq_config_version_info",
@@ -186,5 +214,14 @@ class Metrics:
             "aiq_admin_calls",
             "Admin API calls by method and gRPC status code",
             ["method", "code"],
+            registry=r,
+        )
+        # -- the gRPC port's door (extproc.access, docs/security.md) -------------------------
+        self.grpc_refused = Counter(
+            "aiq_grpc_refused",
+            "Calls on the gRPC port refused for their credential, by service (ext_proc, rls, "
+            "usage, other) and reason (missing, wrong_token, san_not_allowed, unknown_key, "
+            "other_tenant)",
+            ["service", "reason"],
             registry=r,
         )

@@ -44,6 +44,12 @@ class Settings(BaseSettings):
 
     config: str = "config/demo.yaml"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Redis HA (docs/operations.md "Redis HA"): how long acknowledged charges are kept for a
+    # replay to a new master after a failover or restart (0: no journal, no replay).
+    redis_journal_s: float = Field(default=10.0, ge=0, le=600)
+    # A stream charge that Redis does not answer is sent again (idempotent) for this long before
+    # the stream's failure mode applies: a failover shorter than this cuts no stream (0: at once).
+    redis_stream_tolerance_s: float = Field(default=0.0, ge=0, le=60)
     grpc_address: str = "127.0.0.1:50051"
     key_prefix: str = "aiq"
     log_format: Literal["json", "console"] = "json"
@@ -93,6 +99,28 @@ class Settings(BaseSettings):
     rls_response_headers: bool = False
     rls_dynamic_metadata: bool = False
     rls_watch_s: float = Field(default=1.0, ge=0)
+    # The gRPC port's door (docs/security.md): callers of ext_proc and RLS (Envoy) present a
+    # bearer token from grpc_token_file (one per line: two during a rotation) and/or a client
+    # certificate signed by grpc_tls_client_ca whose SAN is in grpc_allowed_sans (comma-
+    # separated; "" = any the CA signed); TLS from grpc_tls_cert/key (reloaded when they
+    # change); tokens in plaintext off loopback only with grpc_allow_plaintext (a mesh
+    # terminates TLS); no credential at all only with insecure (AIQ_INSECURE=1, --insecure).
+    insecure: bool = False
+    grpc_token_file: str = ""
+    grpc_tls_cert: str = ""
+    grpc_tls_key: str = ""
+    grpc_tls_client_ca: str = ""
+    grpc_allowed_sans: str = ""
+    grpc_allow_plaintext: bool = False
+    # grpc.health.v1 alone, in plaintext, on its own host:port ("" = none): for probes that
+    # cannot speak TLS (the kubelet's gRPC probes) when the main port is TLS-only.
+    health_address: str = ""
+
+    @property
+    def allowed_sans(self) -> list[str]:
+        """``grpc_allowed_sans`` as a list (comma-separated in the variable)."""
+        return [s.strip() for s in self.grpc_allowed_sans.split(",") if s.strip()]
+
     # What one ShouldRateLimit may carry (each exceeded cap: INVALID_ARGUMENT naming it), and
     # how many distinct detailed_metric values one rule may label (the rest: the rule's path).
     rls_max_descriptors: int = Field(default=32, ge=1, le=1024)
@@ -101,6 +129,14 @@ class Settings(BaseSettings):
     rls_max_value_length: int = Field(default=512, ge=1, le=65536)
     rls_max_hits_addend: int = Field(default=1_000_000, ge=1, le=2**32)
     rls_detailed_metric_series: int = Field(default=100, ge=0, le=100_000)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url_parses(cls, value: str) -> str:
+        from extproc.limiter.redis_url import parse_redis_url
+
+        parse_redis_url(value)  # a RedisUrlError (a ValueError) names what is wrong
+        return value
 
     @field_validator("usage_stream", mode="before")
     @classmethod
@@ -134,13 +170,17 @@ class Settings(BaseSettings):
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
-        """Read ``AIQ_CONFIG``, ``AIQ_REDIS_URL``, ``AIQ_GRPC_ADDRESS``, ``AIQ_KEY_PREFIX``,
+        """Read ``AIQ_CONFIG``, ``AIQ_REDIS_URL``, ``AIQ_REDIS_JOURNAL_S``,
+        ``AIQ_REDIS_STREAM_TOLERANCE_S``, ``AIQ_GRPC_ADDRESS``, ``AIQ_KEY_PREFIX``,
         ``AIQ_LOG_FORMAT`` (json|console), ``AIQ_LOG_LEVEL``, ``AIQ_METRICS_PORT``,
         ``AIQ_USAGE_ADDRESS``, ``AIQ_WORKERS``, ``AIQ_REUSEPORT`` (1|0|true|false),
         ``AIQ_EVENT_LOOP`` (uvloop|asyncio), ``AIQ_SHUTDOWN_GRACE_S``, ``AIQ_DRAIN_NOTICE_S``,
         ``AIQ_ADMIN_STORE``, ``AIQ_ADMIN_PORT``, ``AIQ_ADMIN_HOST``, ``AIQ_ADMIN_TOKEN_FILE``,
         ``AIQ_ADMIN_TLS_CERT``, ``AIQ_ADMIN_TLS_KEY``, ``AIQ_ADMIN_TLS_CLIENT_CA``,
-        ``AIQ_ADMIN_ALLOW_PLAINTEXT``, ``AIQ_RLS_*`` (docs/rls.md) from
+        ``AIQ_ADMIN_ALLOW_PLAINTEXT``, ``AIQ_RLS_*`` (docs/rls.md), ``AIQ_INSECURE``,
+        ``AIQ_GRPC_TOKEN_FILE``, ``AIQ_GRPC_TLS_CERT``, ``AIQ_GRPC_TLS_KEY``,
+        ``AIQ_GRPC_TLS_CLIENT_CA``, ``AIQ_GRPC_ALLOWED_SANS``, ``AIQ_GRPC_ALLOW_PLAINTEXT``,
+        ``AIQ_HEALTH_ADDRESS`` (docs/security.md) from
         ``env`` (default ``os.environ``); explicit non-None ``overrides`` (CLI flags) win.
 
         Raises :class:`SettingsError` naming every variable whose value is invalid."""
@@ -182,6 +222,10 @@ def _describe(cls: type[Settings], exc: ValidationError, from_flags: set[str]) -
         loc = str(err["loc"][0]) if err["loc"] else ""
         field = _field_of(cls, loc)
         value: Any = err.get("input")
+        if field == "redis_url" and isinstance(value, str):
+            from extproc.limiter.redis_url import redact
+
+            value = redact(value)  # never a password in an error message
         if field in from_flags:
             where = f"--{field.replace('_', '-')}={value}"
         elif field in cls.model_fields:

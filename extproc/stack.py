@@ -13,7 +13,12 @@ commands (``ai-quota usage``) can find it.  Its keys:
   usage API; ``extprocs``: every replica's address; ``usage``: the usage API address;
 - ``redis_url``: the Redis every replica uses; ``sim_url``: the simulator;
 - ``metrics_port``: the first replica's Prometheus port (0 when not served);
-- ``workdir``, ``config`` (absolute path of the rules), ``pid`` (the process that started it).
+- ``workdir``, ``config`` (absolute path of the rules), ``pid`` (the process that started it);
+- ``security`` (token, mtls or insecure) and ``credentials``: the paths of the stack's CA
+  (``ca``), the processors' certificate and key, Envoy's client certificate and key, the
+  caller token file (``token_file``), the admin token file (``admin_token_file``, which the
+  usage API takes as its admin) and the ``server_name`` in the processors' certificate, so
+  ``ai-quota usage`` and other local tools reach the port without flags (docs/security.md).
 
 The file is removed when the stack stops.
 """
@@ -36,7 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from extproc.envoy_config import EnvoyPorts, JwtAuth, render_yaml
+from extproc import devcerts
+from extproc.devcerts import DevCredentials
+from extproc.envoy_config import EnvoyPorts, GrpcClientAuth, JwtAuth, render_yaml
 
 STACK_FILE = "stack.json"
 #: The workdir ``ai-quota up`` uses unless ``--workdir`` is given (relative to its cwd).
@@ -141,6 +148,11 @@ class Stack:
     # Envoy routes to this upstream instead of the simulator (a real model server; the
     # simulator still starts). ``(host, port)``.
     upstream: tuple[str, int] | None = None
+    # The processors' gRPC port (docs/security.md): "token" (TLS, Envoy sends a bearer token),
+    # "mtls" (TLS, Envoy presents a client certificate) or "insecure" (plaintext, no
+    # credential: AIQ_INSECURE=1).  The credentials are made under <workdir>/credentials.
+    security: str = "token"
+    credentials: DevCredentials | None = None
 
     @property
     def envoy_ports(self) -> list[int]:
@@ -205,7 +217,38 @@ class Stack:
             "workdir": str(self.workdir),
             "config": str(Path(self.config).resolve()),
             "pid": os.getpid(),
+            "security": self.security,
+            "credentials": self.credentials.describe() if self.credentials else {},
         }
+
+    def security_env(self) -> dict[str, str]:
+        """The ``AIQ_*`` variables that give a processor its port's credentials."""
+        c = self.credentials
+        if c is None:
+            return {"AIQ_INSECURE": "1"}
+        env = {
+            "AIQ_GRPC_TLS_CERT": str(c.server_cert),
+            "AIQ_GRPC_TLS_KEY": str(c.server_key),
+            # the usage API's admin (``ai-quota usage --tenant``) is the admin token's holder
+            "AIQ_ADMIN_TOKEN_FILE": str(c.admin_token_file),
+        }
+        if self.security == "mtls":
+            env["AIQ_GRPC_TLS_CLIENT_CA"] = str(c.ca)
+            env["AIQ_GRPC_ALLOWED_SANS"] = devcerts.CLIENT_NAME
+        else:
+            env["AIQ_GRPC_TOKEN_FILE"] = str(c.token_file)
+        return env
+
+    def envoy_auth(self) -> GrpcClientAuth | None:
+        """How the stack's Envoys authenticate to the processors."""
+        c = self.credentials
+        if c is None:
+            return None
+        if self.security == "mtls":
+            return GrpcClientAuth(
+                ca_file=str(c.ca), cert_file=str(c.client_cert), key_file=str(c.client_key)
+            )
+        return GrpcClientAuth(token=c.token, ca_file=str(c.ca))
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
         out: IO[bytes] | None = None
@@ -247,6 +290,13 @@ class Stack:
         """Start every part and wait until each answers."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._check_ports()
+        if self.security not in ("token", "mtls", "insecure"):
+            raise StackError(f"unknown security {self.security!r}: token, mtls or insecure")
+        if self.security != "insecure" and self.credentials is None:
+            try:
+                self.credentials = devcerts.make(self.workdir / "credentials")
+            except devcerts.CertError as exc:
+                raise StackError(f"credentials: {exc}") from exc
         py = sys.executable
         try:
             if self.redis_url is None:
@@ -296,6 +346,7 @@ class Stack:
                         if self.metrics_port
                         else {}
                     ),
+                    **self.security_env(),
                     **self.extproc_env,
                 }
                 argv = list(self.extproc_argv) or [py, "-m", "extproc", "serve"]
@@ -312,6 +363,7 @@ class Stack:
                     with_baseline_listener=self.baseline_port + i if self.baseline_port else 0,
                     jwt=self.envoy_jwt,
                     identity_filters=self.envoy_identity_filters,
+                    extproc_auth=self.envoy_auth(),
                 )
                 path = self.workdir / f"envoy{i}.yaml"
                 path.write_text(render_yaml(cfg))

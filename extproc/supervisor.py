@@ -97,6 +97,16 @@ class Supervisor:
             "AIQ_RLS_ADDRESS": _nth_address(s.rls_address, w.index)
             if self.port_per_worker
             else s.rls_address,
+            # the port's door (docs/security.md): flags become variables for the workers
+            "AIQ_INSECURE": "1" if s.insecure else "0",
+            "AIQ_GRPC_TOKEN_FILE": s.grpc_token_file,
+            "AIQ_GRPC_TLS_CERT": s.grpc_tls_cert,
+            "AIQ_GRPC_TLS_KEY": s.grpc_tls_key,
+            "AIQ_GRPC_TLS_CLIENT_CA": s.grpc_tls_client_ca,
+            "AIQ_GRPC_ALLOWED_SANS": s.grpc_allowed_sans,
+            "AIQ_GRPC_ALLOW_PLAINTEXT": "1" if s.grpc_allow_plaintext else "0",
+            # health-only port: the first worker alone (the others would clash on it)
+            "AIQ_HEALTH_ADDRESS": s.health_address if w.index == 0 else "",
         }
         if self._multiproc_dir:
             env["PROMETHEUS_MULTIPROC_DIR"] = self._multiproc_dir

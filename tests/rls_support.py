@@ -49,6 +49,7 @@ class Server:
         redis_url: str = "",
         **kw: Any,
     ) -> tuple[Any, Running]:
+        kw.setdefault("insecure", True)  # the RLS tests are about RLS, not the port's door
         settings = Settings(
             config=str(kw.pop("config", ROOT / "tests" / "data" / "config" / "minimal.yaml")),
             redis_url=redis_url or self.redis_url,

@@ -25,11 +25,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from extproc.admin.state import StoreState
+from extproc.limiter.redis_url import async_client
 
 T = TypeVar("T")
 
@@ -83,14 +82,8 @@ class Conflict(RuntimeError):
 
 
 def connect(url: str, *, timeout_s: float = 1.0) -> Any:
-    """A client for ``redis://...`` or ``redis+cluster://...`` (like the limiter's)."""
-    if url.startswith("redis+cluster://"):
-        return RedisCluster.from_url(
-            "redis://" + url.removeprefix("redis+cluster://"),
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-        )
-    return aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    """A client for any Redis URL the limiter takes (:mod:`extproc.limiter.redis_url`)."""
+    return async_client(url, timeout_s=timeout_s)
 
 
 class AdminStore:

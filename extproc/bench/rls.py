@@ -82,7 +82,16 @@ def start_envoy(workdir: Path, stack: Stack) -> tuple[subprocess.Popen[bytes], i
     port, admin, base = free_port(), free_port(), free_port()
     cfg = workdir / "rls-envoy.yaml"
     cfg.write_text(
-        render(RlsEnvoy(port, admin, stack.extproc_ports[0], stack.ports.sim, baseline_port=base))
+        render(
+            RlsEnvoy(
+                port,
+                admin,
+                stack.extproc_ports[0],
+                stack.ports.sim,
+                baseline_port=base,
+                auth=stack.envoy_auth(),
+            )
+        )
     )
     # the child keeps its own copy of the log's descriptor: ours is closed once it is spawned
     with (workdir / "rls-envoy.log").open("ab") as log:

@@ -190,8 +190,13 @@ def start_stack(
     env: dict[str, str] | None = None,
     redis_url: str | None = None,
     sim_max_records: int = 20_000,
+    security: str = "insecure",
 ) -> Stack:
-    """Start Redis (unless ``redis_url``), the simulator, processors and Envoys on free ports."""
+    """Start Redis (unless ``redis_url``), the simulator, processors and Envoys on free ports.
+
+    ``security``: the processors' port (extproc.stack.Stack.security); plaintext by default, so
+    figures stay comparable with earlier runs and the do-nothing floor processor (which has
+    no TLS) works; the ``door`` scenario measures TLS and credential checks against it."""
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "rules.yaml"
     config.write_text(yaml.safe_dump(rules, sort_keys=False))
@@ -224,6 +229,7 @@ def start_stack(
         extproc_env=dict(env or {}),
         baseline_port=consecutive_free(envoys) if baseline else 0,
         extproc_argv=extproc_argv,
+        security=security,
     )
     stack.start()
     time.sleep(0.2)

@@ -14,7 +14,9 @@ def configure_parser(s: argparse.ArgumentParser) -> None:
     """Flags of ``ai-quota serve`` (each overrides its ``AIQ_*`` variable)."""
     s.add_argument("--config", help=f"rules file (env AIQ_CONFIG, default {DEMO_CONFIG})")
     s.add_argument(
-        "--redis-url", help="redis://host:port/db or redis+cluster://host:port (env AIQ_REDIS_URL)"
+        "--redis-url",
+        help="redis://host:port/db, redis+cluster://host:port or "
+        "redis+sentinel://host:port[,host:port...]/<master>[/db] (env AIQ_REDIS_URL)",
     )
     s.add_argument(
         "--grpc-address",
@@ -69,6 +71,36 @@ def configure_parser(s: argparse.ArgumentParser) -> None:
         "of them, one per domain (env AIQ_RLS_CONFIG; docs/rls.md)",
     )
     s.add_argument(
+        "--insecure",
+        action="store_const",
+        const=True,
+        help="serve the gRPC port without any caller credential (env AIQ_INSECURE=1): anyone "
+        "who reaches it may call ext_proc, RLS and usage; logged as a warning (docs/security.md)",
+    )
+    s.add_argument(
+        "--grpc-token-file",
+        help="bearer tokens Envoy (ext_proc, RLS callers) must present, one per line: two "
+        "during a rotation; re-read when it changes (env AIQ_GRPC_TOKEN_FILE)",
+    )
+    s.add_argument("--grpc-tls-cert", help="TLS certificate of the gRPC port (PEM; reloaded)")
+    s.add_argument("--grpc-tls-key", help="TLS private key of the gRPC port (PEM; reloaded)")
+    s.add_argument(
+        "--grpc-tls-client-ca",
+        help="require client certificates signed by this CA on the gRPC port: mutual TLS "
+        "(env AIQ_GRPC_TLS_CLIENT_CA)",
+    )
+    s.add_argument(
+        "--grpc-allowed-san",
+        action="append",
+        help="a SAN (DNS name, URI, ...) of a client certificate that may call ext_proc/RLS "
+        "(repeatable; env AIQ_GRPC_ALLOWED_SANS, comma-separated; default: any the CA signed)",
+    )
+    s.add_argument(
+        "--health-address",
+        help="also serve grpc.health.v1 alone, in plaintext, on this host:port (env "
+        "AIQ_HEALTH_ADDRESS): for probes that cannot speak TLS, e.g. the kubelet's",
+    )
+    s.add_argument(
         "--rls-address",
         help="serve the RLS API on its own host:port (env AIQ_RLS_ADDRESS; default: the "
         "ext_proc port)",
@@ -77,9 +109,11 @@ def configure_parser(s: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the ext_proc gRPC server."""
+    from extproc.access import AccessConfigError
     from extproc.admin.errors import AdminConfigError
     from extproc.app import serve_forever
     from extproc.config import ConfigError
+    from extproc.limiter.redis_url import RedisUrlError
     from extproc.logs import configure_logging
     from extproc.ports import ListenError
     from extproc.rls.config import RlsConfigError
@@ -102,11 +136,23 @@ def run(args: argparse.Namespace) -> int:
             admin_tls_client_ca=args.admin_tls_client_ca,
             rls_config=args.rls_config,
             rls_address=args.rls_address,
+            insecure=args.insecure,
+            health_address=args.health_address,
+            grpc_token_file=args.grpc_token_file,
+            grpc_tls_cert=args.grpc_tls_cert,
+            grpc_tls_key=args.grpc_tls_key,
+            grpc_tls_client_ca=args.grpc_tls_client_ca,
+            grpc_allowed_sans=",".join(args.grpc_allowed_san) if args.grpc_allowed_san else None,
         )
     except SettingsError as exc:
         print(f"ai-quota serve: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_format, settings.log_level)
+    try:  # refuse a port left open by accident before anything starts (workers included)
+        check_security(settings)
+    except AccessConfigError as exc:
+        print(f"ai-quota serve: {exc}", file=sys.stderr)
+        return 2
     if settings.workers > 1:
         try:
             return _serve_workers(settings, port_per_worker=bool(args.port_per_worker))
@@ -129,9 +175,28 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"ai-quota serve: {exc}", file=sys.stderr)
         return 1
-    except AdminConfigError as exc:
+    except (AdminConfigError, AccessConfigError) as exc:
         print(f"ai-quota serve: {exc}", file=sys.stderr)
         return 2
+    except RedisUrlError as exc:  # a Sentinel master name no sentinel knows
+        print(f"ai-quota serve: AIQ_REDIS_URL: {exc}", file=sys.stderr)
+        return 2
+
+
+def check_security(settings: Any) -> None:
+    """The gRPC port's settings (extproc.access.check_settings), from process settings."""
+    from extproc.access import check_settings
+
+    check_settings(
+        address=settings.grpc_address,
+        insecure=settings.insecure,
+        token_file=settings.grpc_token_file,
+        tls_cert=settings.grpc_tls_cert,
+        tls_key=settings.grpc_tls_key,
+        client_ca=settings.grpc_tls_client_ca,
+        allowed_sans=settings.allowed_sans,
+        allow_plaintext=settings.grpc_allow_plaintext,
+    )
 
 
 def _use_uvloop() -> None:

@@ -33,6 +33,13 @@ def configure_parser(u: argparse.ArgumentParser) -> None:
     )
     u.add_argument("--redis-url", help="use this Redis instead of starting one")
     u.add_argument(
+        "--security",
+        choices=["token", "mtls", "insecure"],
+        default="token",
+        help="how Envoy reaches the processors' gRPC port: TLS + a bearer token (default), "
+        "mutual TLS, or plaintext without credentials (docs/security.md)",
+    )
+    u.add_argument(
         "--rls-config",
         default=DEMO_RLS_CONFIG,
         help="envoyproxy/ratelimit config the RLS API serves (default %(default)s; '' for none)",
@@ -102,6 +109,7 @@ def _stack(args: argparse.Namespace, workdir: Path) -> Stack:
         log_format="json",
         inherit_output=False,
         metrics_port=args.metrics_port or 0,
+        security=args.security,
         extproc_env={"AIQ_RLS_CONFIG": str(Path(args.rls_config).resolve())}
         if args.rls_config
         else {},
@@ -130,6 +138,14 @@ def _a_process_exited(stack: Stack) -> bool:
     return exited
 
 
+def _door(stack: Stack) -> str:
+    c = stack.credentials
+    if c is None:
+        return "plaintext, no credential (--insecure)"
+    how = "Envoy's client certificate" if stack.security == "mtls" else "Envoy's bearer token"
+    return f"TLS + {how}; CA, certificates and tokens in {c.dir} (docs/security.md)"
+
+
 def banner(stack: Stack, args: argparse.Namespace, workdir: Path) -> str:
     """What the terminal shows once the stack is up: the addresses and how to try it."""
     base = stack.base_url
@@ -150,6 +166,7 @@ ai-quota is up.
   metrics            : {metrics}
   logs               : {workdir}/*.log (Envoy's access log: envoy0.log)
   addresses          : {stack.state_file}
+  gRPC port's door   : {_door(stack)}
 
 Try it (demo keys: sk-demo-standard, sk-demo-tight = 5 RPM / 2,000 TPM, sk-demo-strict,
 sk-demo-budget = $0.02 a month, 2 at once):

@@ -116,6 +116,14 @@ class CircuitBreaker:
         if not ok and calls >= s.min_calls and failures >= s.failure_rate * calls:
             self._open()
 
+    def reset(self) -> None:
+        """Close now: the backend answered outside the probes (a new Redis master was found
+        and caught up), so waiting out the cool-down would only refuse good calls."""
+        self._state = BreakerState.CLOSED
+        self._probes_in_flight = 0
+        self._probe_successes = 0
+        self._ring = [[-1, 0, 0] for _ in range(self.settings.buckets)]
+
     def abandon(self) -> None:
         """A call :meth:`allow` let through was cancelled before it had an outcome."""
         if self._state is BreakerState.HALF_OPEN:

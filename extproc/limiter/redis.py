@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -56,6 +57,9 @@ from extproc.limiter.base import (
     any_ledger,
 )
 from extproc.limiter.breaker import BreakerSettings, BreakerState, CircuitBreaker
+from extproc.limiter.failover import Failover
+from extproc.limiter.journal import DEFAULT_WINDOW_S, Journal
+from extproc.limiter.redis_url import async_client
 from extproc.limiter.starvation import LoopLag, fair_wait
 
 if TYPE_CHECKING:
@@ -79,6 +83,9 @@ MAX_ITEMS_PER_CALL = 64
 
 #: Connections per process to a single Redis server; more concurrent calls queue for one.
 DEFAULT_MAX_CONNECTIONS = 128
+
+#: How long an RLS call's id is kept (ms): a retry or a journal replay within it counts nothing.
+RLS_CALL_ID_TTL_MS = 60_000
 
 
 def starved_ceiling_s(timeout_s: float) -> float:
@@ -169,8 +176,14 @@ class RedisLimiter:
         breaker: BreakerSettings | None = None,
         stall_retries: int = 1,
         metrics: Metrics | None = None,
+        journal_s: float = DEFAULT_WINDOW_S,
+        stream_tolerance_s: float = 0.0,
     ) -> None:
         self._client = client
+        #: how long a stream charge keeps being sent again (same sequence number) before its
+        #: stream gives up on it: a failover shorter than this does not cut streams in flight
+        self.stream_tolerance_s = stream_tolerance_s
+        self._cluster = isinstance(client, RedisCluster)
         self._clock = clock or SystemClock()
         self._timeout = timeout_ms / 1000.0
         self.lag = LoopLag()
@@ -187,6 +200,22 @@ class RedisLimiter:
         self._rls = client.register_script(load_script("rls"))
         self._note = client.register_script(load_script("note"))
         self._export_state()
+        # Redis HA: acknowledged charges kept journal_s seconds and replayed to a new master
+        # (extproc.limiter.failover); 0 turns it off.
+        self.failover: Failover | None = None
+        if journal_s > 0:
+            self.failover = Failover(
+                client,
+                {
+                    "admit": self._admit,
+                    "charge": self._charge,
+                    "settle": self._settle,
+                    "rls": self._rls,
+                },
+                Journal(window_s=journal_s),
+                metrics=metrics,
+                on_recovered=self._recovered,
+            )
 
     @classmethod
     def from_url(
@@ -199,31 +228,19 @@ class RedisLimiter:
         breaker: BreakerSettings | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         metrics: Metrics | None = None,
+        journal_s: float = DEFAULT_WINDOW_S,
+        stream_tolerance_s: float = 0.0,
     ) -> RedisLimiter:
-        """Connect to ``redis://host:port/db`` or ``redis+cluster://host:port`` (lazily).
+        """Connect to ``redis://host:port/db``, ``redis+cluster://host:port`` or
+        ``redis+sentinel://host:port[,host:port...]/<master>[/db]`` (lazily; see
+        :mod:`extproc.limiter.redis_url`).
 
-        A single server gets a ``BlockingConnectionPool`` of ``max_connections``: a call that
+        A single server (or a Sentinel group's master) gets a ``BlockingConnectionPool`` of ``max_connections``: a call that
         finds every connection busy waits for one (within its ``timeout_ms``) instead of
         failing with "Too many connections".
         """
         t = starved_ceiling_s(timeout_ms / 1000.0)  # the per-call bound is fair_wait's
-        client: Any
-        if url.startswith("redis+cluster://"):
-            client = RedisCluster.from_url(
-                "redis://" + url.removeprefix("redis+cluster://"),
-                socket_timeout=t,
-                socket_connect_timeout=t,
-                max_connections=max_connections,
-            )
-        else:
-            pool = aioredis.BlockingConnectionPool.from_url(
-                url,
-                socket_timeout=t,
-                socket_connect_timeout=t,
-                max_connections=max_connections,
-                timeout=t,
-            )
-            client = aioredis.Redis.from_pool(pool)  # owns the pool: close() disconnects it
+        client = async_client(url, timeout_s=t, max_connections=max_connections, pool_timeout_s=t)
         use_hiredis_packing(client)
         return cls(
             client,
@@ -232,6 +249,8 @@ class RedisLimiter:
             clock=clock,
             breaker=breaker,
             metrics=metrics,
+            journal_s=journal_s,
+            stream_tolerance_s=stream_tolerance_s,
         )
 
     # -- live settings -----------------------------------------------------------------------
@@ -298,7 +317,13 @@ class RedisLimiter:
     # -- calls -------------------------------------------------------------------------------
 
     async def _call(
-        self, what: str, script: str, make: Callable[[], Awaitable[T]], *, retry: bool = True
+        self,
+        what: str,
+        script: str,
+        make: Callable[[], Awaitable[T]],
+        *,
+        retry: bool = True,
+        slot: int = 0,
     ) -> T:
         """Run ``make()`` against Redis under the timeout, the stall retry (``retry``: the
         call is idempotent) and the breaker."""
@@ -315,12 +340,17 @@ class RedisLimiter:
             self.round_trips += 1
             try:
                 result = await fair_wait(
-                    make(), self._timeout, self.lag, starved_ceiling_s(self._timeout)
+                    self._after_failover(make, slot),
+                    self._timeout,
+                    self.lag,
+                    starved_ceiling_s(self._timeout),
                 )
             except asyncio.CancelledError:
                 self.breaker.abandon()
                 raise
             except _ERRORS as exc:
+                if self.failover is not None:
+                    self.failover.failed()
                 timed_out = _is_timeout(exc)
                 maybe_ran = maybe_ran or timed_out
                 self._observe(script, "timeout" if timed_out else "error", started)
@@ -335,8 +365,44 @@ class RedisLimiter:
                 ) from exc
             self._observe(script, "ok", started)
             self.breaker.record(True)
+            if self.failover is not None:
+                self.failover.answered()
             self._export_state()
             return result
+
+    async def _after_failover(self, make: Callable[[], Awaitable[T]], slot: int) -> T:
+        """``make()``, after the journal was replayed to a new master if one may have taken
+        over (extproc.limiter.failover)."""
+        if self.failover is not None and self.failover.suspect:
+            await self.failover.ensure(slot)
+        return await make()
+
+    def _recovered(self, new_master: bool) -> None:
+        """A recovery ended; a new master answered and caught up: let traffic back now."""
+        if new_master and self.breaker.state is not BreakerState.CLOSED:
+            self.breaker.reset()
+            self._export_state()
+
+    def _slot(self, key: str) -> int:
+        return key_slot(key.encode()) if self._cluster else 0
+
+    def _owner(self, key: str) -> tuple[int, str]:
+        """(slot, run id of its master as known now) of a call about to be sent."""
+        slot = self._slot(key)
+        return slot, (self.failover.owner(slot) if self.failover is not None else "")
+
+    def _journal(
+        self, script: str, keys: list[str], args: list[Any], ttl_ms: int, where: tuple[int, str]
+    ) -> None:
+        if self.failover is not None:
+            self.failover.record(script, keys, args, ttl_ms, slot=where[0], owner=where[1])
+
+    def _journal_settlements(self, items: Sequence[SettleCall], where: tuple[int, str]) -> None:
+        for item in items:
+            keys: list[str] = []
+            args: list[Any] = [1]
+            _pack_settlement(keys, args, item)
+            self._journal("settle", keys, args, item.ledger_ttl_ms, where)
 
     async def admit(
         self,
@@ -362,15 +428,28 @@ class RedisLimiter:
             _pack_settlement(keys, args, call)
         args += [ledger_ttl_ms, "1" if count_refused else "0", tpm_charged]
         keys += [ledger] + [b.key for b in buckets] + [open_key(ledger)]
+        first_bucket = len(args)
         for b in buckets:
             kind = _KIND[b.kind]
             args += [kind, b.amount, b.limit, b.expire_at_ms, b.refundable, int(b.shadow)]
             args += _previous(keys, b)
         args += [now_ms, lease_until_ms, record_draft]
-        res = await self._call("admission", "admit", lambda: self._admit(keys=keys, args=args))
+        where = self._owner(ledger)
+        res = await self._call(
+            "admission", "admit", lambda: self._admit(keys=keys, args=args), slot=where[0]
+        )
         status = int(res[0])
         flat = res[2] if len(res) > 2 else []
         settled = res[3] if len(res) > 3 else []
+        if self.failover is not None:
+            if status == 1:  # replayed with every bucket shadow: counted, never refused
+                replay = list(args)
+                for i in range(len(buckets)):
+                    replay[first_bucket + 8 * i + 5] = 1
+                self._journal("admit", keys, replay, ledger_ttl_ms, where)
+            elif settlements:
+                done = [c for c, v in zip(settlements, settled, strict=False) if int(v)]
+                self._journal_settlements(done, where)
         return AdmitResult(
             admitted=status == 1,
             duplicate=status == 2,
@@ -400,14 +479,54 @@ class RedisLimiter:
         strict: bool,
         ledger_ttl_ms: int,
     ) -> ChargeResult:
-        """Run ``charge.lua`` for one stream: a lazy batch or a strict lease."""
+        """Run ``charge.lua`` for one stream: a lazy batch or a strict lease.  While Redis
+        does not answer, the same charge (same sequence number: applied once) is sent again
+        for up to :attr:`stream_tolerance_s` before the stream is told (a failover shorter
+        than that leaves the stream running; it only waits for this answer when it needs it)."""
         keys: list[str] = []
         args: list[Any] = [1]
-        _pack_charge(keys, args, ChargeCall(ledger, seq, buckets, amount, strict, ledger_ttl_ms))
-        res = await self._call(
-            "a stream charge", "charge", lambda: self._charge(keys=keys, args=args)
+        call = ChargeCall(ledger, seq, buckets, amount, strict, ledger_ttl_ms)
+        _pack_charge(keys, args, call)
+        give_up = time.monotonic() + self.stream_tolerance_s
+        maybe_ran = False
+        while True:
+            where = self._owner(ledger)
+            try:
+                res = await self._call(
+                    "a stream charge",
+                    "charge",
+                    lambda: self._charge(keys=keys, args=args),
+                    slot=where[0],
+                )
+                break
+            except LimiterUnavailable as exc:
+                maybe_ran = maybe_ran or exc.maybe_ran
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    if maybe_ran and not exc.maybe_ran:
+                        raise LimiterUnavailable(str(exc), maybe_ran=True) from exc
+                    raise
+                await asyncio.sleep(min(0.1, left))
+        result = _charge_result(res[0])
+        self._journal_charge(call, result, where)
+        return result
+
+    def _journal_charge(
+        self, call: ChargeCall, result: ChargeResult, where: tuple[int, str]
+    ) -> None:
+        """Journal a stream charge that added tokens, as the lazy charge of what was granted."""
+        if self.failover is None or result.granted <= 0:
+            return
+        keys: list[str] = []
+        args: list[Any] = [1]
+        _pack_charge(
+            keys,
+            args,
+            ChargeCall(
+                call.ledger, call.seq, call.buckets, result.granted, False, call.ledger_ttl_ms
+            ),
         )
-        return _charge_result(res[0])
+        self._journal("charge", keys, args, call.ledger_ttl_ms, where)
 
     async def charge_many(self, items: list[ChargeCall]) -> list[ChargeResult | None]:
         """Charge many streams with few ``charge.lua`` calls (grouped as :meth:`settle_many`);
@@ -420,14 +539,19 @@ class RedisLimiter:
             args: list[Any] = [len(idx)]
             for i in idx:
                 _pack_charge(keys, args, items[i])
+            where = self._owner(items[idx[0]].ledger)
             try:
                 res = await self._call(
-                    "a stream charge", "charge", lambda: self._charge(keys=keys, args=args)
+                    "a stream charge",
+                    "charge",
+                    lambda: self._charge(keys=keys, args=args),
+                    slot=where[0],
                 )
             except LimiterUnavailable:
                 return False
             for i, v in zip(idx, res, strict=True):
-                out[i] = _charge_result(v)
+                out[i] = result = _charge_result(v)
+                self._journal_charge(items[i], result, where)
             return True
 
         await self._per_slot([c.ledger for c in items], one)
@@ -448,8 +572,14 @@ class RedisLimiter:
         _pack_settlement(
             keys, args, SettleCall(ledger, adjustments, ledger_ttl_ms, cancel, unconfirmed)
         )
-        res = await self._call("settlement", "settle", lambda: self._settle(keys=keys, args=args))
-        return bool(int(res[0]))
+        where = self._owner(ledger)
+        res = await self._call(
+            "settlement", "settle", lambda: self._settle(keys=keys, args=args), slot=where[0]
+        )
+        applied = bool(int(res[0]))
+        if applied:
+            self._journal("settle", keys, args, ledger_ttl_ms, where)
+        return applied
 
     async def settle_many(self, items: list[SettleCall]) -> list[bool | None]:
         """Settle many requests with few ``settle.lua`` calls: one per Cluster slot (every
@@ -463,14 +593,22 @@ class RedisLimiter:
             args: list[Any] = [len(idx)]
             for i in idx:
                 _pack_settlement(keys, args, items[i])
+            where = self._owner(items[idx[0]].ledger)
             try:
                 res = await self._call(
-                    "settlement", "settle", lambda: self._settle(keys=keys, args=args)
+                    "settlement",
+                    "settle",
+                    lambda: self._settle(keys=keys, args=args),
+                    slot=where[0],
                 )
             except LimiterUnavailable:
                 return False
             for i, v in zip(idx, res, strict=True):
                 out[i] = bool(int(v))
+            if self.failover is not None:
+                self._journal_settlements(
+                    [items[i] for i, v in zip(idx, res, strict=True) if int(v)], where
+                )
             return True
 
         await self._per_slot([s.ledger for s in items], one)
@@ -544,7 +682,7 @@ class RedisLimiter:
                     pipe.pexpireat(slot, until_ms + EXPIRY_SLACK_MS)
             return await pipe.execute()
 
-        await self._call("a lease renewal", "renew", run)
+        await self._call("a lease renewal", "renew", run, slot=self._slot(ledgers[0]))
 
     async def rls_check(
         self, counters: list[tuple[str, int, int, int, int]]
@@ -554,21 +692,29 @@ class RedisLimiter:
 
         On Redis Cluster the counters are grouped by slot (keys hash-tagged to one slot are
         one call); a request whose counters span slots is checked in one call per slot, each
-        all or nothing (docs/rls.md: the slot strategy)."""
+        all or nothing (docs/rls.md: the slot strategy).  Each call carries a fresh id (a key
+        in its counters' slot): a retry after a timeout, or a replay to a new master, whose
+        first run counted returns that run's answer and counts nothing."""
         if not counters:
             return True, []
         groups = _by_slot(self._client, counters)
         admitted, before = True, [0] * len(counters)
         for idxs in groups:
-            keys = [counters[i][0] for i in idxs]
-            args: list[Any] = []
+            first = counters[idxs[0]][0]
+            call_id = call_id_key(first, uuid.uuid4().hex)
+            keys = [call_id] + [counters[i][0] for i in idxs]
+            args: list[Any] = [RLS_CALL_ID_TTL_MS, "0"]
             for i in idxs:
                 _, hits, limit, expire, mode = counters[i]
                 args += [hits, limit, expire, mode]
-            # not retried after a timeout: rls.lua has no ledger, a second run would count twice
+            where = self._owner(first)
             res = await self._call(
-                "a rate limit check", "rls", _script_call(self._rls, keys, args), retry=False
+                "a rate limit check", "rls", _script_call(self._rls, keys, args), slot=where[0]
             )
+            if int(res[0]) == 1 and any(counters[i][1] > 0 for i in idxs):
+                self._journal(
+                    "rls", keys, [RLS_CALL_ID_TTL_MS, "1", *args[2:]], RLS_CALL_ID_TTL_MS, where
+                )
             admitted = admitted and int(res[0]) == 1
             for i, v in zip(idxs, res[1], strict=True):
                 before[i] = int(v)
@@ -578,7 +724,9 @@ class RedisLimiter:
         """MGET the counters (one slot: all keys share a tenant's hash tag)."""
         if not keys:
             return []
-        vals = await self._call("a read", "read", lambda: self._client.mget(keys))
+        vals = await self._call(
+            "a read", "read", lambda: self._client.mget(keys), slot=self._slot(keys[0])
+        )
         return [int(v) if v is not None else 0 for v in vals]
 
     async def count_slots(self, keys: list[str], now_ms: int) -> list[int]:
@@ -592,7 +740,7 @@ class RedisLimiter:
                 pipe.zcount(k, f"({now_ms}", "+inf")
             return await pipe.execute()
 
-        return [int(v) for v in await self._call("a read", "read", run)]
+        return [int(v) for v in await self._call("a read", "read", run, slot=self._slot(keys[0]))]
 
     async def ping(self) -> bool:
         """PING, bypassing the breaker."""
@@ -605,7 +753,22 @@ class RedisLimiter:
     async def close(self) -> None:
         """Close the connection pool."""
         self.lag.stop()
+        if self.failover is not None:
+            await self.failover.close()
         await self._client.aclose()
+
+
+def call_id_key(key: str, call_id: str) -> str:
+    """A key for ``call_id`` in the Cluster slot of ``key``: ``{<key's hash tag>}:aiq:call:<id>``
+    (the whole key stands for the tag when it has none)."""
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return f"{{{key[start + 1 : end]}}}:aiq:call:{call_id}"
+    if "}" in key:  # no valid tag, and the key cannot be one: hash the key itself after it
+        raise ValueError(f"cannot place a call id in the slot of {key!r}")
+    return f"{{{key}}}:aiq:call:{call_id}"
 
 
 def _pack_charge(keys: list[str], args: list[Any], c: ChargeCall) -> None:

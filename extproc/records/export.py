@@ -21,6 +21,7 @@ import redis
 import redis.cluster
 import redis.exceptions
 
+from extproc.limiter import redis_url
 from extproc.records.model import FIELDS, RecordFormatError, UsageRecord
 
 #: Stream entries read per XRANGE / XREADGROUP call.
@@ -55,13 +56,8 @@ def _text(value: Any) -> str:
 
 
 def sync_client(url: str, *, timeout_s: float = 5.0) -> Any:
-    """A blocking client for ``redis://...`` or ``redis+cluster://...``."""
-    if url.startswith("redis+cluster://"):
-        return redis.cluster.RedisCluster.from_url(
-            "redis://" + url.removeprefix("redis+cluster://"),
-            socket_connect_timeout=timeout_s,
-        )
-    return redis.Redis.from_url(url, socket_connect_timeout=timeout_s)
+    """A blocking client for any Redis URL the limiter takes (:mod:`extproc.limiter.redis_url`)."""
+    return redis_url.sync_client(url, timeout_s=timeout_s)
 
 
 # -- export ------------------------------------------------------------------------------------

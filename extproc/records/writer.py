@@ -27,11 +27,10 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import redis.asyncio as aioredis
 import redis.exceptions
 import structlog
-from redis.asyncio.cluster import RedisCluster
 
+from extproc.limiter.redis_url import async_client
 from extproc.records.model import UsageRecord
 
 if TYPE_CHECKING:
@@ -102,23 +101,9 @@ def marker_prefix(stream: str) -> str:
 
 
 def redis_client(url: str, *, timeout_s: float = 1.0, max_connections: int = 4) -> Any:
-    """An asyncio client for ``redis://...`` or ``redis+cluster://...`` (as the limiter makes
-    one, with its own small pool)."""
-    if url.startswith("redis+cluster://"):
-        return RedisCluster.from_url(
-            "redis://" + url.removeprefix("redis+cluster://"),
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            max_connections=max_connections,
-        )
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        max_connections=max_connections,
-        timeout=timeout_s,
-    )
-    return aioredis.Redis.from_pool(pool)  # owns the pool: close() disconnects it
+    """An asyncio client for any Redis URL the limiter takes (its own small pool; see
+    :mod:`extproc.limiter.redis_url`)."""
+    return async_client(url, timeout_s=timeout_s, max_connections=max_connections)
 
 
 @dataclass(slots=True)

@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from extproc.envoy_config import GrpcClientAuth, secure_cluster, secure_grpc_service
+
 
 @dataclass(frozen=True)
 class RlsEnvoy:
@@ -32,6 +34,8 @@ class RlsEnvoy:
     # Envoy's own X-RateLimit-* headers (draft 03) from the statuses, beside any headers
     # the service adds (AIQ_RLS_RESPONSE_HEADERS)
     x_ratelimit_headers: bool = True
+    # How Envoy authenticates to the RLS port (token, TLS, client certificate: docs/security.md)
+    auth: GrpcClientAuth | None = None
 
 
 def _route() -> dict[str, Any]:
@@ -50,7 +54,9 @@ def _hcm(name: str, *, rls: RlsEnvoy | None) -> dict[str, Any]:
             "failure_mode_deny": rls.failure_mode_deny,
             "timeout": f"{rls.timeout_ms / 1000:.3f}s",
             "rate_limit_service": {
-                "grpc_service": {"envoy_grpc": {"cluster_name": "ai_quota_rls"}},
+                "grpc_service": secure_grpc_service(
+                    {"envoy_grpc": {"cluster_name": "ai_quota_rls"}}, rls.auth
+                ),
                 "transport_api_version": "V3",
             },
         }
@@ -107,7 +113,7 @@ def bootstrap(e: RlsEnvoy) -> dict[str, Any]:
             "listeners": listeners,
             "clusters": [
                 _cluster("plain_upstream", e.upstream_port, http2=False),
-                _cluster("ai_quota_rls", e.rls_port, http2=True),
+                secure_cluster(_cluster("ai_quota_rls", e.rls_port, http2=True), e.auth),
             ],
         },
     }

@@ -10,7 +10,7 @@ import orjson
 
 from extproc._gen.aiquota.v1 import usage_pb2, usage_pb2_grpc
 from extproc.core.admission import human_duration
-from extproc.usage.discover import note, usage_address
+from extproc.usage.discover import note, port_credentials, usage_address
 from extproc.usage.records_cli import add_subcommands
 
 
@@ -25,6 +25,21 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="ext_proc gRPC address (default: $AIQ_USAGE_ADDRESS or $AIQ_GRPC_ADDRESS, else the "
         "running stack's .run/stack.json, else 127.0.0.1:50051)",
     )
+    parser.add_argument(
+        "--ca-file",
+        help="TLS: verify the service with this CA (env AIQ_USAGE_CA_FILE; default: the "
+        "running stack's, else plaintext)",
+    )
+    parser.add_argument(
+        "--token-file",
+        help="bearer token: the admin token reads any tenant (env AIQ_USAGE_TOKEN_FILE; "
+        "default: the running stack's admin token; with --key, the key is the credential)",
+    )
+    parser.add_argument(
+        "--server-name", help="the name in the service's certificate (default: its address)"
+    )
+    parser.add_argument("--cert-file", help="a client certificate (a port with mutual TLS)")
+    parser.add_argument("--key-file", help="the client certificate's key")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_subcommands(parser)
     parser.set_defaults(usage_parser=parser)
@@ -38,13 +53,29 @@ def run(args: argparse.Namespace) -> int:
         args.usage_parser.error("one of the arguments --key --tenant is required")
     address = usage_address(args.address)
     note("ai-quota usage", address)
-    with grpc.insecure_channel(address.value) as ch:
+    door = port_credentials(
+        address,
+        ca_file=args.ca_file,
+        token_file=args.token_file,
+        server_name=args.server_name,
+        cert_file=args.cert_file,
+        key_file=args.key_file,
+    )
+    try:
+        token = door.token() or args.key or ""
+        channel = door.channel(address.value)
+    except OSError as exc:
+        print(f"ai-quota usage: {exc}", file=sys.stderr)
+        return 1
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    with channel as ch:
         stub = usage_pb2_grpc.UsageStub(ch)
         try:
             resp = stub.GetUsage(
                 usage_pb2.GetUsageRequest(
                     api_key=args.key or "", tenant=args.tenant or "", model=args.model
                 ),
+                metadata=metadata,
                 timeout=5,
             )
         except grpc.RpcError as exc:

@@ -16,6 +16,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import grpc
 
 from extproc.stack import DEFAULT_WORKDIR, STACK_FILE
 
@@ -122,6 +125,88 @@ def redis_url(
     default ``redis://127.0.0.1:6379/0``."""
     names = ("AIQ_REDIS_URL",)
     return resolve(flag, names, "redis_url", DEFAULT_REDIS_URL, env=env, files=files)
+
+
+@dataclass(frozen=True)
+class PortCredentials:
+    """How a side command reaches the gRPC port: TLS with this CA (and server name) and a
+    bearer token file (the admin token for any tenant); empty: plaintext, no token."""
+
+    ca_file: str = ""
+    server_name: str = ""
+    token_file: str = ""
+    cert_file: str = ""  # a client certificate, for a port that asks for one (mutual TLS)
+    key_file: str = ""
+
+    def channel(self, address: str) -> Any:
+        """A blocking channel to ``address`` (TLS when a CA is known)."""
+        if not self.ca_file:
+            return grpc.insecure_channel(address)
+        pair: tuple[bytes, bytes] | tuple[None, None] = (None, None)
+        if self.cert_file:
+            pair = (Path(self.key_file).read_bytes(), Path(self.cert_file).read_bytes())
+        creds = grpc.ssl_channel_credentials(Path(self.ca_file).read_bytes(), *pair)
+        options = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+        return grpc.secure_channel(address, creds, options=options)
+
+    def token(self) -> str:
+        """The first token of the token file ("" without one)."""
+        if not self.token_file:
+            return ""
+        for line in Path(self.token_file).read_text(encoding="utf-8").splitlines():
+            if line.strip() and not line.strip().startswith("#"):
+                return line.strip()
+        return ""
+
+
+def port_credentials(
+    found: Found,
+    *,
+    ca_file: str | None = None,
+    token_file: str | None = None,
+    server_name: str | None = None,
+    cert_file: str | None = None,
+    key_file: str | None = None,
+    env: Mapping[str, str] | None = None,
+    files: Sequence[Path] | None = None,
+) -> PortCredentials:
+    """The flags; else ``AIQ_USAGE_CA_FILE`` / ``AIQ_USAGE_TOKEN_FILE`` /
+    ``AIQ_USAGE_SERVER_NAME``; else, when the address is a running stack's (read from its
+    stack.json, or given and listed there), that stack's CA and admin token
+    (docs/security.md)."""
+    environ = os.environ if env is None else env
+    ca = ca_file or environ.get("AIQ_USAGE_CA_FILE", "")
+    token = token_file or environ.get("AIQ_USAGE_TOKEN_FILE", "")
+    name = server_name or environ.get("AIQ_USAGE_SERVER_NAME", "")
+    info: object = {}
+    if found.from_stack and not (ca or token):
+        try:
+            info = json.loads(Path(found.origin).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            info = {}
+    elif not (ca or token):  # an address given by hand: the running stack's, if it is one
+        running = running_stack(stack_files() if files is None else files)
+        if running is not None:
+            listed = running[0].get("extprocs")
+            if isinstance(listed, list) and found.value in listed:
+                info = running[0]
+    if info:
+        creds = info.get("credentials") if isinstance(info, dict) else None
+        if isinstance(creds, dict):
+            ca = str(creds.get("ca") or "")
+            token = str(creds.get("admin_token_file") or "")
+            name = name or str(creds.get("server_name") or "")
+            mtls = isinstance(info, dict) and info.get("security") == "mtls"
+            if mtls and not cert_file:
+                cert_file = str(creds.get("client_cert") or "")
+                key_file = str(creds.get("client_key") or "")
+    return PortCredentials(
+        ca_file=ca,
+        server_name=name,
+        token_file=token,
+        cert_file=cert_file or "",
+        key_file=key_file or "",
+    )
 
 
 def note(command: str, found: Found) -> None:

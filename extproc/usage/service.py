@@ -7,6 +7,7 @@ from typing import Any
 import grpc
 
 from extproc._gen.aiquota.v1 import usage_pb2, usage_pb2_grpc
+from extproc.access import USAGE_SERVICE, PortGuard
 from extproc.config.load import key_digest
 from extproc.core.admission import format_amount
 from extproc.core.keys import SLIDING_SCALE, WindowedBucket, windowed
@@ -15,16 +16,67 @@ from extproc.gateway import Gateway
 
 
 class UsageServicer(usage_pb2_grpc.UsageServicer):
-    """Reads the counters of a tenant's buckets in their current windows."""
+    """Reads the counters of a tenant's buckets in their current windows.
 
-    def __init__(self, gateway: Gateway) -> None:
+    Who may read what (docs/security.md): the admin API's bearer token reads any tenant; a
+    tenant's API key, sent as the bearer token or in the request's ``api_key``, reads that
+    tenant only (another tenant id: PERMISSION_DENIED); anything else is UNAUTHENTICATED.
+    Without a guard (or on a port served ``--insecure``) everyone is admin."""
+
+    def __init__(self, gateway: Gateway, guard: PortGuard | None = None) -> None:
         self.gw = gateway
+        self.guard = guard
+
+    async def _authorise(self, request: Any, context: Any) -> None:
+        """Abort the call unless its caller may read what it asks for."""
+        if self.guard is None:
+            return
+        caller = self.guard.usage_caller(context)
+        if caller.admin:
+            return
+        keys = self.gw.config.keys_by_digest
+        own = caller.presented_key or request.api_key
+        if not own:
+            await self._refuse(
+                context,
+                "missing",
+                grpc.StatusCode.UNAUTHENTICATED,
+                "GetUsage needs the tenant's API key (bearer token or api_key) or the admin token",
+            )
+        key = keys.get(key_digest(own))
+        if key is None:
+            why = "wrong_token" if caller.presented_key else "unknown_key"
+            await self._refuse(context, why, grpc.StatusCode.UNAUTHENTICATED, "unknown API key")
+        assert key is not None
+        asked = request.tenant
+        if request.api_key and request.api_key != own:
+            other = keys.get(key_digest(request.api_key))
+            asked = other.tenant if other is not None else "?"
+        if asked and asked != key.tenant:
+            await self._refuse(
+                context,
+                "other_tenant",
+                grpc.StatusCode.PERMISSION_DENIED,
+                "an API key reads its own tenant's usage only",
+            )
+
+    async def _refuse(self, context: Any, reason: str, code: grpc.StatusCode, msg: str) -> None:
+        assert self.guard is not None
+        self.guard.note(context, USAGE_SERVICE, reason)
+        await context.abort(code, msg)
 
     async def GetUsage(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
         """Every bucket that applies to the tenant (and model, if given)."""
+        await self._authorise(request, context)
         cfg = self.gw.config
         key_name = ""
         tenant_id = request.tenant
+        if not request.api_key and not tenant_id and self.guard is not None:
+            # a tenant's key as the bearer token, nothing in the request: that tenant
+            presented = self.guard.usage_caller(context).presented_key
+            key = cfg.keys_by_digest.get(key_digest(presented)) if presented else None
+            if key is not None:
+                key_name, tenant_id = key.name, key.tenant
         if request.api_key:
             key = cfg.keys_by_digest.get(key_digest(request.api_key))
             if key is None:
@@ -100,6 +152,6 @@ class UsageServicer(usage_pb2_grpc.UsageServicer):
 _UNITS = {"rpm": "requests", "tpm": "tokens", "concurrency": "requests"}
 
 
-def add_usage_service(server: Any, gateway: Gateway) -> None:
-    """Register the usage service on the ext_proc gRPC server."""
-    usage_pb2_grpc.add_UsageServicer_to_server(UsageServicer(gateway), server)
+def add_usage_service(server: Any, gateway: Gateway, guard: PortGuard | None = None) -> None:
+    """Register the usage service on the ext_proc gRPC server (``guard``: who may read what)."""
+    usage_pb2_grpc.add_UsageServicer_to_server(UsageServicer(gateway, guard), server)

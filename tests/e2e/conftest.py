@@ -93,3 +93,43 @@ def client(stack: Stack, key: str, *, envoy: int = 0) -> openai.OpenAI:
     return openai.OpenAI(
         base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=30
     )
+
+
+def usage_flags(stack: Stack, *, admin: bool = False) -> list[str]:
+    """``ai-quota usage`` flags that reach the stack's first processor over its TLS (with the
+    admin token when ``admin``: any tenant)."""
+    c = stack.credentials
+    flags = ["--address", f"127.0.0.1:{stack.extproc_ports[0]}"]
+    if c is None:
+        return flags
+    flags += ["--ca-file", str(c.ca), "--server-name", "ai-quota"]
+    if admin:
+        flags += ["--token-file", str(c.admin_token_file)]
+    return flags
+
+
+def grpc_channel(stack: Stack, port: int | None = None) -> Any:
+    """A blocking channel to a processor of the stack, with Envoy's credentials: TLS checked
+    against the stack's CA, the client certificate in ``mtls``; the call metadata to send is
+    :func:`caller_metadata`."""
+    import grpc
+
+    address = f"127.0.0.1:{port or stack.extproc_ports[0]}"
+    c = stack.credentials
+    if c is None:
+        return grpc.insecure_channel(address)
+    pair: tuple[bytes, bytes] | tuple[None, None] = (None, None)
+    if stack.security == "mtls":
+        pair = (c.client_key.read_bytes(), c.client_cert.read_bytes())
+    creds = grpc.ssl_channel_credentials(c.ca.read_bytes(), *pair)
+    return grpc.secure_channel(
+        address, creds, options=[("grpc.ssl_target_name_override", "ai-quota")]
+    )
+
+
+def caller_metadata(stack: Stack) -> tuple[tuple[str, str], ...]:
+    """Envoy's bearer token as call metadata (none in ``mtls`` or ``insecure``)."""
+    c = stack.credentials
+    if c is None or stack.security != "token":
+        return ()
+    return (("authorization", f"Bearer {c.token}"),)

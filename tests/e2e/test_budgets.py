@@ -21,7 +21,7 @@ import redis
 
 from extproc.records.model import UsageRecord
 from extproc.stack import Stack
-from tests.e2e.conftest import make_stack
+from tests.e2e.conftest import make_stack, usage_flags
 from tests.e2e.test_streaming import ENGINE_PROMPT, MSG
 from tests.helpers import e2e_rules, settled
 
@@ -302,7 +302,6 @@ def test_usage_shows_budgets_periods_and_slots(bstack: Stack, rds: redis.Redis) 
     """``ai-quota usage`` lists the month budget in dollars and the concurrency limit."""
 
     def usage(key: str) -> dict[str, Any]:
-        address = f"127.0.0.1:{bstack.extproc_ports[0]}"
         out = subprocess.run(
             [
                 sys.executable,
@@ -312,8 +311,7 @@ def test_usage_shows_budgets_periods_and_slots(bstack: Stack, rds: redis.Redis) 
                 "--key",
                 key,
                 "--json",
-                "--address",
-                address,
+                *usage_flags(bstack),  # the stack's address and CA (docs/security.md)
             ],
             capture_output=True,
             text=True,

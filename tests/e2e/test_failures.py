@@ -161,7 +161,7 @@ def test_sigterm_drains_in_flight_streams_and_settles(fstack: Stack) -> None:
     used = tpm_used(rds, "t-drain")
     assert 600 < used < 600 + 40
     # restart a processor for the tests that follow
-    fstack._spawn("extproc0", proc.popen.args, _extproc_env(fstack))  # type: ignore[arg-type]
+    fstack._spawn("extproc0", proc.popen.args, proc.env)  # type: ignore[arg-type]
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
@@ -171,15 +171,6 @@ def test_sigterm_drains_in_flight_streams_and_settles(fstack: Stack) -> None:
             break
         except openai.APIError:
             time.sleep(0.2)
-
-
-def _extproc_env(stack: Stack) -> dict[str, str]:
-    return {
-        "AIQ_CONFIG": str(Path(stack.config).resolve()),
-        "AIQ_REDIS_URL": stack.effective_redis_url,
-        "AIQ_GRPC_ADDRESS": f"127.0.0.1:{stack.extproc_ports[0]}",
-        "AIQ_LOG_FORMAT": "json",
-    }
 
 
 def test_redis_gone_mid_stream_cuts_closed_and_continues_open(fstack: Stack) -> None:

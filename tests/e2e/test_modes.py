@@ -12,7 +12,7 @@ import redis
 from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.stack import Stack
-from tests.e2e.conftest import client
+from tests.e2e.conftest import client, usage_flags
 from tests.e2e.test_streaming import ENGINE_PROMPT, PROMPT
 from tests.helpers import settled, tpm_used
 
@@ -75,63 +75,34 @@ def test_model_and_key_buckets_apply_together(stack: Stack, rds: redis.Redis) ->
 
 
 def test_usage_cli_shows_where_a_tenant_stands(stack: Stack, rds: redis.Redis) -> None:
-    """`ai-quota usage --key` reads the live counters through the gateway's own gRPC API."""
+    """`ai-quota usage --key` reads the live counters through the gateway's own gRPC API, over
+    the port's TLS; `--tenant` needs the admin token (docs/security.md)."""
     client(stack, "sk-usage").chat.completions.create(
         model="sim-small", messages=MSG, max_tokens=40
     )
     used = settled(rds, "t-usage")
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "extproc",
-            "usage",
-            "--key",
-            "sk-usage",
-            "--json",
-            "--address",
-            f"127.0.0.1:{stack.extproc_ports[0]}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    )
+
+    def usage(*args: str, admin: bool = False) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "extproc", "usage", *args, *usage_flags(stack, admin=admin)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+
+    out = usage("--key", "sk-usage", "--json")
+    assert out.returncode == 0, out.stderr
     doc = orjson.loads(out.stdout)
     assert doc["tenant"] == "t-usage" and doc["plan"] == "tpm5000"
     tpm = next(b for b in doc["buckets"] if b["metric"] == "tpm")
     assert tpm["used"] == used and tpm["limit"] == 5000 and tpm["remaining"] == 5000 - used
-    table = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "extproc",
-            "usage",
-            "--tenant",
-            "t-usage",
-            "--address",
-            f"127.0.0.1:{stack.extproc_ports[0]}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout
-    assert "t-usage" in table and str(used) in table
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "extproc",
-            "usage",
-            "--key",
-            "sk-nobody",
-            "--address",
-            f"127.0.0.1:{stack.extproc_ports[0]}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-    assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr
+    table = usage("--tenant", "t-usage", admin=True)
+    assert table.returncode == 0, table.stderr
+    assert "t-usage" in table.stdout and str(used) in table.stdout
+    anyone = usage("--tenant", "t-usage")  # a tenant id is no credential
+    assert anyone.returncode == 1 and "UNAUTHENTICATED" in anyone.stderr
+    bad = usage("--key", "sk-nobody")
+    assert bad.returncode == 1 and "UNAUTHENTICATED" in bad.stderr
+    unknown = usage("--key", "sk-nobody", admin=True)  # the admin learns that it is unknown
+    assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr

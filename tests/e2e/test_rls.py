@@ -17,15 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import openai
 import pytest
 import redis
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
+from extproc.envoy_config import GrpcClientAuth
 from extproc.rls.envoy import RlsEnvoy, render
 from extproc.stack import Stack, find_binary, free_port
-from tests.e2e.conftest import make_stack
+from tests.e2e.conftest import caller_metadata, grpc_channel, make_stack
 from tests.helpers import RedisServer, e2e_rules, settled
 from tests.rls_support import OK, OVER, SEED_DIR, request
 
@@ -62,6 +62,7 @@ def start_envoys(
     n: int,
     deny: bool = False,
     domain: str = "ai-gateway",
+    auth: GrpcClientAuth | None = None,
 ) -> Envoys:
     """``n`` Envoys with the ratelimit filter (calling with ``domain``) on free ports, in front
     of a plain HTTP ``upstream``; returns once all are ready."""
@@ -71,7 +72,17 @@ def start_envoys(
         port, admin = free_port(), free_port()
         cfg = workdir / f"rls-envoy{i}{'-deny' if deny else ''}-{domain}.yaml"
         cfg.write_text(
-            render(RlsEnvoy(port, admin, rls_port, upstream, domain=domain, failure_mode_deny=deny))
+            render(
+                RlsEnvoy(
+                    port,
+                    admin,
+                    rls_port,
+                    upstream,
+                    domain=domain,
+                    failure_mode_deny=deny,
+                    auth=auth,
+                )
+            )
         )
         with (workdir / f"{cfg.stem}.log").open("ab") as log:  # Envoy keeps its own handle
             procs.append(
@@ -155,7 +166,9 @@ def rls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack,
 def four(rls_stack: tuple[Stack, int]) -> Iterator[Envoys]:
     """Four Envoys with the ratelimit filter, all calling the stack's one ai-quota."""
     stack, _ = rls_stack
-    envoys = start_envoys(stack.workdir, stack.extproc_ports[0], stack.ports.sim, n=4)
+    envoys = start_envoys(
+        stack.workdir, stack.extproc_ports[0], stack.ports.sim, n=4, auth=stack.envoy_auth()
+    )
     yield envoys
     envoys.stop()
 
@@ -230,11 +243,16 @@ def test_llm_route_and_rls_share_counters(rls_stack: tuple[Stack, int]) -> None:
     rds = redis.Redis(port=stack.ports.redis)
     tokens = settled(rds, TENANT_LLM)  # what ext_proc charged (its own count of the prompt)
     assert tokens >= resp.usage.completion_tokens > 0
-    with grpc.insecure_channel(f"127.0.0.1:{stack.extproc_ports[0]}") as ch:
+    meta = caller_metadata(stack)
+    with grpc_channel(stack) as ch:
         stub = rls_pb2_grpc.RateLimitServiceStub(ch)
         seed = [("tenant", TENANT_LLM), ("model", "sim-small")]
-        rpm = stub.ShouldRateLimit(request("ai-gateway", [*seed, ("metric", "rpm")], hits=1))
-        tpm = stub.ShouldRateLimit(request("ai-gateway", [*seed, ("metric", "tpm")], hits=100))
+        rpm = stub.ShouldRateLimit(
+            request("ai-gateway", [*seed, ("metric", "rpm")], hits=1), metadata=meta
+        )
+        tpm = stub.ShouldRateLimit(
+            request("ai-gateway", [*seed, ("metric", "tpm")], hits=100), metadata=meta
+        )
     if gateway_minute(offset) != window:
         pytest.skip("crossed a minute boundary mid-test (counters started over)")
     assert rpm.overall_code == OK and rpm.statuses[0].limit_remaining == 60 - 1 - 1
@@ -244,10 +262,10 @@ def test_llm_route_and_rls_share_counters(rls_stack: tuple[Stack, int]) -> None:
     key = f"aiq:{{{TENANT_LLM}}}:tpm:t:sim-small:60:{window}"
     assert int(rds.get(key) or 0) == tokens + 100
     over = None
-    with grpc.insecure_channel(f"127.0.0.1:{stack.extproc_ports[0]}") as ch:
+    with grpc_channel(stack) as ch:
         stub = rls_pb2_grpc.RateLimitServiceStub(ch)
         seed = [("tenant", TENANT_LLM), ("model", "sim-small"), ("metric", "tpm")]
-        over = stub.ShouldRateLimit(request("ai-gateway", seed, hits=100_000))
+        over = stub.ShouldRateLimit(request("ai-gateway", seed, hits=100_000), metadata=meta)
     assert over.overall_code == OVER
 
 
@@ -265,6 +283,7 @@ def test_failure_mode_deny_when_ai_quota_is_gone(
         "AIQ_ADMIN_STORE": "0",
         "AIQ_USAGE_STREAM": "off",
         "AIQ_KEY_PREFIX": "deny",
+        "AIQ_INSECURE": "1",  # about Envoy's failure mode, not the port's door
     }
     with (tmp_path / "serve.log").open("ab") as log:  # serve keeps its own handle
         serve = subprocess.Popen(

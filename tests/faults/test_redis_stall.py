@@ -257,6 +257,7 @@ async def test_the_redis_health_name_follows_redis_and_the_service_stays_up(
         grpc_address="127.0.0.1:0",
         usage_stream="off",
         admin_store=False,
+        insecure=True,
     )
     running = await start(settings)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")

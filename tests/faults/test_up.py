@@ -47,7 +47,7 @@ def test_format_log_line_shows_decisions_and_problems_only() -> None:
 
 
 def test_up_is_quiet_writes_stack_json_and_redis_keeps_counters(tmp_path: Path) -> None:
-    workdir = tmp_path / "run"
+    workdir = tmp_path / ".run"  # where `ai-quota usage` run in tmp_path looks
     envoy, admin = run_of(1), run_of(1)
     sim, extproc, rport = free_port(), free_port(), free_port()
     out = (tmp_path / "terminal.txt").open("wb")
@@ -121,6 +121,22 @@ def test_up_is_quiet_writes_stack_json_and_redis_keeps_counters(tmp_path: Path) 
         assert "Ready to accept connections" not in terminal  # nor the Redis banner
         assert (workdir / "redis.log").read_text().count("Ready to accept") >= 1
         assert '"status"' in (workdir / "envoy0.log").read_text()
+        # the port is closed (TLS, credentials recorded in stack.json) and `ai-quota usage`
+        # still works without flags: it reads the stack's CA and admin token
+        assert info["security"] == "token" and Path(info["credentials"]["ca"]).is_file()
+        plain = {k: v for k, v in os.environ.items() if not k.startswith("AIQ_")}
+        for args in (["--tenant", "demo-standard"], ["--key", "sk-demo-standard"]):
+            shown = subprocess.run(
+                [sys.executable, "-m", "extproc", "usage", *args, "--json"],
+                cwd=tmp_path,
+                env=plain,
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+            assert shown.returncode == 0, shown.stderr
+            assert json.loads(shown.stdout)["tenant"] == "demo-standard"
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(60)

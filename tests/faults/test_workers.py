@@ -81,6 +81,7 @@ def test_supervised_workers_restart_reload_and_drain(
         **os.environ,
         "AIQ_CONFIG": str(rules),
         "AIQ_REDIS_URL": redis_server.url,
+        "AIQ_INSECURE": "1",  # this test is about something else than the door
         "AIQ_DRAIN_NOTICE_S": "0.2",
         "AIQ_SHUTDOWN_GRACE_S": "3",
     }

@@ -411,6 +411,7 @@ async def test_serve_with_the_admin_api(redis_server: RedisServer, tmp_path: Pat
         usage_stream="off",
         admin_port=admin_port,
         admin_token_file=str(token_file),
+        insecure=True,
     )
     running = await start(settings)
     gw = running.gateway

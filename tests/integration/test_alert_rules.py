@@ -61,6 +61,17 @@ CASES: list[dict[str, Any]] = [
             fires("AiQuotaBreakerOpen", "2m", severity="critical", instance="a:9090"),
         ],
     },
+    {  # a new Redis master seen once (the journal replayed); a replica whose journal overflowed
+        "input_series": [
+            series("aiq_redis_failovers_total", "", "0 0 0 1x10"),
+            series("aiq_journal_dropped", "", "0 0 0 50x10", "b:9090"),
+        ],
+        "alert_rule_test": [
+            silent("AiQuotaRedisFailover", "1m"),
+            fires("AiQuotaRedisFailover", "2m", severity="info", instance="a:9090"),
+            fires("AiQuotaJournalOverflow", "2m", instance="b:9090"),
+        ],
+    },
     {  # nine of ten Redis calls failing
         "input_series": [
             series("aiq_redis_call_seconds_count", 'script="admit",outcome="ok"', "0+10x20"),
@@ -108,6 +119,16 @@ CASES: list[dict[str, Any]] = [
             series("aiq_admin_calls_total", 'method="ListTenants",code="OK"', "0+50x10"),
         ],
         "alert_rule_test": [fires("AiQuotaAdminUnauthenticatedCalls", "2m")],
+    },
+    {  # an Envoy left on a retired token; refused usage reads alone do not page
+        "input_series": [
+            series("aiq_grpc_refused_total", 'service="ext_proc",reason="wrong_token"', "0+4x10"),
+            series("aiq_grpc_refused_total", 'service="usage",reason="other_tenant"', "0+9x10"),
+        ],
+        "alert_rule_test": [
+            fires("AiQuotaGrpcCallsRefused", "2m", service="ext_proc"),
+            silent("AiQuotaGrpcCallsRefused", "30s"),
+        ],
     },
     {  # lost settlements and lost usage records are critical at once
         "input_series": [
@@ -167,6 +188,8 @@ CASES: list[dict[str, Any]] = [
             series("aiq_settlement_backlog", "", "0x40"),
             series("aiq_usage_record_backlog", "", "0x40"),
             series("aiq_admin_calls_total", 'method="CreateKey",code="OK"', "0+1x40"),
+            series("aiq_redis_failovers_total", "", "0x40"),
+            series("aiq_journal_dropped", "", "0x40"),
         ],
         "alert_rule_test": [
             silent(name, "20m")
@@ -177,12 +200,15 @@ CASES: list[dict[str, Any]] = [
                 "AiQuotaConfigReloadFailed",
                 "AiQuotaAdminStoreUnreachable",
                 "AiQuotaAdminUnauthenticatedCalls",
+                "AiQuotaGrpcCallsRefused",
                 "AiQuotaRefusalSpike",
                 "AiQuotaStreamsCutByFaults",
                 "AiQuotaSettlementsDropped",
                 "AiQuotaSettlementPushback",
                 "AiQuotaSettlementBacklogGrowing",
                 "AiQuotaUsageRecordBacklog",
+                "AiQuotaRedisFailover",
+                "AiQuotaJournalOverflow",
             )
         ],
     },

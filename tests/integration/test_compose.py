@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from extproc.config import load_config
-from extproc.envoy_config import EnvoyPorts, render_yaml
+from extproc.envoy_config import EnvoyPorts, GrpcClientAuth, render_yaml
 
 pytestmark = pytest.mark.integration
 
@@ -34,8 +34,13 @@ COMPOSE_PORTS = EnvoyPorts(
     listen_host="0.0.0.0",
     upstreams=(("sim", 18080),),
     extprocs=(("extproc", 50051),),
+    extproc_auth=GrpcClientAuth(
+        ca_file="/credentials/ca.pem",
+        cert_file="/credentials/envoy.pem",
+        key_file="/credentials/envoy.key",
+    ),
 )
-EXPECTED_SERVICES = {"redis", "extproc", "sim", "envoy"}
+EXPECTED_SERVICES = {"redis", "credentials", "extproc", "sim", "envoy"}
 
 
 def _compose(path: Path = COMPOSE_FILE) -> dict[str, Any]:
@@ -293,9 +298,36 @@ def test_compose_envoy_yaml_matches_the_compose_services() -> None:
     assert envoy_mounts.get(COMPOSE_ENVOY.resolve()) == "/etc/envoy/envoy.yaml"
 
 
-def test_compose_envoy_yaml_passes_envoy_validate() -> None:
-    """envoy --mode validate accepts compose/envoy.yaml (STRICT_DNS names need not resolve)."""
-    _validate(COMPOSE_ENVOY)
+def test_the_grpc_port_is_closed_by_default() -> None:
+    """The processors serve TLS and answer only Envoy's client certificate; both mount the
+    credentials the one-shot service makes; the gRPC port is not published (docs/security.md)."""
+    services = _services()
+    env = services["extproc"]["environment"]
+    assert env["AIQ_GRPC_TLS_CLIENT_CA"] == "/credentials/ca.pem"
+    assert env["AIQ_GRPC_ALLOWED_SANS"] == "envoy"
+    assert env["AIQ_GRPC_TLS_CERT"] and env["AIQ_GRPC_TLS_KEY"]
+    assert "AIQ_INSECURE" not in env and "ports" not in services["extproc"]
+    for name in ("extproc", "envoy"):
+        assert "credentials:/credentials:ro" in services[name]["volumes"]
+    assert services["extproc"]["depends_on"]["credentials"] == {
+        "condition": "service_completed_successfully"
+    }
+    assert services["credentials"]["command"][:3] == ["python", "-m", "extproc.devcerts"]
+    assert "credentials" in _compose()["volumes"]
+    cluster = _clusters(yaml.safe_load(COMPOSE_ENVOY.read_text()))["extproc"]
+    tls = cluster["transport_socket"]["typed_config"]["common_tls_context"]
+    assert tls["tls_certificates"][0]["private_key"]["filename"] == "/credentials/envoy.key"
+
+
+def test_compose_envoy_yaml_passes_envoy_validate(tmp_path: Path) -> None:
+    """envoy --mode validate accepts compose/envoy.yaml (STRICT_DNS names need not resolve),
+    with the /credentials files (read at validation) made by the same code as in compose."""
+    from extproc.devcerts import make
+
+    creds = make(tmp_path / "credentials")
+    text = COMPOSE_ENVOY.read_text().replace("/credentials/", f"{creds.dir}/")
+    (tmp_path / "envoy.yaml").write_text(text)
+    _validate(tmp_path / "envoy.yaml")
 
 
 def test_local_envoy_yaml_equals_the_renderer_default() -> None:
@@ -339,3 +371,42 @@ def test_envoy_config_output_has_no_yaml_anchors() -> None:
     assert "&id" not in out and "*id" not in out
     assert not re.search(r"^\s*[-\w]+: [&*]\w+", out, flags=re.M)
     assert "health_checks" in out
+
+
+# -- the Sentinel override ---------------------------------------------------------------------
+
+SENTINEL_FILE = COMPOSE_DIR / "sentinel.yaml"
+
+
+def test_sentinel_override_points_the_processors_at_its_sentinels() -> None:
+    """compose/sentinel.yaml: two replicas of the base file's redis, three sentinels watching
+    it under the master name the processors' AIQ_REDIS_URL asks for, pinned images."""
+    from extproc.limiter.redis_url import parse_redis_url
+
+    services = yaml.safe_load(SENTINEL_FILE.read_text())["services"]
+    base = _services()
+    assert set(services) - set(base) == {
+        "redis-replica-1",
+        "redis-replica-2",
+        "sentinel-1",
+        "sentinel-2",
+        "sentinel-3",
+    }
+    for name, service in services.items():
+        if "image" in service:
+            assert _is_pinned(service["image"]), name
+    target = parse_redis_url(services["extproc"]["environment"]["AIQ_REDIS_URL"])
+    assert target.kind == "sentinel"
+    assert {host for host, _ in target.sentinels} == {"sentinel-1", "sentinel-2", "sentinel-3"}
+    for n in (1, 2, 3):
+        script = services[f"sentinel-{n}"]["command"][0]
+        assert f"sentinel monitor {target.master} redis 6379 2" in script
+        assert script.index("resolve-hostnames") < script.index("sentinel monitor")
+    for n in (1, 2):
+        argv = services[f"redis-replica-{n}"]["command"]
+        assert argv[argv.index("--replicaof") + 1 : argv.index("--replicaof") + 3] == [
+            "redis",
+            "6379",
+        ]
+    master = services["redis"]["command"]
+    assert master[master.index("--min-replicas-to-write") + 1] == "1"

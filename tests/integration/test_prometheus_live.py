@@ -116,6 +116,7 @@ def test_prometheus_fires_the_repos_alerts_on_real_replicas(
                 **os.environ,
                 "AIQ_CONFIG": str(path),
                 "AIQ_REDIS_URL": own_redis.url,
+                "AIQ_INSECURE": "1",  # this test is about something else than the door
                 "AIQ_GRPC_ADDRESS": f"127.0.0.1:{grpc_ports[-1]}",
                 "AIQ_METRICS_PORT": str(port),
                 "AIQ_USAGE_STREAM": "off",

@@ -31,6 +31,7 @@ def test_serve_exposes_metrics_and_usage_and_stops_cleanly(redis_server: RedisSe
         **os.environ,
         "AIQ_CONFIG": str(ROOT / "config/demo.yaml"),
         "AIQ_REDIS_URL": redis_server.url,
+        "AIQ_INSECURE": "1",  # this test is about something else than the door
         "AIQ_GRPC_ADDRESS": f"127.0.0.1:{grpc_port}",
         "AIQ_METRICS_PORT": str(metrics_port),
     }
@@ -73,7 +74,12 @@ def test_serve_with_an_invalid_config_exits_1(tmp_path: Path) -> None:
     """A broken rules file stops start-up with the file and path named."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("models: {}\n")
-    env = {**os.environ, "AIQ_CONFIG": str(bad), "AIQ_GRPC_ADDRESS": f"127.0.0.1:{free_port()}"}
+    env = {
+        **os.environ,
+        "AIQ_CONFIG": str(bad),
+        "AIQ_GRPC_ADDRESS": f"127.0.0.1:{free_port()}",
+        "AIQ_INSECURE": "1",
+    }
     p = subprocess.run(
         [sys.executable, "-m", "extproc", "serve"],
         env=env,
@@ -84,6 +90,34 @@ def test_serve_with_an_invalid_config_exits_1(tmp_path: Path) -> None:
     )
     assert p.returncode == 1
     assert f"{bad}:1:1: models: " in p.stderr
+
+
+def test_serve_without_credentials_refuses_to_start(tmp_path: Path) -> None:
+    """Neither a caller credential nor --insecure: exit 2 saying what to set, nothing served."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIQ_")}
+    env["AIQ_GRPC_ADDRESS"] = f"127.0.0.1:{free_port()}"
+    p = subprocess.run(
+        [sys.executable, "-m", "extproc", "serve"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert p.returncode == 2
+    assert "ai-quota serve: the gRPC port (ext_proc, RLS, usage) needs caller credentials" in (
+        p.stderr
+    )
+    assert "--insecure or AIQ_INSECURE=1" in p.stderr
+    off_loopback = subprocess.run(
+        [sys.executable, "-m", "extproc", "serve", "--grpc-token-file", str(tmp_path / "t")],
+        env={**env, "AIQ_GRPC_ADDRESS": "0.0.0.0:1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert off_loopback.returncode == 2 and "in plaintext" in off_loopback.stderr
 
 
 @pytest.mark.parametrize(
@@ -112,6 +146,7 @@ def test_serve_with_a_port_in_use_exits_2_naming_it(
             **os.environ,
             "AIQ_CONFIG": str(ROOT / "config/demo.yaml"),
             "AIQ_REDIS_URL": redis_server.url,
+            "AIQ_INSECURE": "1",  # this test is about something else than the door
             "AIQ_GRPC_ADDRESS": f"127.0.0.1:{grpc_port}",
         }
         args = [f.format(port=busy, token=token) for f in flags]

@@ -81,7 +81,7 @@ def containers(deploy: Obj) -> dict[str, Obj]:
 def test_base_lists_the_core_objects(base: list[Obj]) -> None:
     kinds = sorted(o["kind"] for o in base)
     assert kinds == sorted(
-        ["Namespace", "ConfigMap", "Deployment", "Service", "PodDisruptionBudget"]
+        ["Namespace", "ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"]
     )
     kust = yaml.safe_load((BASE / "kustomization.yaml").read_text())
     namespaced = [o for o in base if o["kind"] != "Namespace"]
@@ -116,17 +116,61 @@ def test_deployment_runs_two_replicas_of_serve(base: list[Obj]) -> None:
     assert (secret["name"], secret["key"]) == ("ai-quota-redis", "url")
 
 
-def test_probes_use_grpc_health_on_the_grpc_port(base: list[Obj]) -> None:
+def test_probes_use_grpc_health_on_the_plaintext_health_port(base: list[Obj]) -> None:
+    """Kubelet gRPC probes cannot speak TLS: they use --health-address (health alone)."""
     main = containers(one(base, "Deployment"))["ai-quota"]
     ports = {p["name"]: p["containerPort"] for p in main["ports"]}
     assert ports["grpc"] == 50051
+    assert f"--health-address=0.0.0.0:{ports['health']}" in main["args"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         spec = main[probe]
         assert set(spec) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, probe
-        assert spec["grpc"]["port"] == ports["grpc"], probe
+        assert spec["grpc"]["port"] == ports["health"], probe
         # Only the names the processor answers for ("" and the ext_proc service).
         assert spec["grpc"].get("service", "") in ("", EXT_PROC_HEALTH), probe
     assert main["readinessProbe"]["grpc"]["service"] == EXT_PROC_HEALTH
+
+
+def test_the_grpc_port_is_closed_by_default(base: list[Obj]) -> None:
+    """The processors' command line, read by the real parser, passes the start-up checks with
+    TLS and a token file, each from a read-only Secret mount; a NetworkPolicy admits only
+    Envoy's pods to the gRPC port (docs/security.md)."""
+    from extproc.access import check_settings
+    from extproc.cli import build_parser
+
+    deploy = one(base, "Deployment", "ai-quota")
+    main = containers(deploy)["ai-quota"]
+    args = build_parser().parse_args(main["command"][1:] + main["args"])
+    assert not args.insecure
+    check_settings(
+        address=args.grpc_address,
+        insecure=False,
+        token_file=args.grpc_token_file,
+        tls_cert=args.grpc_tls_cert,
+        tls_key=args.grpc_tls_key,
+        client_ca="",
+        allowed_sans=[],
+        allow_plaintext=False,
+    )
+    assert args.grpc_tls_cert and args.grpc_token_file
+    volumes = {v["name"]: v for v in deploy["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m for m in main["volumeMounts"]}
+    for path, secret in (
+        (args.grpc_token_file, "ai-quota-grpc-token"),
+        (args.grpc_tls_cert, "ai-quota-grpc-tls"),
+        (args.grpc_tls_key, "ai-quota-grpc-tls"),
+    ):
+        mount = mounts[str(Path(path).parent)]
+        assert mount["readOnly"] is True and "subPath" not in mount  # updates reach the file
+        assert volumes[mount["name"]]["secret"]["secretName"] == secret
+    policy = one(base, "NetworkPolicy", "ai-quota")["spec"]
+    labels = deploy["spec"]["template"]["metadata"]["labels"]
+    assert selects(policy["podSelector"]["matchLabels"], labels)
+    grpc_rule = next(r for r in policy["ingress"] if r["ports"][0]["port"] == "grpc")
+    (peer,) = grpc_rule["from"]
+    assert peer["podSelector"]["matchLabels"] == {"ai-quota/ext-proc-client": "true"}
+    open_ports = {p["port"] for r in policy["ingress"] if "from" not in r for p in r["ports"]}
+    assert open_ports == {"health", "metrics"}
 
 
 def test_rules_come_from_the_configmap_read_only(base: list[Obj]) -> None:
@@ -381,3 +425,27 @@ def test_admin_pods_take_no_traffic_and_only_admin_clients_reach_them(
     assert [a for a in proc_rules if a.startswith("--config=")] == [
         a for a in admin_rules if a.startswith("--config=")
     ]
+
+
+def test_redis_sentinel_overlay_is_valid_and_points_at_its_sentinels(no_network: None) -> None:
+    """deploy/kubernetes/redis-sentinel: valid Kubernetes; the Secret's URL names the three
+    sentinel pods through their headless Service and the master name they monitor."""
+    from extproc.limiter.redis_url import parse_redis_url
+
+    objs = render(BASE / "redis-sentinel")
+    for obj in objs:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    target = parse_redis_url(one(objs, "Secret", "ai-quota-redis")["stringData"]["url"])
+    assert target.kind == "sentinel"
+    sentinels = one(objs, "StatefulSet", "ai-quota-sentinel")
+    service = sentinels["spec"]["serviceName"]
+    assert [h for h, _ in target.sentinels] == [
+        f"ai-quota-sentinel-{i}.{service}.ai-quota.svc"
+        for i in range(sentinels["spec"]["replicas"])
+    ]
+    conf = one(objs, "ConfigMap", "ai-quota-sentinel")["data"]["sentinel.conf"]
+    assert f"sentinel monitor {target.master} ai-quota-redis-0.ai-quota-redis.ai-quota.svc" in conf
+    assert conf.index("resolve-hostnames yes") < conf.index("sentinel monitor")
+    redis_set = one(objs, "StatefulSet", "ai-quota-redis")
+    assert redis_set["spec"]["replicas"] == 3
+    assert one(objs, "Service", "ai-quota-redis")["spec"]["clusterIP"] == "None"

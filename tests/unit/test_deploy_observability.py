@@ -314,5 +314,7 @@ def test_alerts_cover_the_failure_modes() -> None:
         "aiq_tokenizer_load_failures_total",
         "aiq_redis_reachable",
         "aiq_config_reload_failed",
+        "aiq_redis_failovers_total",
+        "aiq_journal_dropped",
     ):
         assert name in used, name

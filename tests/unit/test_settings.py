@@ -124,3 +124,32 @@ def test_serve_exits_2_with_the_message(
     assert "ai-quota serve: invalid settings" in err
     assert "AIQ_LOG_FORMAT='jsn'" in err
     assert "Traceback" not in err
+
+
+def test_the_ports_credentials_reach_every_worker() -> None:
+    """`serve --workers N` hands the door's flags to each worker as AIQ_* variables that read
+    back to the same settings (the health-only port to the first worker alone)."""
+    from extproc.supervisor import Supervisor, Worker
+
+    s = Settings.from_env(
+        {},
+        workers=2,
+        grpc_token_file="/run/tokens",
+        grpc_tls_cert="/run/tls.crt",
+        grpc_tls_key="/run/tls.key",
+        grpc_tls_client_ca="/run/ca.pem",
+        grpc_allowed_sans="envoy,envoy-canary",
+        health_address="0.0.0.0:8081",
+    )
+    sup = Supervisor(s)
+    first = Settings.from_env(sup._env(Worker(0, s.grpc_address)))
+    second = Settings.from_env(sup._env(Worker(1, s.grpc_address)))
+    for w in (first, second):
+        assert (w.grpc_token_file, w.grpc_tls_cert, w.grpc_tls_key) == (
+            "/run/tokens",
+            "/run/tls.crt",
+            "/run/tls.key",
+        )
+        assert w.grpc_tls_client_ca == "/run/ca.pem" and w.allowed_sans == ["envoy", "envoy-canary"]
+        assert not w.insecure
+    assert first.health_address == "0.0.0.0:8081" and second.health_address == ""

@@ -104,3 +104,50 @@ def test_usage_and_export_use_the_stack_and_say_so_on_stderr(
 def test_no_note_when_the_address_was_given(capsys: pytest.CaptureFixture[str]) -> None:
     discover.note("ai-quota usage", usage_address("127.0.0.1:1"))
     assert capsys.readouterr().err == ""
+
+
+def _closed_stack(path: Path, security: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    creds = {
+        "ca": "/c/ca.pem",
+        "admin_token_file": "/c/admin-token",
+        "client_cert": "/c/envoy.pem",
+        "client_key": "/c/envoy.key",
+        "server_name": "ai-quota",
+    }
+    info = {
+        "usage": "127.0.0.1:50061",
+        "extprocs": ["127.0.0.1:50061"],
+        "pid": os.getpid(),
+        "security": security,
+        "credentials": creds,
+    }
+    path.write_text(json.dumps(info))
+    return path
+
+
+def test_the_stacks_credentials_come_with_its_address(tmp_path: Path) -> None:
+    """An address from (or listed in) a running stack's stack.json brings its CA and admin
+    token, and in mutual TLS Envoy's client certificate; flags and other addresses do not."""
+    path = _closed_stack(tmp_path / DEFAULT_WORKDIR / STACK_FILE, "token")
+    found = usage_address(None, env={}, files=[path])
+    door = discover.port_credentials(found, env={}, files=[path])
+    assert (door.ca_file, door.token_file, door.server_name) == (
+        "/c/ca.pem",
+        "/c/admin-token",
+        "ai-quota",
+    )
+    assert door.cert_file == ""
+    given = discover.port_credentials(
+        discover.Found("127.0.0.1:50061", "flag"), env={}, files=[path]
+    )
+    assert given == door  # the stack's own address, given by hand
+    other = discover.port_credentials(discover.Found("10.0.0.1:1", "flag"), env={}, files=[path])
+    assert other == discover.PortCredentials()  # plaintext, nothing sent
+    mine = discover.port_credentials(found, ca_file="/mine.pem", env={}, files=[path])
+    assert mine.ca_file == "/mine.pem" and mine.token_file == ""
+    mtls = _closed_stack(tmp_path / "m" / DEFAULT_WORKDIR / STACK_FILE, "mtls")
+    door = discover.port_credentials(
+        usage_address(None, env={}, files=[mtls]), env={}, files=[mtls]
+    )
+    assert (door.cert_file, door.key_file) == ("/c/envoy.pem", "/c/envoy.key")

@@ -11,7 +11,9 @@ from extproc.bench.scenarios import (
     accuracy,
     admin,
     admission,
+    door,
     engine,
+    failover,
     profile,
     rls,
     rolling,
@@ -34,7 +36,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     rolling.SCENARIO,
     soak.SCENARIO,
     rls.SCENARIO,
+    door.SCENARIO,
     admin.SCENARIO,
+    failover.SCENARIO,
     engine.SCENARIO,
 )
 
