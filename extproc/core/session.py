@@ -23,13 +23,15 @@ from extproc.core import admission
 from extproc.core.account import RequestAccount
 from extproc.core.admission import Cost
 from extproc.core.apis.base import ApiFormat, ParsedRequest
+from extproc.core.classify import classify, parse_status
 from extproc.core.figures import Figure, abandoned_output, bounded_input, bounded_output
 from extproc.core.keys import WindowedBucket
-from extproc.core.lifecycle import Closed, Ending, Lifecycle
+from extproc.core.lifecycle import Closed, Ending, Input, Lifecycle, State
 from extproc.core.records import (
     Admitted,
     Identified,
     KeyInfo,
+    Metering,
     ModelInfo,
     Parsed,
     PhaseError,
@@ -177,6 +179,114 @@ class Session:
     def respond(self, rec: Responding) -> None:
         """Response headers: status and metering."""
         self._responding = rec
+
+    # -- the request, event by event: the server reports, the session moves its lifecycle ---
+
+    def request_headers(self) -> None:
+        """The request's headers arrived."""
+        self.life.advance(Input.REQUEST_HEADERS)
+
+    def request_body(self) -> None:
+        """The request's body arrived (admission follows)."""
+        self.life.advance(Input.REQUEST_BODY)
+
+    def admission_done(self) -> None:
+        """Admission said yes (its record is set): the request goes upstream."""
+        self.life.advance(Input.ADMITTED)
+
+    def pass_through(self) -> None:
+        """The path is not metered: the request passes as it is."""
+        self.life.advance(Input.PASS)
+
+    def answered(self, *, refused: bool) -> None:
+        """The gateway answered the request itself: refused (429) or rejected (any other
+        error)."""
+        self.life.refuse(Ending.REFUSED if refused else Ending.REJECTED)
+
+    @property
+    def ending(self) -> Ending | None:
+        """How the request ended, once it has."""
+        return self.life.ending
+
+    # -- the response, event by event: the server reports, the session moves its lifecycle --
+
+    def response_headers(
+        self, headers: dict[str, str], *, end_of_stream: bool, fail_open: bool
+    ) -> Metering:
+        """The response's headers arrived: how its body is metered (:func:`classify`), recorded
+        once, and the lifecycle moved to match (a local reply or an upstream error names the
+        ending; a response that needs no body read ends here; a body the meter cannot read
+        ends here too when the plan fails open, else it is answered with a 502)."""
+        before = self.life.state
+        self.life.advance(Input.RESPONSE_HEADERS)
+        how = classify(
+            headers,
+            before,
+            parsed=self.parsed,
+            admitted=self.admitted,
+            api=self.api,
+            end_of_stream=end_of_stream,
+        )
+        status = parse_status(headers)
+        kind = how.kind
+        if kind == "unmeterable" and not fail_open:
+            status = 502  # the gateway answers instead of the upstream
+        self.respond(Responding(status, how))
+        if kind == "local_reply":  # Envoy's own reply (413 before the body reached us...)
+            self.life.name_ending(Ending.LOCAL_REPLY)
+        elif kind == "upstream_error":
+            self.life.name_ending(Ending.UPSTREAM_ERROR)
+            self.life.advance(Input.END)
+        elif kind == "stream":
+            self.life.advance(Input.STREAM_START)
+        elif kind == "read_json":
+            self.life.advance(Input.READ_BODY)
+        elif kind == "done" or (kind == "unmeterable" and fail_open):
+            self.life.advance(Input.END)
+        return how
+
+    def response_body(self) -> None:
+        """A response body chunk arrived."""
+        self.life.advance(Input.RESPONSE_BODY)
+
+    def response_trailers(self) -> None:
+        """The response's trailers arrived."""
+        self.life.advance(Input.TRAILERS)
+
+    def response_read(self) -> None:
+        """A JSON body was read to its end (its usage reported): the response is over."""
+        self.life.advance(Input.END)
+
+    @property
+    def ended(self) -> bool:
+        """The response is over (completed, cut or answered by the gateway)."""
+        return self.life.ended
+
+    @property
+    def reading(self) -> bool:
+        """A JSON body is being read for its usage."""
+        return self.life.state is State.READING
+
+    @property
+    def streaming(self) -> bool:
+        """A metered stream is running (not yet ended nor cut)."""
+        return self.life.state is State.STREAMING
+
+    @property
+    def settling(self) -> bool:
+        """Settlement has begun."""
+        return self.life.settling
+
+    def begin_settlement(self) -> bool:
+        """True the first time (the caller settles), False afterwards."""
+        return self.life.begin_settlement()
+
+    def settle_ending(self) -> Ending:
+        """How the request ended, for settlement: completed when nothing else was named."""
+        self.life.name_ending(Ending.COMPLETED)
+        ending = self.life.ending
+        assert ending is not None
+        return ending
 
     def report(self, rec: Reported) -> None:
         """The upstream's usage (a stream may report more than once: the last one stands)."""

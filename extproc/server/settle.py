@@ -32,7 +32,7 @@ log = structlog.get_logger("extproc")
 
 def access_metadata(s: Session, *, output_tokens: int | None = None) -> dict[str, Any]:
     """The ``ai_quota`` dynamic metadata the access log prints."""
-    ending = s.life.ending
+    ending = s.ending
     cost = s.cost
     out: dict[str, Any] = {
         "tenant": s.tenant.id if s.tenant else "",
@@ -70,7 +70,7 @@ def log_disagreement(gw: Gateway, s: Session, kind: str, figure: Figure | int) -
 
 async def settle(gw: Gateway, cfg: RuntimeConfig, s: Session, stream: StreamEnd | None) -> None:
     """Settle; the caller calls this once per request (``Lifecycle.begin_settlement``)."""
-    ending = s.life.ending or Ending.COMPLETED
+    ending = s.ending or Ending.COMPLETED
     gw.metrics.endings.labels(ending.value).inc()
     cost = s.cost
     if cost is None or s.tenant is None:

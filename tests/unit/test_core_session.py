@@ -12,9 +12,10 @@ from extproc.config import load_config_text
 from extproc.config.runtime import Model, RuntimeConfig
 from extproc.core import admission
 from extproc.core.admission import Cost
-from extproc.core.apis.base import ParsedRequest
+from extproc.core.apis.base import ApiFormat, ParsedRequest
+from extproc.core.apis.openai import CHAT
 from extproc.core.figures import ABANDONED_TOKENS_PER_SECOND, Figure, bounded_input, bounded_output
-from extproc.core.lifecycle import Closed, Ending, Input
+from extproc.core.lifecycle import Closed, Ending, Input, State
 from extproc.core.records import (
     Admitted,
     Identified,
@@ -48,7 +49,12 @@ def config() -> RuntimeConfig:
 
 
 def admitted_session(
-    *, model: str = "m", stream: bool = True, input_tokens: int = 20, strict: bool = False
+    *,
+    model: str = "m",
+    stream: bool = True,
+    input_tokens: int = 20,
+    strict: bool = False,
+    api: ApiFormat | None = None,
 ) -> Session:
     """A session admitted for tenant t on ``model`` with a 500-token output budget."""
     cfg = config()
@@ -57,7 +63,7 @@ def admitted_session(
     m: Model = cfg.models[model]
     s = Session()
     s.life.advance(Input.REQUEST_HEADERS)
-    s.identify(Identified("r1", "/v1/chat/completions", None, key, tenant, "ledger-1"))
+    s.identify(Identified("r1", "/v1/chat/completions", api, key, tenant, "ledger-1"))
     req = ParsedRequest(
         api="chat", model=model, stream=stream, sequences=1, declared_max_output=500, body={}
     )
@@ -224,3 +230,94 @@ def test_cost_is_frozen() -> None:
     assert isinstance(cost, Cost)
     with pytest.raises(AttributeError):
         cost.input_tokens = 0  # type: ignore[misc]
+
+
+def _responding_session(*, stream: bool = True) -> Session:
+    """An admitted chat session whose API is known (so its response is metered)."""
+    return admitted_session(stream=stream, api=CHAT)
+
+
+@pytest.mark.parametrize(
+    ("headers", "stream", "fail_open", "kind", "state", "ending", "status"),
+    [
+        (
+            {":status": "200", "content-type": "text/event-stream"},
+            True,
+            False,
+            "stream",
+            State.STREAMING,
+            None,
+            200,
+        ),
+        (
+            {":status": "200", "content-type": "application/json"},
+            False,
+            False,
+            "read_json",
+            State.READING,
+            None,
+            200,
+        ),
+        (
+            {":status": "429", "content-type": "application/json"},
+            False,
+            False,
+            "upstream_error",
+            State.DONE,
+            Ending.UPSTREAM_ERROR,
+            429,
+        ),
+        (
+            {":status": "200", "content-type": "application/x-ndjson"},
+            True,
+            False,
+            "unmeterable",
+            State.RESPONDING,
+            None,
+            502,
+        ),
+        (
+            {":status": "200", "content-type": "application/x-ndjson"},
+            True,
+            True,
+            "unmeterable",
+            State.DONE,
+            Ending.COMPLETED,
+            200,
+        ),
+    ],
+)
+def test_response_headers_move_the_lifecycle_by_how_the_body_is_metered(
+    headers: dict[str, str],
+    stream: bool,
+    fail_open: bool,
+    kind: str,
+    state: State,
+    ending: Ending | None,
+    status: int,
+) -> None:
+    """The session classifies the response, records it once, and moves its own lifecycle: a
+    stream starts, a JSON body is read, an upstream error ends the request by its name, and a
+    body the meter cannot read is answered with a 502 (fail-closed) or passes and ends
+    (fail-open)."""
+    s = _responding_session(stream=stream)
+    how = s.response_headers(headers, end_of_stream=False, fail_open=fail_open)
+    assert how.kind == kind
+    assert s.life.state is state
+    assert s.ending is ending
+    assert s.status == status
+    assert s.streaming is (state is State.STREAMING)
+    assert s.reading is (state is State.READING)
+
+
+def test_a_local_reply_before_the_body_is_named_and_settles_once() -> None:
+    """Envoy's own reply before the body reached the gateway is named a local reply; the
+    settlement begins once, and its ending is the one named first."""
+    s = Session()
+    s.request_headers()
+    s.identify(Identified("r1", "/v1/chat/completions", CHAT))
+    how = s.response_headers({":status": "413"}, end_of_stream=True, fail_open=False)
+    assert how.kind == "local_reply"
+    assert s.ending is Ending.LOCAL_REPLY
+    assert s.begin_settlement() and not s.begin_settlement()
+    assert s.settle_ending() is Ending.LOCAL_REPLY
