@@ -178,20 +178,9 @@ class MeteredStream:
     def handle(self, ev: StreamEvent) -> list[StreamAction]:
         """Take one event; return what the server must do, in order."""
         t = type(ev)
-        if t is BodyChunk:  # the hot path, checked by identity
-            if ev.answer is not None or self._decoder is not None:  # type: ignore[union-attr]
-                return self._chunk(ev)  # type: ignore[arg-type]
-            if self.s.life.ended:
-                return _NOTHING
-            step = self.meter.feed(ev.data, ev.end)  # type: ignore[union-attr]
-            if (
-                step.charge == 0
-                and not (step.blocked or step.cut_reason or step.end_stream)
-                and (not self.meter.complete or self._final_sent)
-            ):
-                # The common case: forward what completed, no charge, no wait.
-                return [Forward(step.forward)] if step.forward else _NOTHING
-            return self._stepped(step)
+        if t is BodyChunk:
+            assert isinstance(ev, BodyChunk)
+            return self.chunk(ev.data, ev.end, ev.answer)
         if t is ChargeAnswered or t is ChargeFailed:
             assert isinstance(ev, ChargeAnswered | ChargeFailed)
             side, step = self._take(ev)
@@ -215,12 +204,32 @@ class MeteredStream:
             return []
         raise TypeError(f"not a stream event: {ev!r}")  # pragma: no cover - typed
 
-    def _chunk(self, ev: BodyChunk) -> list[StreamAction]:
-        answer = ev.answer
+    def chunk(
+        self, data: bytes, end: bool, answer: ChargeAnswered | ChargeFailed | None = None
+    ) -> list[StreamAction]:
+        """``handle(BodyChunk(data, end, answer))`` without building the event: the per-chunk
+        call (as h2's ``receive_data``)."""
+        if answer is None and self._decoder is None:
+            if self.s.life.ended:
+                return _NOTHING
+            meter = self.meter
+            step = meter.feed(data, end)
+            if (
+                step.charge == 0
+                and not (step.blocked or step.cut_reason or step.end_stream)
+                and (not meter.complete or self._final_sent)
+            ):
+                # The common case: forward what completed, no charge, no wait.
+                return [Forward(step.forward)] if step.forward else _NOTHING
+            return self._stepped(step)
+        return self._chunk(data, end, answer)
+
+    def _chunk(
+        self, data: bytes, end: bool, answer: ChargeAnswered | ChargeFailed | None
+    ) -> list[StreamAction]:
         if self.s.life.ended:
             # the answer still counts (its units are in Redis): bookkeeping only
             return self._take(answer)[0] if answer is not None else _NOTHING
-        data, end = ev.data, ev.end
         if self._decoder is not None:
             try:
                 data = self._decoder.feed(data) + (self._decoder.flush() if end else b"")

@@ -31,7 +31,6 @@ from extproc.core.actions import (
 )
 from extproc.core.encoding import BodyDecoder
 from extproc.core.events import (
-    BodyChunk,
     ChargeAbandoned,
     ChargeAnswered,
     ChargeFailed,
@@ -97,7 +96,7 @@ class StreamDriver:
         """Responses for one upstream body chunk."""
         task = self._task
         answer = self._answer() if task is not None and task.done() else None
-        actions = self.stream.handle(BodyChunk(data, end, answer))
+        actions = self.stream.chunk(data, end, answer)
         if len(actions) == 1:
             a = actions[0]
             if type(a) is Forward:  # the common case: forward, no Redis, no await
