@@ -208,9 +208,12 @@ class MeteredStream:
         self, data: bytes, end: bool, answer: ChargeAnswered | ChargeFailed | None = None
     ) -> list[StreamAction]:
         """``handle(BodyChunk(data, end, answer))`` without building the event: the per-chunk
-        call (as h2's ``receive_data``)."""
+        call (as h2's ``receive_data``).  The chunk is the request's response body event too:
+        the session's lifecycle takes it first."""
+        life = self.s.life
+        life.advance(Input.RESPONSE_BODY)
         if answer is None and self._decoder is None:
-            if self.s.life.ended:
+            if life.ended:
                 return _NOTHING
             meter = self.meter
             step = meter.feed(data, end)

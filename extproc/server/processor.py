@@ -391,12 +391,13 @@ class RequestProcessor:
     async def on_response_body(self, body: Any) -> list[wire.ProcessingResponse]:
         """Meter SSE (full duplex: we forward) or read a JSON body's usage (streamed)."""
         s = self.s
-        s.response_body()
-        if self.driver is not None:
-            out = await self.driver.body(body.body, body.end_of_stream)
+        driver = self.driver
+        if driver is not None:  # the stream takes the chunk (and moves the lifecycle with it)
+            out = await driver.body(body.body, body.end_of_stream)
             if s.ended:
                 self._settle_later()
             return out
+        s.response_body()
         if self._json is not None and s.reading:
             buf, decoder = self._json
             if len(buf) < MAX_USAGE_BODY:
