@@ -394,7 +394,7 @@ class RequestProcessor:
         driver = self.driver
         if driver is not None:  # the stream takes the chunk (and moves the lifecycle with it)
             out = await driver.body(body.body, body.end_of_stream)
-            if s.ended:
+            if driver.ended:
                 self._settle_later()
             return out
         s.response_body()

@@ -84,6 +84,9 @@ class StreamDriver:
         # takes the exact input count a figure needs (a large prompt's off the event loop)
         self._figures_ready = figures_ready
         self._task: asyncio.Task[ChargeResult] | None = None
+        #: the response is over (read after :meth:`body`: a chunk that only forwards leaves
+        #: it as it was)
+        self.ended = False
 
     @property
     def meter(self) -> StreamMeter:
@@ -99,13 +102,14 @@ class StreamDriver:
         actions = self.stream.chunk(data, end, answer)
         if len(actions) == 1:
             a = actions[0]
-            if type(a) is Forward:  # the common case: forward, no Redis, no await
-                out = a.output_tokens  # checked by identity (mypy narrows it)
+            # the common case: forward, no Redis, no await (and the stream goes on)
+            if type(a) is Forward and not a.end_stream:  # checked by identity (mypy narrows it)
+                out = a.output_tokens
                 meta = None if out is None else self._metadata(out)
-                return [_streamed_body(a.data, a.end_stream, meta)]
-        elif not actions:
-            return []
-        return await self._run(actions)
+                return [_streamed_body(a.data, False, meta)]
+        out_ = await self._run(actions) if actions else []
+        self.ended = self.stream.ended
+        return out_
 
     async def trailers(self) -> list[wire.ProcessingResponse]:
         """Upstream trailers: flush what the meter holds before they pass."""
@@ -127,6 +131,7 @@ class StreamDriver:
         for a in self.stream.handle(CutNow(reason)):
             assert isinstance(a, Cut)
             out += self._render_cut(a)
+        self.ended = self.stream.ended
         return out
 
     # -- executing -------------------------------------------------------------------------
