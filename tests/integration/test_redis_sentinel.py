@@ -107,6 +107,7 @@ def _serve(group: SentinelGroup, url: str) -> tuple[subprocess.Popen[bytes], int
         "AIQ_CONFIG": str(ROOT / "config/demo.yaml"),
         "AIQ_REDIS_URL": url,
         "AIQ_GRPC_ADDRESS": f"127.0.0.1:{grpc_port}",
+        "AIQ_INSECURE": "1",  # this test is about Redis, not the port's door
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "extproc", "serve"],
