@@ -15,7 +15,7 @@ from extproc.core.admission import Cost
 from extproc.core.apis.base import ApiFormat, ParsedRequest
 from extproc.core.apis.openai import CHAT
 from extproc.core.figures import ABANDONED_TOKENS_PER_SECOND, Figure, bounded_input, bounded_output
-from extproc.core.lifecycle import Closed, Ending, Input, State
+from extproc.core.lifecycle import Closed, Ending, Input, LifecycleError, State
 from extproc.core.records import (
     Admitted,
     Identified,
@@ -321,3 +321,75 @@ def test_a_local_reply_before_the_body_is_named_and_settles_once() -> None:
     assert s.ending is Ending.LOCAL_REPLY
     assert s.begin_settlement() and not s.begin_settlement()
     assert s.settle_ending() is Ending.LOCAL_REPLY
+
+
+_RESPONSES = {
+    "sse": {":status": "200", "content-type": "text/event-stream"},
+    "json": {":status": "200", "content-type": "application/json"},
+    "error": {":status": "503", "content-type": "application/json"},
+    "ndjson": {":status": "200", "content-type": "application/x-ndjson"},
+}
+_EVENTS = st.sampled_from(
+    [
+        "request_headers",
+        "request_body",
+        "admission_done",
+        "pass_through",
+        "refused",
+        "rejected",
+        *(f"response_headers:{k}" for k in _RESPONSES),
+        "response_body",
+        "response_trailers",
+        "response_read",
+        "begin_settlement",
+    ]
+)
+
+
+def _feed(s: Session, ev: str, *, fail_open: bool) -> bool | None:
+    """Apply one named event to the session (what the server reports)."""
+    if ev.startswith("response_headers:"):
+        s.response_headers(_RESPONSES[ev.split(":")[1]], end_of_stream=False, fail_open=fail_open)
+        return None
+    if ev in ("refused", "rejected"):
+        s.answered(refused=ev == "refused")
+        return None
+    if ev == "begin_settlement":
+        return s.begin_settlement()
+    getattr(s, ev)()
+    return None
+
+
+@given(
+    events=st.lists(_EVENTS, max_size=12),
+    admitted=st.booleans(),
+    fail_open=st.booleans(),
+    how=st.sampled_from(list(Closed)),
+)
+def test_any_order_of_events_moves_the_session_by_its_table_only(
+    events: list[str], admitted: bool, fail_open: bool, how: Closed
+) -> None:
+    """Whatever the server reports, in whatever order: an event the phase does not allow is a
+    LifecycleError and changes nothing; the first ending named stays; settlement begins once;
+    an ended response stays ended; and the close always names an ending."""
+    s = admitted_session(api=CHAT) if admitted else Session()
+    if not admitted:
+        s.identify(Identified("r1", "/v1/chat/completions", CHAT))
+    began = 0
+    for ev in events:
+        before = (s.life.state, s.ending, s.status)
+        was_ended = s.ended
+        try:
+            got = _feed(s, ev, fail_open=fail_open)
+        except LifecycleError:
+            assert (s.life.state, s.ending) == before[:2], "a refused event changed the session"
+            continue
+        if got:
+            began += 1
+        if before[1] is not None:
+            assert s.ending is before[1], "the first ending named stays"
+        if was_ended:
+            assert s.ended, "an ended response stays ended"
+    assert began <= 1
+    assert s.close(how) is not None
+    assert s.ending is not None
