@@ -5,7 +5,7 @@ event reached the client."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.config import load_config_text
@@ -360,6 +360,7 @@ def _feed(s: Session, ev: str, *, fail_open: bool) -> bool | None:
     return None
 
 
+@settings(deadline=None)  # the first example compiles the rules
 @given(
     events=st.lists(_EVENTS, max_size=12),
     admitted=st.booleans(),
