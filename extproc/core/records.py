@@ -8,6 +8,7 @@ phase leaves one frozen record, so which fact is valid when is visible in the ty
 ==============  ======================================================================
 record          holds
 ==============  ======================================================================
+``Requested``   request id, path, the API its path names (before the caller is known)
 ``Identified``  request id, path, API, the caller (key, tenant), the ledger id
 ``Parsed``      the parsed body and the model it is counted as (the requested one)
 ``Admitted``    the model served, the cost (None: admitted unmetered), buckets, time,
@@ -80,8 +81,19 @@ class KeyInfo(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class Requested:
+    """Request headers read, before the caller is known: the request's id, its path and the
+    API its path names (errors, even the caller's identification errors, speak its shape)."""
+
+    request_id: str
+    path: str = ""
+    api: ApiFormat | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Identified:
-    """Request headers read: who calls, on which path and API."""
+    """The caller identified: who calls, on which path and API (the metered API the rules
+    route the path to), and the request's ledger."""
 
     request_id: str
     path: str = ""

@@ -36,6 +36,7 @@ from extproc.core.records import (
     Parsed,
     PhaseError,
     Reported,
+    Requested,
     Responding,
     Settlement,
     StreamEnd,
@@ -55,6 +56,7 @@ class Session:
         "_output",
         "_parsed",
         "_reported",
+        "_requested",
         "_responding",
         "_settlement",
         "account",
@@ -65,6 +67,7 @@ class Session:
 
     def __init__(self) -> None:
         self.life = Lifecycle()
+        self._requested: Requested | None = None
         self._identified: Identified | None = None
         self._parsed: Parsed | None = None
         self._admitted: Admitted | None = None
@@ -82,9 +85,15 @@ class Session:
 
     # -- records -----------------------------------------------------------------------------
 
+    def request(self, rec: Requested) -> None:
+        """Request headers: the request's own facts (its id, path and API)."""
+        if self._requested is not None:
+            raise PhaseError("the request's headers were read twice")
+        self._requested = rec
+
     def identify(self, rec: Identified) -> None:
-        """Request headers: the caller and the API."""
-        if self._identified is not None and self._identified.tenant is not None:
+        """The caller identified (request headers): who calls, the API, the ledger."""
+        if self._identified is not None:
             raise PhaseError("the request was identified twice")
         self._identified = rec
 
@@ -324,12 +333,15 @@ class Session:
     @property
     def request_id(self) -> str:
         """Envoy's request id ('' before the headers)."""
-        return self._identified.request_id if self._identified else ""
+        rec = self._identified or self._requested
+        return rec.request_id if rec else ""
 
     @property
     def api(self) -> ApiFormat | None:
-        """The request's API (errors speak its shape)."""
-        return self._identified.api if self._identified else None
+        """The request's API (errors speak its shape): the one the caller's path is routed to
+        once identified, else the one its path names."""
+        rec = self._identified or self._requested
+        return rec.api if rec else None
 
     @property
     def tenant(self) -> TenantInfo | None:

@@ -39,7 +39,7 @@ from extproc.core.lifecycle import (
     LifecycleError,
 )
 from extproc.core.policies import fails_open
-from extproc.core.records import Identified, Reported
+from extproc.core.records import Identified, Reported, Requested
 from extproc.core.session import Session
 from extproc.errors import (
     AuthenticationError,
@@ -186,7 +186,7 @@ class RequestProcessor:
         path = h.get(":path", "")
         found = api_for_path(path)
         # errors speak the API's own shape, even the caller's identification errors
-        s.identify(Identified(request_id, path, gw.bind(found) if found else None))
+        s.request(Requested(request_id, path, gw.bind(found) if found else None))
         structlog.contextvars.bind_contextvars(request_id=request_id)
         meta = wire.metadata_of(req) if cfg.identity.sources != ["api_key"] else None
         method = h.get(":method", "POST")

@@ -21,7 +21,9 @@ from extproc.core.records import (
     Identified,
     Metering,
     Parsed,
+    PhaseError,
     Reported,
+    Requested,
     Responding,
     StreamEnd,
 )
@@ -315,7 +317,7 @@ def test_a_local_reply_before_the_body_is_named_and_settles_once() -> None:
     settlement begins once, and its ending is the one named first."""
     s = Session()
     s.request_headers()
-    s.identify(Identified("r1", "/v1/chat/completions", CHAT))
+    s.request(Requested("r1", "/v1/chat/completions", CHAT))
     how = s.response_headers({":status": "413"}, end_of_stream=True, fail_open=False)
     assert how.kind == "local_reply"
     assert s.ending is Ending.LOCAL_REPLY
@@ -375,7 +377,7 @@ def test_any_order_of_events_moves_the_session_by_its_table_only(
     an ended response stays ended; and the close always names an ending."""
     s = admitted_session(api=CHAT) if admitted else Session()
     if not admitted:
-        s.identify(Identified("r1", "/v1/chat/completions", CHAT))
+        s.request(Requested("r1", "/v1/chat/completions", CHAT))
     began = 0
     for ev in events:
         before = (s.life.state, s.ending, s.status)
@@ -394,3 +396,20 @@ def test_any_order_of_events_moves_the_session_by_its_table_only(
     assert began <= 1
     assert s.close(how) is not None
     assert s.ending is not None
+
+
+def test_the_request_and_its_caller_are_each_recorded_once() -> None:
+    """The request's own facts (read before the caller is known) and the caller are two
+    records, each set once; the API errors speak is the path's, then the routed one."""
+    s = Session()
+    s.request(Requested("r1", "/v1/chat/completions", CHAT))
+    assert s.request_id == "r1" and s.api is CHAT and s.tenant is None
+    with pytest.raises(PhaseError):
+        s.request(Requested("r2"))
+    cfg = config()
+    tenant = cfg.tenants["t"]
+    key = next(iter(cfg.keys_by_digest.values()))
+    s.identify(Identified("r1", "/v1/chat/completions", CHAT, key, tenant, "ledger-1"))
+    assert s.tenant is tenant and s.ledger == "ledger-1"
+    with pytest.raises(PhaseError):
+        s.identify(Identified("r1", "/v1/chat/completions", CHAT, key, tenant, "ledger-2"))
