@@ -122,14 +122,13 @@ class Admitted:
     at_ms: int = 0
     headers: tuple[tuple[str, str], ...] = ()
     # admitted on an upper bound of the input (``cost.input_tokens``); the exact count comes
-    # later (:meth:`Session.input_counted`) and replaces it before any figure is decided
+    # later (:meth:`Session.input_counted`) and the session's cost takes it before any figure
+    # is decided (this record keeps what admission charged)
     input_bound: bool = False
     # the fewest tokens the tokenizer can count for that bound (every token stands for at
     # most its vocabulary's longest token in bytes): an upstream figure the counted path would
     # refuse for any count from here to the bound is checked against the count
     input_floor: int = 0
-    # what admission charged for the input, once a count replaced the bound (-1: the count)
-    charged_input: int = -1
 
 
 MeteringKind = Literal[

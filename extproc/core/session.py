@@ -50,8 +50,10 @@ class Session:
 
     __slots__ = (
         "_admitted",
+        "_cost",
         "_count",
         "_count_inline",
+        "_counted",
         "_identified",
         "_output",
         "_parsed",
@@ -71,6 +73,10 @@ class Session:
         self._identified: Identified | None = None
         self._parsed: Parsed | None = None
         self._admitted: Admitted | None = None
+        # the request's cost: the admitted one, with the exact input once counted (a request
+        # admitted on a bound); ``_counted`` is that count (None: not taken)
+        self._cost: Cost | None = None
+        self._counted: int | None = None
         self._responding: Responding | None = None
         self._reported: Reported | None = None
         self._output: Figure | int | None = None
@@ -106,6 +112,7 @@ class Session:
         if self._admitted is not None:
             raise PhaseError("the request was admitted twice")
         self._admitted = rec
+        self._cost = rec.cost
         if usage is not None:
             self.account.record(list(rec.buckets), usage)
 
@@ -118,32 +125,29 @@ class Session:
         self._count_inline = inline
 
     def input_counted(self, exact: int) -> None:
-        """The exact input count of a request admitted on an upper bound: it replaces the bound
-        in the cost, so every later figure (cut messages, settlement, records) uses it; what
-        admission charged stays in the account, so settlement refunds the difference."""
+        """The exact input count of a request admitted on an upper bound (once): it replaces
+        the bound in the session's cost, so every later figure (cut messages, settlement,
+        records) uses it; what admission charged stays in the admitted record and the
+        account, so settlement refunds the difference."""
         rec = self._admitted
-        if rec is None or not rec.input_bound or rec.cost is None:
+        if rec is None or not rec.input_bound or rec.cost is None or self._counted is not None:
             raise PhaseError("an exact input count for a request not admitted on a bound")
         if self._settlement is not None:
             raise PhaseError("the input count arrived after settlement was decided")
-        self._admitted = replace(
-            rec,
-            cost=replace(rec.cost, input_tokens=exact),
-            input_bound=False,
-            charged_input=rec.cost.input_tokens,
-        )
+        self._counted = exact
+        self._cost = replace(rec.cost, input_tokens=exact)
 
     @property
     def counted_after_bound(self) -> bool:
         """Admitted on a bound, and the exact count has replaced it since."""
         rec = self._admitted
-        return rec is not None and not rec.input_bound and rec.charged_input >= 0
+        return rec is not None and rec.input_bound and self._counted is not None
 
     @property
     def input_pending(self) -> bool:
         """Admitted on a bound whose exact count has not been taken."""
         rec = self._admitted
-        return rec is not None and rec.input_bound
+        return rec is not None and rec.input_bound and self._counted is None
 
     def _upstream_input(self) -> int | None:
         """The upstream's input figure, when it stands for a request admitted on a bound without
@@ -155,7 +159,8 @@ class Session:
         rep, adm = self._reported, self._admitted
         if rep is None or rep.input is None or adm is None or adm.cost is None:
             return None
-        if adm.input_bound and max(1, adm.input_floor) <= rep.input <= adm.cost.input_tokens:
+        pending = adm.input_bound and self._counted is None
+        if pending and max(1, adm.input_floor) <= rep.input <= adm.cost.input_tokens:
             return rep.input
         return None
 
@@ -378,8 +383,9 @@ class Session:
 
     @property
     def cost(self) -> Cost | None:
-        """The admitted cost (None: not admitted, or admitted unmetered)."""
-        return self._admitted.cost if self._admitted else None
+        """The admitted cost, with the exact input once counted (None: not admitted, or
+        admitted unmetered)."""
+        return self._cost
 
     @property
     def metered(self) -> bool:
@@ -547,10 +553,9 @@ class Session:
                 if upstream is not None:
                     self.input_counted(upstream)
                 self._exact_input()
-                adm = self._admitted
-                assert adm is not None and adm.cost is not None
-                cost = adm.cost
-                charged_in = cost.input_tokens if adm.charged_input < 0 else adm.charged_input
+                adm, cost = self._admitted, self._cost
+                assert adm is not None and adm.cost is not None and cost is not None
+                charged_in = adm.cost.input_tokens  # what admission charged for the input
                 out = max(0, self.account.total - charged_in)
                 result = Settlement(
                     ending,
