@@ -63,6 +63,7 @@ from extproc.config.load import load_config_text
 from extproc.config.runtime import RuntimeConfig
 from extproc.config.version import config_version
 from extproc.gateway import Gateway
+from extproc.limiter.allowance import AllowanceLimiter, AllowanceSettings
 from extproc.limiter.base import Limiter
 from extproc.limiter.redis import RedisLimiter
 from extproc.limiter.redis_url import check_master
@@ -253,7 +254,7 @@ async def start(
     security = port_security(settings, mets)  # before anything opens a connection
     if limiter is None:
         await check_master(settings.redis_url)  # a Sentinel master name no sentinel knows
-    lim = limiter or RedisLimiter.from_url(
+    redis_lim = limiter or RedisLimiter.from_url(
         settings.redis_url,
         timeout_ms=cfg.redis_timeout_ms,
         cooldown_ms=cfg.breaker_cooldown_ms,
@@ -262,6 +263,19 @@ async def start(
         journal_s=settings.redis_journal_s,
         stream_tolerance_s=settings.redis_stream_tolerance_s,
     )
+    lim: Limiter = redis_lim
+    if settings.allowances and isinstance(redis_lim, RedisLimiter):
+        lim = AllowanceLimiter(
+            redis_lim,
+            AllowanceSettings(
+                share=settings.allowance_share,
+                ttl_ms=settings.allowance_ttl_ms,
+                min_rate=settings.allowance_min_rate,
+                max_window_s=settings.allowance_max_window_s,
+            ),
+            clock=clk,
+            metrics=mets,
+        )
     gw = Gateway(
         config=cfg,
         limiter=lim,
@@ -290,7 +304,7 @@ async def start(
         rls, rls_server, rls_port = _start_rls(
             settings,
             gw,
-            lim,
+            redis_lim,
             clk,
             mets,
             server=server,

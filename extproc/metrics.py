@@ -57,6 +57,26 @@ class Metrics:
         self.stream_cuts = Counter(
             "aiq_stream_cuts", "Streams the gateway cut off, by reason", ["reason"], registry=r
         )
+        self.allowance_units = Counter(
+            "aiq_allowance_units",
+            "Units of local allowances: taken (pre-debited in Redis), returned (given back), "
+            "expired (their window ended while held)",
+            ["event"],
+            registry=r,
+        )
+        self.allowance_takes = Counter(
+            "aiq_allowance_takes",
+            "Allowance take calls per bucket: granted, none (near the limit), failed",
+            ["outcome"],
+            registry=r,
+        )
+        self.allowance_saved_calls = Counter(
+            "aiq_allowance_saved_calls",
+            "Admissions, stream charges and settlements served from local allowances "
+            "(the Redis calls they would have made)",
+            ["call"],
+            registry=r,
+        )
         self.stream_charges = Counter(
             "aiq_stream_charges", "Redis charges made while streams ran", ["mode"], registry=r
         )

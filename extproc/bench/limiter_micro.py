@@ -10,7 +10,10 @@ range of the per-round figures:
   :class:`extproc.limiter.batch.SettlementBatcher` (its calls counted, its CPU included: the
   run ends when every settlement was taken);
 - ``redis-py packing``: the first arm with redis-py's pure-Python command packer instead of
-  hiredis's (what :func:`extproc.limiter.redis.use_hiredis_packing` replaced).
+  hiredis's (what :func:`extproc.limiter.redis.use_hiredis_packing` replaced);
+- ``allowances``: the batched arm behind :class:`extproc.limiter.allowance.AllowanceLimiter`
+  (a tenant far from its limits: admitted and settled from local allowances; the takes and
+  give-backs counted, a fresh tenant each round, so its warm-up is included).
 
 ``python -m extproc.bench.limiter_micro [--requests N] [--concurrency C] [--rounds R] [--out F]``
 """
@@ -36,6 +39,7 @@ import redis
 from redis.asyncio.connection import Connection
 
 from extproc.core.rules import Adjustment, BucketCharge
+from extproc.limiter.allowance import AllowanceLimiter
 from extproc.limiter.base import SettleCall
 from extproc.limiter.batch import BatchSettings, SettlementBatcher
 from extproc.limiter.redis import RedisLimiter
@@ -73,7 +77,9 @@ def _start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
 class Arm:
     """One way of admitting and settling a request."""
 
-    def __init__(self, name: str, lim: RedisLimiter, batcher: SettlementBatcher | None) -> None:
+    def __init__(
+        self, name: str, lim: RedisLimiter | AllowanceLimiter, batcher: SettlementBatcher | None
+    ) -> None:
         self.name = name
         self.lim = lim
         self.batcher = batcher
@@ -84,8 +90,10 @@ class Arm:
         res = await self.lim.admit(
             led,
             [
-                BucketCharge(f"{tag}:rpm", "rpm", 1, 10**12, expire_at),
-                BucketCharge(f"{tag}:tpm", "tpm", 1000, 10**15, expire_at, refundable=1000),
+                BucketCharge(f"{tag}:rpm:t:*:60:1", "rpm", 1, 10**12, expire_at),
+                BucketCharge(
+                    f"{tag}:tpm:t:*:60:1", "tpm", 1000, 10**15, expire_at, refundable=1000
+                ),
             ],
             tpm_charged=1000,
             count_refused=False,
@@ -96,7 +104,7 @@ class Arm:
         )
         if not res.admitted:
             raise RuntimeError("the bench tenant was refused")
-        adjustments = [Adjustment(f"{tag}:tpm", -200, expire_at)]
+        adjustments = [Adjustment(f"{tag}:tpm:t:*:60:1", -200, expire_at)]
         if self.batcher is None:
             await self.lim.settle(led, adjustments, ledger_ttl_ms=TTL)
         else:
@@ -136,6 +144,7 @@ async def run(requests: int, concurrency: int, rounds: int, tick_s: float) -> di
     with tempfile.TemporaryDirectory(prefix="aiq-limiter-micro-") as tmp:
         proc, port = _start_redis(Path(tmp))
         limiters: list[RedisLimiter] = []
+        allowed: AllowanceLimiter | None = None
         try:
             url = f"redis://127.0.0.1:{port}/0"
 
@@ -147,6 +156,7 @@ async def run(requests: int, concurrency: int, rounds: int, tick_s: float) -> di
             pure = limiter()
             pure._client.connection_pool.connection_class = Connection
             batched = limiter()
+            allowed = AllowanceLimiter(RedisLimiter.from_url(url, timeout_ms=2000))
             arms = [
                 Arm("per-request settle", limiter(), None),
                 Arm(
@@ -155,6 +165,11 @@ async def run(requests: int, concurrency: int, rounds: int, tick_s: float) -> di
                     SettlementBatcher(batched, BatchSettings(tick_s=tick_s)),
                 ),
                 Arm("redis-py packing", pure, None),
+                Arm(
+                    "allowances",
+                    allowed,
+                    SettlementBatcher(allowed, BatchSettings(tick_s=tick_s)),
+                ),
             ]
             for arm in arms:  # warm-up: connections, script cache
                 await arm.run(200, concurrency)
@@ -169,6 +184,8 @@ async def run(requests: int, concurrency: int, rounds: int, tick_s: float) -> di
                 if arm.batcher is not None:
                     await arm.batcher.close(5.0)
         finally:
+            if allowed is not None:
+                await allowed.close()  # gives back what it holds, closes its limiter
             for lim in limiters:
                 await lim.close()
             proc.terminate()

@@ -132,6 +132,10 @@ def consecutive_free(n: int) -> int:
 BOUNDARY_RPS = 100
 
 
+#: Tenants of the scale section's many-tenant runs (``sk-scale0`` ...).
+SCALE_TENANTS = 64
+
+
 def bench_rules(every: int = 64, tpm_limit: int = 20_000) -> dict[str, Any]:
     """Rules for the benchmarks, shaped like the end-to-end suite's: hourly windows,
     plaintext test keys, one generous tenant and a lazy and a strict tenant with ``tpm_limit``."""
@@ -175,6 +179,13 @@ def bench_rules(every: int = 64, tpm_limit: int = 20_000) -> dict[str, Any]:
         | {
             f"t-{name}": {"plan": plan, "keys": [{"name": name, "plaintext": f"sk-{name}"}]}
             for name, plan in (("bench", "big"), ("soak", "soak"))
+        }
+        | {  # the scale section's 64 tenants
+            f"t-scale{i}": {
+                "plan": "big",
+                "keys": [{"name": f"scale{i}", "plaintext": f"sk-scale{i}"}],
+            }
+            for i in range(SCALE_TENANTS)
         },
     }
 

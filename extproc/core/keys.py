@@ -202,3 +202,25 @@ def rates_for(limit: Limit, prices: Rates | None) -> Rates:
             return limit.weights
         return prices if prices is not None else NO_RATES
     return NO_RATES
+
+
+@dataclass(frozen=True, slots=True)
+class CounterName:
+    """What a window counter's key (:func:`bucket_key`) says about it."""
+
+    tag: str  # the tenant's common prefix, hash tag included (:func:`tenant_tag`)
+    metric: str  # ``rpm``, ``tpm``, ``cost.USD``, ``tpm.sliding``, ``rpm.shadow``...
+    window_s: int
+
+
+def counter_name(key: str) -> CounterName | None:
+    """Parse a window counter's key; None for any other key (a concurrency set, a ledger)."""
+    end = key.find("}:")
+    if end < 0:
+        return None
+    tag, rest = key[: end + 1], key[end + 2 :]
+    metric, _, tail = rest.partition(":")
+    parts = tail.rsplit(":", 2)
+    if metric == "conc" or len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return CounterName(tag, metric, int(parts[1]))

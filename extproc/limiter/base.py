@@ -89,6 +89,31 @@ class InputNote:
     refund: tuple[tuple[str, int], ...]
 
 
+@dataclass(frozen=True, slots=True)
+class AllowanceTake:
+    """One counter's allowance asked for (:class:`AllowanceTaker`): up to ``want`` units, so
+    that with the ``held`` units the replica still holds it holds at most ``share_ppm`` parts
+    per million of the room left (``limit`` - value), and none when that is less than
+    ``least``."""
+
+    key: str
+    want: int
+    limit: int
+    expire_at_ms: int
+    share_ppm: int
+    least: int = 1
+    held: int = 0
+
+
+class AllowanceTaker(Protocol):
+    """A limiter that pre-debits allowances for one replica (Redis and in-memory limiters)."""
+
+    async def take_allowances(self, items: list[AllowanceTake]) -> list[tuple[int, int] | None]:
+        """Per item (granted units, counter value after), or None when its call failed.
+        Never raises for Redis."""
+        ...
+
+
 class InputNoter(Protocol):
     """A limiter that notes exact inputs in open ledgers (Redis and in-memory limiters)."""
 

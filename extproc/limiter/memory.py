@@ -29,6 +29,7 @@ from extproc.core.rules import RATE_SCALE, Adjustment, BucketCharge, Unconfirmed
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import (
     AdmitResult,
+    AllowanceTake,
     ChargeCall,
     ChargeResult,
     InputNote,
@@ -410,6 +411,23 @@ class MemoryLimiter:
             except LimiterUnavailable:
                 break
         return out + [None] * (len(items) - len(out))
+
+    async def take_allowances(self, items: list[AllowanceTake]) -> list[tuple[int, int] | None]:
+        """As ``allowance.lua``: per item (granted, value after)."""
+        self.round_trips += 1
+        now = self.clock.now_ms()
+        out: list[tuple[int, int] | None] = []
+        for t in items:
+            value = self._counter_value(t.key, now)
+            room = t.limit - value
+            grant = min(t.want, room * t.share_ppm // 1_000_000 - t.held) if room > 0 else 0
+            if grant < max(1, t.least):
+                grant = 0
+            if grant > 0:
+                value = self._incr(t.key, grant, now)
+                self._expire_at(t.key, t.expire_at_ms, now)
+            out.append((grant, value))
+        return out
 
     async def note_inputs(self, notes: list[InputNote]) -> list[bool | None]:
         """note.lua: each note once, into a ledger still open."""

@@ -1,5 +1,5 @@
-"""The Redis limiter: five Lua scripts registered once (admit, charge, settle, note, and rls
-for the RLS API), a bounded timeout, a circuit breaker.  ``admit`` and ``settle`` share one copy
+"""The Redis limiter: six Lua scripts registered once (admit, charge, settle, note, allowance,
+and rls for the RLS API), a bounded timeout, a circuit breaker.  ``admit`` and ``settle`` share one copy
 of the settlement logic (``settle_lib.lua``, put in front of each): an admission also settles
 the settlements that ride on it (:meth:`RedisLimiter.admit`'s ``settlements``).
 
@@ -49,6 +49,7 @@ from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import (
     MAX_RIDERS,
     AdmitResult,
+    AllowanceTake,
     ChargeCall,
     ChargeResult,
     InputNote,
@@ -199,6 +200,7 @@ class RedisLimiter:
         self._settle = client.register_script(load_script("settle"))
         self._rls = client.register_script(load_script("rls"))
         self._note = client.register_script(load_script("note"))
+        self._allowance = client.register_script(load_script("allowance"))
         self._export_state()
         # Redis HA: acknowledged charges kept journal_s seconds and replayed to a new master
         # (extproc.limiter.failover); 0 turns it off.
@@ -211,6 +213,7 @@ class RedisLimiter:
                     "charge": self._charge,
                     "settle": self._settle,
                     "rls": self._rls,
+                    "allowance": self._allowance,
                 },
                 Journal(window_s=journal_s),
                 metrics=metrics,
@@ -640,6 +643,43 @@ class RedisLimiter:
             return True
 
         await self._per_slot([n.ledger for n in notes], one)
+        return out
+
+    async def take_allowances(self, items: list[AllowanceTake]) -> list[tuple[int, int] | None]:
+        """Take allowances with ``allowance.lua``, one call per Cluster slot (grouped as
+        :meth:`settle_many`): per item (granted, value after), None when its call failed.
+        Each call carries a fresh id, so a retry after a timeout grants nothing twice; a take
+        that granted is journalled and replayed, with its grants, to a new master after a
+        failover (the units the replica holds stay counted)."""
+        out: list[tuple[int, int] | None] = [None] * len(items)
+
+        async def one(idx: list[int]) -> bool:
+            first = items[idx[0]].key
+            keys = [call_id_key(first, uuid.uuid4().hex)] + [items[i].key for i in idx]
+            args: list[Any] = [RLS_CALL_ID_TTL_MS, "0"]
+            for i in idx:
+                t = items[i]
+                args += [t.want, t.limit, t.expire_at_ms, t.share_ppm, t.least, t.held]
+            where = self._owner(first)
+            try:
+                res = await self._call(
+                    "an allowance",
+                    "allowance",
+                    _script_call(self._allowance, keys, args),
+                    slot=where[0],
+                )
+            except LimiterUnavailable:
+                return False
+            replay: list[Any] = [RLS_CALL_ID_TTL_MS, "1"]
+            for i, v in zip(idx, res, strict=True):
+                out[i] = (int(v[0]), int(v[1]))
+                t = items[i]
+                replay += [int(v[0]), t.limit, t.expire_at_ms, t.share_ppm, t.least, t.held]
+            if any(int(v[0]) > 0 for v in res):
+                self._journal("allowance", keys, replay, RLS_CALL_ID_TTL_MS, where)
+            return True
+
+        await self._per_slot([t.key for t in items], one)
         return out
 
     async def _per_slot(

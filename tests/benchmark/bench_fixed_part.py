@@ -10,7 +10,9 @@ Non-streaming chat completions (the bench's admission shape: a 1k-token prompt, 
 - ``gateway``: ``ai-quota serve`` with the bench's rules;
 - ``gateway-info-logs-off``: the same at log level ``warning`` (no info lines);
 - ``gateway-counted``: the same with ``requests.admit_on_bound: false`` (every prompt tokenized
-  before admission, as before issue 17).
+  before admission, as before issue 17);
+- ``gateway-allowances``: the gateway with local allowances (``AIQ_ALLOWANCES=1``, issue 27):
+  admitted and settled without a Redis round trip while the tenant is far from its limits.
 
 ``python tests/benchmark/bench_fixed_part.py [--rounds R] [--requests N] [--out F]`` prints the
 median and the per-round figures and writes them as JSON.  ``--serve-floor-redis`` is the
@@ -99,6 +101,12 @@ def start_arms(workdir: Path) -> dict[str, Stack]:
     )
     counted = {**rules, "requests": {"admit_on_bound": False}}
     arms["gateway-counted"] = system.start_stack(workdir / "gw-counted", counted, redis_url=url)
+    arms["gateway-allowances"] = system.start_stack(
+        workdir / "gw-allow",
+        rules,
+        redis_url=url,
+        env={"AIQ_ALLOWANCES": "1", "AIQ_ALLOWANCE_MAX_WINDOW_S": "86400"},
+    )
     return arms
 
 

@@ -153,3 +153,20 @@ def test_the_ports_credentials_reach_every_worker() -> None:
         assert w.grpc_tls_client_ca == "/run/ca.pem" and w.allowed_sans == ["envoy", "envoy-canary"]
         assert not w.insecure
     assert first.health_address == "0.0.0.0:8081" and second.health_address == ""
+
+
+def test_allowance_settings_are_read_and_bounded() -> None:
+    s = Settings.from_env(
+        {
+            "AIQ_ALLOWANCES": "1",
+            "AIQ_ALLOWANCE_SHARE": "0.2",
+            "AIQ_ALLOWANCE_TTL_MS": "500",
+            "AIQ_ALLOWANCE_MIN_RATE": "3",
+            "AIQ_ALLOWANCE_MAX_WINDOW_S": "86400",
+        }
+    )
+    assert s.allowances and s.allowance_share == 0.2 and s.allowance_ttl_ms == 500
+    assert s.allowance_min_rate == 3 and s.allowance_max_window_s == 86400
+    assert Settings.from_env({}).allowances is False  # off by default
+    with pytest.raises(SettingsError, match="AIQ_ALLOWANCE_SHARE"):
+        Settings.from_env({"AIQ_ALLOWANCE_SHARE": "0.9"})  # more than half the room: refused

@@ -1,0 +1,154 @@
+"""Section 10, scale: ``serve --workers N`` for N = 1, 2, 4 ... up to this machine's cores,
+with local allowances off and on, for one busy tenant and for 64 tenants: non-streaming req/s
+and streamed chunks/s at a fixed concurrency, CPU per request and per chunk of each component
+(processor workers, Envoy, simulator, Redis), and Redis round trips per request (INFO
+commandstats).
+
+Each variant runs on a stack of its own (its own Redis, so Redis CPU is the variant's), started
+when measured and stopped after, so variants do not share cores.  The load client is this
+process (asyncio, one connection per concurrent request): on a small machine it competes for
+the same cores, which the report's CPU figures show (it is not one of the components)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from typing import Any
+
+import aiohttp
+
+from extproc.bench import system
+from extproc.bench.client import Result, Shape, connector, send
+from extproc.bench.drivers import KEY, batch, ok_count
+from extproc.bench.plan import Bench
+from extproc.bench.report import Row
+from extproc.bench.scenarios.base import Scenario, Stacks
+from extproc.stack import Stack
+
+#: The tenants of the 64-tenant runs (system.bench_rules: t-scale0 .. t-scale63).
+SCALE_KEYS = tuple(f"sk-scale{i}" for i in range(system.SCALE_TENANTS))
+COMPONENTS = ("extproc", "envoy", "sim", "redis")
+
+
+def worker_counts(cores: int) -> list[int]:
+    """1, 2, 4, 8 ... up to ``cores`` (1 on a one-core machine)."""
+    out, n = [], 1
+    while n <= max(1, cores):
+        out.append(n)
+        n *= 2
+    return out
+
+
+async def timed_keys(
+    url: str, keys: tuple[str, ...], shape: Shape, *, seconds: float, concurrency: int
+) -> tuple[list[Result], float]:
+    """Closed loop for ``seconds`` (at most 100,000 requests), the requests spread over
+    ``keys`` in turn."""
+    out: list[Result] = []
+    started = time.perf_counter()
+    stop_at = started + seconds
+    sent = 0
+    async with aiohttp.ClientSession(connector=connector(concurrency)) as session:
+
+        async def worker() -> None:
+            nonlocal sent
+            while time.perf_counter() < stop_at and sent < 100_000:
+                sent += 1
+                key = keys[sent % len(keys)]
+                out.append(await send(session, url, key, shape, body=shape.body(sent)))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return out, time.perf_counter() - started
+
+
+async def run_one(
+    st: Stack, keys: tuple[str, ...], shape: Shape, seconds: float, concurrency: int
+) -> dict[str, Any]:
+    """One timed run: throughput, CPU per request (µs) per component, Redis calls per
+    request, and for streams chunks/s and CPU per chunk."""
+    meters = {c: system.CpuMeter(system.proc_pids(st, c)) for c in COMPONENTS}
+    before = system.redis_calls(st.ports.redis)
+    for m in meters.values():
+        m.start()
+    rs, elapsed = await timed_keys(
+        st.base_url, keys, shape, seconds=seconds, concurrency=concurrency
+    )
+    cpu = {c: m.stop() for c, m in meters.items()}
+    await asyncio.sleep(0.3)  # settlements and give-backs in flight land
+    calls = system.limiter_round_trips(before, system.redis_calls(st.ports.redis))
+    ok = max(1, ok_count(rs))
+    chunks = sum(r.tokens for r in rs if r.status == 200)
+    out: dict[str, Any] = {
+        "requests": len(rs),
+        "ok": ok_count(rs),
+        "req_s": round(ok_count(rs) / elapsed, 1),
+        "cpu_us_per_request": {c: round(v / ok * 1e6, 1) for c, v in cpu.items()},
+        "redis_calls_per_request": round(sum(calls.values()) / ok, 3),
+    }
+    if shape.stream:
+        out["chunks_s"] = round(chunks / elapsed, 1)
+        out["cpu_us_per_chunk"] = {c: round(v / max(1, chunks) * 1e6, 2) for c, v in cpu.items()}
+    return out
+
+
+async def measure(b: Bench, stacks: Stacks) -> None:
+    """Every (workers, allowances) variant on a stack of its own, one after another."""
+    cores = os.cpu_count() or 1
+    counts = worker_counts(cores)
+    c, secs = b.plan.worker_concurrency, b.plan.worker_seconds * 2
+    unary = Shape(prompt_tokens=1000, max_tokens=8)
+    stream = Shape(prompt_tokens=100, max_tokens=200, stream=True, itl_ms=1)
+    serve = (sys.executable, "-m", "extproc", "serve")
+    raw: dict[str, Any] = {"cores": cores, "workers": counts, "concurrency": c, "seconds": secs}
+    b.log(f"scale: workers {counts}, allowances off/on, 1 and 64 tenants, c={c}, {secs}s each")
+    for n in counts:
+        for allow in (False, True):
+            name = f"{n} worker{'s' if n > 1 else ''}, allowances {'on' if allow else 'off'}"
+            env = {"AIQ_ALLOWANCES": "1"} if allow else {}
+            st = await stacks.start(
+                f"scale-{n}-{int(allow)}",
+                extproc_argv=(*serve, "--workers", str(n)),
+                env=env,
+            )
+            try:
+                await batch(st.base_url, KEY, unary, count=40, concurrency=4)
+                res: dict[str, Any] = {}
+                for label, keys in (("1 tenant", (KEY,)), ("64 tenants", SCALE_KEYS)):
+                    await timed_keys(st.base_url, keys, unary, seconds=1.0, concurrency=c)
+                    res[label] = {
+                        "non-streaming": await run_one(st, keys, unary, secs, c),
+                        "streamed": await run_one(st, keys, stream, secs, c),
+                    }
+                raw[name] = res
+            finally:
+                st.stop()
+            for label, r in res.items():
+                u, s = r["non-streaming"], r["streamed"]
+                cpu = ", ".join(f"{k} {v:.0f}" for k, v in u["cpu_us_per_request"].items())
+                b.table.add(
+                    Row(
+                        "10 scale",
+                        f"req/s, {name}, {label}",
+                        "req/s",
+                        u["req_s"],
+                        note=f"CPU µs/request: {cpu}; Redis calls/request "
+                        f"{u['redis_calls_per_request']}",
+                    )
+                )
+                cpu_c = ", ".join(f"{k} {v:.1f}" for k, v in s["cpu_us_per_chunk"].items())
+                b.table.add(
+                    Row(
+                        "10 scale",
+                        f"chunks/s, {name}, {label}",
+                        "chunks/s",
+                        s["chunks_s"],
+                        note=f"CPU µs/chunk: {cpu_c}; Redis calls/stream "
+                        f"{s['redis_calls_per_request']}",
+                    )
+                )
+    b.raw["scale"] = raw
+
+
+SCENARIO = Scenario("scale", measure)

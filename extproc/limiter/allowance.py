@@ -1,0 +1,768 @@
+"""Local allowances: admission without a Redis round trip for tenants far from their limits.
+
+:class:`AllowanceLimiter` wraps the Redis (or in-memory) limiter.  For a busy bucket of a
+tenant far from its limit it takes an *allowance*: units pre-debited in Redis by one
+``allowance.lua`` call, so other replicas and the usage API see them as used at once.  Then:
+
+- an admission whose every bucket holds enough allowance is admitted in process, drawing from
+  each (all or nothing), with no Redis call and no ledger in Redis; any other admission goes to
+  the admission script as before;
+- a stream charge of such a request draws from the allowance the same way (else Redis);
+- its settlement puts a refund back into the allowance and draws a shortfall from it; what
+  does not fit goes to Redis as an ordinary settlement of the same ledger;
+- what an allowance still holds goes back to Redis (a refund through ``settle.lua``) when its
+  time is up (``ttl_ms``), when admission had to go to Redis because it fell short (the rest
+  rides on that admission call, applied before its check, so the request may use it), when a
+  take found the tenant near its limit, the part beyond ``share`` of the room left whenever a
+  Redis answer shows that room shrank, and on shutdown.  An allowance whose window ended is
+  dropped (its counter no longer counts).
+
+Sizing: a bucket gets an allowance only when this replica makes at least ``min_rate`` limiter
+calls a second on it (admissions and stream charges); it asks for what the bucket drew here over the last ``ttl_ms`` (at
+least four of its largest recent amounts), and the script grants at most ``share`` of the
+room left (``limit - value``), what the replica still holds of it included (held + grant <=
+share x room), and nothing when that is less than the largest recent amount.
+Near the limit allowances therefore shrink to nothing and every admission goes to Redis,
+which judges it against a counter that includes every replica's allowances: strict mode
+never exceeds a limit, lazy mode keeps its per-stream bound.
+
+Only fixed-window request and token counters (``rpm``, ``tpm``) with windows up to
+``max_window_s`` take allowances.  A request touching any other bucket (a concurrency limit,
+a money budget or weighted tokens, a sliding window, a shadow limit) is admitted by Redis as
+before, whole.
+
+A SIGKILLed replica's allowances are not refunded: Redis does not know what it drew from
+them, and refunding the rest as last reported could hand out units its requests already
+used (strict mode would go over).  They stay counted as used until their window ends: the
+leak is at most ``share`` of the room left at each take, per bucket and replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import math
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import structlog
+
+from extproc.clock import Clock, SystemClock
+from extproc.core.keys import EXPIRY_SLACK_MS, counter_name
+from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
+from extproc.limiter.base import (
+    AdmitResult,
+    AllowanceTake,
+    AllowanceTaker,
+    BatchSettler,
+    ChargeResult,
+    InputNote,
+    Limiter,
+    SettleCall,
+)
+
+if TYPE_CHECKING:
+    from extproc.metrics import Metrics
+
+log = structlog.get_logger("extproc")
+
+#: Bucket states kept at most (beyond, new buckets' admissions go to Redis).
+MAX_STATES = 50_000
+#: Requests admitted from allowances remembered at most (until settled).  Modes that settle
+#: nothing (``input_only``, ``reserve_max``, RPM only) never come back: the oldest is forgotten
+#: (a later charge or settlement of it goes to Redis, which counts it right all the same).
+MAX_LEDGERS = 100_000
+#: Settled local ledgers remembered (a duplicate settlement answers "already settled").
+MAX_SETTLED = 100_000
+#: A bucket state with nothing held and no admission for this long is forgotten.
+IDLE_MS = 30_000
+
+
+class AllowanceBackend(Limiter, AllowanceTaker, BatchSettler, Protocol):
+    """What the wrapper needs of the limiter it wraps."""
+
+
+@dataclass(frozen=True, slots=True)
+class AllowanceSettings:
+    """How allowances are sized and kept (``AIQ_ALLOWANCE_*``, docs/semantics.md)."""
+
+    share: float = 0.1
+    ttl_ms: int = 2_000
+    min_rate: float = 8.0
+    max_window_s: int = 3_600
+    return_ledger_ttl_ms: int = 60_000
+
+    @property
+    def share_ppm(self) -> int:
+        """``share`` in parts per million (the script's unit)."""
+        return round(self.share * 1_000_000)
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """One counter's allowance on this replica and what this replica saw of the bucket."""
+
+    key: str
+    tag: str
+    limit: int
+    expire_at_ms: int
+    units: int = 0  # held: pre-debited in Redis, not drawn yet
+    deadline_ms: int = 0  # drawn from until then; the rest then goes back
+    seen: int = 0  # the counter's value last answered (every replica's allowances included)
+    second: int = 0
+    hits: int = 0  # admissions this second
+    hits_prev: int = 0  # admissions in the second before
+    drawn: int = 0  # units drawn here since ``since_ms`` (the demand sizing follows)
+    since_ms: int = 0
+    largest: int = 0  # largest amount one admission asked for (decays at each take)
+    taking: bool = False
+    touched_ms: int = 0
+    quiet_until_ms: int = 0  # a take found the tenant near its limit: none asked until then
+
+
+@dataclass(slots=True)
+class _Local:
+    """A request admitted from allowances (no ledger in Redis unless a charge went there)."""
+
+    seq: int = 0  # the last stream charge's sequence number
+    redis_seq: int = 0  # the last charge sent to Redis (0: none; its ledger exists there)
+    last_local: tuple[int, tuple[tuple[str, int], ...]] = (0, ())
+    settled: bool = False
+    remainder: SettleCall | None = None
+
+
+@dataclass
+class AllowanceStats:
+    """What the wrapper did (tests and the bench read it; the metrics export the same)."""
+
+    local_admissions: int = 0
+    local_charges: int = 0
+    local_settlements: int = 0
+    taken: int = 0
+    returned: int = 0
+    expired: int = 0
+    takes: int = 0
+
+
+class AllowanceLimiter:
+    """:class:`extproc.limiter.base.Limiter` around another limiter, with local allowances."""
+
+    def __init__(
+        self,
+        inner: AllowanceBackend,
+        settings: AllowanceSettings | None = None,
+        *,
+        clock: Clock | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.inner = inner
+        self.settings = settings or AllowanceSettings()
+        self.clock: Clock = clock or SystemClock()
+        self.metrics = metrics
+        self.stats = AllowanceStats()
+        self._states: dict[str, _Bucket] = {}
+        self._ledgers: OrderedDict[str, _Local] = OrderedDict()
+        self._settled: OrderedDict[str, None] = OrderedDict()
+        self._returns: list[SettleCall] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._sweeper: asyncio.Task[None] | None = None
+        self._instance = uuid.uuid4().hex[:12]
+        self._serial = itertools.count()
+        self._closed = False
+
+    # -- what the wrapped limiter answers for ------------------------------------------------
+
+    @property
+    def round_trips(self) -> int:
+        """The wrapped limiter's script calls."""
+        return int(getattr(self.inner, "round_trips", 0))
+
+    def configure(self, **kwargs: object) -> None:
+        """Pass failure settings to the wrapped limiter (SIGHUP reload)."""
+        configure = getattr(self.inner, "configure", None)
+        if configure is not None:
+            configure(**kwargs)
+
+    async def ping(self) -> bool:
+        """Whether the backend answers."""
+        return await self.inner.ping()
+
+    async def read(self, keys: list[str]) -> list[int]:
+        """Counter values: allowances held by any replica count as used (net of them)."""
+        return await self.inner.read(keys)
+
+    async def count_slots(self, keys: list[str], now_ms: int) -> list[int]:
+        """Live concurrency slots (never held in allowances)."""
+        return await self.inner.count_slots(keys, now_ms)
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def _eligible(self, c: BucketCharge) -> bool:
+        if c.kind not in ("rpm", "tpm") or c.shadow or c.prev_key:
+            return False
+        name = counter_name(c.key)
+        return (
+            name is not None
+            and name.metric in ("rpm", "tpm")
+            and name.window_s <= self.settings.max_window_s
+        )
+
+    def _state(self, c: BucketCharge, now: int) -> _Bucket | None:
+        st = self._states.get(c.key)
+        if st is None:
+            if len(self._states) >= MAX_STATES:
+                return None
+            name = counter_name(c.key)
+            assert name is not None
+            st = self._states[c.key] = _Bucket(
+                c.key, name.tag, c.limit, c.expire_at_ms, since_ms=now, touched_ms=now
+            )
+        st.limit = c.limit
+        return st
+
+    def _plan(self, buckets: Sequence[BucketCharge], now: int) -> list[_Bucket] | None:
+        """Each bucket's state when every one can be drawn from for its amount, else None."""
+        out: list[_Bucket] = []
+        for c in buckets:
+            st = self._states.get(c.key)
+            if st is None or not self._eligible(c) or now >= st.deadline_ms or st.units < c.amount:
+                return None
+            out.append(st)
+        return out
+
+    def _values(self, buckets: Sequence[BucketCharge], plan: list[_Bucket]) -> tuple[int, ...]:
+        # the counter as last answered: it already includes every allowance (held = used)
+        return tuple(max(st.seen, 0) for st in plan)
+
+    async def admit(
+        self,
+        ledger: str,
+        buckets: list[BucketCharge],
+        *,
+        tpm_charged: int,
+        count_refused: bool,
+        ledger_ttl_ms: int,
+        now_ms: int = 0,
+        lease_until_ms: int = 0,
+        record_draft: str = "",
+        settlements: Sequence[SettleCall] = (),
+    ) -> AdmitResult:
+        """Admit from the allowances when every bucket holds enough (no Redis call), else
+        with the wrapped limiter, the rest of a short allowance riding on the call."""
+        now = self.clock.now_ms()
+        self._start_sweeper()
+        local = all(self._eligible(c) for c in buckets) and bool(buckets)
+        if local:
+            self._observe(buckets, now)
+        plan = self._plan(buckets, now) if local and not settlements else None
+        if plan is not None:
+            for c, st in zip(buckets, plan, strict=True):
+                st.units -= c.amount
+            if len(self._ledgers) >= MAX_LEDGERS:
+                # the oldest (a request never settled: modes that settle nothing): forgotten,
+                # its later calls, if any, go to Redis, which counts them right all the same
+                self._ledgers.popitem(last=False)
+            self._ledgers[ledger] = _Local()
+            self.stats.local_admissions += 1
+            self._saved("admit")
+            self._refill(buckets, now)
+            return AdmitResult(admitted=True, duplicate=False, values=self._values(buckets, plan))
+        riders = list(settlements)
+        back = self._give_back_short(buckets, now) if local else None
+        if back is not None:
+            riders.append(back)
+        try:
+            res = await self.inner.admit(
+                ledger,
+                buckets,
+                tpm_charged=tpm_charged,
+                count_refused=count_refused,
+                ledger_ttl_ms=ledger_ttl_ms,
+                now_ms=now_ms,
+                lease_until_ms=lease_until_ms,
+                record_draft=record_draft,
+                settlements=riders,
+            )
+        except BaseException:
+            if back is not None:
+                self._returns.append(back)  # idempotent by its ledger: sent again later
+            raise
+        if back is not None:
+            self._count("returned", -sum(a.amount for a in back.adjustments))
+        if local:
+            self._saw(buckets, res.values)
+            if res.admitted:
+                self._refill(buckets, now)
+        if len(riders) != len(settlements):
+            res = AdmitResult(
+                res.admitted,
+                res.duplicate,
+                res.values,
+                res.reclaimed,
+                res.settled[: len(settlements)],
+            )
+        return res
+
+    def _saw(self, buckets: Sequence[BucketCharge], values: Sequence[int]) -> None:
+        """Remember the counters' values Redis answered with (headers of local admissions),
+        and give back what is held beyond ``share`` of the room they leave."""
+        back: dict[str, list[Adjustment]] = {}
+        for c, v in zip(buckets, values, strict=False):
+            seen = self._states.get(c.key)
+            if seen is not None:
+                seen.seen = v
+                self._trim(seen, v, back)
+        self._queue_returns(back)
+
+    def _trim(self, st: _Bucket, value: int, back: dict[str, list[Adjustment]]) -> None:
+        """The room left shrank (other replicas used it): what this replica holds beyond
+        ``share`` of it goes back, so that it does not keep the others from the rest."""
+        cap = max(0, (st.limit - value) * self.settings.share_ppm // 1_000_000)
+        excess = st.units - cap
+        if excess > 0 and excess >= max(st.largest, 1):
+            st.units -= excess
+            back.setdefault(st.tag, []).append(Adjustment(st.key, -excess, st.expire_at_ms))
+
+    def _queue_returns(self, back: dict[str, list[Adjustment]]) -> None:
+        """Send these give-backs in the background (the sweeper retries what fails)."""
+        if not back:
+            return
+        for tag, adj in back.items():
+            self._returns.append(self._return_call(tag, adj))
+        if not self._closed:
+            task = asyncio.get_running_loop().create_task(self._flush_returns())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _observe(
+        self, buckets: Sequence[BucketCharge], now: int, *, admission: bool = True
+    ) -> None:
+        """Count a limiter call (an admission or a stream charge) of these buckets on this
+        replica: the rate and the size of its allowances follow."""
+        second = now // 1000
+        for c in buckets:
+            st = self._state(c, now)
+            if st is None:
+                continue
+            if second != st.second:
+                st.hits_prev = st.hits if second == st.second + 1 else 0
+                st.hits, st.second = 0, second
+            st.hits += 1
+            st.drawn += c.amount
+            if admission:
+                st.largest = max(st.largest, c.amount)
+            st.touched_ms = now
+
+    def _give_back_short(self, buckets: Sequence[BucketCharge], now: int) -> SettleCall | None:
+        """The rest of each allowance too short for this admission, as a refund riding on it."""
+        adj: list[Adjustment] = []
+        tag = ""
+        for c in buckets:
+            st = self._states.get(c.key)
+            if st is not None and st.units > 0 and (st.units < c.amount or now >= st.deadline_ms):
+                adj.append(Adjustment(st.key, -st.units, st.expire_at_ms))
+                tag = st.tag
+                st.units = 0
+        return self._return_call(tag, adj) if adj else None
+
+    def _return_call(self, tag: str, adj: list[Adjustment]) -> SettleCall:
+        ledger = f"{tag}:req:allowance.{self._instance}.{next(self._serial)}"
+        return SettleCall(ledger, adj, self.settings.return_ledger_ttl_ms)
+
+    def _refill(self, buckets: Sequence[BucketCharge], now: int) -> None:
+        """Take (in the background) allowances for the buckets that run short."""
+        s = self.settings
+        takes: list[AllowanceTake] = []
+        busy = False
+        for c in buckets:
+            st = self._states.get(c.key)
+            if st is not None and now < st.quiet_until_ms:
+                return  # near its limit: an allowance of the others would not be drawn from
+            if st is not None and max(st.hits, st.hits_prev) >= s.min_rate:
+                busy = True
+        if not busy:  # one busy bucket is enough: a request draws from all of its buckets
+            return
+        for c in buckets:
+            st = self._states.get(c.key)
+            if st is None:
+                continue
+            if st.units and now < st.deadline_ms < now + s.ttl_ms // 2:
+                # still drawn from: it stays (its size is bounded by the share at its take);
+                # an allowance nobody draws from goes back within ``ttl_ms``
+                st.deadline_ms = now + s.ttl_ms
+            if st.taking:
+                continue
+            want = self._want(st, now)
+            if st.units * 2 >= want or now + EXPIRY_SLACK_MS >= st.expire_at_ms:
+                continue
+            cap = (st.limit - st.seen) * s.share_ppm // 1_000_000 - st.units
+            if st.seen and cap < max(st.largest, 1):
+                continue  # it holds its share of the room left already: a take grants nothing
+            takes.append(
+                AllowanceTake(
+                    st.key,
+                    want - st.units,
+                    st.limit,
+                    st.expire_at_ms,
+                    s.share_ppm,
+                    st.largest,
+                    st.units,
+                )
+            )
+        if not takes or self._closed:
+            return
+        for t in takes:
+            self._states[t.key].taking = True
+        task = asyncio.get_running_loop().create_task(self._take(takes))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _want(self, st: _Bucket, now: int) -> int:
+        """What to hold: the units drawn here over one allowance's time, at least four of the
+        largest recent admissions."""
+        elapsed = max(now - st.since_ms, 100)
+        per_ms = st.drawn / elapsed
+        return max(math.ceil(per_ms * self.settings.ttl_ms * 1.25), 4 * st.largest, 1)
+
+    async def _take(self, takes: list[AllowanceTake]) -> None:
+        try:
+            results = await self.inner.take_allowances(takes)
+        except Exception:  # a wrapped limiter that raises: no allowance, admission as before
+            results = [None] * len(takes)
+        now = self.clock.now_ms()
+        near: dict[str, list[Adjustment]] = {}
+        for t, r in zip(takes, results, strict=True):
+            self.stats.takes += 1
+            st = self._states.get(t.key)
+            if r is None:
+                self._count_take("failed")
+                if st is not None:
+                    st.taking = False
+                continue
+            grant, value = r
+            if st is None:  # forgotten meanwhile (cannot happen while taking): give it back
+                name = counter_name(t.key)
+                if grant and name is not None:
+                    near.setdefault(name.tag, []).append(Adjustment(t.key, -grant, t.expire_at_ms))
+                continue
+            st.taking = False
+            st.seen = value
+            st.drawn, st.since_ms, st.largest = 0, now, st.largest // 2 or st.largest
+            if grant > 0:
+                self._count_take("granted")
+                self._count("taken", grant)
+                st.units += grant
+                st.deadline_ms = now + self.settings.ttl_ms
+            elif (t.limit - value) * t.share_ppm // 1_000_000 >= max(t.least, 1):
+                self._count_take("none")  # it holds its share already: not near the limit
+                self._trim(st, value, near)  # ... or more, the room having shrunk
+            else:
+                # near the limit: nothing taken, none asked for a while, and what is still
+                # held goes back now
+                self._count_take("none")
+                st.quiet_until_ms = now + self.settings.ttl_ms
+                if st.units > 0:
+                    near.setdefault(st.tag, []).append(
+                        Adjustment(st.key, -st.units, st.expire_at_ms)
+                    )
+                    st.units = 0
+        for tag, adj in near.items():
+            self._returns.append(self._return_call(tag, adj))
+        if near:
+            await self._flush_returns()
+
+    # -- stream charges ------------------------------------------------------------------------
+
+    async def charge(
+        self,
+        ledger: str,
+        seq: int,
+        buckets: list[BucketCharge],
+        amount: int,
+        *,
+        strict: bool,
+        ledger_ttl_ms: int,
+    ) -> ChargeResult:
+        """Draw a locally admitted request's charge from the allowances when they hold it,
+        else charge in Redis (strict or lazy, as the wrapped limiter does)."""
+        loc = self._ledgers.get(ledger)
+        now = self.clock.now_ms()
+        if buckets and all(self._eligible(c) for c in buckets):
+            self._observe(buckets, now, admission=False)  # the demand sizing follows
+            self._refill(buckets, now)
+        if loc is not None and not loc.settled:
+            if seq <= loc.seq and seq == loc.last_local[0]:
+                return ChargeResult(granted=amount, exhausted=False, values=())
+            plan = self._plan(buckets, now) if seq > loc.seq else None
+            if plan is not None:
+                drawn = []
+                for c, st in zip(buckets, plan, strict=True):
+                    st.units -= c.amount
+                    drawn.append((st.key, c.amount))
+                loc.seq = seq
+                loc.last_local = (seq, tuple(drawn))
+                self.stats.local_charges += 1
+                self._saved("charge")
+                return ChargeResult(
+                    granted=amount, exhausted=False, values=self._values(buckets, plan)
+                )
+            res = await self.inner.charge(
+                ledger, seq, buckets, amount, strict=strict, ledger_ttl_ms=ledger_ttl_ms
+            )
+            loc.seq = max(loc.seq, seq)
+            loc.redis_seq = max(loc.redis_seq, seq)
+            self._saw(buckets, res.values)
+            return res
+        return await self.inner.charge(
+            ledger, seq, buckets, amount, strict=strict, ledger_ttl_ms=ledger_ttl_ms
+        )
+
+    # -- settlement ----------------------------------------------------------------------------
+
+    def _settle_local(self, call: SettleCall) -> tuple[bool, SettleCall | None]:
+        """Settle a locally admitted request here: (applied, what must still go to Redis)."""
+        loc = self._ledgers.get(call.ledger)
+        if loc is None:
+            return False, None
+        if loc.settled:
+            return False, loc.remainder
+        loc.settled = True
+        now = self.clock.now_ms()
+        to_redis: list[Adjustment] = []
+        unconfirmed: UnconfirmedCharge | None = call.unconfirmed
+        if unconfirmed is not None and unconfirmed.seq == loc.last_local[0]:
+            # drawn here, its answer not waited for: the corrections were computed without it
+            for key, units in loc.last_local[1]:
+                self._put_back(key, units, now, to_redis)
+            unconfirmed = None
+        elif unconfirmed is not None and unconfirmed.seq > loc.redis_seq:
+            unconfirmed = None  # never sent: nothing to take back
+        for a in call.adjustments:
+            if a.amount < 0:
+                self._put_back(a.key, -a.amount, now, to_redis, a.expire_at_ms)
+            elif a.amount > 0:
+                st = self._states.get(a.key)
+                if st is not None and now < st.deadline_ms and st.units >= a.amount:
+                    st.units -= a.amount
+                else:
+                    to_redis.append(a)
+        self.stats.local_settlements += 1
+        self._saved("settle")
+        if to_redis or unconfirmed is not None:
+            loc.remainder = SettleCall(
+                call.ledger, to_redis, call.ledger_ttl_ms, unconfirmed=unconfirmed
+            )
+        else:
+            self._forget(call.ledger)
+        return True, loc.remainder
+
+    def _put_back(
+        self, key: str, units: int, now: int, to_redis: list[Adjustment], expire_at: int = 0
+    ) -> None:
+        """A refund into the key's allowance (its window still running), else to Redis."""
+        st = self._states.get(key)
+        if st is not None and now + EXPIRY_SLACK_MS < st.expire_at_ms:
+            st.units += units  # past its time, the sweeper gives it back on its next turn
+        else:
+            to_redis.append(Adjustment(key, -units, expire_at or (st.expire_at_ms if st else 0)))
+
+    def _forget(self, ledger: str) -> None:
+        self._ledgers.pop(ledger, None)
+        self._settled[ledger] = None
+        if len(self._settled) > MAX_SETTLED:
+            self._settled.popitem(last=False)
+
+    def _remainder_done(self, ledger: str) -> None:
+        loc = self._ledgers.get(ledger)
+        if loc is not None:
+            loc.remainder = None
+            self._forget(ledger)
+
+    async def settle(
+        self,
+        ledger: str,
+        adjustments: list[Adjustment],
+        *,
+        ledger_ttl_ms: int,
+        cancel: bool = False,
+        unconfirmed: UnconfirmedCharge | None = None,
+    ) -> bool:
+        """Settle a locally admitted request into the allowances (what does not fit goes to
+        Redis); any other with the wrapped limiter."""
+        if ledger in self._settled:
+            return False
+        if ledger not in self._ledgers:
+            return await self.inner.settle(
+                ledger,
+                adjustments,
+                ledger_ttl_ms=ledger_ttl_ms,
+                cancel=cancel,
+                unconfirmed=unconfirmed,
+            )
+        applied, rest = self._settle_local(
+            SettleCall(ledger, adjustments, ledger_ttl_ms, cancel, unconfirmed)
+        )
+        if rest is not None:
+            await self.inner.settle(
+                rest.ledger,
+                rest.adjustments,
+                ledger_ttl_ms=rest.ledger_ttl_ms,
+                unconfirmed=rest.unconfirmed,
+            )
+            self._remainder_done(ledger)
+            return True
+        return applied
+
+    async def settle_many(self, items: list[SettleCall]) -> list[bool | None]:
+        """:meth:`settle` for many; the Redis parts in the wrapped limiter's batch calls."""
+        out: list[bool | None] = [None] * len(items)
+        remote: list[SettleCall] = []
+        where: list[tuple[int, bool]] = []  # (item index, a local request's remainder)
+        for i, call in enumerate(items):
+            if call.ledger in self._settled:
+                out[i] = False
+                continue
+            if call.ledger not in self._ledgers:
+                remote.append(call)
+                where.append((i, False))
+                continue
+            applied, rest = self._settle_local(call)
+            if rest is None:
+                out[i] = applied
+            else:
+                remote.append(rest)
+                where.append((i, True))
+        if remote:
+            results = await self.inner.settle_many(remote)
+            for (i, is_rest), r in zip(where, results, strict=True):
+                if is_rest:
+                    if r is not None:
+                        self._remainder_done(items[i].ledger)
+                        out[i] = True
+                else:
+                    out[i] = r
+        return out
+
+    async def note_inputs(self, notes: list[InputNote]) -> list[bool | None]:
+        """Locally admitted requests have no ledger in Redis to note (False); the others go
+        to the wrapped limiter."""
+        out: list[bool | None] = [False] * len(notes)
+        remote = [i for i, n in enumerate(notes) if n.ledger not in self._ledgers]
+        noter = getattr(self.inner, "note_inputs", None)
+        if remote and noter is not None:
+            results = await noter([notes[i] for i in remote])
+            for i, r in zip(remote, results, strict=True):
+                out[i] = r
+        return out
+
+    async def renew(
+        self, ledgers: list[str], until_ms: int, *, held: dict[str, list[str]] | None = None
+    ) -> None:
+        """Renew the leases of the requests admitted by Redis (local ones hold none)."""
+        remote = [led for led in ledgers if led not in self._ledgers]
+        if remote:
+            await self.inner.renew(remote, until_ms, held=held)
+
+    # -- giving back ---------------------------------------------------------------------------
+
+    def _start_sweeper(self) -> None:
+        if self._sweeper is None and not self._closed:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
+
+    async def _sweep_loop(self) -> None:
+        tick = max(self.settings.ttl_ms / 4000, 0.05)
+        while True:
+            await asyncio.sleep(tick)
+            self.sweep()
+            if self._returns:
+                await self._flush_returns()
+
+    def sweep(self) -> None:
+        """Give back what allowances past their time hold; drop those whose window ended and
+        the states nobody used for a while (queued: :meth:`_flush_returns` sends them)."""
+        now = self.clock.now_ms()
+        back: dict[str, list[Adjustment]] = {}
+        for key, st in list(self._states.items()):
+            if now + EXPIRY_SLACK_MS >= st.expire_at_ms:
+                if st.units:
+                    self._count("expired", st.units)
+                if not st.taking:
+                    del self._states[key]
+                st.units = 0
+                continue
+            if st.units and now >= st.deadline_ms:
+                back.setdefault(st.tag, []).append(Adjustment(key, -st.units, st.expire_at_ms))
+                st.units = 0
+            elif not st.units and not st.taking and now - st.touched_ms > IDLE_MS:
+                del self._states[key]
+        for tag, adj in back.items():
+            self._returns.append(self._return_call(tag, adj))
+
+    async def _flush_returns(self) -> None:
+        calls, self._returns = self._returns, []
+        if not calls:
+            return
+        try:
+            results = await self.inner.settle_many(calls)
+        except Exception:
+            results = [None] * len(calls)
+        for call, r in zip(calls, results, strict=True):
+            if r is None:
+                self._returns.append(call)  # idempotent by its ledger: sent again
+            elif r:
+                self._count("returned", -sum(a.amount for a in call.adjustments))
+
+    async def give_back(self) -> None:
+        """Give back everything held now (shutdown; tests)."""
+        for st in self._states.values():
+            st.deadline_ms = 0
+        self.sweep()
+        await self._flush_returns()
+
+    async def close(self) -> None:
+        """Give back what is held (best effort), stop the background tasks, close the
+        wrapped limiter."""
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=2.0)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.give_back(), timeout=2.0)
+        log.info(
+            "allowances_closed", **dataclasses.asdict(self.stats), unreturned=self._unreturned()
+        )
+        await self.inner.close()
+
+    def _unreturned(self) -> int:
+        return -sum(a.amount for c in self._returns for a in c.adjustments)
+
+    # -- metrics -------------------------------------------------------------------------------
+
+    def _count(self, event: str, units: int) -> None:
+        if event == "taken":
+            self.stats.taken += units
+        elif event == "returned":
+            self.stats.returned += units
+        elif event == "expired":
+            self.stats.expired += units
+        m = self.metrics
+        if m is not None and units > 0:
+            m.allowance_units.labels(event).inc(units)
+
+    def _count_take(self, outcome: str) -> None:
+        m = self.metrics
+        if m is not None:
+            m.allowance_takes.labels(outcome).inc()
+
+    def _saved(self, call: str) -> None:
+        m = self.metrics
+        if m is not None:
+            m.allowance_saved_calls.labels(call).inc()

@@ -1,0 +1,285 @@
+"""Local allowances (extproc/limiter/allowance.py): two replicas sharing one tenant's counters,
+on a real redis-server and on the in-memory limiter.
+
+Far from the limit an admission costs no Redis call (round trips counted); at the limit strict
+mode is never over and the counters come back to the exact truth once the allowances are given
+back; buckets allowances do not apply to always go to Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+
+from extproc.core.rules import Adjustment, BucketCharge
+from extproc.limiter.allowance import AllowanceLimiter, AllowanceSettings
+from extproc.limiter.base import SettleCall
+from extproc.limiter.memory import MemoryLimiter
+from extproc.limiter.redis import RedisLimiter
+from tests.helpers import RedisServer
+
+pytestmark = pytest.mark.integration
+
+TTL = 60_000
+
+
+@dataclass
+class Pair:
+    """Two replicas (each an allowance wrapper around its own limiter) over one store, and a
+    reader of the shared counters."""
+
+    a: AllowanceLimiter
+    b: AllowanceLimiter
+    reader: RedisLimiter | MemoryLimiter
+
+    @property
+    def round_trips(self) -> int:
+        """Calls both replicas made to the shared store."""
+        return self.a.round_trips + self.b.round_trips
+
+    async def value(self, key: str) -> int:
+        """A counter's value as every replica and the usage API see it."""
+        return (await self.reader.read([key]))[0]
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
+async def pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
+    """Two replicas with allowances: on one MemoryLimiter, or two Redis limiters (one client
+    each) on the session's redis-server, or on a three-node Redis Cluster."""
+    settings = AllowanceSettings(share=0.1, ttl_ms=2_000, min_rate=4)
+    if request.param == "memory":
+        store = MemoryLimiter()
+        p = Pair(AllowanceLimiter(store, settings), AllowanceLimiter(store, settings), store)
+        yield p
+        await p.a.close()
+        await p.b.close()  # the store's close releases nothing: closing it twice is harmless
+        return
+    if request.param == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        url = server.url
+    else:
+        ports: list[int] = request.getfixturevalue("cluster")
+        url = f"redis+cluster://127.0.0.1:{ports[0]}"
+    inner = [RedisLimiter.from_url(url, timeout_ms=1000) for _ in range(3)]
+    p = Pair(AllowanceLimiter(inner[0], settings), AllowanceLimiter(inner[1], settings), inner[2])
+    try:
+        yield p
+    finally:
+        await p.a.close()
+        await p.b.close()
+        await inner[2].close()
+
+
+def tenant_keys() -> tuple[str, str, str]:
+    """A fresh tenant's hash tag and its RPM and TPM counters (fixed one-minute windows)."""
+    tag = f"aiq:{{al-{uuid.uuid4().hex[:8]}}}"
+    return tag, f"{tag}:rpm:t:*:60:1", f"{tag}:tpm:t:*:60:1"
+
+
+def far() -> int:
+    """An expiry two minutes from now (unix ms)."""
+    return int(time.time() * 1000) + 120_000
+
+
+def charges(
+    rpm: str, tpm: str, amount: int, *, rpm_limit: int, tpm_limit: int
+) -> list[BucketCharge]:
+    """One request's RPM and TPM buckets."""
+    exp = far()
+    return [
+        BucketCharge(rpm, "rpm", 1, rpm_limit, exp),
+        BucketCharge(tpm, "tpm", amount, tpm_limit, exp, refundable=amount),
+    ]
+
+
+async def one_request(
+    lim: AllowanceLimiter, tag: str, n: int, bs: list[BucketCharge], used: int
+) -> bool:
+    """Admit one non-streaming request and settle it to ``used`` tokens (a refund of the
+    rest of its reservation), as the gateway does; whether it was admitted."""
+    ledger = f"{tag}:req:{n}"
+    res = await lim.admit(
+        ledger, bs, tpm_charged=bs[1].amount, count_refused=False, ledger_ttl_ms=TTL
+    )
+    if not res.admitted:
+        return False
+    refund = used - bs[1].amount
+    adj = [Adjustment(bs[1].key, refund, bs[1].expire_at_ms)] if refund else []
+    done = await lim.settle_many([SettleCall(ledger, adj, TTL)])
+    assert done == [True]
+    return True
+
+
+async def test_far_from_the_limit_admissions_skip_redis(pair: Pair) -> None:
+    """Two replicas, one tenant far from its limits, 1000 requests: at most 0.1 Redis round
+    trips per request (admissions, takes, settlements and give-backs all counted), and once
+    the allowances are given back the counters hold exactly what the requests used."""
+    tag, rpm, tpm = tenant_keys()
+    before = pair.round_trips
+    truth = 0
+    for n in range(1000):
+        lim = pair.a if n % 2 else pair.b
+        bs = charges(rpm, tpm, 200, rpm_limit=1_000_000, tpm_limit=100_000_000)
+        assert await one_request(lim, tag, n, bs, 120)
+        truth += 120
+        await asyncio.sleep(0)  # a take in flight answers
+    trips = pair.round_trips - before
+    assert trips / 1000 <= 0.1, trips
+    assert pair.a.stats.local_admissions + pair.b.stats.local_admissions >= 900
+    held = await pair.value(tpm)
+    assert held >= truth  # allowances held count as used
+    await pair.a.give_back()
+    await pair.b.give_back()
+    assert await pair.value(tpm) == truth
+    assert await pair.value(rpm) == 1000
+
+
+async def test_strict_at_the_limit_never_over(pair: Pair) -> None:
+    """Two replicas race one tenant to its TPM limit (random sizes, refunds at settlement):
+    the shared counter never passes the limit; given back, it equals what the admitted
+    requests used, and a last pass fills the limit to within one request."""
+    tag, rpm, tpm = tenant_keys()
+    limit = 40_000
+    rng = random.Random(7)
+    truth = [0]
+    refused = [0]
+
+    async def replica(lim: AllowanceLimiter, base: int, attempts: int) -> None:
+        for n in range(attempts):
+            amount = rng.randint(50, 300)
+            bs = charges(rpm, tpm, amount, rpm_limit=1_000_000, tpm_limit=limit)
+            used = rng.randint(amount // 2, amount)
+            if await one_request(lim, tag, base + n, bs, used):
+                truth[0] += used
+            else:
+                refused[0] += 1
+            assert await pair.value(tpm) <= limit
+            await asyncio.sleep(0)
+
+    await asyncio.gather(replica(pair.a, 0, 400), replica(pair.b, 10_000, 400))
+    assert refused[0] > 0  # the limit was reached
+    # most were admitted from allowances, on both replicas
+    assert pair.a.stats.local_admissions > 20 and pair.b.stats.local_admissions > 20
+    await pair.a.give_back()
+    await pair.b.give_back()
+    assert await pair.value(tpm) == truth[0] <= limit
+    # what the allowances held is back: Redis admits up to the limit again
+    await replica(pair.a, 20_000, 200)
+    await replica(pair.b, 30_000, 200)
+    await pair.a.give_back()
+    await pair.b.give_back()
+    assert await pair.value(tpm) == truth[0]
+    assert limit - 300 < truth[0] <= limit
+
+
+async def test_near_the_limit_allowances_shrink_to_nothing(pair: Pair) -> None:
+    """A tenant whose room left is below what one request asks for, over ``share``, gets no
+    allowance: every admission goes to Redis."""
+    tag, rpm, tpm = tenant_keys()
+    # another writer brought the tenant to limit - 900: 10 % of the room (90) is less than
+    # one request (100)
+    seed = charges(rpm, tpm, 19_100, rpm_limit=1_000_000, tpm_limit=20_000)
+    await pair.reader.admit(
+        f"{tag}:req:seed", seed, tpm_charged=19_100, count_refused=False, ledger_ttl_ms=TTL
+    )
+    lim = pair.a
+    trips = lim.round_trips
+    for n in range(40):
+        bs = charges(rpm, tpm, 100, rpm_limit=1_000_000, tpm_limit=20_000)
+        assert await one_request(lim, tag, n, bs, 0)  # all refunded: the room stays
+        await asyncio.sleep(0)
+    assert await pair.value(tpm) == 19_100
+    assert lim.stats.local_admissions == 0
+    # a take that found the tenant near its limit stops the next ones (for ``ttl_ms``)
+    assert lim.stats.takes <= 4
+    # an admission and a settlement each, as without allowances, and those few takes
+    assert lim.round_trips - trips <= 2 * 40 + 4
+
+
+async def test_other_limit_kinds_go_to_redis(pair: Pair) -> None:
+    """Concurrency, money budgets, sliding windows and shadow limits take no allowance: a
+    request touching one is admitted by Redis, whole, every time."""
+    tag, rpm, _ = tenant_keys()
+    exp = far()
+    others = [
+        BucketCharge(f"{tag}:conc:t:*", "concurrency", 1, 1000, exp),
+        BucketCharge(f"{tag}:cost.USD:t:*:86400:1", "tpm", 5, 10**12, exp),
+        BucketCharge(f"{tag}:tpm.sliding:t:*:60:1", "tpm", 5, 10**9, exp, prev_key=f"{tag}:p"),
+        BucketCharge(f"{tag}:tpm.shadow:t:*:60:1", "tpm", 5, 10**9, exp, shadow=True),
+    ]
+    lim = pair.a
+    for n, extra in enumerate(others * 10):
+        bs = [BucketCharge(rpm, "rpm", 1, 10**6, exp), extra]
+        res = await lim.admit(
+            f"{tag}:req:{n}", bs, tpm_charged=5, count_refused=False, ledger_ttl_ms=TTL
+        )
+        assert res.admitted
+        await lim.settle_many([SettleCall(f"{tag}:req:{n}", [], TTL)])
+        await asyncio.sleep(0)
+    assert lim.stats.local_admissions == 0
+    assert lim.stats.taken == 0
+
+
+async def test_stream_charges_and_refunds_stay_local(pair: Pair) -> None:
+    """A locally admitted stream's charges draw from the allowance, its settlement refunds into
+    it; a settlement repeated answers "already settled"; the counter ends exact."""
+    tag, rpm, tpm = tenant_keys()
+    lim = pair.a
+    truth = 0
+    for n in range(30):  # warm the bucket up: an allowance is taken
+        bs = charges(rpm, tpm, 100, rpm_limit=10**6, tpm_limit=10**8)
+        assert await one_request(lim, tag, n, bs, 100)
+        truth += 100
+        await asyncio.sleep(0)
+    bs = charges(rpm, tpm, 100, rpm_limit=10**6, tpm_limit=10**8)
+    ledger = f"{tag}:req:stream"
+    res = await lim.admit(ledger, bs, tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL)
+    assert res.admitted
+    trips = lim.round_trips
+    tok = [BucketCharge(tpm, "tpm", 20, 10**8, bs[1].expire_at_ms)]
+    for seq in (1, 2, 3):
+        got = await lim.charge(ledger, seq, tok, 20, strict=True, ledger_ttl_ms=TTL)
+        assert got.granted == 20 and not got.exhausted
+    # 100 admitted + 60 charged; it used 130 in all: 30 go back at settlement
+    adj = [Adjustment(tpm, -30, bs[1].expire_at_ms)]
+    assert await lim.settle(ledger, adj, ledger_ttl_ms=TTL)
+    assert not await lim.settle(ledger, adj, ledger_ttl_ms=TTL)
+    assert lim.round_trips == trips  # no Redis call for any of it
+    truth += 130
+    await lim.give_back()
+    assert await pair.value(tpm) == truth
+
+
+async def test_a_take_is_idempotent_and_replayed_after_a_failover(
+    redis_server: RedisServer,
+) -> None:
+    """A take carries a call id: the journalled replay of an answered take grants nothing on
+    the master that ran it, and on a master that lost it (a failover) puts back exactly the
+    grant, whatever the room, so the units the replica holds stay counted."""
+    from redis.asyncio import Redis
+
+    from extproc.limiter.base import AllowanceTake
+
+    lim = RedisLimiter.from_url(redis_server.url, timeout_ms=1000)
+    rds = Redis(port=redis_server.port)
+    try:
+        _, _, tpm = tenant_keys()
+        [got] = await lim.take_allowances([AllowanceTake(tpm, 500, 10_000, far(), 100_000)])
+        assert got == (500, 500)
+        assert lim.failover is not None
+        [entry] = [e for e in lim.failover.journal if e.script == "allowance"]
+        replay = lim._allowance  # the registered script, as the failover replays it
+        await replay(keys=entry.keys, args=entry.args)
+        assert int(await rds.get(tpm) or 0) == 500  # ran already: nothing more
+        await rds.delete(tpm, entry.keys[0])  # a new master that never saw the take
+        await rds.set(tpm, 9_990)  # ... and other replicas' charges since
+        await replay(keys=entry.keys, args=entry.args)
+        assert int(await rds.get(tpm) or 0) == 9_990 + 500
+    finally:
+        await rds.aclose()
+        await lim.close()
