@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from extproc.commands import DEMO_CONFIG
+
+if TYPE_CHECKING:
+    from extproc.settings import Settings
 
 
 def configure_parser(s: argparse.ArgumentParser) -> None:
@@ -107,6 +111,40 @@ def configure_parser(s: argparse.ArgumentParser) -> None:
     )
 
 
+def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Settings:
+    """The process settings of ``serve``: ``AIQ_*`` variables from ``env`` (default
+    ``os.environ``), overridden by the flags given (also how the Kubernetes manifests' command
+    lines and env are checked, tests/unit/test_deploy_kubernetes.py).  Raises
+    :class:`extproc.settings.SettingsError`."""
+    from extproc.settings import Settings
+
+    return Settings.from_env(
+        env,
+        config=args.config,
+        redis_url=args.redis_url,
+        grpc_address=args.grpc_address,
+        log_format=args.log_format,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        workers=args.workers,
+        admin_port=args.admin_port,
+        admin_host=args.admin_host,
+        admin_token_file=args.admin_token_file,
+        admin_tls_cert=args.admin_tls_cert,
+        admin_tls_key=args.admin_tls_key,
+        admin_tls_client_ca=args.admin_tls_client_ca,
+        rls_config=args.rls_config,
+        rls_address=args.rls_address,
+        insecure=args.insecure,
+        health_address=args.health_address,
+        grpc_token_file=args.grpc_token_file,
+        grpc_tls_cert=args.grpc_tls_cert,
+        grpc_tls_key=args.grpc_tls_key,
+        grpc_tls_client_ca=args.grpc_tls_client_ca,
+        grpc_allowed_sans=",".join(args.grpc_allowed_san) if args.grpc_allowed_san else None,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the ext_proc gRPC server."""
     from extproc.access import AccessConfigError
@@ -117,33 +155,10 @@ def run(args: argparse.Namespace) -> int:
     from extproc.logs import configure_logging
     from extproc.ports import ListenError
     from extproc.rls.config import RlsConfigError
-    from extproc.settings import Settings, SettingsError
+    from extproc.settings import SettingsError
 
     try:
-        settings = Settings.from_env(
-            config=args.config,
-            redis_url=args.redis_url,
-            grpc_address=args.grpc_address,
-            log_format=args.log_format,
-            metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host,
-            workers=args.workers,
-            admin_port=args.admin_port,
-            admin_host=args.admin_host,
-            admin_token_file=args.admin_token_file,
-            admin_tls_cert=args.admin_tls_cert,
-            admin_tls_key=args.admin_tls_key,
-            admin_tls_client_ca=args.admin_tls_client_ca,
-            rls_config=args.rls_config,
-            rls_address=args.rls_address,
-            insecure=args.insecure,
-            health_address=args.health_address,
-            grpc_token_file=args.grpc_token_file,
-            grpc_tls_cert=args.grpc_tls_cert,
-            grpc_tls_key=args.grpc_tls_key,
-            grpc_tls_client_ca=args.grpc_tls_client_ca,
-            grpc_allowed_sans=",".join(args.grpc_allowed_san) if args.grpc_allowed_san else None,
-        )
+        settings = settings_from_args(args)
     except SettingsError as exc:
         print(f"ai-quota serve: {exc}", file=sys.stderr)
         return 2

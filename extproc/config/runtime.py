@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from extproc.config.schema import IdentityPolicy
+from extproc.core.figures import ABANDONED_TOKENS_PER_SECOND
 from extproc.core.rules import Charging, Limit, Rates
-from extproc.core.session import ABANDONED_TOKENS_PER_SECOND
 from extproc.core.tokens import TokenCounter, TokenizerSpec
 
 

@@ -1,428 +1,48 @@
-"""One request as a sans-IO session: typed, immutable phase records and the decisions that read
-them.
-
-A request moves through phases (the transition table of :mod:`extproc.core.lifecycle`); each
-phase leaves one frozen record, set once, so which fact is valid when is visible in the types:
-
-==============  ======================================================================
-record          holds
-==============  ======================================================================
-``Identified``  request id, path, API, the caller (key, tenant), the ledger id
-``Parsed``      the parsed body and the model it is counted as (the requested one)
-``Admitted``    the model served, the cost (None: admitted unmetered), buckets, time,
-                the headers to add to the response
-``Responding``  the upstream's status and how the response is metered
-``Reported``    what the upstream said it used (a JSON body's or a stream's ``usage``)
-``Settlement``  the final figures: ending, total to charge, input, output, usage
-==============  ======================================================================
+"""One request as a sans-IO session: its phase records (:mod:`extproc.core.records`, each set
+once), its lifecycle and the decisions that read them.
 
 Besides the records the session keeps two accumulators of limiter answers, changed only by its
-own methods: the :class:`RequestAccount` (what each counter was charged) and the last stream
-charge whose answer never came.
+own methods (and by its metered stream, :mod:`extproc.core.streaming`): the
+:class:`RequestAccount` (what each counter was charged) and the last stream charge whose answer
+never came.
 
-Every per-request decision is a function here, fed with the records and the clock reading the
-caller passes in: how a response is metered (:func:`classify`), which upstream figures are
-trusted (:func:`bounded_output`, :func:`bounded_input`), what an abandoned request could have
-generated (:func:`abandoned_output`), what settlement charges (:meth:`Session.settlement`), the
-plan's fallback model (:func:`fallback_for`) and the shadow-limit report (:func:`shadow_outcome`).
-The server layer executes what they decide and holds no policy of its own.
+The rules it applies live by job: which upstream figures are trusted and what an abandoned
+request could have generated in :mod:`extproc.core.figures`, how a response is metered in
+:mod:`extproc.core.classify`, the per-request policies (the fallback model, the shadow-limit
+report, fail-open, the bound, the lease, billing) in :mod:`extproc.core.policies`; what
+settlement charges is :meth:`Session.settlement`.  The server layer executes what they decide
+and holds no policy of its own.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any, Literal, Protocol
+from dataclasses import replace
 
 from extproc.core import admission
 from extproc.core.account import RequestAccount
 from extproc.core.admission import Cost
 from extproc.core.apis.base import ApiFormat, ParsedRequest
-from extproc.core.chunks import Usage as UpstreamUsage
-from extproc.core.encoding import UnsupportedEncoding, decoder_for, is_json, media_type
+from extproc.core.classify import classify, parse_status
+from extproc.core.figures import Figure, abandoned_output, bounded_input, bounded_output
 from extproc.core.keys import WindowedBucket
-from extproc.core.lifecycle import Closed, Ending, Lifecycle, State
-from extproc.core.rules import RATE_SCALE, Adjustment, Limit, Rates, UnconfirmedCharge, Usage
-
-# -- what the session needs to know of the configuration (structural: core imports no config) --
-
-
-class ModelInfo(Protocol):
-    """A metered model, as far as one request's decisions need it."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def known(self) -> bool: ...
-    @property
-    def prices(self) -> Rates | None: ...
-    @property
-    def currency(self) -> str: ...
-    @property
-    def max_input_tokens(self) -> int | None: ...
-    @property
-    def max_output_tokens(self) -> int: ...
-    @property
-    def exact_count(self) -> bool: ...
-    @property
-    def continuous_usage(self) -> bool: ...
-    @property
-    def abandoned_tokens_per_second(self) -> int: ...
-    def stream_counter(self) -> Callable[[str], int]: ...
-
-
-class TenantInfo(Protocol):
-    """A tenant with its resolved limits."""
-
-    @property
-    def id(self) -> str: ...
-    @property
-    def plan(self) -> str: ...
-    @property
-    def limits(self) -> tuple[Limit, ...]: ...
-
-
-class KeyInfo(Protocol):
-    """An API key's name (safe to log)."""
-
-    @property
-    def name(self) -> str: ...
-
-
-# -- the phase records -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Identified:
-    """Request headers read: who calls, on which path and API."""
-
-    request_id: str
-    path: str = ""
-    api: ApiFormat | None = None
-    key: KeyInfo | None = None
-    tenant: TenantInfo | None = None
-    ledger: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Parsed:
-    """The request body parsed, and the model it asked for (or the unknown-model stand-in)."""
-
-    req: ParsedRequest
-    model: ModelInfo
-
-
-@dataclass(frozen=True, slots=True)
-class Admitted:
-    """Admission said yes. ``cost`` is None when Redis was down and the plan let the request
-    through unmetered (fail-open): nothing to charge, settle or meter."""
-
-    model: ModelInfo
-    cost: Cost | None
-    buckets: tuple[WindowedBucket, ...] = ()
-    at_ms: int = 0
-    headers: tuple[tuple[str, str], ...] = ()
-    # admitted on an upper bound of the input (``cost.input_tokens``); the exact count comes
-    # later (:meth:`Session.input_counted`) and replaces it before any figure is decided
-    input_bound: bool = False
-    # the fewest tokens the tokenizer can count for that bound (every token stands for at
-    # most its vocabulary's longest token in bytes): an upstream figure the counted path would
-    # refuse for any count from here to the bound is checked against the count
-    input_floor: int = 0
-    # what admission charged for the input, once a count replaced the bound (-1: the count)
-    charged_input: int = -1
-
-
-MeteringKind = Literal[
-    "local_reply", "unmetered", "upstream_error", "unmeterable", "stream", "read_json", "done"
-]
-
-
-@dataclass(frozen=True, slots=True)
-class Metering:
-    """How a response is handled: ``kind``, the body's decoder, why it cannot be metered."""
-
-    kind: MeteringKind
-    decoder: Any = None
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Responding:
-    """Response headers read: the upstream's status and how the body is metered."""
-
-    status: int
-    metering: Metering
-
-
-@dataclass(frozen=True, slots=True)
-class Reported:
-    """What the upstream said it used (``output`` includes reasoning, ``input`` cached input)."""
-
-    input: int | None
-    output: int | None
-    cached_input: int = 0
-    reasoning: int = 0
-
-    @classmethod
-    def of(cls, usage: UpstreamUsage) -> Reported:
-        """The record of a JSON body's or a stream's parsed ``usage``."""
-        return cls(
-            usage.prompt_tokens,
-            usage.completion_tokens,
-            usage.cached_input_tokens,
-            usage.reasoning_tokens,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Figure:
-    """A trusted figure, and the disagreement (``low``/``high``) when the reported one was
-    outside its bounds (``bound`` is then what is charged instead)."""
-
-    value: int
-    reported: int
-    counted: int
-    disagreement: Literal["low", "high"] | None = None
-    bound: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Settlement:
-    """What settlement does: ``total`` TPM tokens to hold (None: the admission charge is final),
-    the input and output tokens behind it, and the usage by kind."""
-
-    ending: Ending
-    total: int | None
-    input: int
-    output: int | None
-    usage: Usage
-
-
-# -- trusted figures -------------------------------------------------------------------------
-
-#: A stream's reported output may be below the gateway's recount by this share plus the slack:
-#: recounting each delta on its own finds more tokens than the engine generated (a delta is
-#: one token whose text may re-tokenise as two). Measured against a real vLLM (docs/
-#: engine-tests.md): +7-10 % on natural text from a real model, up to +26 % on a small random
-#: model's free output; the events that carried text are a floor no report may go below.
-OUTPUT_TOLERANCE = 0.30
-OUTPUT_SLACK_TOKENS = 8
-#: The upstream's input figure is trusted within this share (plus the slack) around the
-#: gateway's count: the model's chat template frames messages differently from the OpenAI
-#: formula the gateway falls back to (a few tokens per message either way).
-INPUT_TOLERANCE = 0.25
-INPUT_SLACK_TOKENS = 16
-#: A chat template may add a default system prompt the gateway cannot see; above the count by
-#: more than this (plus the tolerance) the figure is not trusted.
-INPUT_TEMPLATE_ALLOWANCE = 64
-#: Server-side state can add at most this much unseen input when the model sets no limit.
-UNSEEN_INPUT_CEILING = 1_000_000
-#: What an upstream generates per second per sequence, for requests abandoned before their
-#: response: the default of a model's ``abandoned_tokens_per_second``.  A real engine (vLLM)
-#: aborts a non-stream when Envoy resets it for a client that left, having generated for as
-#: long as it ran (docs/engine-tests.md): the bill follows the time, not the reservation.
-ABANDONED_TOKENS_PER_SECOND = 200
-
-
-def bounded_output(reported: int, counted: int, high: int, *, floor: int = 0) -> Figure:
-    """The upstream's output figure, trusted within ``[counted - tolerance, high]`` and never
-    below ``floor`` (tokens known to have passed: one per event that carried text); outside,
-    the nearest bound is charged (an upstream reporting nothing still pays what passed)."""
-    low = max(0, floor, math.floor(counted * (1 - OUTPUT_TOLERANCE)) - OUTPUT_SLACK_TOKENS)
-    low = min(low, high)
-    if reported < low:
-        return Figure(low, reported, counted, "low", low)
-    if reported > high:
-        return Figure(high, reported, counted, "high", high)
-    return Figure(reported, reported, counted)
-
-
-def run_ahead_budget(
-    budget: int,
-    *,
-    buckets: tuple[WindowedBucket, ...],
-    values: tuple[int, ...],
-    cost: Cost,
-    sequences: int,
-) -> int:
-    """The per-sequence output budget to forward so the engine cannot run far past the quota.
-
-    An engine keeps generating while nobody reads its stream (measured: vLLM's generation
-    counter went on at full speed behind a stalled reader), so a processor that lags cannot
-    stop it by pausing; only a reset or the forwarded budget can. A stream is cut once its
-    tenant's tightest per-token bucket is used up (lazy: within about one batch of N), so the
-    upstream need never be allowed more than that room plus two batches: the client still sees
-    the quota cut first, and what the engine computes beyond it is bounded."""
-    if not cost.meter_stream or not cost.enforce_stream:
-        return budget
-    rooms = [
-        (b.limit.limit - v) * RATE_SCALE // b.rates.output
-        for b, v in zip(buckets, values, strict=True)
-        if b.kind == "tpm" and not b.limit.shadow and b.rates.output > 0
-    ]
-    if not rooms:
-        return budget
-    room = max(0, min(rooms)) + cost.reserved_output + 2 * cost.every
-    per_sequence = -(-room // max(1, sequences))
-    return max(1, min(budget, per_sequence))
-
-
-def bounded_input(reported: int, counted: int, *, unseen: bool, ceiling: int | None) -> Figure:
-    """The upstream's input figure (``prompt_tokens``/``input_tokens``) within bounds around the
-    gateway's own count; a request carrying server-side state the gateway cannot see
-    (``previous_response_id``) may be charged the upstream's larger figure up to the model's
-    input limit."""
-    low = max(0, math.floor(counted * (1 - INPUT_TOLERANCE)) - INPUT_SLACK_TOKENS)
-    if unseen:
-        high = ceiling or UNSEEN_INPUT_CEILING
-        high = max(high, counted)
-    else:
-        high = math.ceil(counted * (1 + INPUT_TOLERANCE)) + INPUT_TEMPLATE_ALLOWANCE
-    if reported < low:
-        return Figure(low, reported, counted, "low", low)
-    if reported > high:
-        return Figure(high, reported, counted, "high", high)
-    return Figure(reported, reported, counted)
-
-
-def abandoned_output(
-    cost: Cost, sequences: int, elapsed_ms: int, rate: int = ABANDONED_TOKENS_PER_SECOND
-) -> int:
-    """Output an upstream could have generated for a request abandoned ``elapsed_ms`` after
-    its admission, before its response, at ``rate`` tokens per second per sequence (rounded
-    up): never more than was reserved."""
-    per_second = max(0, rate) * max(1, sequences)
-    return min(cost.reserved_output, -(-max(0, elapsed_ms) * per_second // 1000))
-
-
-# Media types that are streams but not SSE: the meter cannot read them.
-UNMETERABLE_STREAMS = ("application/x-ndjson", "application/jsonl", "application/json-seq")
-
-
-def parse_status(headers: dict[str, str]) -> int:
-    """The ``:status`` pseudo-header as a number (0 when it is missing or not a number)."""
-    try:
-        return int(headers.get(":status", "0"))
-    except ValueError:
-        return 0
-
-
-def classify(
-    headers: dict[str, str],
-    before: State,
-    *,
-    parsed: Parsed | None,
-    admitted: Admitted | None,
-    api: ApiFormat | None,
-    end_of_stream: bool,
-) -> Metering:
-    """How a response is metered, from its status and headers and the request's phase."""
-    status = parse_status(headers)
-    if before in (State.AWAIT_HEADERS, State.AWAIT_BODY):
-        return Metering("local_reply")
-    cost = admitted.cost if admitted is not None else None
-    if cost is None or parsed is None or api is None:
-        return Metering("unmetered")
-    if not 200 <= status < 300:
-        return Metering("upstream_error")
-    ctype = headers.get("content-type", "")
-    try:
-        decoder = decoder_for(headers.get("content-encoding", ""))
-    except UnsupportedEncoding:
-        return Metering(
-            "unmeterable", reason=f"content-encoding {headers.get('content-encoding', '')[:40]}"
-        )
-    if parsed.req.stream and api.can_stream and cost.meter_stream and not is_json(ctype):
-        if media_type(ctype) in UNMETERABLE_STREAMS:
-            return Metering("unmeterable", reason=f"content-type {media_type(ctype)}")
-        return Metering("stream", decoder)
-    if cost.settle_to_actual and not end_of_stream:
-        return Metering("read_json", decoder)
-    return Metering("done")
-
-
-# -- policies beside the limits --------------------------------------------------------------
-
-
-def fallback_for(
-    fallbacks: dict[str, dict[str, str]],
-    *,
-    tenant: TenantInfo,
-    model: ModelInfo,
-    buckets: tuple[WindowedBucket, ...],
-    values: tuple[int, ...],
-    cost: Cost,
-) -> str | None:
-    """The plan's fallback model for a refused request, when what refused it was a limit on
-    the requested model (a tenant-wide limit would refuse the fallback too)."""
-    name = fallbacks.get(tenant.plan, {}).get(model.name)
-    if name is None or not model.known:
-        return None
-    on_model = any(
-        b.limit.model == model.name
-        and not b.limit.shadow
-        and admission.would_refuse(b, v, admission.admission_amount(b, cost))
-        for b, v in zip(buckets, values, strict=True)
-    )
-    return name if on_model else None
-
-
-@dataclass(frozen=True, slots=True)
-class ShadowOutcome:
-    """Each limit kind's decision at admission (``(metric, decision)`` to count) and the shadow
-    limits that would have refused the request."""
-
-    decisions: tuple[tuple[str, str], ...]
-    exceeded: tuple[str, ...]
-
-    def headers(self) -> tuple[tuple[str, str], ...]:
-        """``x-ratelimit-shadow-exceeded`` naming the shadow limits that would have refused."""
-        if not self.exceeded:
-            return ()
-        return (("x-ratelimit-shadow-exceeded", "; ".join(self.exceeded)),)
-
-
-def shadow_outcome(
-    buckets: tuple[WindowedBucket, ...], values: tuple[int, ...], cost: Cost
-) -> ShadowOutcome:
-    """Shadow limits are counted and reported, never enforced: which would have refused."""
-    kinds: set[str] = set()
-    decisions: list[tuple[str, str]] = []
-    exceeded: list[str] = []
-    for b, v in zip(buckets, values, strict=True):
-        if not b.limit.shadow:
-            kinds.add(b.metric)
-            continue
-        # values are after charging: over the limit means this admission would have been refused
-        if v > b.limit.limit and admission.admission_amount(b, cost) > 0:
-            exceeded.append(admission.describe(b.limit))
-            decisions.append((b.metric, "shadow_refused"))
-        else:
-            decisions.append((b.metric, "shadow_allowed"))
-    decisions += [(kind, "allowed") for kind in sorted(kinds)]
-    return ShadowOutcome(tuple(decisions), tuple(exceeded))
-
-
-# -- the session -----------------------------------------------------------------------------
-
-
-class PhaseError(RuntimeError):
-    """A phase record set twice, or read before its phase."""
-
-
-@dataclass(frozen=True, slots=True)
-class StreamEnd:
-    """What the stream meter knows when settlement (or the last response) needs a figure:
-    tokens counted, delivered, whether the API's terminal event passed and whether the gateway
-    cut the stream."""
-
-    counted: int
-    delivered: int
-    complete: bool
-    cut: bool
-    text_events: int = 0
+from extproc.core.lifecycle import Closed, Ending, Input, Lifecycle, State
+from extproc.core.records import (
+    Admitted,
+    Identified,
+    KeyInfo,
+    Metering,
+    ModelInfo,
+    Parsed,
+    PhaseError,
+    Reported,
+    Requested,
+    Responding,
+    Settlement,
+    StreamEnd,
+    TenantInfo,
+)
+from extproc.core.rules import Adjustment, UnconfirmedCharge, Usage
 
 
 class Session:
@@ -430,12 +50,15 @@ class Session:
 
     __slots__ = (
         "_admitted",
+        "_cost",
         "_count",
         "_count_inline",
+        "_counted",
         "_identified",
         "_output",
         "_parsed",
         "_reported",
+        "_requested",
         "_responding",
         "_settlement",
         "account",
@@ -446,9 +69,14 @@ class Session:
 
     def __init__(self) -> None:
         self.life = Lifecycle()
+        self._requested: Requested | None = None
         self._identified: Identified | None = None
         self._parsed: Parsed | None = None
         self._admitted: Admitted | None = None
+        # the request's cost: the admitted one, with the exact input once counted (a request
+        # admitted on a bound); ``_counted`` is that count (None: not taken)
+        self._cost: Cost | None = None
+        self._counted: int | None = None
         self._responding: Responding | None = None
         self._reported: Reported | None = None
         self._output: Figure | int | None = None
@@ -463,9 +91,15 @@ class Session:
 
     # -- records -----------------------------------------------------------------------------
 
+    def request(self, rec: Requested) -> None:
+        """Request headers: the request's own facts (its id, path and API)."""
+        if self._requested is not None:
+            raise PhaseError("the request's headers were read twice")
+        self._requested = rec
+
     def identify(self, rec: Identified) -> None:
-        """Request headers: the caller and the API."""
-        if self._identified is not None and self._identified.tenant is not None:
+        """The caller identified (request headers): who calls, the API, the ledger."""
+        if self._identified is not None:
             raise PhaseError("the request was identified twice")
         self._identified = rec
 
@@ -478,6 +112,7 @@ class Session:
         if self._admitted is not None:
             raise PhaseError("the request was admitted twice")
         self._admitted = rec
+        self._cost = rec.cost
         if usage is not None:
             self.account.record(list(rec.buckets), usage)
 
@@ -490,32 +125,29 @@ class Session:
         self._count_inline = inline
 
     def input_counted(self, exact: int) -> None:
-        """The exact input count of a request admitted on an upper bound: it replaces the bound
-        in the cost, so every later figure (cut messages, settlement, records) uses it; what
-        admission charged stays in the account, so settlement refunds the difference."""
+        """The exact input count of a request admitted on an upper bound (once): it replaces
+        the bound in the session's cost, so every later figure (cut messages, settlement,
+        records) uses it; what admission charged stays in the admitted record and the
+        account, so settlement refunds the difference."""
         rec = self._admitted
-        if rec is None or not rec.input_bound or rec.cost is None:
+        if rec is None or not rec.input_bound or rec.cost is None or self._counted is not None:
             raise PhaseError("an exact input count for a request not admitted on a bound")
         if self._settlement is not None:
             raise PhaseError("the input count arrived after settlement was decided")
-        self._admitted = replace(
-            rec,
-            cost=replace(rec.cost, input_tokens=exact),
-            input_bound=False,
-            charged_input=rec.cost.input_tokens,
-        )
+        self._counted = exact
+        self._cost = replace(rec.cost, input_tokens=exact)
 
     @property
     def counted_after_bound(self) -> bool:
         """Admitted on a bound, and the exact count has replaced it since."""
         rec = self._admitted
-        return rec is not None and not rec.input_bound and rec.charged_input >= 0
+        return rec is not None and rec.input_bound and self._counted is not None
 
     @property
     def input_pending(self) -> bool:
         """Admitted on a bound whose exact count has not been taken."""
         rec = self._admitted
-        return rec is not None and rec.input_bound
+        return rec is not None and rec.input_bound and self._counted is None
 
     def _upstream_input(self) -> int | None:
         """The upstream's input figure, when it stands for a request admitted on a bound without
@@ -527,7 +159,8 @@ class Session:
         rep, adm = self._reported, self._admitted
         if rep is None or rep.input is None or adm is None or adm.cost is None:
             return None
-        if adm.input_bound and max(1, adm.input_floor) <= rep.input <= adm.cost.input_tokens:
+        pending = adm.input_bound and self._counted is None
+        if pending and max(1, adm.input_floor) <= rep.input <= adm.cost.input_tokens:
             return rep.input
         return None
 
@@ -560,6 +193,114 @@ class Session:
     def respond(self, rec: Responding) -> None:
         """Response headers: status and metering."""
         self._responding = rec
+
+    # -- the request, event by event: the server reports, the session moves its lifecycle ---
+
+    def request_headers(self) -> None:
+        """The request's headers arrived."""
+        self.life.advance(Input.REQUEST_HEADERS)
+
+    def request_body(self) -> None:
+        """The request's body arrived (admission follows)."""
+        self.life.advance(Input.REQUEST_BODY)
+
+    def admission_done(self) -> None:
+        """Admission said yes (its record is set): the request goes upstream."""
+        self.life.advance(Input.ADMITTED)
+
+    def pass_through(self) -> None:
+        """The path is not metered: the request passes as it is."""
+        self.life.advance(Input.PASS)
+
+    def answered(self, *, refused: bool) -> None:
+        """The gateway answered the request itself: refused (429) or rejected (any other
+        error)."""
+        self.life.refuse(Ending.REFUSED if refused else Ending.REJECTED)
+
+    @property
+    def ending(self) -> Ending | None:
+        """How the request ended, once it has."""
+        return self.life.ending
+
+    # -- the response, event by event: the server reports, the session moves its lifecycle --
+
+    def response_headers(
+        self, headers: dict[str, str], *, end_of_stream: bool, fail_open: bool
+    ) -> Metering:
+        """The response's headers arrived: how its body is metered (:func:`classify`), recorded
+        once, and the lifecycle moved to match (a local reply or an upstream error names the
+        ending; a response that needs no body read ends here; a body the meter cannot read
+        ends here too when the plan fails open, else it is answered with a 502)."""
+        before = self.life.state
+        self.life.advance(Input.RESPONSE_HEADERS)
+        how = classify(
+            headers,
+            before,
+            parsed=self.parsed,
+            admitted=self.admitted,
+            api=self.api,
+            end_of_stream=end_of_stream,
+        )
+        status = parse_status(headers)
+        kind = how.kind
+        if kind == "unmeterable" and not fail_open:
+            status = 502  # the gateway answers instead of the upstream
+        self.respond(Responding(status, how))
+        if kind == "local_reply":  # Envoy's own reply (413 before the body reached us...)
+            self.life.name_ending(Ending.LOCAL_REPLY)
+        elif kind == "upstream_error":
+            self.life.name_ending(Ending.UPSTREAM_ERROR)
+            self.life.advance(Input.END)
+        elif kind == "stream":
+            self.life.advance(Input.STREAM_START)
+        elif kind == "read_json":
+            self.life.advance(Input.READ_BODY)
+        elif kind == "done" or (kind == "unmeterable" and fail_open):
+            self.life.advance(Input.END)
+        return how
+
+    def response_body(self) -> None:
+        """A response body chunk arrived."""
+        self.life.advance(Input.RESPONSE_BODY)
+
+    def response_trailers(self) -> None:
+        """The response's trailers arrived."""
+        self.life.advance(Input.TRAILERS)
+
+    def response_read(self) -> None:
+        """A JSON body was read to its end (its usage reported): the response is over."""
+        self.life.advance(Input.END)
+
+    @property
+    def ended(self) -> bool:
+        """The response is over (completed, cut or answered by the gateway)."""
+        return self.life.ended
+
+    @property
+    def reading(self) -> bool:
+        """A JSON body is being read for its usage."""
+        return self.life.state is State.READING
+
+    @property
+    def streaming(self) -> bool:
+        """A metered stream is running (not yet ended nor cut)."""
+        return self.life.state is State.STREAMING
+
+    @property
+    def settling(self) -> bool:
+        """Settlement has begun."""
+        return self.life.settling
+
+    def begin_settlement(self) -> bool:
+        """True the first time (the caller settles), False afterwards."""
+        return self.life.begin_settlement()
+
+    def settle_ending(self) -> Ending:
+        """How the request ended, for settlement: completed when nothing else was named."""
+        self.life.name_ending(Ending.COMPLETED)
+        ending = self.life.ending
+        assert ending is not None
+        return ending
 
     def report(self, rec: Reported) -> None:
         """The upstream's usage (a stream may report more than once: the last one stands)."""
@@ -597,12 +338,15 @@ class Session:
     @property
     def request_id(self) -> str:
         """Envoy's request id ('' before the headers)."""
-        return self._identified.request_id if self._identified else ""
+        rec = self._identified or self._requested
+        return rec.request_id if rec else ""
 
     @property
     def api(self) -> ApiFormat | None:
-        """The request's API (errors speak its shape)."""
-        return self._identified.api if self._identified else None
+        """The request's API (errors speak its shape): the one the caller's path is routed to
+        once identified, else the one its path names."""
+        rec = self._identified or self._requested
+        return rec.api if rec else None
 
     @property
     def tenant(self) -> TenantInfo | None:
@@ -639,8 +383,9 @@ class Session:
 
     @property
     def cost(self) -> Cost | None:
-        """The admitted cost (None: not admitted, or admitted unmetered)."""
-        return self._admitted.cost if self._admitted else None
+        """The admitted cost, with the exact input once counted (None: not admitted, or
+        admitted unmetered)."""
+        return self._cost
 
     @property
     def metered(self) -> bool:
@@ -808,10 +553,9 @@ class Session:
                 if upstream is not None:
                     self.input_counted(upstream)
                 self._exact_input()
-                adm = self._admitted
-                assert adm is not None and adm.cost is not None
-                cost = adm.cost
-                charged_in = cost.input_tokens if adm.charged_input < 0 else adm.charged_input
+                adm, cost = self._admitted, self._cost
+                assert adm is not None and adm.cost is not None and cost is not None
+                charged_in = adm.cost.input_tokens  # what admission charged for the input
                 out = max(0, self.account.total - charged_in)
                 result = Settlement(
                     ending,

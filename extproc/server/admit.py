@@ -1,6 +1,6 @@
 """Request body: parse, count input tokens (:mod:`extproc.server.counting`), plan the cost, run
 the one admission call; a refusal by a limit on the requested model may be served by the plan's
-fallback model (decided by :func:`extproc.core.session.fallback_for`).  A call that timed out,
+fallback model (decided by :func:`extproc.core.policies.fallback_for`).  A call that timed out,
 or was cancelled (the request went away), keeps a cancel.  What the answers mean is decided in
 the core; this module makes the calls."""
 
@@ -15,21 +15,16 @@ from typing import Literal
 import structlog
 
 from extproc.config.runtime import Model, RuntimeConfig
-from extproc.core import admission
+from extproc.core import admission, policies
 from extproc.core.admission import Cost
 from extproc.core.apis.base import RequestLimits
 from extproc.core.counters import UTF8BoundCounter
+from extproc.core.figures import run_ahead_budget
 from extproc.core.keys import WindowedBucket
+from extproc.core.policies import ShadowOutcome, fallback_for, shadow_outcome
+from extproc.core.records import Admitted, Parsed
 from extproc.core.rules import Adjustment, Charging
-from extproc.core.session import (
-    Admitted,
-    Parsed,
-    Session,
-    ShadowOutcome,
-    fallback_for,
-    run_ahead_budget,
-    shadow_outcome,
-)
+from extproc.core.session import Session
 from extproc.errors import (
     BadRequest,
     LimiterUnavailable,
@@ -255,10 +250,12 @@ def _on_bound(
     metered stream, its whole output besides); with the time and buckets it was judged at."""
     api, req = s.api, s.req
     assert api is not None and req is not None
-    if not cfg.admit_on_bound or model.bound_counter is None:
+    if not policies.may_admit_on_bound(
+        enabled=cfg.admit_on_bound, proven_bound=model.bound_counter is not None
+    ):
         return None
     bound = bound_input(api, req, model)
-    if bound is None or (model.max_input_tokens is not None and bound > model.max_input_tokens):
+    if bound is None or not policies.bound_within(bound, model.max_input_tokens):
         return None
     plan = _plan(s, model, charging, bound, cfg.over_model_cap)
     if not plan.cost.settle_to_actual:
@@ -266,13 +263,7 @@ def _on_bound(
     now = gw.clock.now_ms()
     buckets = s.buckets_at(gw.key_prefix, now, cfg.reservation_lease_ms)
     cost = plan.cost
-    # a metered stream charges its output as it goes, against counters that hold the bound
-    # until settlement: its whole output must fit too, so that its cut cannot come earlier
-    later = (
-        {b.key: b.rates.output_units(cost.effective_max_output) for b in buckets}
-        if cost.meter_stream
-        else None
-    )
+    later = policies.output_room_needed(buckets, cost)
     charges = admission.admission_charges(buckets, cost)
     if not gw.room.ample(charges, cfg.bound_headroom, later, share=cfg.bound_below):
         return None
@@ -304,9 +295,12 @@ async def _call(
     # (the tenant's next admission gives the first two back and writes the record if this
     # processor dies).
     records = gw.recorder is not None
-    holds_slots = any(b.kind == "concurrency" for b in buckets)
-    leased = cost.settle_to_actual or holds_slots or records
-    lease = cfg.reservation_lease_ms if leased else 0
+    lease = policies.lease_ms(
+        settle_to_actual=cost.settle_to_actual,
+        holds_slots=any(b.kind == "concurrency" for b in buckets),
+        records=records,
+        lease=cfg.reservation_lease_ms,
+    )
     draft = ""
     if lease and records:
         draft = RecordDraft(
@@ -328,8 +322,9 @@ async def _call(
         now_ms=now,
         lease_until_ms=now + lease if lease else 0,
         record_draft=draft,
-        # a refused bound is asked again on the exact count: count the refusal once, there
-        count_refused=False if on_bound else None,
+        count_refused=policies.counts_refusal(
+            on_bound=on_bound, configured=cfg.count_refused_requests
+        ),
     )
     out = _Attempt(plan, charging, input_tokens, buckets, now, res, on_bound=on_bound)
     if res is not None and not res.admitted and not res.duplicate:
@@ -404,7 +399,7 @@ async def limiter_admit(
     if gw.settlements_full():
         # Redis has not taken the settlements of the requests admitted before: admitting more
         # would pile up more (dropping one would lose a correction), so push back.
-        open_ = cfg.failure_mode_for(s.plan) == "open"
+        open_ = policies.fails_open(cfg.failure_mode_for(s.plan))
         gw.metrics.settlement_pushback.labels("unmetered" if open_ else "refused").inc()
         log.warning("settlement_backlog_full", request_id=s.request_id, fail_open=open_)
         if open_:
@@ -421,7 +416,11 @@ async def limiter_admit(
             s.ledger,
             charges,
             tpm_charged=cost.tpm_amount,
-            count_refused=cfg.count_refused_requests if count_refused is None else count_refused,
+            count_refused=(
+                policies.counts_refusal(on_bound=False, configured=cfg.count_refused_requests)
+                if count_refused is None
+                else count_refused
+            ),
             ledger_ttl_ms=cfg.ledger_ttl_seconds * 1000,
             now_ms=now_ms,
             lease_until_ms=lease_until_ms,
@@ -440,7 +439,7 @@ async def limiter_admit(
         # cancel that undoes it if it ran, or stops it from ever running.
         if exc.maybe_ran:
             _keep_cancel(gw, cfg, s, buckets, cost)
-        if cfg.failure_mode_for(s.plan) == "open":
+        if policies.fails_open(cfg.failure_mode_for(s.plan)):
             log.warning("limiter_unavailable_fail_open", request_id=s.request_id)
             return None
         raise

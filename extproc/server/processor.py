@@ -2,13 +2,15 @@
 
 The servicer creates one :class:`RequestProcessor` per gRPC stream (one per HTTP request) and
 calls :meth:`RequestProcessor.handle` per ProcessingRequest.  Every fact about the request is a
-phase record of the session; every decision is a function of :mod:`extproc.core.session`.  This
-module only turns them into Envoy messages, limiter calls, metrics and log lines.
+phase record of the session; every decision is a function of the core (:mod:`extproc.core.session`,
+:mod:`extproc.core.policies`, :mod:`extproc.core.classify`, :mod:`extproc.core.figures`).  This
+module only turns them into Envoy messages, limiter calls, metrics and log lines; it still moves
+the request's lifecycle itself (a stream's moves are the core's :mod:`extproc.core.streaming`).
 
 * request headers → :mod:`extproc.server.identity` (caller, path policy)
 * request body → :mod:`extproc.server.admit` (count, the one admission call)
-* response headers → :func:`extproc.core.session.classify`; then :mod:`extproc.server.stream`
-  meters SSE, or a JSON body's usage is read
+* response headers → :func:`extproc.core.classify.classify`; then :mod:`extproc.server.stream`
+  executes the core's metered stream, or a JSON body's usage is read
 * the end, whatever it is → :mod:`extproc.server.settle`, in the background, after the last
   response (with the request's final figures as dynamic metadata) has been sent
 
@@ -34,19 +36,11 @@ from extproc.core.keys import ledger_key
 from extproc.core.lifecycle import (
     Closed,
     CutReason,
-    Ending,
-    Input,
     LifecycleError,
-    State,
 )
-from extproc.core.session import (
-    Identified,
-    Reported,
-    Responding,
-    Session,
-    classify,
-    parse_status,
-)
+from extproc.core.policies import fails_open
+from extproc.core.records import Identified, Reported, Requested
+from extproc.core.session import Session
 from extproc.errors import (
     AuthenticationError,
     BadRequest,
@@ -121,7 +115,7 @@ class RequestProcessor:
     def open_lease(self) -> tuple[str, list[str]] | None:
         """(ledger, concurrency sets) while the reservation is open (renewed by the gateway)."""
         s = self.s
-        if s.metered and s.ledger and not s.life.settling:
+        if s.metered and s.ledger and not s.settling:
             return s.ledger, s.slots
         return None
 
@@ -171,7 +165,7 @@ class RequestProcessor:
             message=err.message,
             latency_ms=self.latency_ms(),
         )
-        s.life.refuse(Ending.REFUSED if refused else Ending.REJECTED)
+        s.answered(refused=refused)
         api = s.api or CHAT
         return wire.immediate(
             err.status,
@@ -186,13 +180,13 @@ class RequestProcessor:
     async def on_request_headers(self, hh: Any, req: Any = None) -> wire.ProcessingResponse:
         """Identify the caller; decide how the path is handled."""
         s, cfg, gw = self.s, self.cfg, self.gw
-        s.life.advance(Input.REQUEST_HEADERS)
+        s.request_headers()
         h = wire.headers_of(hh)
         request_id = h.get("x-request-id", "") or f"gen-{id(self):x}-{time.time_ns()}"
         path = h.get(":path", "")
         found = api_for_path(path)
         # errors speak the API's own shape, even the caller's identification errors
-        s.identify(Identified(request_id, path, gw.bind(found) if found else None))
+        s.request(Requested(request_id, path, gw.bind(found) if found else None))
         structlog.contextvars.bind_contextvars(request_id=request_id)
         meta = wire.metadata_of(req) if cfg.identity.sources != ["api_key"] else None
         method = h.get(":method", "POST")
@@ -203,7 +197,7 @@ class RequestProcessor:
             # presented must still be valid
             if presented_key(h) or not public_path(cfg, path, method):
                 raise
-            s.life.advance(Input.PASS)
+            s.pass_through()
             return wire.continue_request_headers([], IDENTITY_HEADERS, mode=wire.passthrough_mode())
         kind, api = route(cfg, path, method)
         metered_api = gw.bind(api) if api else None
@@ -221,7 +215,7 @@ class RequestProcessor:
         if kind != "metered":
             if kind == "rpm_only":
                 await admit_rpm_only(gw, cfg, s)
-            s.life.advance(Input.PASS)
+            s.pass_through()
             return wire.continue_request_headers(
                 caller.headers(), IDENTITY_HEADERS, mode=wire.passthrough_mode()
             )
@@ -240,9 +234,9 @@ class RequestProcessor:
 
     async def on_request_body(self, body: Any) -> wire.ProcessingResponse:
         """Admit the request. In BUFFERED mode the body is whole even when trailers follow."""
-        self.s.life.advance(Input.REQUEST_BODY)
+        self.s.request_body()
         new_body = await admit_body(self.gw, self.cfg, self.s, body.body, self.started)
-        self.s.life.advance(Input.ADMITTED)
+        self.s.admission_done()
         s = self.s
         self._body_size = len(body.body)
         if s.input_pending and s.cost is not None:  # admitted unmetered (fail-open): no count
@@ -283,7 +277,7 @@ class RequestProcessor:
         """Write ``exact`` into the request's open ledger: what admission charged each
         per-token counter beyond it becomes refundable by a reclaim."""
         s = self.s
-        if s.life.settling or exact >= bound.input_tokens:
+        if s.settling or exact >= bound.input_tokens:
             return  # settlement is on its way (it bills the exact input), or nothing to refund
         counted = replace(bound, input_tokens=exact)
         refund = tuple(
@@ -298,7 +292,7 @@ class RequestProcessor:
         open :data:`NOTE_AFTER_S` from now, counting it then unless ``exact`` is known
         (settlement reuses the count; settlement cancels this when it comes first)."""
         await asyncio.sleep(NOTE_AFTER_S)
-        if self.s.life.settling:
+        if self.s.settling:
             return
         if exact is None:
             exact = await self._counted(size)
@@ -319,7 +313,7 @@ class RequestProcessor:
         cost = s.cost
         if s.input_pending and cost is not None:
             s.input_counted(cost.input_tokens if exact is None else exact)
-            if note and exact is not None and not s.life.settling:
+            if note and exact is not None and not s.settling:
                 self._noting = asyncio.ensure_future(self._note_exact(size, cost, exact))
 
     async def _input_known(self) -> None:
@@ -342,27 +336,17 @@ class RequestProcessor:
         """Add x-ratelimit-*; choose how the body is metered (:func:`classify`)."""
         s = self.s
         await self._input_known()
-        before = s.life.state
-        s.life.advance(Input.RESPONSE_HEADERS)
-        h = wire.headers_of(hh)
-        how = classify(
-            h,
-            before,
-            parsed=s.parsed,
-            admitted=s.admitted,
-            api=s.api,
+        how = s.response_headers(
+            wire.headers_of(hh),
             end_of_stream=hh.end_of_stream,
+            fail_open=fails_open(self.cfg.failure_mode_for(s.plan)),
         )
-        s.respond(Responding(parse_status(h), how))
         headers_out = list(s.headers_out)
         if how.kind == "local_reply":  # Envoy's own reply (413 before the body reached us...)
-            s.life.name_ending(Ending.LOCAL_REPLY)
             return wire.continue_response_headers()
         if how.kind == "unmetered":  # unmetered path, or admitted unmetered (fail-open)
             return wire.continue_response_headers(headers_out)
         if how.kind == "upstream_error":
-            s.life.name_ending(Ending.UPSTREAM_ERROR)
-            s.life.advance(Input.END)
             await self._figures_ready()  # the access log's input figure
             self._settle_later()
             return wire.continue_response_headers(
@@ -374,7 +358,6 @@ class RequestProcessor:
             self.driver = StreamDriver(
                 self.gw, self.cfg, s, how.decoder, figures_ready=self._figures_ready
             )
-            s.life.advance(Input.STREAM_START)
             self.gw.metrics.active_streams.inc()
             return wire.continue_response_headers(
                 headers_out,
@@ -384,25 +367,19 @@ class RequestProcessor:
             )
         if how.kind == "read_json":
             self._json = (bytearray(), how.decoder)
-            s.life.advance(Input.READ_BODY)
             return wire.continue_response_headers(
                 headers_out, mode=wire.streamed_mode(), metadata=access_metadata(s)
             )
-        s.life.advance(Input.END)
-        self._settle_later()
+        self._settle_later()  # nothing to read: the response ended with its headers
         return wire.continue_response_headers(headers_out, metadata=access_metadata(s))
 
     def _unmeterable(self, what: str) -> wire.ProcessingResponse:
         """A 2xx response the meter cannot read: refused (fail-closed) or passed (fail-open)."""
         s = self.s
-        if self.cfg.failure_mode_for(s.plan) == "open":
+        if s.ended:  # the plan fails open: the session let it pass (and ended it)
             log.warning("response_unmetered", request_id=s.request_id, reason=what)
-            s.life.advance(Input.END)
             self._settle_later()
             return wire.continue_response_headers(list(s.headers_out))
-        responding = s.responding
-        assert responding is not None
-        s.respond(Responding(502, responding.metering))
         self.gw.metrics.stream_cuts.labels(CutReason.UNMETERABLE.value).inc()
         return self.reject(
             UnmeterableResponse(
@@ -414,13 +391,14 @@ class RequestProcessor:
     async def on_response_body(self, body: Any) -> list[wire.ProcessingResponse]:
         """Meter SSE (full duplex: we forward) or read a JSON body's usage (streamed)."""
         s = self.s
-        s.life.advance(Input.RESPONSE_BODY)
-        if self.driver is not None:
-            out = await self.driver.body(body.body, body.end_of_stream)
-            if s.life.ended:
+        driver = self.driver
+        if driver is not None:  # the stream takes the chunk (and moves the lifecycle with it)
+            out = await driver.body(body.body, body.end_of_stream)
+            if driver.ended:
                 self._settle_later()
             return out
-        if self._json is not None and s.life.state is State.READING:
+        s.response_body()
+        if self._json is not None and s.reading:
             buf, decoder = self._json
             if len(buf) < MAX_USAGE_BODY:
                 buf += body.body
@@ -442,13 +420,13 @@ class RequestProcessor:
             s.report(Reported.of(usage))
         if s.json_output() is not None:  # decided once: the access log and settlement read it
             await self._figures_ready()  # the access log's input figure beside it
-        s.life.advance(Input.END)
+        s.response_read()
         self._settle_later()
         return access_metadata(s, output_tokens=s.output_decided)
 
     async def on_response_trailers(self) -> list[wire.ProcessingResponse]:
         """Trailers pass; a metered stream first flushes what it holds."""
-        self.s.life.advance(Input.TRAILERS)
+        self.s.response_trailers()
         out = await self.driver.trailers() if self.driver is not None else []
         out.append(wire.continue_response_trailers())
         return out
@@ -464,7 +442,7 @@ class RequestProcessor:
     async def cut_for_shutdown(self) -> bool:
         """Cut a running stream with ``server_shutdown``; True when one was cut."""
         driver, writer = self.driver, self.writer
-        if driver is None or writer is None or self.s.life.state is not State.STREAMING:
+        if driver is None or writer is None or not self.s.streaming:
             return False
         await self._figures_ready()  # the cut's final figures
         async with self.write_lock:
@@ -480,7 +458,7 @@ class RequestProcessor:
 
     def _settle_later(self) -> None:
         """Settle in the background, once, after the current response is sent."""
-        if not self.s.life.begin_settlement():
+        if not self.s.begin_settlement():
             return
         if self.driver is not None:
             self.gw.metrics.active_streams.dec()
@@ -492,15 +470,10 @@ class RequestProcessor:
         if noting is not None and not noting.done():
             noting.cancel()  # a count for the ledger is no use now (settlement counts if it must)
         await self._figures_ready()
-        if s.life.ending is None:
-            s.life.name_ending(Ending.COMPLETED)
+        s.settle_ending()
         driver = self.driver
-        if driver is not None and driver.charge_pending:
-            try:
-                await asyncio.wait_for(asyncio.shield(driver.collect(wait=True)), 1.0)
-            except Exception as exc:  # settlement must still run
-                log.warning("pending_charge_lost", request_id=self.request_id, error=repr(exc))
-            # not answered in time: counted once whether it ran (the settlement takes it back)
-            # or not (a charge after the settlement charges nothing)
-            driver.charge_unconfirmed()
+        if driver is not None:
+            # a charge not answered in time is counted once whether it ran (the settlement
+            # takes it back) or not (a charge after the settlement charges nothing)
+            await driver.settle_charge()
         await settle(self.gw, self.cfg, s, driver.end() if driver is not None else None)

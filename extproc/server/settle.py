@@ -10,15 +10,17 @@ non-2xx answer nothing; an abandoned request what the upstream could have made w
 
 from __future__ import annotations
 
-from decimal import Decimal
 from typing import Any
 
 import structlog
 
 from extproc.config.runtime import Model, RuntimeConfig
+from extproc.core.figures import Figure
 from extproc.core.lifecycle import Ending
-from extproc.core.rules import Adjustment, Usage
-from extproc.core.session import Figure, Session, Settlement, StreamEnd
+from extproc.core.policies import billed
+from extproc.core.records import Settlement, StreamEnd
+from extproc.core.rules import Adjustment
+from extproc.core.session import Session
 from extproc.errors import LimiterUnavailable
 from extproc.gateway import Gateway
 from extproc.limiter.base import SettleCall
@@ -30,7 +32,7 @@ log = structlog.get_logger("extproc")
 
 def access_metadata(s: Session, *, output_tokens: int | None = None) -> dict[str, Any]:
     """The ``ai_quota`` dynamic metadata the access log prints."""
-    ending = s.life.ending
+    ending = s.ending
     cost = s.cost
     out: dict[str, Any] = {
         "tenant": s.tenant.id if s.tenant else "",
@@ -68,7 +70,7 @@ def log_disagreement(gw: Gateway, s: Session, kind: str, figure: Figure | int) -
 
 async def settle(gw: Gateway, cfg: RuntimeConfig, s: Session, stream: StreamEnd | None) -> None:
     """Settle; the caller calls this once per request (``Lifecycle.begin_settlement``)."""
-    ending = s.life.ending or Ending.COMPLETED
+    ending = s.ending or Ending.COMPLETED
     gw.metrics.endings.labels(ending.value).inc()
     cost = s.cost
     if cost is None or s.tenant is None:
@@ -166,15 +168,17 @@ def _record(gw: Gateway, s: Session, result: Settlement, now_ms: int) -> None:
     cost, tenant, model = s.cost, s.tenant, s.model
     if gw.recorder is None or cost is None or tenant is None:
         return
-    charged = result.total if result.total is not None else s.account.total
-    inp = min(result.input, max(0, charged))  # 0 for a non-2xx: nothing charged
-    out = result.output if result.output is not None else max(0, charged - inp)
-    money: Decimal | None = None
-    if model is not None and model.prices is not None and model.currency:
-        usage = result.usage if charged > 0 else Usage()
-        if result.total is None and charged > 0:
-            usage = Usage(input=inp, output=out, requests=cost.requests)
-        money = Decimal(model.prices.units(usage)).scaleb(-6)
+    priced = model is not None and model.prices is not None and bool(model.currency)
+    bill = billed(
+        charged=result.total if result.total is not None else s.account.total,
+        final_total=result.total is not None,
+        input_tokens=result.input,
+        output_tokens=result.output,
+        usage=result.usage,
+        requests=cost.requests,
+        prices=model.prices if priced and model is not None else None,
+    )
+    inp, out, money = bill.input, bill.output, bill.money
     rep = s.reported
     admitted = s.admitted
     gw.recorder.record(

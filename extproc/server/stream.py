@@ -1,32 +1,50 @@
-"""A metered response stream: the meter, the charge (lazy) or lease (strict) task, the cut.
+"""A metered response stream, executed: events fed to the core's stream, its actions run.
 
-The driver feeds upstream bytes to the sans-IO :class:`StreamMeter`, forwards what it releases,
-starts one charge at a time in the background and applies its answer before the next chunk
-(or waits for it when the meter holds events).  When the quota, the backend or the server ends
-the stream, it renders the API's own error event and moves the lifecycle to CUT.  The last
-response of a stream (its end, or the response carrying the API's terminal event, whichever
-comes first) carries the request's final figures as dynamic metadata, so the access log has
-them even when the client closes right after ``[DONE]``.
+The driver feeds each upstream body chunk (with the answer of a charge that finished since the
+chunk before) to :class:`extproc.core.streaming.MeteredStream` and executes what it returns:
+forward bytes, start one charge at a time in the background, wait for it when events are
+held, take the exact input count off the event loop when a figure needs it, render a cut as
+the API's error event then an aborted response, count and log.  It decides nothing itself.
+The last response of a stream (its end, or the response carrying the API's terminal event,
+whichever comes first) carries the request's final figures as dynamic metadata, so the access
+log has them even when the client closes right after ``[DONE]``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import zlib
 from collections.abc import Awaitable, Callable
 
 import structlog
 
 from extproc.config.runtime import RuntimeConfig
-from extproc.core import admission
-from extproc.core.apis.errors import cut_error, quota_cut
-from extproc.core.apis.responses import ResponsesFormat
+from extproc.core.actions import (
+    AwaitCharge,
+    ChargeError,
+    CountInput,
+    Cut,
+    Forward,
+    ShadowExceeded,
+    StalledWithoutCharge,
+    StartCharge,
+    StreamAction,
+)
 from extproc.core.encoding import BodyDecoder
-from extproc.core.keys import WindowedBucket
-from extproc.core.lifecycle import CutReason, Ending, Input
-from extproc.core.meter import Step, StreamMeter
-from extproc.core.rules import RATE_SCALE, UnconfirmedCharge
-from extproc.core.session import Reported, Session, StreamEnd
+from extproc.core.events import (
+    ChargeAbandoned,
+    ChargeAnswered,
+    ChargeFailed,
+    CountDone,
+    CutNow,
+    StreamEvent,
+    Trailers,
+)
+from extproc.core.lifecycle import CutReason
+from extproc.core.meter import StreamMeter
+from extproc.core.policies import fails_open
+from extproc.core.records import StreamEnd
+from extproc.core.session import Session
+from extproc.core.streaming import CHARGE_WAIT_SECONDS, MeteredStream
 from extproc.errors import LimiterUnavailable
 from extproc.gateway import Gateway
 from extproc.limiter.base import ChargeResult
@@ -38,9 +56,11 @@ log = structlog.get_logger("extproc")
 #: Envoy's ``%RESPONSE_CODE_DETAILS%`` for a cut stream.
 CUT_DETAILS = "ai_quota_stream_cut"
 
+_streamed_body = wire.streamed_body
+
 
 class StreamDriver:
-    """Owns one stream's meter and its pending charge."""
+    """Owns one stream's I/O: its pending charge task; the stream itself is the core's."""
 
     def __init__(
         self,
@@ -51,179 +71,152 @@ class StreamDriver:
         *,
         figures_ready: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        cost, req, api, model = s.cost, s.req, s.api, s.model
-        assert cost is not None and req is not None and api is not None and model is not None
         self.gw, self.cfg, self.s = gw, cfg, s
-        self.decoder = decoder
+        self.stream = MeteredStream(
+            s,
+            decoder,
+            force_include_usage=cfg.force_include_usage,
+            key_prefix=gw.key_prefix,
+            lease_ms=cfg.reservation_lease_ms,
+            fail_open=fails_open(cfg.failure_mode_for(s.plan)),
+            now_ms=gw.clock.now_ms,
+        )
         # takes the exact input count a figure needs (a large prompt's off the event loop)
         self._figures_ready = figures_ready
-        self.reader = api.stream_reader()
-        self.meter = StreamMeter(
-            count=model.stream_counter(),
-            every=cost.every,
-            strict=cost.strict,
-            enforce=cost.enforce_stream,
-            initial_lease=cost.reserved_output,
-            strip_usage=cfg.force_include_usage and not req.client_include_usage,
-            read=self.reader.read,
-            engine_counts=model.continuous_usage and api.name in ("chat", "completions"),
-        )
-        self._final_sent = False
         self._task: asyncio.Task[ChargeResult] | None = None
-        self._charge_buckets: list[WindowedBucket] = []
-        self._seq = 0
-        self._last: tuple[list[WindowedBucket], tuple[int, ...]] = ([], ())
-        self._shadowed: set[str] = set()
+        #: the response is over (read after :meth:`body`: a chunk that only forwards leaves
+        #: it as it was)
+        self.ended = False
+
+    @property
+    def meter(self) -> StreamMeter:
+        """The stream's meter (read-only use: tests and logs)."""
+        return self.stream.meter
 
     # -- feeding ---------------------------------------------------------------------------
 
     async def body(self, data: bytes, end: bool) -> list[wire.ProcessingResponse]:
         """Responses for one upstream body chunk."""
-        meter = self.meter
-        if self.s.life.ended:
-            return []
-        if self.decoder is not None:
-            try:
-                data = self.decoder.feed(data) + (self.decoder.flush() if end else b"")
-            except zlib.error:
-                await self._before_figures()
-                return self.cut(
-                    CutReason.UNMETERABLE, "The upstream sent a corrupt compressed body."
-                )
-        out: list[wire.ProcessingResponse] = []
         task = self._task
-        if task is not None and task.done():
-            # A charge answered since the last chunk: it may release held events, ask for the
-            # next charge, or cut the stream. None of that may be dropped.
-            answered = self._take_answer()
-            if (
-                answered.forward
-                or answered.charge
-                or answered.blocked
-                or answered.cut_reason
-                or answered.end_stream
-            ):
-                out += await self._apply(answered)
-                if self.s.life.ended:
-                    return out
-        step = meter.feed(data, end)
-        if not (step.charge or step.blocked or step.cut_reason or step.end_stream):
-            # The common case: forward what completed, no Redis, no await (the final figures
-            # go with the terminal event only: none before the meter saw it; a large prompt's
-            # count, when they need it, is awaited then, once).
-            if step.forward:
-                meta = None
-                if meter.complete and not self._final_sent:
-                    await self._before_figures()
-                    if self.s.life.ended:  # cut meanwhile (shutdown): that cut said it all
-                        return out
-                    meta = self._terminal_metadata()
-                out.append(wire.streamed_body(step.forward, False, meta))
-            return out
-        out += await self._apply(step)
-        return out
+        answer = self._answer() if task is not None and task.done() else None
+        actions = self.stream.chunk(data, end, answer)
+        if len(actions) == 1:
+            a = actions[0]
+            # the common case: forward, no Redis, no await (and the stream goes on)
+            if type(a) is Forward and not a.end_stream:  # checked by identity (mypy narrows it)
+                out = a.output_tokens
+                meta = None if out is None else self._metadata(out)
+                return [_streamed_body(a.data, False, meta)]
+        out_ = await self._run(actions) if actions else []
+        self.ended = self.stream.ended
+        return out_
 
     async def trailers(self) -> list[wire.ProcessingResponse]:
         """Upstream trailers: flush what the meter holds before they pass."""
-        if self.s.life.ended:
-            return []
-        step = self.meter.feed(b"", False)
-        if not step.forward:
-            return []
-        if self.complete and not self._final_sent:
-            await self._before_figures()
-        return [wire.streamed_body(step.forward, False, self._terminal_metadata())]
-
-    async def _before_figures(self) -> None:
-        """The stream's figures are about to be decided (its end, a cut): the exact input
-        count they need is taken first, off the event loop for a large prompt."""
-        if self._figures_ready is not None and self.s.needs_count():
-            await self._figures_ready()
-
-    async def _apply(self, step: Step) -> list[wire.ProcessingResponse]:
-        """Forward what the meter released, start charges, wait when events are held."""
-        meter = self.meter
-        out: list[wire.ProcessingResponse] = []
-        while True:
-            if step.cut_reason is not None or step.end_stream or meter.complete:
-                await self._before_figures()
-                if self.s.life.ended:  # cut meanwhile (shutdown): that cut has said it all
-                    return out
-            if step.cut_reason is not None:
-                if step.forward:
-                    out.append(wire.streamed_body(step.forward, False))
-                out += self.cut(step.cut_reason)
-                return out
-            if step.forward or step.end_stream:
-                if step.end_stream:
-                    self.s.life.advance(Input.END)
-                meta = self.final_metadata() if step.end_stream else self._terminal_metadata()
-                out.append(wire.streamed_body(step.forward, step.end_stream, meta))
-            if step.charge:
-                self._start_charge(step.charge)
-            if not step.blocked:
-                return out
-            answered = await self.collect(wait=True)
-            if answered is None:  # nothing in flight: cannot happen, but never stall a stream
-                log.error("blocked_without_charge", request_id=self.s.request_id)
-                answered = meter.stop_enforcing()
-            step = answered
+        return await self._run(self.stream.handle(Trailers()))
 
     @property
     def complete(self) -> bool:
         """The API's terminal event reached the client (the stream completed)."""
-        return self.meter.complete and self.meter.cut_reason is None
+        return self.stream.complete
 
     def end(self) -> StreamEnd:
-        """What the meter knows for settlement; the upstream's usage goes to the session."""
-        m = self.meter
-        if m.usage is not None:
-            self.s.report(Reported.of(m.usage))
-        return StreamEnd(
-            counted=m.counted,
-            delivered=m.delivered,
-            complete=m.complete or (m.upstream_done and m.cut_reason is None),
-            cut=m.cut_reason is not None,
-            text_events=m.text_events,
+        """What the meter knows for settlement."""
+        return self.stream.end()
+
+    def cut(self, reason: CutReason) -> list[wire.ProcessingResponse]:
+        """End the stream now with the API's error event for ``reason`` (the input count is
+        taken: the caller awaited it)."""
+        out: list[wire.ProcessingResponse] = []
+        for a in self.stream.handle(CutNow(reason)):
+            assert isinstance(a, Cut)
+            out += self._render_cut(a)
+        self.ended = self.stream.ended
+        return out
+
+    # -- executing -------------------------------------------------------------------------
+
+    async def _run(self, actions: list[StreamAction]) -> list[wire.ProcessingResponse]:
+        """Execute ``actions`` in order; a wait's answer feeds the stream and its actions
+        follow."""
+        out: list[wire.ProcessingResponse] = []
+        todo = actions
+        i = 0
+        while i < len(todo):
+            a = todo[i]
+            i += 1
+            if isinstance(a, Forward):
+                meta = None if a.output_tokens is None else self._metadata(a.output_tokens)
+                out.append(_streamed_body(a.data, a.end_stream, meta))
+            elif isinstance(a, StartCharge):
+                self._start_charge(a)
+            elif isinstance(a, AwaitCharge):
+                todo = todo[i:] + self.stream.handle(await self._wait_answer())
+                i = 0
+            elif isinstance(a, CountInput):
+                if self._figures_ready is not None:
+                    await self._figures_ready()
+                todo = todo[i:] + self.stream.handle(CountDone())
+                i = 0
+            elif isinstance(a, Cut):
+                out += self._render_cut(a)
+            else:
+                self._note(a)
+        return out
+
+    def _note(self, a: StreamAction) -> None:
+        """Count and log what the stream reported."""
+        s = self.s
+        if isinstance(a, ChargeError):
+            self.gw.metrics.limiter_errors.labels("charge").inc()
+            if a.unmetered:
+                log.warning("limiter_unavailable_stream_unmetered", request_id=s.request_id)
+        elif isinstance(a, ShadowExceeded):
+            self.gw.metrics.limit_decisions.labels(a.metric, "shadow_cut").inc()
+            log.info(
+                "shadow_limit_exceeded",
+                request_id=s.request_id,
+                tenant=s.tenant.id if s.tenant else None,
+                limit=a.limit,
+                used=a.used,
+                would="cut",
+            )
+        elif isinstance(a, StalledWithoutCharge):
+            log.error("blocked_without_charge", request_id=s.request_id)
+
+    def _metadata(self, output_tokens: int) -> dict[str, object]:
+        return access_metadata(self.s, output_tokens=output_tokens)
+
+    def _render_cut(self, a: Cut) -> list[wire.ProcessingResponse]:
+        s = self.s
+        self.gw.metrics.stream_cuts.labels(a.reason.value).inc()
+        log.info(
+            "stream_cut",
+            tenant=s.tenant.id if s.tenant else None,
+            reason=a.reason.value,
+            delivered_tokens=a.delivered,
+            charged=a.charged,
         )
-
-    def final_metadata(self) -> dict[str, object]:
-        """Dynamic metadata for the stream's last response: the final figures (decided once,
-        the same ones settlement charges)."""
-        self._final_sent = True
-        got = self.s.stream_output(self.end())
-        out = got if isinstance(got, int) else got.value
-        if self.complete:
-            self.s.life.name_ending(Ending.COMPLETED)
-        return access_metadata(self.s, output_tokens=out)
-
-    def _terminal_metadata(self) -> dict[str, object] | None:
-        """The final figures on the response carrying the terminal event (once): a client that
-        closes right after ``[DONE]`` leaves no later response to carry them."""
-        if self._final_sent or not self.complete:
-            return None
-        return self.final_metadata()
+        # The error event, then an immediate response: the response has started, so Envoy
+        # resets it (HTTP/1.1: the connection closes before the last chunk; HTTP/2: RST_STREAM)
+        # after delivering the event.  Clients that look at nothing but the transport
+        # (inference-perf) see the cut as a failed request, not a short success.
+        return [
+            wire.streamed_body(a.data, False, self._metadata(a.output_tokens)),
+            wire.immediate(a.error.status, [], b"", CUT_DETAILS),
+        ]
 
     # -- charges ---------------------------------------------------------------------------
 
-    def _start_charge(self, amount: int) -> None:
-        s, gw = self.s, self.gw
-        # TPM buckets only, in the order the limiter returns their values.
-        now = gw.clock.now_ms()
-        self._charge_buckets = [
-            b
-            for b in s.buckets_at(gw.key_prefix, now, self.cfg.reservation_lease_ms)
-            if b.kind == "tpm"
-        ]
-        self._seq += 1
-        gw.metrics.stream_charges.labels("strict" if self.meter.strict else "lazy").inc()
+    def _start_charge(self, a: StartCharge) -> None:
+        self.gw.metrics.stream_charges.labels("strict" if a.strict else "lazy").inc()
         self._task = asyncio.ensure_future(
-            gw.limiter.charge(
-                s.ledger,
-                self._seq,
-                admission.token_charges(self._charge_buckets, amount),
-                amount,
-                strict=self.meter.strict,
+            self.gw.limiter.charge(
+                self.s.ledger,
+                a.seq,
+                a.charges,
+                a.amount,
+                strict=a.strict,
                 ledger_ttl_ms=self.cfg.ledger_ttl_seconds * 1000,
             )
         )
@@ -233,116 +226,43 @@ class StreamDriver:
         """A charge was started and its answer not yet applied."""
         return self._task is not None
 
-    def charge_unconfirmed(self) -> None:
-        """Settlement will not wait any longer for the pending charge's answer: it is marked
-        unconfirmed (by its sequence number), so whichever runs first in Redis, it is counted
-        once: run before the settlement, the settlement takes back what it added (its
-        figures are computed without it); run after, it finds the ledger settled and charges
-        nothing."""
-        if self._task is not None and self._seq > 0:
-            self.s.unconfirmed = UnconfirmedCharge(
-                self._seq, tuple((b.key, b.rates.output) for b in self._charge_buckets)
-            )
-
-    async def collect(self, *, wait: bool) -> Step | None:
-        """Apply a finished (or, with ``wait``, the pending) charge's answer to the meter."""
-        task = self._task
-        if task is None or (not wait and not task.done()):
-            return None
-        if not task.done():
-            await asyncio.wait([task])
-        return self._take_answer()
-
-    def _take_answer(self) -> Step:
+    def _answer(self, *, late: bool = False) -> ChargeAnswered | ChargeFailed:
+        """The finished charge task's answer, as the stream's event."""
         task = self._task
         assert task is not None and task.done()
         self._task = None
-        meter = self.meter
         try:
             res = task.result()
         except LimiterUnavailable as exc:
-            self.gw.metrics.limiter_errors.labels("charge").inc()
-            if exc.maybe_ran:  # it may still run once Redis answers: settlement takes it back
-                self.s.unconfirmed = UnconfirmedCharge(
-                    self._seq, tuple((b.key, b.rates.output) for b in self._charge_buckets)
-                )
-            meter.on_charge_failed()
-            if self.cfg.failure_mode_for(self.s.plan) == "open":
-                log.warning("limiter_unavailable_stream_unmetered", request_id=self.s.request_id)
-                return meter.stop_enforcing()
-            return meter.fail(CutReason.BACKEND_UNAVAILABLE)
-        self.s.account.record_output(self._charge_buckets, res.granted)
-        self._last = (self._charge_buckets, res.values)
-        self._note_shadow(res.values)
-        room = min(
-            (
-                (b.limit.limit - v) * RATE_SCALE // b.rates.output
-                for b, v in zip(self._charge_buckets, res.values, strict=True)
-                if not b.limit.shadow and b.rates.output > 0
-            ),
-            default=None,
-        )
-        return meter.on_charge(res.granted, res.exhausted, room)
+            return ChargeFailed(exc.maybe_ran, late=late)
+        return ChargeAnswered(res.granted, res.exhausted, res.values, late=late)
 
-    def _note_shadow(self, values: tuple[int, ...]) -> None:
-        """A shadow limit this stream took past its limit: counted and logged once, never cut."""
-        for b, v in zip(self._charge_buckets, values, strict=True):
-            if b.limit.shadow and v > b.limit.limit and b.key not in self._shadowed:
-                self._shadowed.add(b.key)
-                self.gw.metrics.limit_decisions.labels(b.metric, "shadow_cut").inc()
-                log.info(
-                    "shadow_limit_exceeded",
-                    request_id=self.s.request_id,
-                    tenant=self.s.tenant.id if self.s.tenant else None,
-                    limit=admission.describe(b.limit),
-                    used=v,
-                    would="cut",
-                )
+    async def _wait_answer(self) -> StreamEvent:
+        task = self._task
+        assert task is not None
+        if not task.done():
+            await asyncio.wait([task])
+        return self._answer()
 
-    # -- cutting ---------------------------------------------------------------------------
+    async def _collect_late(self) -> None:
+        task = self._task
+        if task is None:
+            return
+        if not task.done():
+            await asyncio.wait([task])
+        if self._task is task:
+            for a in self.stream.handle(self._answer(late=True)):
+                self._note(a)
 
-    def cut(self, reason: CutReason, message: str | None = None) -> list[wire.ProcessingResponse]:
-        """End the stream now with the API's error event for ``reason``."""
-        s, meter = self.s, self.meter
-        api = s.api
-        assert api is not None
-        if s.life.ended:
-            return []
-        s.life.cut(reason)
-        budget = False
-        if reason is CutReason.QUOTA_EXHAUSTED:
-            assert s.tenant is not None
-            buckets, values = self._last
-            # what each counter will hold once settlement charges what was delivered
-            message, budget = quota_cut(
-                tenant=s.tenant.id,
-                charged=[
-                    (b, v + s.pending_units(b, meter.delivered))
-                    for b, v in zip(buckets, values, strict=True)
-                ],
-                admitted=list(s.buckets),
-                delivered=meter.delivered,
-                now_ms=self.gw.clock.now_ms(),
-            )
-        err = cut_error(reason.value, message, budget=budget)
-        if isinstance(api, ResponsesFormat):  # its events are numbered: continue the count
-            seq = getattr(self.reader, "last_sequence_number", None)
-            data = meter.cut(api.cut_events(err, sequence_number=seq))
-        else:
-            data = meter.cut(api.cut_events(err))
-        self.gw.metrics.stream_cuts.labels(reason.value).inc()
-        log.info(
-            "stream_cut",
-            tenant=s.tenant.id if s.tenant else None,
-            reason=reason.value,
-            delivered_tokens=meter.delivered,
-            charged=s.account.total,
-        )
-        # The error event, then an immediate response: the response has started, so Envoy
-        # resets it (HTTP/1.1: the connection closes before the last chunk; HTTP/2: RST_STREAM)
-        # after delivering the event.  Clients that look at nothing but the transport
-        # (inference-perf) see the cut as a failed request, not a short success.
-        return [
-            wire.streamed_body(data, False, self.final_metadata()),
-            wire.immediate(err.status, [], b"", CUT_DETAILS),
-        ]
+    async def settle_charge(self) -> None:
+        """Settlement is about to run: wait a while (:data:`CHARGE_WAIT_SECONDS`) for the
+        charge in flight; one not answered by then is settled as unconfirmed (counted once,
+        whether it ran or not)."""
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._collect_late()), CHARGE_WAIT_SECONDS)
+        except Exception as exc:  # settlement must still run
+            log.warning("pending_charge_lost", request_id=self.s.request_id, error=repr(exc))
+        if self._task is not None:
+            self.stream.handle(ChargeAbandoned())

@@ -232,8 +232,10 @@ def test_replica_stop_and_start_under_load_fails_no_request(project: ComposeProj
 def test_down_removes_every_container_network_and_volume(project: ComposeProject) -> None:
     """``docker compose down -v`` leaves no container, network or volume of the project."""
     before = project.leftovers()
-    assert len(before["containers"]) == 5, before
-    assert len(before["networks"]) == 1 and len(before["volumes"]) == 1, before
+    # redis, sim, two processors, envoy, and the one-shot credentials container (exited)
+    assert len(before["containers"]) == 6, before
+    # the network; Redis's data and the credentials the one-shot service made
+    assert len(before["networks"]) == 1 and len(before["volumes"]) == 2, before
     project.run("down", "--volumes", "--remove-orphans", "--timeout", "30", timeout=180)
     after = project.leftovers()
     assert after == {"containers": [], "networks": [], "volumes": []}, after

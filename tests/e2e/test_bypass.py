@@ -19,7 +19,7 @@ import pytest
 import redis
 from openai.types.chat import ChatCompletionMessageParam
 
-from extproc.core.session import bounded_output
+from extproc.core.figures import bounded_output
 from extproc.records.model import UsageRecord
 from extproc.stack import Stack
 from tests.e2e.conftest import make_stack

@@ -5,30 +5,30 @@ event reached the client."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.config import load_config_text
 from extproc.config.runtime import Model, RuntimeConfig
 from extproc.core import admission
 from extproc.core.admission import Cost
-from extproc.core.apis.base import ParsedRequest
-from extproc.core.lifecycle import Closed, Ending, Input
-from extproc.core.rules import Charging, Usage
-from extproc.core.session import (
-    ABANDONED_TOKENS_PER_SECOND,
+from extproc.core.apis.base import ApiFormat, ParsedRequest
+from extproc.core.apis.openai import CHAT
+from extproc.core.figures import ABANDONED_TOKENS_PER_SECOND, Figure, bounded_input, bounded_output
+from extproc.core.lifecycle import Closed, Ending, Input, LifecycleError, State
+from extproc.core.records import (
     Admitted,
-    Figure,
     Identified,
     Metering,
     Parsed,
+    PhaseError,
     Reported,
+    Requested,
     Responding,
-    Session,
     StreamEnd,
-    bounded_input,
-    bounded_output,
 )
+from extproc.core.rules import Charging, Usage
+from extproc.core.session import Session
 
 pytestmark = pytest.mark.unit
 
@@ -51,7 +51,12 @@ def config() -> RuntimeConfig:
 
 
 def admitted_session(
-    *, model: str = "m", stream: bool = True, input_tokens: int = 20, strict: bool = False
+    *,
+    model: str = "m",
+    stream: bool = True,
+    input_tokens: int = 20,
+    strict: bool = False,
+    api: ApiFormat | None = None,
 ) -> Session:
     """A session admitted for tenant t on ``model`` with a 500-token output budget."""
     cfg = config()
@@ -60,7 +65,7 @@ def admitted_session(
     m: Model = cfg.models[model]
     s = Session()
     s.life.advance(Input.REQUEST_HEADERS)
-    s.identify(Identified("r1", "/v1/chat/completions", None, key, tenant, "ledger-1"))
+    s.identify(Identified("r1", "/v1/chat/completions", api, key, tenant, "ledger-1"))
     req = ParsedRequest(
         api="chat", model=model, stream=stream, sequences=1, declared_max_output=500, body={}
     )
@@ -227,3 +232,184 @@ def test_cost_is_frozen() -> None:
     assert isinstance(cost, Cost)
     with pytest.raises(AttributeError):
         cost.input_tokens = 0  # type: ignore[misc]
+
+
+def _responding_session(*, stream: bool = True) -> Session:
+    """An admitted chat session whose API is known (so its response is metered)."""
+    return admitted_session(stream=stream, api=CHAT)
+
+
+@pytest.mark.parametrize(
+    ("headers", "stream", "fail_open", "kind", "state", "ending", "status"),
+    [
+        (
+            {":status": "200", "content-type": "text/event-stream"},
+            True,
+            False,
+            "stream",
+            State.STREAMING,
+            None,
+            200,
+        ),
+        (
+            {":status": "200", "content-type": "application/json"},
+            False,
+            False,
+            "read_json",
+            State.READING,
+            None,
+            200,
+        ),
+        (
+            {":status": "429", "content-type": "application/json"},
+            False,
+            False,
+            "upstream_error",
+            State.DONE,
+            Ending.UPSTREAM_ERROR,
+            429,
+        ),
+        (
+            {":status": "200", "content-type": "application/x-ndjson"},
+            True,
+            False,
+            "unmeterable",
+            State.RESPONDING,
+            None,
+            502,
+        ),
+        (
+            {":status": "200", "content-type": "application/x-ndjson"},
+            True,
+            True,
+            "unmeterable",
+            State.DONE,
+            Ending.COMPLETED,
+            200,
+        ),
+    ],
+)
+def test_response_headers_move_the_lifecycle_by_how_the_body_is_metered(
+    headers: dict[str, str],
+    stream: bool,
+    fail_open: bool,
+    kind: str,
+    state: State,
+    ending: Ending | None,
+    status: int,
+) -> None:
+    """The session classifies the response, records it once, and moves its own lifecycle: a
+    stream starts, a JSON body is read, an upstream error ends the request by its name, and a
+    body the meter cannot read is answered with a 502 (fail-closed) or passes and ends
+    (fail-open)."""
+    s = _responding_session(stream=stream)
+    how = s.response_headers(headers, end_of_stream=False, fail_open=fail_open)
+    assert how.kind == kind
+    assert s.life.state is state
+    assert s.ending is ending
+    assert s.status == status
+    assert s.streaming is (state is State.STREAMING)
+    assert s.reading is (state is State.READING)
+
+
+def test_a_local_reply_before_the_body_is_named_and_settles_once() -> None:
+    """Envoy's own reply before the body reached the gateway is named a local reply; the
+    settlement begins once, and its ending is the one named first."""
+    s = Session()
+    s.request_headers()
+    s.request(Requested("r1", "/v1/chat/completions", CHAT))
+    how = s.response_headers({":status": "413"}, end_of_stream=True, fail_open=False)
+    assert how.kind == "local_reply"
+    assert s.ending is Ending.LOCAL_REPLY
+    assert s.begin_settlement() and not s.begin_settlement()
+    assert s.settle_ending() is Ending.LOCAL_REPLY
+
+
+_RESPONSES = {
+    "sse": {":status": "200", "content-type": "text/event-stream"},
+    "json": {":status": "200", "content-type": "application/json"},
+    "error": {":status": "503", "content-type": "application/json"},
+    "ndjson": {":status": "200", "content-type": "application/x-ndjson"},
+}
+_EVENTS = st.sampled_from(
+    [
+        "request_headers",
+        "request_body",
+        "admission_done",
+        "pass_through",
+        "refused",
+        "rejected",
+        *(f"response_headers:{k}" for k in _RESPONSES),
+        "response_body",
+        "response_trailers",
+        "response_read",
+        "begin_settlement",
+    ]
+)
+
+
+def _feed(s: Session, ev: str, *, fail_open: bool) -> bool | None:
+    """Apply one named event to the session (what the server reports)."""
+    if ev.startswith("response_headers:"):
+        s.response_headers(_RESPONSES[ev.split(":")[1]], end_of_stream=False, fail_open=fail_open)
+        return None
+    if ev in ("refused", "rejected"):
+        s.answered(refused=ev == "refused")
+        return None
+    if ev == "begin_settlement":
+        return s.begin_settlement()
+    getattr(s, ev)()
+    return None
+
+
+@settings(deadline=None)  # the first example compiles the rules
+@given(
+    events=st.lists(_EVENTS, max_size=12),
+    admitted=st.booleans(),
+    fail_open=st.booleans(),
+    how=st.sampled_from(list(Closed)),
+)
+def test_any_order_of_events_moves_the_session_by_its_table_only(
+    events: list[str], admitted: bool, fail_open: bool, how: Closed
+) -> None:
+    """Whatever the server reports, in whatever order: an event the phase does not allow is a
+    LifecycleError and changes nothing; the first ending named stays; settlement begins once;
+    an ended response stays ended; and the close always names an ending."""
+    s = admitted_session(api=CHAT) if admitted else Session()
+    if not admitted:
+        s.request(Requested("r1", "/v1/chat/completions", CHAT))
+    began = 0
+    for ev in events:
+        before = (s.life.state, s.ending, s.status)
+        was_ended = s.ended
+        try:
+            got = _feed(s, ev, fail_open=fail_open)
+        except LifecycleError:
+            assert (s.life.state, s.ending) == before[:2], "a refused event changed the session"
+            continue
+        if got:
+            began += 1
+        if before[1] is not None:
+            assert s.ending is before[1], "the first ending named stays"
+        if was_ended:
+            assert s.ended, "an ended response stays ended"
+    assert began <= 1
+    assert s.close(how) is not None
+    assert s.ending is not None
+
+
+def test_the_request_and_its_caller_are_each_recorded_once() -> None:
+    """The request's own facts (read before the caller is known) and the caller are two
+    records, each set once; the API errors speak is the path's, then the routed one."""
+    s = Session()
+    s.request(Requested("r1", "/v1/chat/completions", CHAT))
+    assert s.request_id == "r1" and s.api is CHAT and s.tenant is None
+    with pytest.raises(PhaseError):
+        s.request(Requested("r2"))
+    cfg = config()
+    tenant = cfg.tenants["t"]
+    key = next(iter(cfg.keys_by_digest.values()))
+    s.identify(Identified("r1", "/v1/chat/completions", CHAT, key, tenant, "ledger-1"))
+    assert s.tenant is tenant and s.ledger == "ledger-1"
+    with pytest.raises(PhaseError):
+        s.identify(Identified("r1", "/v1/chat/completions", CHAT, key, tenant, "ledger-2"))

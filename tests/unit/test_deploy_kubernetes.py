@@ -449,3 +449,399 @@ def test_redis_sentinel_overlay_is_valid_and_points_at_its_sentinels(no_network:
     redis_set = one(objs, "StatefulSet", "ai-quota-redis")
     assert redis_set["spec"]["replicas"] == 3
     assert one(objs, "Service", "ai-quota-redis")["spec"]["clusterIP"] == "None"
+
+
+# -- credentials: each Envoy control plane presents one the processors accept -----------------
+#
+# The processors' port is closed (docs/security.md). deploy/kubernetes/make-secrets makes the
+# credentials (run here against a stand-in kubectl that records what it is asked to create);
+# the Istio overlay presents the bearer token (initial_metadata, filled by its kustomization's
+# replacement) over TLS it originates; the Envoy Gateway overlay presents a client certificate
+# over TLS, to processors switched to mutual TLS by its Component. Each check below goes through
+# the processors' own code: the serve parser, the settings, the start-up checks, the token set.
+
+MAKE_SECRETS = BASE / "make-secrets"
+ISTIO = BASE / "istio"
+EG = BASE / "envoy-gateway"
+MTLS_COMPONENT = EG / "processors-mtls"
+
+# A stand-in for kubectl: `create ...` prints the object it was asked for (as JSON, with the
+# files' contents, read before make-secrets removes them), `apply -f -` records it.
+_FAKE_KUBECTL = r"""import json, os, sys
+argv = sys.argv[1:]
+if argv[:1] == ["apply"]:
+    with open(os.environ["FAKE_KUBECTL_LOG"], "a") as log:
+        log.write(sys.stdin.read().strip() + "\n")
+    sys.exit(0)
+ns = argv[argv.index("-n") + 1] if "-n" in argv else "default"
+rest = [a for a in argv if a not in ("-n", ns)]
+assert rest[0] == "create", argv
+kind, sub = ("ConfigMap", "") if rest[1] == "configmap" else ("Secret", rest[2])
+name = rest[2] if kind == "ConfigMap" else rest[3]
+data, stype = {}, ""
+for a in rest:
+    for flag, key in (("--cert=", "tls.crt"), ("--key=", "tls.key")):
+        if a.startswith(flag) and sub == "tls":
+            data[key] = open(a[len(flag):]).read()
+    if a.startswith("--from-file="):
+        key, _, path = a[len("--from-file="):].partition("=")
+        data[key] = open(path).read()
+    if a.startswith("--type="):
+        stype = a[len("--type="):]
+if sub == "tls":
+    stype = "kubernetes.io/tls"
+print(json.dumps({"kind": kind, "namespace": ns, "name": name, "type": stype, "data": data}))
+"""
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Obj]:
+    """What make-secrets creates for a gateway in namespace llm-gateway, by (namespace, name)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("openssl") is None:
+        pytest.skip("make-secrets needs openssl (scripts/setup installs it)")
+    tmp = tmp_path_factory.mktemp("make-secrets")
+    fake = tmp / "kubectl"
+    fake.write_text(f"#!{sys.executable}\n{_FAKE_KUBECTL}")  # this interpreter, not PATH's
+    fake.chmod(0o755)
+    log = tmp / "applied.jsonl"
+    env = {
+        **os.environ,
+        "KUBECTL": str(fake),
+        "PYTHON": sys.executable,
+        "FAKE_KUBECTL_LOG": str(log),
+    }
+    done = subprocess.run(
+        [str(MAKE_SECRETS), "llm-gateway"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "deploy/kubernetes/istio/envoy-token.env" in done.stdout  # the Istio hint
+    objs = [yaml.safe_load(line) for line in log.read_text().splitlines()]
+    return {(o["namespace"], o["name"]): o for o in objs}
+
+
+def _pem(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _sans(cert: Path) -> list[str]:
+    """The DNS names in a certificate's subjectAltName (openssl's own reading)."""
+    import subprocess
+
+    out = subprocess.run(
+        ["openssl", "x509", "-in", str(cert), "-noout", "-ext", "subjectAltName"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [p.strip()[4:] for p in out.split("\n", 1)[1].split(",") if p.strip().startswith("DNS:")]
+
+
+def _signed_by(cert: Path, ca: Path) -> bool:
+    import subprocess
+
+    done = subprocess.run(
+        ["openssl", "verify", "-CAfile", str(ca), str(cert)], capture_output=True, check=False
+    )
+    return done.returncode == 0
+
+
+def _processor_settings(deploy: Obj) -> Any:
+    """The processors' settings as `ai-quota serve` builds them from the container's command
+    line and literal env (the real parser and settings)."""
+    from extproc.cli import build_parser
+    from extproc.commands.serve import settings_from_args
+
+    main = containers(deploy)["ai-quota"]
+    args = build_parser().parse_args(main["command"][1:] + main["args"])
+    env = {e["name"]: e["value"] for e in main.get("env", []) if "value" in e}
+    return settings_from_args(args, env)
+
+
+def _with_component(deploy: Obj, component: Path) -> Obj:
+    """``deploy`` with a Component's strategic-merge patches applied the way kustomize merges
+    container env (by container name, then by variable name; later wins). Only what the
+    component's patches use is supported: a test fails loudly on anything else."""
+    comp = yaml.safe_load((component / "kustomization.yaml").read_text())
+    assert comp["kind"] == "Component"
+    out: Obj = yaml.safe_load(yaml.safe_dump(deploy))
+    for entry in comp["patches"]:
+        patch = yaml.safe_load((component / entry["path"]).read_text())
+        assert (patch["kind"], patch["metadata"]["name"]) == (
+            "Deployment",
+            deploy["metadata"]["name"],
+        )
+        assert set(patch["spec"]) == {"template"} and set(patch["spec"]["template"]) == {"spec"}
+        assert set(patch["spec"]["template"]["spec"]) == {"containers"}
+        target = containers(out)
+        for c in patch["spec"]["template"]["spec"]["containers"]:
+            assert set(c) == {"name", "env"}, c
+            merged = {e["name"]: e for e in target[c["name"]].get("env", [])}
+            merged.update({e["name"]: e for e in c["env"]})
+            target[c["name"]]["env"] = list(merged.values())
+    return out
+
+
+def _fill(obj: Obj, field_path: str, value: str, delimiter: str, index: int) -> None:
+    """A kustomize replacement target (dotted path, ``[key=value]`` list selectors, the
+    delimiter/index option) applied to ``obj``: the selected string's part ``index`` becomes
+    ``value``."""
+    parts = field_path.split(".")
+    node: Any = obj
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if part.startswith("[") and part.endswith("]"):
+            key, _, want = part[1:-1].partition("=")
+            (node,) = [item for item in node if str(item.get(key)) == want]
+            continue
+        if last:
+            pieces = node[part].split(delimiter)
+            pieces[index] = value
+            node[part] = delimiter.join(pieces)
+        else:
+            node = node[part]
+
+
+def test_make_secrets_makes_the_credentials_the_manifests_name(
+    base: list[Obj], made: dict[tuple[str, str], Obj], tmp_path: Path
+) -> None:
+    from extproc.devcerts import CLIENT_NAME, SERVER_NAME
+
+    deploy = one(base, "Deployment", "ai-quota")
+    volumes = {v["name"]: v for v in deploy["spec"]["template"]["spec"]["volumes"]}
+    server = made[("ai-quota", volumes["grpc-tls"]["secret"]["secretName"])]
+    assert server["type"] == "kubernetes.io/tls"
+    assert {"tls.crt", "tls.key", "ca.crt"} <= set(server["data"])
+    assert "items" not in volumes["grpc-tls"]["secret"]  # ca.crt reaches the pod too
+    tokens = made[("ai-quota", volumes["grpc-token"]["secret"]["secretName"])]
+    assert [i["key"] for i in volumes["grpc-token"]["secret"]["items"]] == list(tokens["data"])
+    ca = _pem(tmp_path, "ca.crt", server["data"]["ca.crt"])
+    server_cert = _pem(tmp_path, "server.crt", server["data"]["tls.crt"])
+    assert _signed_by(server_cert, ca) and SERVER_NAME in _sans(server_cert)
+    # the gateway's side: the same CA, the token in force, a client certificate of that CA
+    client = made[("llm-gateway", "ai-quota-envoy-client")]
+    assert client["data"]["ca.crt"] == server["data"]["ca.crt"]
+    assert client["data"]["token"].strip() in tokens["data"]["tokens"].split()
+    client_tls = made[("llm-gateway", "ai-quota-envoy-client-tls")]
+    assert client_tls["type"] == "kubernetes.io/tls"
+    client_cert = _pem(tmp_path, "client.crt", client_tls["data"]["tls.crt"])
+    assert _signed_by(client_cert, ca) and _sans(client_cert) == [CLIENT_NAME]
+    assert made[("ai-quota", "ai-quota-grpc-ca")]["data"]["ca.crt"] == server["data"]["ca.crt"]
+
+
+def test_istio_presents_the_token_over_tls_the_processors_accept(
+    base: list[Obj], made: dict[tuple[str, str], Obj], tmp_path: Path
+) -> None:
+    """The EnvoyFilter's grpc_service carries `authorization: Bearer <token>` (a placeholder
+    the kustomization replaces from envoy-token.env); filled with make-secrets' token it passes
+    the processors' own token check. The DestinationRule originates TLS (SNI and SAN ai-quota,
+    the CA from the gateway's client Secret) to the unchanged base processors (TLS + tokens)."""
+    from extproc.access import TokenSet, bearer
+    from extproc.commands.serve import check_security
+    from extproc.devcerts import SERVER_NAME
+
+    objs = render(ISTIO)
+    ef = one(objs, "EnvoyFilter", "ai-quota-ext-proc")
+    http = next(p for p in ef["spec"]["configPatches"] if p["applyTo"] == "HTTP_FILTER")
+    (meta,) = http["patch"]["value"]["typed_config"]["grpc_service"]["initial_metadata"]
+    assert meta["key"] == "authorization"
+    scheme, placeholder = meta["value"].split(" ")
+    assert scheme == "Bearer"
+
+    kust = yaml.safe_load((ISTIO / "kustomization.yaml").read_text())
+    (gen,) = kust["configMapGenerator"]
+    assert gen["options"]["annotations"] == {"config.kubernetes.io/local-config": "true"}
+    (env_file,) = gen["envs"]
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert str((ISTIO / env_file).relative_to(ROOT)) in ignored  # the token is never committed
+    (rep,) = kust["replacements"]
+    assert (rep["source"]["kind"], rep["source"]["name"]) == ("ConfigMap", gen["name"])
+    assert rep["source"]["fieldPath"] == "data.token"
+    (target,) = rep["targets"]
+    assert (target["select"]["kind"], target["select"]["name"]) == (
+        "EnvoyFilter",
+        "ai-quota-ext-proc",
+    )
+    (field_path,) = target["fieldPaths"]
+    opts = target["options"]
+    assert (opts["delimiter"], opts["index"]) == (" ", 1)
+
+    token = made[("llm-gateway", "ai-quota-envoy-client")]["data"]["token"].strip()
+    filled = yaml.safe_load(yaml.safe_dump(ef))
+    _fill(filled, field_path, token, opts["delimiter"], opts["index"])
+    http = next(p for p in filled["spec"]["configPatches"] if p["applyTo"] == "HTTP_FILTER")
+    (meta,) = http["patch"]["value"]["typed_config"]["grpc_service"]["initial_metadata"]
+    assert meta["value"] == f"Bearer {token}" != f"Bearer {placeholder}"
+
+    # the base processors, as they start: TLS and the token file, no client CA
+    settings = _processor_settings(one(base, "Deployment", "ai-quota"))
+    check_security(settings)
+    assert settings.grpc_tls_cert and not settings.grpc_tls_client_ca
+    tokens_file = _pem(
+        tmp_path, "tokens", made[("ai-quota", "ai-quota-grpc-token")]["data"]["tokens"]
+    )
+    accepted = TokenSet(str(tokens_file))
+    assert accepted.matches(bearer([(meta["key"], meta["value"])]))
+    assert not accepted.matches(bearer([("authorization", f"Bearer {placeholder}")]))
+
+    dr = one(objs, "DestinationRule", "ai-quota")
+    tls = dr["spec"]["trafficPolicy"]["tls"]
+    assert tls["mode"] == "SIMPLE"  # the processors terminate TLS themselves
+    assert tls["sni"] == SERVER_NAME and tls["subjectAltNames"] == [SERVER_NAME]
+    # the CA comes from the client Secret make-secrets puts in the gateway's namespace
+    client = made[("llm-gateway", tls["credentialName"])]
+    assert "ca.crt" in client["data"]
+    assert dr["spec"]["exportTo"] == ["."]  # the gateway's namespace only (credentialName)
+    assert dr["metadata"]["namespace"] == ef["metadata"]["namespace"]
+
+
+def test_envoy_gateway_presents_a_client_certificate_the_processors_accept(
+    base: list[Obj], made: dict[tuple[str, str], Obj], tmp_path: Path
+) -> None:
+    """BackendTLSPolicy: TLS to the ai-quota Service checked against make-secrets' CA with
+    hostname ai-quota; EnvoyProxy: the client certificate; the Component puts the processors on
+    mutual TLS with the client CA from their TLS Secret and Envoy's SAN allowed."""
+    from extproc.commands.serve import check_security
+    from extproc.devcerts import CLIENT_NAME, SERVER_NAME
+
+    objs = render(EG)
+    svc = one(base, "Service", "ai-quota")
+    btp = one(objs, "BackendTLSPolicy", "ai-quota")
+    assert btp["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert btp["metadata"]["namespace"] == svc["metadata"]["namespace"]
+    (target,) = btp["spec"]["targetRefs"]
+    assert (target["group"], target["kind"], target["name"]) == ("", "Service", "ai-quota")
+    validation = btp["spec"]["validation"]
+    assert validation["hostname"] == SERVER_NAME
+    (ca_ref,) = validation["caCertificateRefs"]
+    assert (ca_ref["group"], ca_ref["kind"]) == ("", "ConfigMap")
+    assert "ca.crt" in made[(btp["metadata"]["namespace"], ca_ref["name"])]["data"]
+
+    policy = one(objs, "EnvoyExtensionPolicy", "ai-quota")
+    proxy = one(objs, "EnvoyProxy", "ai-quota-client")
+    assert proxy["metadata"]["namespace"] == policy["metadata"]["namespace"]  # the Gateway's
+    ref = proxy["spec"]["backendTLS"]["clientCertificateRef"]
+    assert (ref["group"], ref["kind"]) == ("", "Secret")
+    client_tls = made[(ref["namespace"], ref["name"])]
+    assert client_tls["type"] == "kubernetes.io/tls"
+    # the NetworkPolicy's peer label on Envoy Gateway's proxy pods
+    labels = proxy["spec"]["provider"]["kubernetes"]["envoyDeployment"]["pod"]["labels"]
+    netpol = one(base, "NetworkPolicy", "ai-quota")["spec"]
+    grpc_rule = next(r for r in netpol["ingress"] if r["ports"][0]["port"] == "grpc")
+    assert selects(grpc_rule["from"][0]["podSelector"]["matchLabels"], labels)
+
+    # the processors with the Component: mutual TLS, Envoy's certificate allowed
+    deploy = _with_component(one(base, "Deployment", "ai-quota"), MTLS_COMPONENT)
+    settings = _processor_settings(deploy)
+    check_security(settings)
+    assert settings.grpc_tls_cert and settings.grpc_tls_client_ca
+    main = containers(deploy)["ai-quota"]
+    mount = next(m for m in main["volumeMounts"] if m["mountPath"] == "/var/run/ai-quota/grpc-tls")
+    assert Path(settings.grpc_tls_client_ca).parent == Path(mount["mountPath"])
+    volume = next(
+        v for v in deploy["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
+    )
+    server = made[("ai-quota", volume["secret"]["secretName"])]
+    client_ca = _pem(
+        tmp_path, "client-ca.crt", server["data"][Path(settings.grpc_tls_client_ca).name]
+    )
+    client_cert = _pem(tmp_path, "client.crt", client_tls["data"]["tls.crt"])
+    assert _signed_by(client_cert, client_ca)
+    assert set(_sans(client_cert)) & set(settings.allowed_sans) == {CLIENT_NAME}
+
+
+def test_no_overlay_leaves_the_port_open(base: list[Obj]) -> None:
+    """No manifest under deploy/kubernetes runs the processors --insecure or with tokens in
+    plaintext, and no overlay's Envoy reaches them without TLS."""
+    from extproc.commands.serve import check_security
+
+    for deploy in (
+        one(base, "Deployment", "ai-quota"),
+        _with_component(one(base, "Deployment", "ai-quota"), MTLS_COMPONENT),
+    ):
+        settings = _processor_settings(deploy)
+        check_security(settings)
+        assert not settings.insecure and not settings.grpc_allow_plaintext
+        assert settings.grpc_tls_cert and (settings.grpc_token_file or settings.grpc_tls_client_ca)
+    opening = ("--insecure", "AIQ_INSECURE", "--grpc-allow-plaintext", "AIQ_GRPC_ALLOW_PLAINTEXT")
+    for path in sorted(BASE.rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            text = yaml.safe_dump(doc)
+            assert not any(word in text for word in opening), path
+    dr = one(render(ISTIO), "DestinationRule")
+    assert dr["spec"]["trafficPolicy"]["tls"]["mode"] in ("SIMPLE", "MUTUAL")
+    assert "portLevelSettings" not in dr["spec"]["trafficPolicy"]  # no port without TLS
+    eg = render(EG)
+    assert one(eg, "BackendTLSPolicy")["spec"]["targetRefs"][0]["name"] == "ai-quota"
+    assert "sectionName" not in one(eg, "BackendTLSPolicy")["spec"]["targetRefs"][0]  # every port
+
+
+def test_the_envoy_gateway_component_is_offered_in_the_base() -> None:
+    """The base's kustomization names the Component (commented: opt-in for Envoy Gateway)."""
+    text = (BASE / "kustomization.yaml").read_text()
+    rel = str(MTLS_COMPONENT.relative_to(BASE))
+    assert f"#   - {rel}" in text and "# components:" in text
+
+
+@pytest.mark.skipif(
+    __import__("shutil").which("kubectl") is None, reason="kubectl (with kustomize) not installed"
+)
+def test_kustomize_builds_the_overlays_with_credentials(tmp_path: Path, no_network: None) -> None:
+    """Where kubectl is installed, its kustomize agrees with the readings above: the Istio
+    overlay fills the token and drops the local ConfigMap; the base with the Component runs the
+    processors on mutual TLS; the core objects stay valid."""
+    import shutil
+    import subprocess
+
+    def build(directory: Path) -> list[Obj]:
+        done = subprocess.run(
+            ["kubectl", "kustomize", str(directory)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        return [d for d in yaml.safe_load_all(done.stdout) if d is not None]
+
+    copy = tmp_path / "kubernetes"
+    shutil.copytree(BASE, copy)
+    (copy / "istio" / "envoy-token.env").write_text("token=tok-123_abc\n")
+    istio = build(copy / "istio")
+    assert sorted(o["kind"] for o in istio) == ["DestinationRule", "EnvoyFilter"]
+    http = next(
+        p
+        for p in one(istio, "EnvoyFilter")["spec"]["configPatches"]
+        if p["applyTo"] == "HTTP_FILTER"
+    )
+    (meta,) = http["patch"]["value"]["typed_config"]["grpc_service"]["initial_metadata"]
+    assert meta == {"key": "authorization", "value": "Bearer tok-123_abc"}
+    (copy / "istio" / "envoy-token.env").unlink()
+    done = subprocess.run(
+        ["kubectl", "kustomize", str(copy / "istio")], capture_output=True, text=True, check=False
+    )
+    assert done.returncode != 0  # no token file: nothing to apply with the placeholder
+
+    kust = copy / "kustomization.yaml"
+    kust.write_text(
+        kust.read_text()
+        .replace("# components:", "components:")
+        .replace("#   - envoy-gateway/processors-mtls", "  - envoy-gateway/processors-mtls")
+    )
+    objs = build(copy)
+    deploy = one(objs, "Deployment", "ai-quota")
+    assert _processor_settings(deploy).grpc_tls_client_ca
+    for obj in objs:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    assert {o["kind"] for o in build(copy / "envoy-gateway")} >= {"BackendTLSPolicy", "EnvoyProxy"}

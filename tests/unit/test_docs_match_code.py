@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.core.session import OUTPUT_SLACK_TOKENS, OUTPUT_TOLERANCE
+from extproc.core.figures import OUTPUT_SLACK_TOKENS, OUTPUT_TOLERANCE
 
 pytestmark = pytest.mark.unit
 

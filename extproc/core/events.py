@@ -1,0 +1,75 @@
+"""What happens to a metered stream: the events the server feeds its :class:`MeteredStream`.
+
+Each is a plain record of something the server saw (a body chunk, trailers, the limiter's
+answer, a clock that ran out, the input count that finished); the stream decides what follows
+(:mod:`extproc.core.actions`).  Sans-IO: nothing here reads a socket or a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from extproc.core.lifecycle import CutReason
+
+
+@dataclass(slots=True)
+class BodyChunk:
+    """One upstream body chunk, as it arrived (still compressed when the upstream compressed
+    it); ``end`` on the last; ``answer``: the charge's answer that came in since the chunk
+    before (it applies first)."""
+
+    data: bytes
+    end: bool
+    answer: ChargeAnswered | ChargeFailed | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Trailers:
+    """The upstream's trailers: the stream's end without a last body chunk."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChargeAnswered:
+    """The limiter answered the last charge: ``granted`` tokens, whether a bucket is
+    ``exhausted``, and each bucket's value after it (in the charge's bucket order).
+
+    ``late``: settlement collected the answer; only its bookkeeping applies (the response is
+    over: nothing more is forwarded)."""
+
+    granted: int
+    exhausted: bool
+    values: tuple[int, ...]
+    late: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ChargeFailed:
+    """The limiter could not answer the last charge; ``maybe_ran``: it may still run once
+    Redis answers.  ``late`` as in :class:`ChargeAnswered`."""
+
+    maybe_ran: bool
+    late: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ChargeAbandoned:
+    """Settlement stopped waiting for the charge in flight (its answer never came in time)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CountDone:
+    """The exact input count a figure needed is taken (see :class:`~extproc.core.actions.
+    CountInput`): the stream resumes where it stopped."""
+
+
+@dataclass(frozen=True, slots=True)
+class CutNow:
+    """The server ends the stream itself (shutdown); the input count is already taken."""
+
+    reason: CutReason
+    message: str | None = None
+
+
+StreamEvent = (
+    BodyChunk | Trailers | ChargeAnswered | ChargeFailed | ChargeAbandoned | CountDone | CutNow
+)

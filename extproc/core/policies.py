@@ -1,0 +1,159 @@
+"""Per-request rules that used to sit beside the I/O, one function each (sans-IO).
+
+Whoever changes how a request is admitted or billed finds the rule here with its tests
+(``tests/unit/test_core_policies.py``): when admission may decide on a bound of the input, how
+long an admission is leased, whether a refusal counts, what a limiter failure does, and the
+billing record's figures.  The stream's own rules (room after a charge, the unconfirmed charge,
+the wait for a charge at settlement) are in :mod:`extproc.core.streaming`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+
+from extproc.core import admission
+from extproc.core.admission import Cost
+from extproc.core.keys import WindowedBucket
+from extproc.core.records import ModelInfo, TenantInfo
+from extproc.core.rules import Rates, Usage
+
+
+def fails_open(failure_mode: str) -> bool:
+    """A limiter failure lets the request through unmetered (``open``), rather than refusing
+    it or cutting its stream (``closed``)."""
+    return failure_mode == "open"
+
+
+def may_admit_on_bound(*, enabled: bool, proven_bound: bool) -> bool:
+    """Whether admission may decide on an upper bound of the input instead of its count: the
+    setting allows it and the model's tokenizer has a proven bound.  The bound found must then
+    be within the model's input limit (:func:`bound_within`), the plan on it settle to actual
+    figures, and the counters have room (:func:`output_room_needed`, the room tracker)."""
+    return enabled and proven_bound
+
+
+def bound_within(bound: int, max_input_tokens: int | None) -> bool:
+    """A bound admission may decide on: within the model's input limit (when it has one); a
+    request whose bound is beyond it is admitted on its exact count instead."""
+    return max_input_tokens is None or bound <= max_input_tokens
+
+
+def output_room_needed(buckets: list[WindowedBucket], cost: Cost) -> dict[str, int] | None:
+    """For a request admitted on a bound: the units per counter its whole output needs on top
+    of the bound (a metered stream charges its output as it goes, against counters that hold
+    the bound until settlement, so its cut must not come earlier); None for a request whose
+    output is not metered as it streams."""
+    if not cost.meter_stream:
+        return None
+    return {b.key: b.rates.output_units(cost.effective_max_output) for b in buckets}
+
+
+def lease_ms(*, settle_to_actual: bool, holds_slots: bool, records: bool, lease: int) -> int:
+    """How long an admission is leased (0: not leased): a reservation to settle, a
+    concurrency slot to free or a usage record to write are leased, so that the tenant's next
+    admission gives the first two back and writes the record if this processor dies."""
+    return lease if (settle_to_actual or holds_slots or records) else 0
+
+
+def counts_refusal(*, on_bound: bool, configured: bool) -> bool:
+    """Whether a refused admission counts against the request-rate limits: as configured,
+    except a refusal on a bound, which is asked again on the exact count (counted once,
+    there)."""
+    return False if on_bound else configured
+
+
+@dataclass(frozen=True, slots=True)
+class Billed:
+    """A usage record's figures: input and output tokens, and the money (None: unpriced)."""
+
+    input: int
+    output: int
+    money: Decimal | None
+
+
+def billed(
+    *,
+    charged: int,
+    final_total: bool,
+    input_tokens: int,
+    output_tokens: int | None,
+    usage: Usage,
+    requests: int,
+    prices: Rates | None,
+) -> Billed:
+    """The billing record of a settled request that ``charged`` tokens in all (``final_total``:
+    settlement decided that total; else the admission's charge stood): its input is at most
+    what was charged (nothing for a request that charged nothing), its output the settled
+    figure or the rest of the charge, and its money the prices of the usage billed."""
+    inp = min(input_tokens, max(0, charged))
+    out = output_tokens if output_tokens is not None else max(0, charged - inp)
+    money: Decimal | None = None
+    if prices is not None:
+        billed_usage = usage if charged > 0 else Usage()
+        if not final_total and charged > 0:
+            billed_usage = Usage(input=inp, output=out, requests=requests)
+        money = Decimal(prices.units(billed_usage)).scaleb(-6)
+    return Billed(inp, out, money)
+
+
+# -- policies beside the limits --------------------------------------------------------------
+
+
+def fallback_for(
+    fallbacks: dict[str, dict[str, str]],
+    *,
+    tenant: TenantInfo,
+    model: ModelInfo,
+    buckets: tuple[WindowedBucket, ...],
+    values: tuple[int, ...],
+    cost: Cost,
+) -> str | None:
+    """The plan's fallback model for a refused request, when what refused it was a limit on
+    the requested model (a tenant-wide limit would refuse the fallback too)."""
+    name = fallbacks.get(tenant.plan, {}).get(model.name)
+    if name is None or not model.known:
+        return None
+    on_model = any(
+        b.limit.model == model.name
+        and not b.limit.shadow
+        and admission.would_refuse(b, v, admission.admission_amount(b, cost))
+        for b, v in zip(buckets, values, strict=True)
+    )
+    return name if on_model else None
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowOutcome:
+    """Each limit kind's decision at admission (``(metric, decision)`` to count) and the shadow
+    limits that would have refused the request."""
+
+    decisions: tuple[tuple[str, str], ...]
+    exceeded: tuple[str, ...]
+
+    def headers(self) -> tuple[tuple[str, str], ...]:
+        """``x-ratelimit-shadow-exceeded`` naming the shadow limits that would have refused."""
+        if not self.exceeded:
+            return ()
+        return (("x-ratelimit-shadow-exceeded", "; ".join(self.exceeded)),)
+
+
+def shadow_outcome(
+    buckets: tuple[WindowedBucket, ...], values: tuple[int, ...], cost: Cost
+) -> ShadowOutcome:
+    """Shadow limits are counted and reported, never enforced: which would have refused."""
+    kinds: set[str] = set()
+    decisions: list[tuple[str, str]] = []
+    exceeded: list[str] = []
+    for b, v in zip(buckets, values, strict=True):
+        if not b.limit.shadow:
+            kinds.add(b.metric)
+            continue
+        # values are after charging: over the limit means this admission would have been refused
+        if v > b.limit.limit and admission.admission_amount(b, cost) > 0:
+            exceeded.append(admission.describe(b.limit))
+            decisions.append((b.metric, "shadow_refused"))
+        else:
+            decisions.append((b.metric, "shadow_allowed"))
+    decisions += [(kind, "allowed") for kind in sorted(kinds)]
+    return ShadowOutcome(tuple(decisions), tuple(exceeded))

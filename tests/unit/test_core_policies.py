@@ -1,0 +1,139 @@
+"""The per-request rules of extproc.core.policies, each on its own: fail-open, the bound's
+eligibility, the output room a bound needs, the lease, whether a refusal counts, and the
+billing record's figures (Hypothesis over their inputs)."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from extproc.core import policies
+from extproc.core.admission import Cost
+from extproc.core.keys import windowed
+from extproc.core.rules import RATE_SCALE, Limit, Rates, Usage
+
+pytestmark = pytest.mark.unit
+
+TPM = Limit("tpm", 1000, 60, "*", "tenant")
+
+
+def test_only_open_fails_open() -> None:
+    """``open`` lets a request through unmetered when the limiter fails; anything else refuses."""
+    assert policies.fails_open("open")
+    assert not policies.fails_open("closed")
+
+
+@given(
+    enabled=st.booleans(),
+    proven=st.booleans(),
+    bound=st.integers(min_value=0, max_value=10_000),
+    cap=st.none() | st.integers(min_value=0, max_value=10_000),
+)
+def test_a_bound_is_decided_on_only_when_allowed_proven_and_within_the_models_limit(
+    enabled: bool, proven: bool, bound: int, cap: int | None
+) -> None:
+    """Admission decides on a bound only when the setting allows it, the tokenizer's bound is
+    proven, and the bound is within the model's input limit."""
+    ok = policies.may_admit_on_bound(enabled=enabled, proven_bound=proven) and (
+        policies.bound_within(bound, cap)
+    )
+    assert ok == (enabled and proven and (cap is None or bound <= cap))
+
+
+def test_a_metered_stream_on_a_bound_needs_room_for_its_whole_output() -> None:
+    """A metered stream admitted on a bound needs its whole output's units on each counter;
+    a request not metered as it streams needs none."""
+    buckets = windowed("aq", "acme", "k1", [TPM], 10_000)
+    stream = Cost(
+        input_tokens=10,
+        effective_max_output=300,
+        reserved_output=0,
+        meter_stream=True,
+        enforce_stream=True,
+        strict=False,
+        settle_to_actual=True,
+        every=4,
+    )
+    assert policies.output_room_needed(buckets, stream) == {buckets[0].key: 300}
+    plain = Cost(
+        input_tokens=10,
+        effective_max_output=300,
+        reserved_output=300,
+        meter_stream=False,
+        enforce_stream=False,
+        strict=False,
+        settle_to_actual=True,
+        every=4,
+    )
+    assert policies.output_room_needed(buckets, plain) is None
+
+
+@given(
+    settle=st.booleans(),
+    slots=st.booleans(),
+    records=st.booleans(),
+    lease=st.integers(min_value=1, max_value=600_000),
+)
+def test_an_admission_is_leased_when_something_must_be_given_back_or_written(
+    settle: bool, slots: bool, records: bool, lease: int
+) -> None:
+    """Leased (for the configured time) exactly when there is a reservation to settle, a slot
+    to free or a record to write; else not leased at all."""
+    got = policies.lease_ms(
+        settle_to_actual=settle, holds_slots=slots, records=records, lease=lease
+    )
+    assert got == (lease if (settle or slots or records) else 0)
+
+
+@given(on_bound=st.booleans(), configured=st.booleans())
+def test_a_refusal_on_a_bound_never_counts(on_bound: bool, configured: bool) -> None:
+    """A refusal counts as configured, except on a bound (asked again on the exact count)."""
+    assert policies.counts_refusal(on_bound=on_bound, configured=configured) == (
+        configured and not on_bound
+    )
+
+
+figures = st.integers(min_value=0, max_value=100_000)
+
+
+@given(
+    charged=st.integers(min_value=-1000, max_value=200_000),
+    final_total=st.booleans(),
+    inp=figures,
+    out=st.none() | figures,
+    priced=st.booleans(),
+)
+def test_the_billing_record_never_bills_more_input_than_was_charged(
+    charged: int, final_total: bool, inp: int, out: int | None, priced: bool
+) -> None:
+    """The record's input is within what was charged (none when nothing was), its output the
+    settled figure or the rest of the charge, and its money the prices of what it bills."""
+    usage = Usage(input=inp, output=out or 0, requests=1)
+    prices = Rates(input=2 * RATE_SCALE, output=3 * RATE_SCALE, request=0) if priced else None
+    got = policies.billed(
+        charged=charged,
+        final_total=final_total,
+        input_tokens=inp,
+        output_tokens=out,
+        usage=usage,
+        requests=1,
+        prices=prices,
+    )
+    assert 0 <= got.input <= max(0, charged)
+    assert got.input <= inp
+    if out is not None:
+        assert got.output == out
+    else:
+        assert got.output == max(0, charged - got.input)
+    if prices is None:
+        assert got.money is None
+    elif charged <= 0:
+        assert got.money == Decimal(0)
+    elif final_total:
+        assert got.money == Decimal(prices.units(usage)).scaleb(-6)
+    else:
+        billed = Usage(input=got.input, output=got.output, requests=1)
+        assert got.money == Decimal(prices.units(billed)).scaleb(-6)
