@@ -243,7 +243,7 @@ async def test_stream_charges_and_refunds_stay_local(pair: Pair) -> None:
     ledger = f"{tag}:req:stream"
     res = await lim.admit(ledger, bs, tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL)
     assert res.admitted
-    trips = lim.round_trips
+    trips, background = lim.round_trips, lim.stats.opens + lim.stats.takes
     tok = [BucketCharge(tpm, "tpm", 20, 10**8, bs[1].expire_at_ms)]
     for seq in (1, 2, 3):
         got = await lim.charge(ledger, seq, tok, 20, strict=True, ledger_ttl_ms=TTL)
@@ -252,7 +252,8 @@ async def test_stream_charges_and_refunds_stay_local(pair: Pair) -> None:
     adj = [Adjustment(tpm, -30, bs[1].expire_at_ms)]
     assert await lim.settle(ledger, adj, ledger_ttl_ms=TTL)
     assert not await lim.settle(ledger, adj, ledger_ttl_ms=TTL)
-    assert lim.round_trips == trips  # no Redis call for any of it
+    # no Redis call for any of it (a take or a tranche opening may run in the background)
+    assert lim.round_trips - trips <= lim.stats.opens + lim.stats.takes - background
     truth += 130
     await lim.give_back()
     assert await pair.value(tpm) == truth
