@@ -309,6 +309,8 @@ class AllowanceLimiter:
             self._open_ahead(plan)
             return AdmitResult(admitted=True, duplicate=False, values=self._values(buckets, plan))
         riders = list(settlements)
+        if local:
+            self._open_short(buckets)
         back = self._give_back_short(buckets, now) if local else None
         if back is not None:
             riders.append(back)
@@ -604,6 +606,14 @@ class AllowanceLimiter:
     def _needs_open(self, st: _Bucket) -> bool:
         return st.closed > 0 and st.units - st.closed < max(st.tranche // 2, st.largest, 1)
 
+    def _open_short(self, buckets: Sequence[BucketCharge]) -> None:
+        """An allowance that holds the amount but has not opened enough of it: open the next
+        tranche now (this call goes to Redis; the next ones draw from it)."""
+        for c in buckets:
+            st = self._states.get(c.key)
+            if st is not None and st.closed and st.units - st.closed < c.amount <= st.units:
+                self._schedule_open(st.tag)
+
     def _open_ahead(self, plan: Sequence[_Bucket]) -> None:
         """Open the next tranche, in the background, of each allowance half drawn."""
         for st in plan:
@@ -723,6 +733,8 @@ class AllowanceLimiter:
                 return ChargeResult(
                     granted=amount, exhausted=False, values=self._values(buckets, plan)
                 )
+            if seq > loc.seq:
+                self._open_short(buckets)
             res = await self.inner.charge(
                 ledger, seq, buckets, amount, strict=strict, ledger_ttl_ms=ledger_ttl_ms
             )
