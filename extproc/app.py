@@ -272,6 +272,8 @@ async def start(
                 ttl_ms=settings.allowance_ttl_ms,
                 min_rate=settings.allowance_min_rate,
                 max_window_s=settings.allowance_max_window_s,
+                tranches=settings.allowance_tranches,
+                lease_ms=cfg.reservation_lease_ms,
             ),
             clock=clk,
             metrics=mets,

@@ -60,7 +60,8 @@ class Metrics:
         self.allowance_units = Counter(
             "aiq_allowance_units",
             "Units of local allowances: taken (pre-debited in Redis), returned (given back), "
-            "expired (their window ended while held)",
+            "expired (their window ended while held), reclaimed (dead replicas' never-opened "
+            "tranches given back)",
             ["event"],
             registry=r,
         )

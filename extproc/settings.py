@@ -71,6 +71,10 @@ class Settings(BaseSettings):
     allowance_ttl_ms: int = Field(default=2_000, ge=100, le=60_000)
     allowance_min_rate: float = Field(default=8.0, ge=0)
     allowance_max_window_s: int = Field(default=3_600, ge=1)
+    # A take is split into this many tranches: the replica draws only from those it opened
+    # (in the background, ahead of need); a SIGKILLed replica's never-opened tranches go back
+    # to the tenant once its lease (failure.reservation_lease_seconds) runs out.
+    allowance_tranches: int = Field(default=4, ge=1, le=64)
     # Shift the gateway's wall clock (windows, resets, months) by this many ms: for drills and
     # tests of window boundaries; every replica sharing counters must use the same value.
     clock_offset_ms: int = 0

@@ -31,10 +31,16 @@ Only fixed-window request and token counters (``rpm``, ``tpm``) with windows up 
 a money budget or weighted tokens, a sliding window, a shadow limit) is admitted by Redis as
 before, whole.
 
-A SIGKILLed replica's allowances are not refunded: Redis does not know what it drew from
-them, and refunding the rest as last reported could hand out units its requests already
-used (strict mode would go over).  They stay counted as used until their window ends: the
-leak is at most ``share`` of the room left at each take, per bucket and replica.
+Tranches: a take's grant is split into tranches; the replica draws only from those it has
+opened.  What is not open is recorded in the replica's allowance ledger for the tenant (a
+hash leased in the tenant's open reservations like a request's ledger, renewed every third
+of ``lease_ms`` while the replica lives); the next tranche is opened in the background
+(``tranche.lua``) when the open part falls under half a tranche.  If the replica dies, its
+lease runs out and the tenant's next admission (``admit.lua``'s reclaim) or take gives the
+never-opened tranches back; the leak is what it had opened and not used, about 1.5 tranches.
+Opening takes units off the record before the replica may draw from them, and never-opened
+units given back are opened first (or the ledger itself is settled), so a reclaim never
+refunds units a request used nor units already refunded: strict mode stays exact.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ from extproc.core.keys import EXPIRY_SLACK_MS, counter_name
 from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 from extproc.limiter.base import (
     AdmitResult,
+    AllowanceGrant,
+    AllowanceLease,
     AllowanceTake,
     AllowanceTaker,
     BatchSettler,
@@ -96,6 +104,11 @@ class AllowanceSettings:
     min_rate: float = 8.0
     max_window_s: int = 3_600
     return_ledger_ttl_ms: int = 60_000
+    #: a grant is split into this many tranches; the replica draws only from opened ones
+    tranches: int = 4
+    #: the allowance ledger's lease (``failure.reservation_lease_seconds``): renewed while
+    #: this replica lives; once it runs out, the never-opened tranches go back to the tenant
+    lease_ms: int = 15_000
 
     @property
     def share_ppm(self) -> int:
@@ -111,7 +124,10 @@ class _Bucket:
     tag: str
     limit: int
     expire_at_ms: int
-    units: int = 0  # held: pre-debited in Redis, not drawn yet
+    units: int = 0  # held: pre-debited in Redis, not drawn yet (``closed`` included)
+    closed: int = 0  # of ``units``, not opened yet: recorded in the allowance ledger
+    tranche: int = 0  # the last grant's tranche size
+    releasing: int = 0  # never-opened units being given back (opened first, then refunded)
     deadline_ms: int = 0  # drawn from until then; the rest then goes back
     seen: int = 0  # the counter's value last answered (every replica's allowances included)
     second: int = 0
@@ -123,6 +139,17 @@ class _Bucket:
     taking: bool = False
     touched_ms: int = 0
     quiet_until_ms: int = 0  # a take found the tenant near its limit: none asked until then
+
+
+@dataclass(slots=True)
+class _Lease:
+    """This replica's allowance ledger for one tenant (allowance.lua, tranche.lua)."""
+
+    ledger: str
+    gen: str = ""  # its generation as last answered ("": none yet, or reclaimed)
+    opening: bool = False  # a tranche call in flight
+    task: asyncio.Task[None] | None = None
+    renewed_ms: int = 0
 
 
 @dataclass(slots=True)
@@ -147,6 +174,8 @@ class AllowanceStats:
     returned: int = 0
     expired: int = 0
     takes: int = 0
+    opens: int = 0
+    reclaimed: int = 0  # dead replicas' never-opened units this replica's calls gave back
 
 
 class AllowanceLimiter:
@@ -169,6 +198,7 @@ class AllowanceLimiter:
         self._ledgers: OrderedDict[str, _Local] = OrderedDict()
         self._settled: OrderedDict[str, None] = OrderedDict()
         self._returns: list[SettleCall] = []
+        self._leases: dict[str, _Lease] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._instance = uuid.uuid4().hex[:12]
@@ -230,7 +260,12 @@ class AllowanceLimiter:
         out: list[_Bucket] = []
         for c in buckets:
             st = self._states.get(c.key)
-            if st is None or not self._eligible(c) or now >= st.deadline_ms or st.units < c.amount:
+            if (
+                st is None
+                or not self._eligible(c)
+                or now >= st.deadline_ms
+                or st.units - st.closed < c.amount
+            ):
                 return None
             out.append(st)
         return out
@@ -271,8 +306,11 @@ class AllowanceLimiter:
             self.stats.local_admissions += 1
             self._saved("admit")
             self._refill(buckets, now)
+            self._open_ahead(plan)
             return AdmitResult(admitted=True, duplicate=False, values=self._values(buckets, plan))
         riders = list(settlements)
+        if local:
+            self._open_short(buckets)
         back = self._give_back_short(buckets, now) if local else None
         if back is not None:
             riders.append(back)
@@ -294,6 +332,8 @@ class AllowanceLimiter:
             raise
         if back is not None:
             self._count("returned", -sum(a.amount for a in back.adjustments))
+        if res.allowance_reclaimed:
+            self._count("reclaimed", res.allowance_reclaimed)
         if local:
             self._saw(buckets, res.values)
             if res.admitted:
@@ -325,8 +365,7 @@ class AllowanceLimiter:
         cap = max(0, (st.limit - value) * self.settings.share_ppm // 1_000_000)
         excess = st.units - cap
         if excess > 0 and excess >= max(st.largest, 1):
-            st.units -= excess
-            back.setdefault(st.tag, []).append(Adjustment(st.key, -excess, st.expire_at_ms))
+            self._release(st, excess, back)
 
     def _queue_returns(self, back: dict[str, list[Adjustment]]) -> None:
         """Send these give-backs in the background (the sweeper retries what fails)."""
@@ -360,15 +399,61 @@ class AllowanceLimiter:
 
     def _give_back_short(self, buckets: Sequence[BucketCharge], now: int) -> SettleCall | None:
         """The rest of each allowance too short for this admission, as a refund riding on it."""
-        adj: list[Adjustment] = []
-        tag = ""
-        for c in buckets:
-            st = self._states.get(c.key)
-            if st is not None and st.units > 0 and (st.units < c.amount or now >= st.deadline_ms):
-                adj.append(Adjustment(st.key, -st.units, st.expire_at_ms))
-                tag = st.tag
-                st.units = 0
+        short = [
+            st
+            for c in buckets
+            if (st := self._states.get(c.key)) is not None
+            and st.units > 0
+            and (st.units < c.amount or now >= st.deadline_ms)
+        ]
+        if not short:
+            return None
+        tag = short[0].tag
+        lease = self._leases.get(tag)
+        mine = [st for st in self._states.values() if st.tag == tag]
+        if (
+            lease is not None
+            and lease.gen
+            and not lease.opening
+            and not any(st.taking for st in mine)
+            and any(st.closed or st.releasing for st in mine)
+        ):
+            # settle the allowance ledger itself, riding on this admission: its never-opened
+            # units (every bucket of the tenant's) and the short ones' opened rest go back at
+            # once, the ledger is closed (no reclaim refunds it again; one reclaimed meanwhile
+            # has its refund put back first, settle_lib.lua), and the next take opens another
+            units: dict[str, int] = {}
+            for st in mine:
+                give = st.closed + st.releasing + (st.units - st.closed if st in short else 0)
+                st.units -= give - st.releasing
+                st.closed = st.releasing = 0
+                if give:
+                    units[st.key] = give
+            adj = [Adjustment(key, -n, self._states[key].expire_at_ms) for key, n in units.items()]
+            call = SettleCall(lease.ledger, adj, self.settings.return_ledger_ttl_ms)
+            self._leases[tag] = _Lease(f"{tag}:req:allow.{self._instance}.{next(self._serial)}")
+            return call
+        adj = []
+        for st in short:
+            opened = st.units - st.closed
+            self._release(st, st.units, None)  # the never-opened part: in the background
+            if opened > 0:
+                adj.append(Adjustment(st.key, -opened, st.expire_at_ms))
         return self._return_call(tag, adj) if adj else None
+
+    def _release(self, st: _Bucket, units: int, back: dict[str, list[Adjustment]] | None) -> None:
+        """Give back ``units`` of what ``st`` holds: the never-opened part first (opened with
+        tranche.lua, then refunded: no reclaim can refund it twice), the rest into ``back``
+        (``None``: the caller gives the opened part back itself)."""
+        units = min(units, st.units)
+        closed = min(units, st.closed)
+        st.units -= units
+        st.closed -= closed
+        if closed:
+            st.releasing += closed
+            self._schedule_open(st.tag)
+        if back is not None and units > closed:
+            back.setdefault(st.tag, []).append(Adjustment(st.key, closed - units, st.expire_at_ms))
 
     def _return_call(self, tag: str, adj: list[Adjustment]) -> SettleCall:
         ledger = f"{tag}:req:allowance.{self._instance}.{next(self._serial)}"
@@ -402,6 +487,8 @@ class AllowanceLimiter:
                 continue
             cap = (st.limit - st.seen) * s.share_ppm // 1_000_000 - st.units
             if st.seen and cap < max(st.largest, 1):
+                if st.units < c.amount:
+                    return  # near its limit: the request's other allowances would not be drawn
                 continue  # it holds its share of the room left already: a take grants nothing
             takes.append(
                 AllowanceTake(
@@ -412,6 +499,7 @@ class AllowanceLimiter:
                     s.share_ppm,
                     st.largest,
                     st.units,
+                    st.units - st.closed,
                 )
             )
         if not takes or self._closed:
@@ -429,13 +517,42 @@ class AllowanceLimiter:
         per_ms = st.drawn / elapsed
         return max(math.ceil(per_ms * self.settings.ttl_ms * 1.25), 4 * st.largest, 1)
 
+    def _lease(self, tag: str) -> _Lease:
+        lease = self._leases.get(tag)
+        if lease is None:
+            lease = self._leases[tag] = _Lease(
+                f"{tag}:req:allow.{self._instance}.{next(self._serial)}"
+            )
+        return lease
+
     async def _take(self, takes: list[AllowanceTake]) -> None:
+        s = self.settings
+        tag = self._states[takes[0].key].tag
+        lease = self._lease(tag)
+        now = self.clock.now_ms()
+        terms = AllowanceLease(
+            lease.ledger,
+            now,
+            now + s.lease_ms,
+            max(s.tranches, 1),
+            s.max_window_s * 1000 + s.lease_ms + EXPIRY_SLACK_MS,
+        )
         try:
-            results = await self.inner.take_allowances(takes)
+            results: list[AllowanceGrant | None] = await self.inner.take_allowances(takes, terms)
         except Exception:  # a wrapped limiter that raises: no allowance, admission as before
             results = [None] * len(takes)
         now = self.clock.now_ms()
         near: dict[str, list[Adjustment]] = {}
+        answered = [r for r in results if r is not None]
+        if answered:
+            lease.renewed_ms = now
+            if answered[0].reclaimed:
+                self._count("reclaimed", answered[0].reclaimed)
+            if answered[0].gen != lease.gen:
+                # a new ledger: what the old one recorded was reclaimed (or lost): those
+                # never-opened units are no longer this replica's to draw nor to give back
+                self._drop_closed(tag)
+                lease.gen = answered[0].gen
         for t, r in zip(takes, results, strict=True):
             self.stats.takes += 1
             st = self._states.get(t.key)
@@ -444,7 +561,7 @@ class AllowanceLimiter:
                 if st is not None:
                     st.taking = False
                 continue
-            grant, value = r
+            grant, value = r.granted, r.value
             if st is None:  # forgotten meanwhile (cannot happen while taking): give it back
                 name = counter_name(t.key)
                 if grant and name is not None:
@@ -457,6 +574,9 @@ class AllowanceLimiter:
                 self._count_take("granted")
                 self._count("taken", grant)
                 st.units += grant
+                st.tranche = max(-(-(t.held + grant) // max(s.tranches, 1)), t.least)
+                # what brings the open part up to one tranche is open at once (allowance.lua)
+                st.closed += grant - max(0, min(grant, st.tranche - t.opened))
                 st.deadline_ms = now + self.settings.ttl_ms
             elif (t.limit - value) * t.share_ppm // 1_000_000 >= max(t.least, 1):
                 self._count_take("none")  # it holds its share already: not near the limit
@@ -467,14 +587,115 @@ class AllowanceLimiter:
                 self._count_take("none")
                 st.quiet_until_ms = now + self.settings.ttl_ms
                 if st.units > 0:
-                    near.setdefault(st.tag, []).append(
-                        Adjustment(st.key, -st.units, st.expire_at_ms)
-                    )
-                    st.units = 0
-        for tag, adj in near.items():
-            self._returns.append(self._return_call(tag, adj))
+                    self._release(st, st.units, near)
+        for rtag, adj in near.items():
+            self._returns.append(self._return_call(rtag, adj))
         if near:
             await self._flush_returns()
+
+    # -- tranches ------------------------------------------------------------------------------
+
+    def _drop_closed(self, tag: str) -> None:
+        """The tenant's allowance ledger was reclaimed: forget its never-opened units."""
+        for st in self._states.values():
+            if st.tag == tag and (st.closed or st.releasing):
+                st.units -= st.closed
+                st.closed = 0
+                st.releasing = 0
+
+    def _needs_open(self, st: _Bucket) -> bool:
+        return st.closed > 0 and st.units - st.closed < max(st.tranche // 2, st.largest, 1)
+
+    def _open_short(self, buckets: Sequence[BucketCharge]) -> None:
+        """An allowance that holds the amount but has not opened enough of it: open the next
+        tranche now (this call goes to Redis; the next ones draw from it)."""
+        for c in buckets:
+            st = self._states.get(c.key)
+            if st is not None and st.closed and st.units - st.closed < c.amount <= st.units:
+                self._schedule_open(st.tag)
+
+    def _open_ahead(self, plan: Sequence[_Bucket]) -> None:
+        """Open the next tranche, in the background, of each allowance half drawn."""
+        for st in plan:
+            if self._needs_open(st):
+                self._schedule_open(st.tag)
+
+    def _schedule_open(self, tag: str) -> None:
+        lease = self._lease(tag)
+        if lease.opening or self._closed or not lease.gen:
+            return
+        lease.opening = True
+        task = lease.task = asyncio.get_running_loop().create_task(self._open(tag, lease))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _open(self, tag: str, lease: _Lease) -> None:
+        """tranche.lua for the tenant: open a tranche of each allowance that needs one and
+        the never-opened units being given back (then refunded as opened ones)."""
+        try:
+            for _ in range(4):  # what became due meanwhile, a few times at most
+                plan: list[tuple[_Bucket, int, int]] = []
+                for st in self._states.values():
+                    if st.tag != tag:
+                        continue
+                    ahead = min(st.closed, st.tranche) if self._needs_open(st) else 0
+                    if ahead or st.releasing:
+                        plan.append((st, st.releasing, ahead))
+                if not plan or not lease.gen:
+                    return
+                gen = lease.gen
+                opener = getattr(self.inner, "open_tranches", None)
+                if opener is None:
+                    return
+                items = [(st.key, rel + ahead) for st, rel, ahead in plan]
+                try:
+                    ok: bool | None = await opener(lease.ledger, gen, items)
+                except Exception:
+                    ok = None
+                self.stats.opens += 1
+                if ok is None:
+                    return  # the sweeper tries again
+                if lease.gen != gen:
+                    return  # a newer ledger meanwhile: this one's units were dropped already
+                if not ok:  # reclaimed (a lease renewal lost): its record went back already
+                    self._drop_closed(tag)
+                    lease.gen = ""
+                    return
+                back: dict[str, list[Adjustment]] = {}
+                for st, rel, ahead in plan:
+                    st.releasing -= rel
+                    opened = min(ahead, st.closed)
+                    st.closed -= opened
+                    # what a give-back moved out of ``closed`` meanwhile: opened, so refunded
+                    refund = rel + ahead - opened
+                    st.releasing -= ahead - opened
+                    if refund > 0:
+                        back.setdefault(tag, []).append(
+                            Adjustment(st.key, -refund, st.expire_at_ms)
+                        )
+                if back:
+                    self._queue_returns(back)
+        finally:
+            lease.opening = False
+
+    async def _renew_leases(self, force: bool = False) -> None:
+        """Renew the allowance ledgers that still record never-opened units (every third
+        of the lease), as the gateway renews its reservations."""
+        now = self.clock.now_ms()
+        s = self.settings
+        held = {st.tag for st in self._states.values() if st.closed or st.releasing}
+        due = [
+            lease.ledger
+            for tag, lease in self._leases.items()
+            if tag in held and lease.gen and (force or now - lease.renewed_ms >= s.lease_ms // 3)
+        ]
+        if not due:
+            return
+        with contextlib.suppress(Exception):
+            await self.inner.renew(due, now + s.lease_ms)
+            for lease in self._leases.values():
+                if lease.ledger in due:
+                    lease.renewed_ms = now
 
     # -- stream charges ------------------------------------------------------------------------
 
@@ -508,9 +729,12 @@ class AllowanceLimiter:
                 loc.last_local = (seq, tuple(drawn))
                 self.stats.local_charges += 1
                 self._saved("charge")
+                self._open_ahead(plan)
                 return ChargeResult(
                     granted=amount, exhausted=False, values=self._values(buckets, plan)
                 )
+            if seq > loc.seq:
+                self._open_short(buckets)
             res = await self.inner.charge(
                 ledger, seq, buckets, amount, strict=strict, ledger_ttl_ms=ledger_ttl_ms
             )
@@ -547,7 +771,7 @@ class AllowanceLimiter:
                 self._put_back(a.key, -a.amount, now, to_redis, a.expire_at_ms)
             elif a.amount > 0:
                 st = self._states.get(a.key)
-                if st is not None and now < st.deadline_ms and st.units >= a.amount:
+                if st is not None and now < st.deadline_ms and st.units - st.closed >= a.amount:
                     st.units -= a.amount
                 else:
                     to_redis.append(a)
@@ -663,10 +887,17 @@ class AllowanceLimiter:
     async def renew(
         self, ledgers: list[str], until_ms: int, *, held: dict[str, list[str]] | None = None
     ) -> None:
-        """Renew the leases of the requests admitted by Redis (local ones hold none)."""
+        """Renew the leases of the requests admitted by Redis (local ones hold none) and of
+        this replica's allowance ledgers that record never-opened units."""
         remote = [led for led in ledgers if led not in self._ledgers]
+        tags = {st.tag for st in self._states.values() if st.closed or st.releasing}
+        leases = [self._leases[t] for t in tags if t in self._leases and self._leases[t].gen]
+        remote += [lease.ledger for lease in leases]
         if remote:
             await self.inner.renew(remote, until_ms, held=held)
+            now = self.clock.now_ms()
+            for lease in leases:
+                lease.renewed_ms = now
 
     # -- giving back ---------------------------------------------------------------------------
 
@@ -675,12 +906,18 @@ class AllowanceLimiter:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
 
     async def _sweep_loop(self) -> None:
-        tick = max(self.settings.ttl_ms / 4000, 0.05)
+        # a quarter of an allowance's time, and often enough to renew the allowance ledgers'
+        # leases every third of theirs
+        tick = max(min(self.settings.ttl_ms / 4000, self.settings.lease_ms / 6000), 0.05)
         while True:
             await asyncio.sleep(tick)
             self.sweep()
+            for tag in list(self._leases):
+                if any(st.tag == tag and st.releasing for st in self._states.values()):
+                    self._schedule_open(tag)
             if self._returns:
                 await self._flush_returns()
+            await self._renew_leases()
 
     def sweep(self) -> None:
         """Give back what allowances past their time hold; drop those whose window ended and
@@ -693,17 +930,34 @@ class AllowanceLimiter:
                     self._count("expired", st.units)
                 if not st.taking:
                     del self._states[key]
-                st.units = 0
+                st.units = st.closed = st.releasing = 0
                 continue
             if st.units and now >= st.deadline_ms:
-                back.setdefault(st.tag, []).append(Adjustment(key, -st.units, st.expire_at_ms))
-                st.units = 0
-            elif not st.units and not st.taking and now - st.touched_ms > IDLE_MS:
+                self._release(st, st.units, back)
+            elif (
+                not st.units
+                and not st.releasing
+                and not st.taking
+                and now - st.touched_ms > IDLE_MS
+            ):
                 del self._states[key]
         for tag, adj in back.items():
             self._returns.append(self._return_call(tag, adj))
 
+    async def _release_now(self) -> None:
+        """Open (then refund) the never-opened units being given back, now."""
+        for tag, lease in list(self._leases.items()):
+            if lease.task is not None and not lease.task.done():
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(lease.task)
+            if not lease.opening and any(
+                st.tag == tag and st.releasing for st in self._states.values()
+            ):
+                lease.opening = True
+                await self._open(tag, lease)
+
     async def _flush_returns(self) -> None:
+        await self._release_now()
         calls, self._returns = self._returns, []
         if not calls:
             return
@@ -753,6 +1007,8 @@ class AllowanceLimiter:
             self.stats.returned += units
         elif event == "expired":
             self.stats.expired += units
+        elif event == "reclaimed":
+            self.stats.reclaimed += units
         m = self.metrics
         if m is not None and units > 0:
             m.allowance_units.labels(event).inc(units)

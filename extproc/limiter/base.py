@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 
@@ -44,6 +44,8 @@ class AdmitResult:
     values: tuple[int, ...]
     reclaimed: tuple[Reclaimed, ...] = ()
     settled: tuple[bool, ...] = ()
+    #: never-opened allowance units of dead replicas this call gave back (their leases ran out)
+    allowance_reclaimed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,14 +105,54 @@ class AllowanceTake:
     share_ppm: int
     least: int = 1
     held: int = 0
+    #: with a lease: the units of this counter the replica holds open (a grant opens what
+    #: brings them up to one of its tranches at once; the rest is recorded, in tranches)
+    opened: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AllowanceLease:
+    """How a take is leased (allowance.lua): the replica's allowance ledger for the tenant
+    (``ledger``, next to its request ledgers), leased until ``until_ms`` like a reservation;
+    a grant is split into ``tranches`` (the first open at once, the rest recorded in the
+    ledger until opened, given back by a reclaim if the lease runs out)."""
+
+    ledger: str
+    now_ms: int
+    until_ms: int
+    tranches: int
+    ttl_ms: int
+
+
+class AllowanceGrant(NamedTuple):
+    """A take's answer for one counter: units granted, the counter's value after, the
+    allowance ledger's generation (a new one: what the replica recorded in the old one is
+    gone, reclaimed or lost), and the units of dead replicas' allowances the call reclaimed
+    (on the first item of a call)."""
+
+    granted: int
+    value: int
+    gen: str = ""
+    reclaimed: int = 0
 
 
 class AllowanceTaker(Protocol):
     """A limiter that pre-debits allowances for one replica (Redis and in-memory limiters)."""
 
-    async def take_allowances(self, items: list[AllowanceTake]) -> list[tuple[int, int] | None]:
-        """Per item (granted units, counter value after), or None when its call failed.
-        Never raises for Redis."""
+    async def take_allowances(
+        self, items: list[AllowanceTake], lease: AllowanceLease | None = None
+    ) -> list[AllowanceGrant | None]:
+        """Per item (granted units, counter value after, ...), or None when its call failed.
+        Every item is of one tenant (one hash tag).  Never raises for Redis."""
+        ...
+
+    async def open_tranches(
+        self, ledger: str, gen: str, items: list[tuple[str, int]]
+    ) -> bool | None:
+        """Open (counter, units) tranches of one allowance ledger (tranche.lua): True opened
+        (the replica may draw from them), False the ledger of generation ``gen`` is no longer
+        held (reclaimed: nothing opened), None the call failed (nothing opened here; if it ran after all, the
+        record is only lower).  Never raises."""
         ...
 
 

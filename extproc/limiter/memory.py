@@ -19,6 +19,7 @@ methods let a test set up and inspect the state a Redis test reads with its own 
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
@@ -29,6 +30,8 @@ from extproc.core.rules import RATE_SCALE, Adjustment, BucketCharge, Unconfirmed
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import (
     AdmitResult,
+    AllowanceGrant,
+    AllowanceLease,
     AllowanceTake,
     ChargeCall,
     ChargeResult,
@@ -78,6 +81,7 @@ class _Ledger:
     slots: dict[str, None] = field(default_factory=dict)
     draft: str | None = None
     expire_at: int | None = None
+    gen: str = ""  # an allowance ledger's generation ("": a request's ledger)
 
 
 _Entry = _Counter | _Scored | _Ledger
@@ -186,7 +190,8 @@ class MemoryLimiter:
         settled = tuple(self._settle_one(c) for c in settlements)
         now = self.clock.now_ms()
         open_set = open_key(ledger)
-        reclaimed = self._reclaim(open_set, now_ms, now) if now_ms > 0 else []
+        alw = [0]
+        reclaimed = self._reclaim(open_set, now_ms, now, alw) if now_ms > 0 else []
         vals: list[int] = []
         prev: list[int] = []
         for b in buckets:
@@ -200,7 +205,7 @@ class MemoryLimiter:
                 vals.append(value)
                 prev.append(share)
         if self._entry(ledger, now) is not None:
-            return AdmitResult(False, True, tuple(vals), tuple(reclaimed), settled)
+            return AdmitResult(False, True, tuple(vals), tuple(reclaimed), settled, alw[0])
         ok = all(
             b.shadow or b.amount <= 0 or vals[i] + b.amount <= b.limit
             for i, b in enumerate(buckets)
@@ -225,13 +230,13 @@ class MemoryLimiter:
                 if record_draft:
                     led.draft = record_draft
             self._expire_at(ledger, now + ledger_ttl_ms, now)
-            return AdmitResult(True, False, tuple(vals), tuple(reclaimed), settled)
+            return AdmitResult(True, False, tuple(vals), tuple(reclaimed), settled, alw[0])
         if count_refused:
             for i, b in enumerate(buckets):
                 if b.kind == "rpm":
                     vals[i] = self._incr(b.key, 1, now) + prev[i]
                     self._expire_at(b.key, b.expire_at_ms, now)
-        return AdmitResult(False, False, tuple(vals), tuple(reclaimed), settled)
+        return AdmitResult(False, False, tuple(vals), tuple(reclaimed), settled, alw[0])
 
     def _drop_scores_up_to(self, key: str, limit: int, now: int) -> None:
         """ZREMRANGEBYSCORE key -inf limit (slots whose lease ran out)."""
@@ -244,12 +249,20 @@ class MemoryLimiter:
         if not z.members:
             del self._keys[key]
 
-    def _reclaim(self, open_set: str, now_ms: int, now: int) -> list[Reclaimed]:
-        """Settle up to :data:`RECLAIM_BATCH` reservations whose lease ended by ``now_ms``."""
+    def _reclaim(
+        self, open_set: str, now_ms: int, now: int, alw: list[int], *, only_alw: bool = False
+    ) -> list[Reclaimed]:
+        """Settle up to :data:`RECLAIM_BATCH` reservations whose lease ended by ``now_ms``
+        (``only_alw``: allowance ledgers only, allowance.lua's); ``alw[0]`` counts the
+        allowance units given back."""
         z = self._typed(open_set, _Scored, now)
         if z is None:
             return []
-        dead = [m for m, score in z.ordered() if score <= now_ms][:RECLAIM_BATCH]
+        dead = [m for m, score in z.ordered() if score <= now_ms]
+        if only_alw:
+            dead = dead[: 2 * RECLAIM_BATCH]
+            dead = [m for m in dead if (led := self._typed(m, _Ledger, now)) and led.gen]
+        dead = dead[:RECLAIM_BATCH]
         out: list[Reclaimed] = []
         for name in dead:
             self._zrem(open_set, name, now)
@@ -257,6 +270,8 @@ class MemoryLimiter:
             if led is None or led.state != "admitted":
                 continue
             for key, units in led.refundable.items():
+                if led.gen and units > 0 and self._entry(key, now) is not None:
+                    alw[0] += units
                 self._take(key, units, now)
             for key in led.slots:
                 self._zrem(key, name, now)
@@ -412,11 +427,33 @@ class MemoryLimiter:
                 break
         return out + [None] * (len(items) - len(out))
 
-    async def take_allowances(self, items: list[AllowanceTake]) -> list[tuple[int, int] | None]:
-        """As ``allowance.lua``: per item (granted, value after)."""
+    async def take_allowances(
+        self, items: list[AllowanceTake], lease: AllowanceLease | None = None
+    ) -> list[AllowanceGrant | None]:
+        """As ``allowance.lua``: per item (granted, value after, the allowance ledger's
+        generation, units reclaimed on the first)."""
         self.round_trips += 1
         now = self.clock.now_ms()
-        out: list[tuple[int, int] | None] = []
+        alw = [0]
+        gen = ""
+        led: _Ledger | None = None
+        tranches = 1
+        if lease is not None:
+            open_set = open_key(lease.ledger)
+            self._reclaim(open_set, lease.now_ms, now, alw, only_alw=True)
+            tranches = max(lease.tranches, 1)
+            led = self._typed(lease.ledger, _Ledger, now)
+            if led is None or led.state != "admitted":
+                self._keys.pop(lease.ledger, None)
+                led = self._ledger(lease.ledger, now)
+                led.state, led.gen = "admitted", uuid.uuid4().hex
+            gen = led.gen
+            self._expire_at(lease.ledger, now + lease.ttl_ms, now)
+            self._zadd(open_set, lease.ledger, lease.until_ms, now)
+            z = self._typed(open_set, _Scored, now)
+            if z is not None and (z.expire_at is None or z.expire_at < now + lease.ttl_ms):
+                z.expire_at = now + lease.ttl_ms
+        out: list[AllowanceGrant | None] = []
         for t in items:
             value = self._counter_value(t.key, now)
             room = t.limit - value
@@ -426,8 +463,27 @@ class MemoryLimiter:
             if grant > 0:
                 value = self._incr(t.key, grant, now)
                 self._expire_at(t.key, t.expire_at_ms, now)
-            out.append((grant, value))
+                tranche = max(-(-(t.held + grant) // tranches), t.least)
+                closed = grant - max(0, min(grant, tranche - t.opened))
+                if led is not None and closed > 0:
+                    led.refundable[t.key] = led.refundable.get(t.key, 0) + closed
+            out.append(AllowanceGrant(grant, value, gen, alw[0] if not out else 0))
         return out
+
+    async def open_tranches(
+        self, ledger: str, gen: str, items: list[tuple[str, int]]
+    ) -> bool | None:
+        """As ``tranche.lua``: take the units off the ledger's record if it is still held
+        (same generation)."""
+        self.round_trips += 1
+        now = self.clock.now_ms()
+        led = self._typed(ledger, _Ledger, now)
+        if led is None or led.state != "admitted" or led.gen != gen:
+            return False
+        for key, units in items:
+            rec = led.refundable.get(key, 0)
+            led.refundable[key] = rec - min(rec, units)
+        return True
 
     async def note_inputs(self, notes: list[InputNote]) -> list[bool | None]:
         """note.lua: each note once, into a ledger still open."""

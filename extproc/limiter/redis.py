@@ -49,6 +49,8 @@ from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import (
     MAX_RIDERS,
     AdmitResult,
+    AllowanceGrant,
+    AllowanceLease,
     AllowanceTake,
     ChargeCall,
     ChargeResult,
@@ -201,6 +203,7 @@ class RedisLimiter:
         self._rls = client.register_script(load_script("rls"))
         self._note = client.register_script(load_script("note"))
         self._allowance = client.register_script(load_script("allowance"))
+        self._tranche = client.register_script(load_script("tranche"))
         self._export_state()
         # Redis HA: acknowledged charges kept journal_s seconds and replayed to a new master
         # (extproc.limiter.failover); 0 turns it off.
@@ -214,6 +217,7 @@ class RedisLimiter:
                     "settle": self._settle,
                     "rls": self._rls,
                     "allowance": self._allowance,
+                    "tranche": self._tranche,
                 },
                 Journal(window_s=journal_s),
                 metrics=metrics,
@@ -462,6 +466,7 @@ class RedisLimiter:
                 for i in range(0, len(flat) - 3, 4)
             ),
             settled=tuple(bool(int(v)) for v in settled),
+            allowance_reclaimed=int(res[4]) if len(res) > 4 else 0,
         )
 
     def rides_with(self, ledger: str) -> Callable[[str], bool]:
@@ -645,13 +650,16 @@ class RedisLimiter:
         await self._per_slot([n.ledger for n in notes], one)
         return out
 
-    async def take_allowances(self, items: list[AllowanceTake]) -> list[tuple[int, int] | None]:
+    async def take_allowances(
+        self, items: list[AllowanceTake], lease: AllowanceLease | None = None
+    ) -> list[AllowanceGrant | None]:
         """Take allowances with ``allowance.lua``, one call per Cluster slot (grouped as
-        :meth:`settle_many`): per item (granted, value after), None when its call failed.
+        :meth:`settle_many`): per item (granted, value after, ...), None when its call failed.
         Each call carries a fresh id, so a retry after a timeout grants nothing twice; a take
         that granted is journalled and replayed, with its grants, to a new master after a
-        failover (the units the replica holds stay counted)."""
-        out: list[tuple[int, int] | None] = [None] * len(items)
+        failover (the units the replica holds stay counted).  With a ``lease`` (every item of
+        the lease ledger's tenant), the grants are recorded in tranches in that ledger."""
+        out: list[AllowanceGrant | None] = [None] * len(items)
 
         async def one(idx: list[int]) -> bool:
             first = items[idx[0]].key
@@ -660,27 +668,58 @@ class RedisLimiter:
             for i in idx:
                 t = items[i]
                 args += [t.want, t.limit, t.expire_at_ms, t.share_ppm, t.least, t.held]
+                args.append(t.opened)
+            tail: list[Any] = []
+            if lease is not None:
+                keys += [lease.ledger, open_key(lease.ledger)]
+                tail = [lease.now_ms, lease.until_ms, max(lease.tranches, 1), lease.ttl_ms]
             where = self._owner(first)
             try:
                 res = await self._call(
                     "an allowance",
                     "allowance",
-                    _script_call(self._allowance, keys, args),
+                    _script_call(self._allowance, keys, args + tail),
                     slot=where[0],
                 )
             except LimiterUnavailable:
                 return False
+            grants, reclaimed, gen = res[0], int(res[1]), _str(res[2])
             replay: list[Any] = [RLS_CALL_ID_TTL_MS, "1"]
-            for i, v in zip(idx, res, strict=True):
-                out[i] = (int(v[0]), int(v[1]))
+            for n, (i, v) in enumerate(zip(idx, grants, strict=True)):
+                out[i] = AllowanceGrant(int(v[0]), int(v[1]), gen, reclaimed if n == 0 else 0)
                 t = items[i]
                 replay += [int(v[0]), t.limit, t.expire_at_ms, t.share_ppm, t.least, t.held]
-            if any(int(v[0]) > 0 for v in res):
-                self._journal("allowance", keys, replay, RLS_CALL_ID_TTL_MS, where)
+                replay.append(t.opened)
+            if any(int(v[0]) > 0 for v in grants):
+                self._journal("allowance", keys, replay + tail, RLS_CALL_ID_TTL_MS, where)
             return True
 
         await self._per_slot([t.key for t in items], one)
         return out
+
+    async def open_tranches(
+        self, ledger: str, gen: str, items: list[tuple[str, int]]
+    ) -> bool | None:
+        """Open allowance tranches with ``tranche.lua`` (one call: every counter of the
+        ledger's tenant); journalled like a take, so a new master's record is not left
+        higher than what the replica has unopened."""
+        if not items:
+            return True
+        keys = [call_id_key(ledger, uuid.uuid4().hex), ledger] + [k for k, _ in items]
+        args: list[Any] = [RLS_CALL_ID_TTL_MS, gen] + [units for _, units in items]
+        where = self._owner(ledger)
+        try:
+            res = await self._call(
+                "an allowance tranche",
+                "tranche",
+                _script_call(self._tranche, keys, args),
+                slot=where[0],
+            )
+        except LimiterUnavailable:
+            return None
+        if int(res) == 1:
+            self._journal("tranche", keys, args, RLS_CALL_ID_TTL_MS, where)
+        return int(res) == 1
 
     async def _per_slot(
         self, ledgers: list[str], call: Callable[[list[int]], Awaitable[bool]]

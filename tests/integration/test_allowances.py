@@ -39,7 +39,10 @@ class Pair:
 
     @property
     def round_trips(self) -> int:
-        """Calls both replicas made to the shared store."""
+        """Calls both replicas made to the shared store (one count when they share one
+        in-memory store, whose counter already holds both)."""
+        if self.a.inner is self.b.inner:
+            return self.a.round_trips
         return self.a.round_trips + self.b.round_trips
 
     async def value(self, key: str) -> int:
@@ -240,7 +243,7 @@ async def test_stream_charges_and_refunds_stay_local(pair: Pair) -> None:
     ledger = f"{tag}:req:stream"
     res = await lim.admit(ledger, bs, tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL)
     assert res.admitted
-    trips = lim.round_trips
+    trips, background = lim.round_trips, lim.stats.opens + lim.stats.takes
     tok = [BucketCharge(tpm, "tpm", 20, 10**8, bs[1].expire_at_ms)]
     for seq in (1, 2, 3):
         got = await lim.charge(ledger, seq, tok, 20, strict=True, ledger_ttl_ms=TTL)
@@ -249,7 +252,8 @@ async def test_stream_charges_and_refunds_stay_local(pair: Pair) -> None:
     adj = [Adjustment(tpm, -30, bs[1].expire_at_ms)]
     assert await lim.settle(ledger, adj, ledger_ttl_ms=TTL)
     assert not await lim.settle(ledger, adj, ledger_ttl_ms=TTL)
-    assert lim.round_trips == trips  # no Redis call for any of it
+    # no Redis call for any of it (a take or a tranche opening may run in the background)
+    assert lim.round_trips - trips <= lim.stats.opens + lim.stats.takes - background
     truth += 130
     await lim.give_back()
     assert await pair.value(tpm) == truth
@@ -270,7 +274,7 @@ async def test_a_take_is_idempotent_and_replayed_after_a_failover(
     try:
         _, _, tpm = tenant_keys()
         [got] = await lim.take_allowances([AllowanceTake(tpm, 500, 10_000, far(), 100_000)])
-        assert got == (500, 500)
+        assert got is not None and got[:2] == (500, 500)
         assert lim.failover is not None
         [entry] = [e for e in lim.failover.journal if e.script == "allowance"]
         replay = lim._allowance  # the registered script, as the failover replays it
@@ -283,3 +287,64 @@ async def test_a_take_is_idempotent_and_replayed_after_a_failover(
     finally:
         await rds.aclose()
         await lim.close()
+
+
+async def test_a_dead_replicas_unopened_tranches_are_reclaimed(pair: Pair) -> None:
+    """A replica that stops (no renewal, no give-back: it died) holding allowances: once its
+    allowance ledger's lease has run out, the tenant's next admission (admit.lua's reclaim, as
+    for a request's ledger) gives the never-opened tranches back to the counter; what it had
+    opened and not used stays counted (the stated leak).  Its late give-back, if it ever came,
+    refunds nothing twice."""
+    tag, rpm, tpm = tenant_keys()
+    lease_ms = 600
+    settings = AllowanceSettings(share=0.1, ttl_ms=60_000, min_rate=2, lease_ms=lease_ms)
+    dead = AllowanceLimiter(pair.a.inner, settings)
+    truth = 0
+    for n in range(200):
+        bs = charges(rpm, tpm, 200, rpm_limit=1_000_000, tpm_limit=10_000_000)
+        assert await one_request(dead, tag, n, bs, 120)
+        truth += 120
+        for t in list(dead._tasks):
+            await t
+        st = dead._states.get(tpm)
+        if dead.stats.local_admissions >= 10 and st is not None and st.closed > 0:
+            break
+    st = dead._states[tpm]
+    closed = sum(s.closed for s in dead._states.values() if s.key == tpm)
+    opened = st.units - st.closed
+    assert closed > 0 and opened >= 0
+    # it dies: its background work stops, nothing is given back, nothing renewed
+    assert dead._sweeper is not None
+    dead._sweeper.cancel()
+    for t in list(dead._tasks):
+        t.cancel()
+    held_at_death = await pair.value(tpm)
+    assert held_at_death == truth + st.units
+    # the lease runs out (waited on by its deadline, bounded); the next admission reclaims
+    deadline = time.monotonic() + lease_ms / 1000 + 5
+    while True:
+        now = int(time.time() * 1000)
+        bs = charges(rpm, tpm, 100, rpm_limit=1_000_000, tpm_limit=10_000_000)
+        res = await pair.b.admit(
+            f"{tag}:req:after.{now}",
+            bs,
+            tpm_charged=100,
+            count_refused=False,
+            ledger_ttl_ms=TTL,
+            now_ms=now,
+        )
+        assert res.admitted
+        await pair.b.settle_many([SettleCall(f"{tag}:req:after.{now}", [], TTL)])
+        truth += 100
+        for t in list(pair.b._tasks):
+            await t
+        if pair.b.stats.reclaimed:  # by its admission (admit.lua) or its take (allowance.lua)
+            break
+        assert time.monotonic() < deadline, "the dead replica's tranches were never reclaimed"
+        await asyncio.sleep(0.05)
+    rpm_st = dead._states.get(rpm)
+    assert pair.b.stats.reclaimed == closed + (rpm_st.closed if rpm_st else 0)
+    # the leak: what it had opened and not used, no more
+    await pair.b.give_back()
+    assert await pair.value(tpm) == truth + opened
+    assert opened <= 1.5 * st.tranche + 200

@@ -204,3 +204,60 @@ async def test_requests_never_settled_do_not_stop_allowances(
     assert lim.stats.local_admissions == local + 10
     assert len(lim._ledgers) == 5
     await lim.close()
+
+
+async def test_a_lease_lost_while_alive_never_lets_reclaimed_units_be_drawn_or_refunded_twice() -> (
+    None
+):
+    """The allowance ledger's lease runs out while the replica lives (its renewals lost): the
+    next admission reclaims the never-opened tranches; the replica's next take (a new ledger
+    generation) or opening (refused) tells it, so it never draws from them, and its give-back
+    refunds only what it still holds: the counter ends exactly at what the requests used."""
+    LIMIT = 200_000  # noqa: N806  (room for a few tranches of a few thousand tokens)
+    clock = FakeClock()
+    store = MemoryLimiter(clock)
+    lim = AllowanceLimiter(
+        store,
+        AllowanceSettings(min_rate=2, ttl_ms=60_000, lease_ms=1_000),
+        clock=clock,
+        metrics=Metrics(),
+    )
+    truth = 0
+    for i in range(30):
+        assert await admit(lim, 2000 + i, charges(clock, 100, LIMIT))
+        await lim.settle_many([SettleCall(f"{TAG}:req:{2000 + i}", [], TTL)])
+        truth += 100
+        for t in list(lim._tasks):
+            await t
+        if lim._states[TPM].closed and lim.stats.local_admissions:
+            break
+    st = lim._states[TPM]
+    closed, held = st.closed, st.units
+    assert closed > 0
+    assert store.counter(TPM) == truth + held
+    clock.advance(1.5)  # the lease ran out, no renewal
+    other = await store.admit(
+        f"{TAG}:req:other",
+        charges(clock, 100, LIMIT),
+        tpm_charged=100,
+        count_refused=False,
+        ledger_ttl_ms=TTL,
+        now_ms=clock.now_ms(),
+    )
+    assert other.admitted and other.allowance_reclaimed >= closed
+    truth += 100
+    assert store.counter(TPM) == truth + held - closed
+    # the replica goes on: its next take (a new ledger generation) or opening (refused) tells
+    # it the old record is gone; it never draws from the reclaimed units
+    old_gen = lim._leases[TAG].gen
+    for n in range(60):
+        assert await admit(lim, 3000 + n, charges(clock, 100, LIMIT))
+        await lim.settle_many([SettleCall(f"{TAG}:req:{3000 + n}", [], TTL)])
+        truth += 100
+        for t in list(lim._tasks):
+            await t
+    await lim._flush_returns()
+    assert lim._leases[TAG].gen != old_gen
+    await lim.give_back()
+    assert store.counter(TPM) == truth  # nothing drawn unpaid, nothing refunded twice
+    await lim.close()

@@ -163,10 +163,14 @@ def test_allowance_settings_are_read_and_bounded() -> None:
             "AIQ_ALLOWANCE_TTL_MS": "500",
             "AIQ_ALLOWANCE_MIN_RATE": "3",
             "AIQ_ALLOWANCE_MAX_WINDOW_S": "86400",
+            "AIQ_ALLOWANCE_TRANCHES": "8",
         }
     )
     assert s.allowances and s.allowance_share == 0.2 and s.allowance_ttl_ms == 500
     assert s.allowance_min_rate == 3 and s.allowance_max_window_s == 86400
+    assert s.allowance_tranches == 8 and Settings.from_env({}).allowance_tranches == 4
+    with pytest.raises(SettingsError, match="AIQ_ALLOWANCE_TRANCHES"):
+        Settings.from_env({"AIQ_ALLOWANCE_TRANCHES": "0"})
     assert Settings.from_env({}).allowances is False  # off by default
     with pytest.raises(SettingsError, match="AIQ_ALLOWANCE_SHARE"):
         Settings.from_env({"AIQ_ALLOWANCE_SHARE": "0.9"})  # more than half the room: refused

@@ -36,7 +36,11 @@
 -- usage record its dead processor could not.  The refundable part ("r:" fields) holds the
 -- reserved output and, once noted, what admission charged beyond the exact input.
 --
--- Returns {status, {value per bucket}, {ledger, draft, charged, input, ...}, {rider results}}:
+-- A replica's allowance ledger (field "alw", allowance.lua) is reclaimed the same way: its "r:"
+-- fields are the allowance units the dead replica never opened, given back to their counters.
+--
+-- Returns {status, {value per bucket}, {ledger, draft, charged, input, ...}, {rider results},
+-- allowance units reclaimed}:
 -- status 1 admitted (values after charging), 0 refused (values as found), 2 duplicate
 -- request id (nothing charged; values as found); per rider 1 applied, 0 already settled.
 local riders, K0, A0 = settle_all(1, 1)
@@ -50,17 +54,23 @@ local now = tonumber(ARGV[A0 + tail] or '0')
 local lease_until = tonumber(ARGV[A0 + tail + 1] or '0')
 local draft = ARGV[A0 + tail + 2] or ''
 local reclaimed = {}
+local alw = 0
 if now > 0 then
   local dead = redis.call('ZRANGEBYSCORE', open, '-inf', now, 'LIMIT', 0, 8)
   for _, led in ipairs(dead) do
     redis.call('ZREM', open, led)
     if redis.call('HGET', led, 'state') == 'admitted' then
       local fields = redis.call('HGETALL', led)
+      local is_alw = redis.call('HGET', led, 'alw') == '1'
       for j = 1, #fields, 2 do
         local tag = string.sub(fields[j], 1, 2)
         local key = string.sub(fields[j], 3)
         if tag == 'r:' then
-          take(key, tonumber(fields[j + 1]))
+          local units = tonumber(fields[j + 1])
+          if is_alw and units > 0 and redis.call('EXISTS', key) == 1 then
+            alw = alw + units
+          end
+          take(key, units)
         elseif tag == 'c:' then
           redis.call('ZREM', key, led)
         end
@@ -95,7 +105,7 @@ for i = 1, n do
   end
 end
 if redis.call('EXISTS', KEYS[K0 + 1]) == 1 then
-  return {2, vals, reclaimed, riders}
+  return {2, vals, reclaimed, riders, alw}
 end
 local ok = true
 for i = 1, n do
@@ -135,7 +145,7 @@ if ok then
     end
   end
   redis.call('PEXPIRE', KEYS[K0 + 1], ARGV[A0 + 1])
-  return {1, vals, reclaimed, riders}
+  return {1, vals, reclaimed, riders, alw}
 end
 if ARGV[A0 + 2] == '1' then
   for i = 1, n do
@@ -146,4 +156,4 @@ if ARGV[A0 + 2] == '1' then
     end
   end
 end
-return {0, vals, reclaimed, riders}
+return {0, vals, reclaimed, riders, alw}
