@@ -4,7 +4,6 @@ charged, so nothing needs the exact figure."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -15,13 +14,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.clock import FakeClock
 from extproc.config import load_config_text
 from extproc.core.lifecycle import Closed
-from extproc.core.rules import BucketCharge
-from extproc.errors import LimiterUnavailable
 from extproc.gateway import Gateway
-from extproc.limiter.base import AdmitResult, SettleCall
 from extproc.limiter.memory import MemoryLimiter
 from extproc.metrics import Metrics
 from extproc.server.processor import RequestProcessor
+from tests.limiters import RecordingLimiter
 
 pytestmark = pytest.mark.unit
 
@@ -33,39 +30,6 @@ plans:
 tenants:
   o: {plan: open, keys: [{name: ko, plaintext: sk-o}]}
 """
-
-
-class Flaky(MemoryLimiter):
-    """The in-memory limiter, whose admissions fail while ``down``."""
-
-    down = False
-
-    async def admit(
-        self,
-        ledger: str,
-        buckets: list[BucketCharge],
-        *,
-        tpm_charged: int,
-        count_refused: bool,
-        ledger_ttl_ms: int,
-        now_ms: int = 0,
-        lease_until_ms: int = 0,
-        record_draft: str = "",
-        settlements: Sequence[SettleCall] = (),
-    ) -> AdmitResult:
-        if self.down:
-            raise LimiterUnavailable("Redis is down")
-        return await super().admit(
-            ledger,
-            buckets,
-            tpm_charged=tpm_charged,
-            count_refused=count_refused,
-            ledger_ttl_ms=ledger_ttl_ms,
-            now_ms=now_ms,
-            lease_until_ms=lease_until_ms,
-            record_draft=record_draft,
-            settlements=settlements,
-        )
 
 
 def headers(pairs: dict[str, str], eos: bool = False) -> Any:
@@ -105,9 +69,10 @@ async def request(gw: Gateway) -> RequestProcessor:
 
 
 async def test_fail_open_on_the_bound_path_counts_nothing() -> None:
-    lim = Flaky(FakeClock())
+    clock = FakeClock()
+    lim = RecordingLimiter(MemoryLimiter(clock))  # .down: every call fails
     metrics = Metrics()
-    gw = Gateway(config=load_config_text(RULES), limiter=lim, clock=lim.clock, metrics=metrics)
+    gw = Gateway(config=load_config_text(RULES), limiter=lim, clock=clock, metrics=metrics)
 
     def counts() -> float:
         return metrics.registry.get_sample_value("aiq_tokenize_seconds_count", {"api": "chat"}) or 0
