@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import inspect
-import ipaddress
 import os
 import ssl
 import time
@@ -38,6 +37,8 @@ from typing import Any
 
 import grpc
 import structlog
+
+from extproc.admin.auth import is_loopback
 
 log = structlog.get_logger("extproc.access")
 
@@ -430,17 +431,6 @@ def server_credentials(files: CertFiles) -> Any:
     return grpc.dynamic_ssl_server_credentials(
         files.initial, files.fetch, require_client_authentication=bool(files.client_ca)
     )
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` only listens on this machine (``localhost``, 127/8, ``::1``)."""
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import orjson
 import pytest
@@ -35,13 +33,6 @@ plans:
 tenants:
   t: {plan: p, keys: [{name: k, plaintext: sk-t}]}
 """
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis", extra=["--enable-debug-command", "yes"])
-    yield server
-    server.stop()
 
 
 async def test_a_cancelled_admission_is_taken_back(own_redis: RedisServer) -> None:

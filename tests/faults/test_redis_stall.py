@@ -10,7 +10,6 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -29,13 +28,6 @@ from tests.helpers import RedisServer
 pytestmark = pytest.mark.faults
 
 TTL = 60_000
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis", extra=["--enable-debug-command", "yes"])
-    yield server
-    server.stop()
 
 
 def far() -> int:

@@ -7,8 +7,7 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -22,13 +21,6 @@ from tests.helpers import RedisServer
 pytestmark = pytest.mark.faults
 
 TTL = 60_000
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis", extra=["--enable-debug-command", "yes"])
-    yield server
-    server.stop()
 
 
 def far() -> int:

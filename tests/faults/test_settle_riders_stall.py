@@ -9,8 +9,7 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -37,14 +36,6 @@ plans:
 tenants:
   t: {plan: p, keys: [{name: k, plaintext: sk-t}]}
 """
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    """A redis-server of the test's own, with DEBUG enabled."""
-    server = RedisServer(tmp_path / "redis", extra=["--enable-debug-command", "yes"])
-    yield server
-    server.stop()
 
 
 def far() -> int:

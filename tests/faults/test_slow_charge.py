@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -38,13 +36,6 @@ plans:
 tenants:
   t: {plan: p, keys: [{name: k, plaintext: sk-t}]}
 """
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis", extra=["--enable-debug-command", "yes"])
-    yield server
-    server.stop()
 
 
 def headers(pairs: dict[str, str]) -> Any:
