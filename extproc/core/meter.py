@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from enum import Enum
 from typing import Final
 
@@ -76,7 +76,8 @@ def _forward_step(forward: bytes) -> Step:
 
 
 class StreamPhase(Enum):
-    """Where a metered stream is (the meter's only phase; the request's is its lifecycle)."""
+    """Where a metered stream is (the stream's side of the meter's phase; the request's is its
+    lifecycle)."""
 
     OPEN = "open"  # the upstream is still sending
     UPSTREAM_DONE = "upstream_done"  # its last byte arrived; held events may still wait
@@ -110,8 +111,99 @@ STREAM_TRANSITIONS: dict[tuple[StreamPhase, StreamInput], StreamPhase] = {
 }
 
 
+class Charging(Enum):
+    """What the meter's charges still do (the quota's side of its phase)."""
+
+    ENFORCED = "enforced"  # charges are asked as tokens pass; events may be held for them
+    EXHAUSTED = "exhausted"  # a charge found the quota gone (strict: granted less than asked):
+    # lazy cuts at the next event before the terminal one, strict renews no more early
+    UNENFORCED = "unenforced"  # metering only (enforcement off, or fail-open after a limiter
+    # failure): nothing held, nothing charged
+
+
+@dataclass(frozen=True, slots=True)
+class MeterPhase:
+    """The meter's whole phase, one immutable value replaced at each move: where the stream
+    is, what charging still does, whether the API's terminal event reached the client, and
+    the cut's reason once one is decided.  Every flag the meter shows is read from it.
+
+    Invariants (the moves keep them; a test checks them over event orders): an ended stream
+    stays ended; ``CUT`` carries its reason; a stream that ``FINISHED`` was never cut; the
+    first cut's reason stands; ``UNENFORCED`` is never left and ``EXHAUSTED`` is left only
+    for it."""
+
+    stream: StreamPhase = StreamPhase.OPEN
+    charging: Charging = Charging.ENFORCED
+    terminal_sent: bool = False
+    cut_reason: CutReason | None = None
+
+    @property
+    def ended(self) -> bool:
+        """Every event went out, or the gateway cut the stream."""
+        return self.stream is StreamPhase.FINISHED or self.stream is StreamPhase.CUT
+
+    def move(self, inp: StreamInput) -> MeterPhase:
+        """The stream's own moves (:data:`STREAM_TRANSITIONS`); a cut names its reason (the
+        quota's, when none was decided before)."""
+        to = STREAM_TRANSITIONS[(self.stream, inp)]
+        if to is self.stream:
+            return self
+        if to is StreamPhase.FINISHED and self.cut_reason is not None:
+            return self  # a decided cut ends it: released, it still waits for that cut
+        if to is StreamPhase.CUT:
+            return replace(self, stream=to, cut_reason=self.cut_reason or CutReason.QUOTA_EXHAUSTED)
+        return replace(self, stream=to)
+
+    def decide_cut(self, reason: CutReason) -> MeterPhase:
+        """The meter (or the caller, failing closed) decided to cut: the first reason stands;
+        a finished stream has nothing left to cut."""
+        if self.cut_reason is not None or self.stream is StreamPhase.FINISHED:
+            return self
+        return replace(self, cut_reason=reason)
+
+    def exhaust(self) -> MeterPhase:
+        """A charge found the quota gone (meaningless once unenforced)."""
+        if self.charging is Charging.ENFORCED:
+            return replace(self, charging=Charging.EXHAUSTED)
+        return self
+
+    def unenforce(self) -> MeterPhase:
+        """Meter without charging from now on (fail-open)."""
+        if self.charging is Charging.UNENFORCED:
+            return self
+        return replace(self, charging=Charging.UNENFORCED)
+
+    def terminal(self) -> MeterPhase:
+        """The API's terminal event reached the client."""
+        return self if self.terminal_sent else replace(self, terminal_sent=True)
+
+
+@dataclass(slots=True)
+class StreamStats:
+    """What the meter saw, for settlement, logs and tests (never read to decide anything)."""
+
+    events: int = 0
+    text_events: int = 0  # events carrying output text: each is at least one token
+    malformed_events: int = 0
+    leased_total: int = 0  # the initial lease and every strict grant before the end
+    usage: Usage | None = None  # the upstream's own figures, last reported
+    upstream_error: dict[str, object] | None = None  # an in-stream error object
+
+
+_OPEN: Final = StreamPhase.OPEN
+_ENFORCED: Final = Charging.ENFORCED
+_EXHAUSTED: Final = Charging.EXHAUSTED
+_UNENFORCED: Final = Charging.UNENFORCED
+
+
 class StreamMeter:
-    """Meters one SSE response body."""
+    """Meters one SSE response body.
+
+    Its state: the phase (:class:`MeterPhase`), the strict lease, the tokens uncharged,
+    charged, delivered and counted, the held events and the charge in flight (with the part
+    of the held tokens it covers).  The rest is configuration, one tuning value (the lazy
+    batch) and statistics (:class:`StreamStats`); the flags (``complete``, ``exhausted``,
+    ``enforce``, ``cut_reason``, ``finished``, ``upstream_done``) are read off the phase."""
 
     __slots__ = (
         "_charge_in_flight",
@@ -120,30 +212,18 @@ class StreamMeter:
         "_engine_counts",
         "_held",
         "_held_precharged",
-        "_held_tokens",
-        "_new_charge",
         "_read",
         "_strip_usage",
-        "_terminal",
         "batch",
         "charged",
-        "complete",
         "counted",
-        "cut_reason",
         "delivered",
-        "enforce",
-        "events",
         "every",
-        "exhausted",
         "lease",
-        "leased_total",
-        "malformed_events",
         "phase",
+        "stats",
         "strict",
-        "text_events",
         "uncharged",
-        "upstream_error",
-        "usage",
     )
 
     def __init__(
@@ -159,85 +239,101 @@ class StreamMeter:
         read: Callable[[str | None, str], StreamChunk] = _openai_read,
         engine_counts: bool = False,
     ) -> None:
+        # configuration
         self._count = count
         self._read = read
         self.every = every
-        # Lazy batch size: N, shrunk to N/4 once a charge reports less than 16N left, so
-        # streams near the limit learn about exhaustion sooner (a few more Redis calls, only
-        # at the end of a window's budget).
-        self.batch = every
         self.strict = strict
-        self.enforce = enforce
         self._strip_usage = strip_usage
         # the engine reports its running output count in every chunk: charge by it (the
         # recount covers chunks that carry none)
         self._engine_counts = engine_counts
         self._decoder = SSEDecoder(max_event_bytes=max_event_bytes)
+        # Lazy batch size: N, shrunk to N/4 once a charge reports less than 16N left, so
+        # streams near the limit learn about exhaustion sooner (a few more Redis calls, only
+        # at the end of a window's budget).
+        self.batch = every
+        # state
+        self.phase = MeterPhase(charging=_ENFORCED if enforce else _UNENFORCED)
         self.lease = initial_lease
-        self.leased_total = initial_lease
-        self._held: deque[tuple[bytes, int, bool]] = deque()  # (event, tokens, terminal)
-        self._held_tokens = 0
-        self._charge_in_flight = 0
-        self._held_precharged = 0  # held tokens the in-flight (lazy) charge already covers
-        self._new_charge = 0
         self.uncharged = 0
         self.charged = 0
         self.delivered = 0
         self.counted = 0
-        self.events = 0
-        self.text_events = 0  # events carrying output text: each is at least one token
-        self.malformed_events = 0
-        self.exhausted = False
-        self.phase = StreamPhase.OPEN
-        # the API's terminal event ([DONE], response.completed, message_stop) reached the
-        # client: the stream is complete whoever closes first
-        self.complete = False
-        self._terminal = False  # the event being inspected is the terminal one
-        self.usage: Usage | None = None
-        self.upstream_error: dict[str, object] | None = None
-        self.cut_reason: CutReason | None = None
+        self._held: deque[tuple[bytes, int, bool]] = deque()  # (event, tokens, terminal)
+        self._charge_in_flight = 0
+        self._held_precharged = 0  # held tokens the in-flight (lazy) charge already covers
+        self.stats = StreamStats(leased_total=initial_lease)
 
-    # -- phase -----------------------------------------------------------------------------
-
-    def _move(self, inp: StreamInput) -> None:
-        self.phase = STREAM_TRANSITIONS[(self.phase, inp)]
+    # -- phase: every flag is read off it ---------------------------------------------------
 
     @property
     def upstream_done(self) -> bool:
         """The upstream's last byte arrived (or the stream was cut)."""
-        return self.phase is not StreamPhase.OPEN
+        return self.phase.stream is not _OPEN
 
     @property
     def finished(self) -> bool:
         """The stream has ended: every event went out, or the gateway cut it."""
-        return self.phase in (StreamPhase.FINISHED, StreamPhase.CUT)
+        return self.phase.ended
+
+    @property
+    def complete(self) -> bool:
+        """The API's terminal event ([DONE], response.completed, message_stop) reached the
+        client: the stream is complete whoever closes first."""
+        return self.phase.terminal_sent
+
+    @property
+    def exhausted(self) -> bool:
+        """A charge found the quota gone (while enforcing)."""
+        return self.phase.charging is _EXHAUSTED
+
+    @property
+    def enforce(self) -> bool:
+        """Charges are asked and events held for them (not metering only)."""
+        return self.phase.charging is not _UNENFORCED
+
+    @property
+    def cut_reason(self) -> CutReason | None:
+        """Why the stream is (to be) cut; None while it is not."""
+        return self.phase.cut_reason
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens in the events held."""
+        return sum(k for _, k, _ in self._held)
+
+    def _delivered(self, k: int, terminal: bool) -> None:
+        self.delivered += k
+        if terminal:
+            self.phase = self.phase.terminal()
 
     # -- feeding ---------------------------------------------------------------------------
 
-    def _inspect(self, ev: SSEEvent) -> tuple[int, bool]:
-        """Tokens in the event, and whether it is forwarded at all."""
-        self.events += 1
-        self._terminal = False
+    def _inspect(self, ev: SSEEvent) -> tuple[int, bool, bool]:
+        """Tokens in the event, whether it is forwarded at all, and whether it is the API's
+        terminal event."""
+        stats = self.stats
+        stats.events += 1
         data = ev.data
         if data is None:
-            return 0, True
+            return 0, True, False
         try:
             chunk = self._read(ev.event, data)
         except MalformedChunk:
             # Forward unchanged (we are not the client's parser) but never undercharge it.
-            self.malformed_events += 1
-            return self._count(data), True
+            stats.malformed_events += 1
+            return self._count(data), True, False
         # Usage and errors first: the Responses API's final event is both "done" and usage.
         if chunk.error is not None:
-            self.upstream_error = chunk.error
+            stats.upstream_error = chunk.error
         if chunk.usage is not None:
-            self.usage = chunk.usage
+            stats.usage = chunk.usage
         if chunk.done:
-            self._terminal = True
-            return 0, True
+            return 0, True, True
         tokens = 0
         if chunk.texts:
-            self.text_events += 1
+            stats.text_events += 1
         if self._engine_counts and chunk.usage is not None:
             # the engine's running total, less what this stream has already been counted
             tokens = max(0, chunk.usage.completion_tokens - self.counted)
@@ -246,14 +342,16 @@ class StreamMeter:
                 if text:
                     tokens += self._count(text)
         if chunk.is_usage_only and self._strip_usage:
-            return tokens, False
-        return tokens, True
+            return tokens, False, False
+        return tokens, True, False
 
     def feed(self, chunk: bytes, end: bool) -> Step:
         """Take one upstream body chunk (``end`` on the last); return what to do."""
-        if self.phase is not StreamPhase.OPEN and self.finished:
+        phase = self.phase
+        if phase.stream is not _OPEN and phase.ended:
             return EMPTY
-        if self.enforce and not self.strict and self.exhausted and not self.complete:
+        charging = phase.charging
+        if charging is _EXHAUSTED and not self.strict and not phase.terminal_sent:
             return self._cut_step(CutReason.QUOTA_EXHAUSTED)
         try:
             events = self._decoder.feed(chunk) if chunk else []
@@ -262,20 +360,21 @@ class StreamMeter:
         except SSEEventTooLarge:
             return self._cut_step(CutReason.EVENT_TOO_LARGE)
         out: list[bytes] = []
-        enforce, strict = self.enforce, self.strict
+        enforce, strict = charging is not _UNENFORCED, self.strict
+        new_charge = 0
+        held = self._held
         for ev in events:
-            k, fwd = self._inspect(ev)
+            k, fwd, terminal = self._inspect(ev)
             self.counted += k
             if not fwd:
                 continue
-            if enforce and (self._held or self._must_hold(k)):
-                self._held.append((ev.raw, k, self._terminal))
-                self._held_tokens += k
+            if enforce and (held or self._must_hold(k)):
+                held.append((ev.raw, k, terminal))
                 continue
             out.append(ev.raw)
             self.delivered += k
-            if self._terminal:
-                self.complete = True
+            if terminal:
+                self.phase = self.phase.terminal()
             if enforce and strict:
                 self.lease -= k
             else:
@@ -283,11 +382,11 @@ class StreamMeter:
                 if enforce and self._charge_in_flight == 0 and self.uncharged >= self.batch:
                     # Ask now, mid-chunk: a chunk carrying many events must not slip past
                     # the 2N cap just because the charge would only be asked after it.
-                    self._charge_in_flight = self._new_charge = self.uncharged
+                    self._charge_in_flight = new_charge = self.uncharged
         if end:
-            self._move(StreamInput.UPSTREAM_END)
+            self.phase = self.phase.move(StreamInput.UPSTREAM_END)
         # one event (the usual chunk): join returns its bytes without a copy
-        return self._after(b"".join(out))
+        return self._after(b"".join(out), new_charge)
 
     def _must_hold(self, tokens: int) -> bool:
         """Strict: the event does not fit the lease.  Lazy: Redis has fallen a whole batch
@@ -297,44 +396,51 @@ class StreamMeter:
             return tokens > self.lease
         return tokens > 0 and self.uncharged + tokens > 2 * self.every
 
-    def _after(self, out: bytes) -> Step:
+    def _after(self, out: bytes, new_charge: int = 0) -> Step:
+        """The step after events passed or were held (``new_charge``: a lazy charge ``feed``
+        already asked for mid-chunk)."""
         charge = 0
         blocked = False
-        if self.enforce and self.strict:
+        phase = self.phase
+        charging = phase.charging
+        if charging is not _UNENFORCED and self.strict:
             blocked = bool(self._held)
-            need = self._held_tokens - self.lease
             if self._charge_in_flight == 0:
                 if blocked:
-                    charge = max(self.every, need)
-                elif not self.upstream_done and self.lease * 2 < self.every and not self.exhausted:
+                    charge = max(self.every, self.held_tokens - self.lease)
+                elif (
+                    phase.stream is _OPEN
+                    and self.lease * 2 < self.every
+                    and charging is not _EXHAUSTED
+                ):
                     charge = self.every
-        elif self.enforce:
+        elif charging is not _UNENFORCED:
             blocked = bool(self._held)
             if blocked and self._charge_in_flight == 0:
                 # Charge what passed and the held events before they go out.
-                self._held_precharged = self._held_tokens
-                charge = self.uncharged + self._held_tokens
+                held = self._held_precharged = self.held_tokens
+                charge = self.uncharged + held
                 self._charge_in_flight = charge
                 return Step(forward=out, charge=charge, blocked=True)
             if (
                 self._charge_in_flight == 0
                 and self.uncharged >= self.batch
-                and not self.upstream_done
+                and phase.stream is _OPEN
             ):
-                self._new_charge = self.uncharged
-            charge, self._new_charge = self._new_charge, 0
-            if charge and self.upstream_done and not blocked:
+                new_charge = self.uncharged
+            charge = new_charge
+            if charge and phase.stream is not _OPEN and not blocked:
                 # The stream is over: settlement charges the remainder in one call.  (Not
                 # when events are held: those wait for this charge, or they would pass the
                 # 2N cap uncharged.)
                 self._charge_in_flight = charge = 0
         if charge:
             self._charge_in_flight = charge
-        elif not blocked and self.phase is StreamPhase.OPEN:
+        elif not blocked and phase.stream is _OPEN:
             return _forward_step(out)  # the common case: forward, nothing else
-        end = self.upstream_done and not blocked
+        end = phase.stream is not _OPEN and not blocked and phase.cut_reason is None
         if end:
-            self._move(StreamInput.RELEASED)
+            self.phase = phase.move(StreamInput.RELEASED)
         return Step(forward=out, end_stream=end, charge=charge, blocked=blocked)
 
     # -- limiter answers -------------------------------------------------------------------
@@ -346,15 +452,14 @@ class StreamMeter:
             self.batch = max(1, self.every // 4)
         asked = self._charge_in_flight
         self._charge_in_flight = 0
-        if self.finished:
-            self.charged += granted
+        self.charged += granted
+        if self.phase.ended:
             return EMPTY
         if not self.strict:
             pre, self._held_precharged = self._held_precharged, 0
-            self.charged += granted
             self.uncharged -= asked - pre
             if exhausted:
-                self.exhausted = True
+                self.phase = self.phase.exhaust()
                 if self.enforce and self._held:
                     # Deliver the held events the quota still covers (the charge included
                     # ``pre`` of them; ``room`` is what the tightest bucket has left after
@@ -365,51 +470,39 @@ class StreamMeter:
                     # the whole backlog fitted: the stream goes on and is cut at its next
                     # event, as any lazy stream that ran out
                     return self._after(released)
-            if not pre and self.uncharged + self._held_tokens > 2 * self.every:
+            if not pre and self.uncharged + self.held_tokens > 2 * self.every:
                 # Held behind a batch charge, but too many to release uncharged: charge first.
                 return self._after(b"")
-            out = bytearray()
-            while self._held:
-                raw, k, terminal = self._held.popleft()
-                self._held_tokens -= k
-                self.delivered += k
-                self.complete = self.complete or terminal
-                covered = min(pre, k)
-                pre -= covered
-                self.uncharged += k - covered
-                out += raw
-            return self._after(bytes(out))
-        self.charged += granted
+            return self._after(self._release(None, pre))
         self.lease += granted
-        self.leased_total += granted
+        self.stats.leased_total += granted
         if exhausted or granted < asked:
-            self.exhausted = True
+            self.phase = self.phase.exhaust()
         out = bytearray()
-        while self._held and self._held[0][1] <= self.lease:
-            raw, k, terminal = self._held.popleft()
-            self._held_tokens -= k
+        held = self._held
+        while held and held[0][1] <= self.lease:
+            raw, k, terminal = held.popleft()
             self.lease -= k
-            self.delivered += k
-            self.complete = self.complete or terminal
+            self._delivered(k, terminal)
             out += raw
-        if self._held and granted == 0:
+        if held and granted == 0:
             return self._cut_step(CutReason.QUOTA_EXHAUSTED, prefix=bytes(out))
         return self._after(bytes(out))
 
     def stop_enforcing(self) -> Step:
         """Fail-open: meter no more; release whatever was held and let the rest through."""
-        self.enforce = False
-        self._charge_in_flight = self._new_charge = self._held_precharged = 0
+        self.phase = self.phase.unenforce()
+        self._charge_in_flight = self._held_precharged = 0
         out = bytearray()
-        while self._held:
-            raw, k, terminal = self._held.popleft()
-            self.delivered += k
-            self.complete = self.complete or terminal
+        held = self._held
+        while held:
+            raw, k, terminal = held.popleft()
+            self._delivered(k, terminal)
             out += raw
-        self._held_tokens = 0
-        end = self.upstream_done and not self.finished
+        phase = self.phase
+        end = phase.stream is not _OPEN and not phase.ended and phase.cut_reason is None
         if end:
-            self._move(StreamInput.RELEASED)
+            self.phase = phase.move(StreamInput.RELEASED)
         return Step(forward=bytes(out), end_stream=end)
 
     def on_charge_failed(self) -> None:
@@ -425,40 +518,37 @@ class StreamMeter:
         """A charge was asked for and not yet answered."""
         return self._charge_in_flight != 0
 
-    def _release(self, allowance: int, precharged: int) -> bytes:
-        """Deliver held events, in order, while their tokens fit ``allowance`` (the rest is
-        dropped by the cut that follows); the first ``precharged`` of them were charged."""
+    def _release(self, allowance: int | None, precharged: int) -> bytes:
+        """Deliver held events, in order, while their tokens fit ``allowance`` (None: all of
+        them; the rest is dropped by the cut that follows); the first ``precharged`` of them
+        were charged, the others join the uncharged."""
         out = bytearray()
-        while self._held and self._held[0][1] <= allowance:
-            raw, k, terminal = self._held.popleft()
-            allowance -= k
-            self._held_tokens -= k
-            self.delivered += k
+        held = self._held
+        while held and (allowance is None or held[0][1] <= allowance):
+            raw, k, terminal = held.popleft()
+            if allowance is not None:
+                allowance -= k
+            self._delivered(k, terminal)
             covered = min(precharged, k)
             precharged -= covered
             self.uncharged += k - covered
-            self.complete = self.complete or terminal
             out += raw
         return bytes(out)
 
     # -- ending ----------------------------------------------------------------------------
 
     def _cut_step(self, reason: CutReason, prefix: bytes = b"") -> Step:
-        self.cut_reason = reason
+        self.phase = self.phase.decide_cut(reason)
         self._held.clear()
-        self._held_tokens = 0
         return Step(forward=prefix, cut_reason=reason)
 
     def cut(self, final_events: bytes) -> bytes:
         """Finish the stream with ``final_events`` (the API's error event and terminator)."""
-        self._move(StreamInput.CUT)
-        if self.cut_reason is None:
-            self.cut_reason = CutReason.QUOTA_EXHAUSTED
+        self.phase = self.phase.move(StreamInput.CUT)
         self._held.clear()
-        self._held_tokens = 0
         return final_events
 
     @property
     def unused_lease(self) -> int:
         """Leased tokens not delivered (refunded at settlement)."""
-        return max(0, self.leased_total - self.delivered)
+        return max(0, self.stats.leased_total - self.delivered)

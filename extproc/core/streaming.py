@@ -163,14 +163,15 @@ class MeteredStream:
     def end(self) -> StreamEnd:
         """What the meter knows for settlement; the upstream's usage goes to the session."""
         m = self.meter
-        if m.usage is not None:
-            self.s.report(Reported.of(m.usage))
+        usage = m.stats.usage
+        if usage is not None:
+            self.s.report(Reported.of(usage))
         return StreamEnd(
             counted=m.counted,
             delivered=m.delivered,
             complete=m.complete or (m.upstream_done and m.cut_reason is None),
             cut=m.cut_reason is not None,
-            text_events=m.text_events,
+            text_events=m.stats.text_events,
         )
 
     # -- events ----------------------------------------------------------------------------

@@ -13,7 +13,15 @@ from hypothesis import strategies as st
 from extproc.core.apis.errors import sse_error_event
 from extproc.core.chunks import Usage
 from extproc.core.lifecycle import CutReason
-from extproc.core.meter import EMPTY, Step, StreamMeter
+from extproc.core.meter import (
+    EMPTY,
+    Charging,
+    MeterPhase,
+    Step,
+    StreamInput,
+    StreamMeter,
+    StreamPhase,
+)
 from extproc.core.tokens import TokenizerSpec
 from extproc.tokenizers import load_counter
 
@@ -73,7 +81,7 @@ def test_lazy_forwards_each_complete_event_immediately() -> None:
     e = ev("a b c")
     step = m.feed(e, end=False)
     assert step == Step(forward=e)
-    assert (m.delivered, m.uncharged, m.counted, m.events) == (3, 3, 3, 1)
+    assert (m.delivered, m.uncharged, m.counted, m.stats.events) == (3, 3, 3, 1)
 
 
 def test_lazy_charges_once_every_passed_and_not_while_in_flight() -> None:
@@ -309,7 +317,7 @@ def test_strict_tokens_delivered_never_exceed_leased() -> None:
         step = m.feed(ev(text), end=False)
         if step.charge:
             m.on_charge(step.charge // 2, exhausted=False)
-        assert m.delivered <= m.leased_total
+        assert m.delivered <= m.stats.leased_total
 
 
 def test_strict_end_with_held_waits_for_grant() -> None:
@@ -358,12 +366,12 @@ def test_on_charge_failed_clears_in_flight() -> None:
 
 
 def test_strip_usage_drops_usage_only_event_but_records_usage() -> None:
-    """With strip_usage the usage-only chunk is not forwarded but meter.usage is set."""
+    """With strip_usage the usage-only chunk is not forwarded but meter.stats.usage is set."""
     m = lazy(every=100, strip_usage=True)
     step = m.feed(ev("a b") + usage_ev(7, 2) + DONE, end=True)
     assert step.forward == ev("a b") + DONE
-    assert m.usage == Usage(7, 2, 9)
-    assert m.events == 3
+    assert m.stats.usage == Usage(7, 2, 9)
+    assert m.stats.events == 3
 
 
 def test_usage_event_forwarded_without_strip() -> None:
@@ -371,7 +379,7 @@ def test_usage_event_forwarded_without_strip() -> None:
     m = lazy(every=100)
     body = ev("a b") + usage_ev(7, 2) + DONE
     assert m.feed(body, end=True).forward == body
-    assert m.usage == Usage(7, 2, 9)
+    assert m.stats.usage == Usage(7, 2, 9)
 
 
 def test_malformed_event_forwarded_and_counted_on_raw_data() -> None:
@@ -380,7 +388,7 @@ def test_malformed_event_forwarded_and_counted_on_raw_data() -> None:
     bad = b"data: {not json at all\n\n"
     step = m.feed(bad + ev("x"), end=False)
     assert step.forward == bad + ev("x")
-    assert m.malformed_events == 1
+    assert m.stats.malformed_events == 1
     assert m.counted == 4 + 1  # "{not", "json", "at", "all" + "x"
 
 
@@ -397,7 +405,7 @@ def test_upstream_error_event_recorded() -> None:
     m = lazy()
     err = b'data: {"error": {"message": "boom", "type": "server_error"}}\n\n'
     assert m.feed(err, end=False).forward == err
-    assert m.upstream_error == {"message": "boom", "type": "server_error"}
+    assert m.stats.upstream_error == {"message": "boom", "type": "server_error"}
 
 
 def test_partial_event_held_until_complete() -> None:
@@ -427,7 +435,7 @@ def test_split_feeds_forward_whole_events_byte_exact(cuts: list[int]) -> None:
         out += step.forward
     assert out == STREAM
     assert m.counted == 2 + 4
-    assert m.events == 5
+    assert m.stats.events == 5
 
 
 def test_real_tokenizer_counts_content() -> None:
@@ -457,14 +465,27 @@ def test_cut_returns_error_event_then_done() -> None:
 
 
 def test_cut_keeps_existing_reason() -> None:
-    """A reason already set by the meter survives cut()."""
-    m = lazy(every=1)
-    m.feed(ev("a"), end=False)
-    m.on_charge(1, exhausted=True)
-    assert m.feed(ev("b"), end=False).cut_reason == CutReason.QUOTA_EXHAUSTED
-    m.cut_reason = CutReason.EVENT_TOO_LARGE
-    m.cut(b"data: {}\n\n")
+    """A reason already decided by the meter survives cut(), and a later one does not
+    replace it (the first cut's reason stands)."""
+    m = StreamMeter(count=words, every=10, strict=False, max_event_bytes=64)
+    assert m.feed(ev("x " * 100), end=False).cut_reason == CutReason.EVENT_TOO_LARGE
+    assert m.fail(CutReason.BACKEND_UNAVAILABLE).cut_reason == CutReason.BACKEND_UNAVAILABLE
     assert m.cut_reason == CutReason.EVENT_TOO_LARGE
+    m.cut(b"data: {}\n\n")
+    assert m.cut_reason == CutReason.EVENT_TOO_LARGE and m.finished
+
+
+def test_flags_are_read_only() -> None:
+    """The flags that repeat the phase are derived: they cannot be written around it."""
+    m = lazy()
+    for flag, value in (
+        ("complete", True),
+        ("exhausted", True),
+        ("enforce", False),
+        ("cut_reason", CutReason.SHUTDOWN),
+    ):
+        with pytest.raises(AttributeError):
+            setattr(m, flag, value)
 
 
 def test_event_too_large_cuts() -> None:
@@ -536,3 +557,157 @@ def test_stream_phase_table_is_total_and_an_ended_stream_stays_ended() -> None:
     for ended in (StreamPhase.FINISHED, StreamPhase.CUT):
         assert {STREAM_TRANSITIONS[(ended, i)] for i in StreamInput} == {ended}
     assert STREAM_TRANSITIONS[(StreamPhase.OPEN, StreamInput.CUT)] is StreamPhase.CUT
+
+
+# -- the phase and its derived flags -------------------------------------------------------
+
+
+def _check_flags(m: StreamMeter, before: MeterPhase) -> None:
+    """The flags read the phase, and the phase only moves the ways its invariants allow."""
+    ph = m.phase
+    assert m.finished == (ph.stream in (StreamPhase.FINISHED, StreamPhase.CUT))
+    assert m.upstream_done == (ph.stream is not StreamPhase.OPEN)
+    assert m.complete == ph.terminal_sent
+    assert m.exhausted == (ph.charging is Charging.EXHAUSTED)
+    assert m.enforce == (ph.charging is not Charging.UNENFORCED)
+    assert m.cut_reason is ph.cut_reason
+    if ph.stream is StreamPhase.CUT:
+        assert ph.cut_reason is not None
+    if ph.stream is StreamPhase.FINISHED:
+        assert ph.cut_reason is None
+    # moves: an ended stream stays ended; facts once true stay true; the first reason stands
+    if before.ended:
+        assert ph.stream is before.stream
+    if before.stream is not StreamPhase.OPEN:
+        assert ph.stream is not StreamPhase.OPEN
+    if before.terminal_sent:
+        assert ph.terminal_sent
+    if before.cut_reason is not None:
+        assert ph.cut_reason is before.cut_reason
+    if before.charging is Charging.UNENFORCED:
+        assert ph.charging is Charging.UNENFORCED
+    if before.charging is Charging.EXHAUSTED:
+        assert ph.charging is not Charging.ENFORCED
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 6), min_size=1, max_size=20),
+    cuts=st.lists(st.integers(0, 400), max_size=8),
+    every=st.integers(1, 8),
+    is_strict=st.booleans(),
+    enforce=st.sampled_from([True, True, True, False]),
+    lease=st.integers(0, 10),
+    data=st.data(),
+)
+def test_derived_flags_agree_with_the_phase_and_the_bytes(
+    sizes: list[int],
+    cuts: list[int],
+    every: int,
+    is_strict: bool,
+    enforce: bool,
+    lease: int,
+    data: st.DataObject,
+) -> None:
+    """Any events, chunk splits, charge answers (granted in part, exhausted, failed: open or
+    closed) and cuts: the flags agree with the phase, the phase moves only forward, and they
+    agree with what the steps said and the bytes that passed — ``complete`` once ``[DONE]``
+    went out, ``cut_reason`` the first cut a step asked for, ``finished`` once a step ended the
+    stream or it was cut, ``exhausted`` only after an answer said so."""
+    body = b"".join(ev(" ".join("w" for _ in range(n))) for n in sizes) + DONE
+    points = sorted({min(c, len(body)) for c in cuts} | {len(body)})
+    m = StreamMeter(
+        count=words, every=every, strict=is_strict, enforce=enforce, initial_lease=lease
+    )
+    forwarded = b""
+    first_cut: CutReason | None = None
+    ended_by_step = False
+    told_exhausted = False
+    unenforced = not enforce
+
+    def take(step: Step) -> None:
+        nonlocal forwarded, first_cut, ended_by_step
+        forwarded += step.forward
+        if step.cut_reason is not None and first_cut is None and not ended_by_step:
+            first_cut = step.cut_reason
+        if step.end_stream:
+            assert not ended_by_step, "the stream ended twice"
+            ended_by_step = True
+
+    def observe(before: MeterPhase) -> None:
+        _check_flags(m, before)
+        assert m.complete == (DONE in forwarded)
+        assert m.cut_reason is first_cut
+        assert m.finished == (ended_by_step or m.phase.stream is StreamPhase.CUT)
+        if m.exhausted:
+            assert told_exhausted and not unenforced
+
+    def answer() -> None:
+        """The limiter answers the charge in flight (or fails)."""
+        nonlocal told_exhausted, unenforced
+        before = m.phase
+        what = data.draw(
+            st.sampled_from(["grant", "grant", "part", "exhausted", "exhausted", "open", "closed"])
+        )
+        asked = m._charge_in_flight
+        if what in ("open", "closed"):
+            m.on_charge_failed()
+            if what == "open":
+                unenforced = True
+                take(m.stop_enforcing())
+            else:
+                take(m.fail(CutReason.BACKEND_UNAVAILABLE))
+        else:
+            granted = asked if what == "grant" else data.draw(st.integers(0, asked))
+            exhausted = what == "exhausted"
+            told_exhausted |= exhausted or (is_strict and granted < asked)
+            room = data.draw(st.none() | st.integers(0, 40))
+            take(m.on_charge(granted, exhausted, room))
+        observe(before)
+
+    start = 0
+    for p in points:
+        before = m.phase
+        take(m.feed(body[start:p], end=p == len(body)))
+        observe(before)
+        start = p
+        while m.charge_in_flight and data.draw(st.booleans()):
+            answer()
+        if m.cut_reason is not None and not m.finished:
+            before = m.phase
+            m.cut(DONE)
+            observe(before)
+        elif not m.finished and data.draw(st.integers(0, 49)) == 0:  # a shutdown cut
+            before = m.phase
+            take(m.fail(CutReason.SHUTDOWN))
+            m.cut(DONE)
+            observe(before)
+    while m.charge_in_flight:
+        answer()
+        if m.cut_reason is not None and not m.finished:
+            before = m.phase
+            m.cut(DONE)
+            observe(before)
+    assert m.finished or m.enforce  # only an enforcing meter waits on a charge
+    if m.phase.stream is StreamPhase.FINISHED:
+        assert forwarded.endswith(DONE) and m.complete
+
+
+def test_meter_phase_moves() -> None:
+    """The phase's own moves: the first cut reason stands, a finished stream is never cut, a
+    cut names the quota when nothing was decided, unenforced is never left."""
+    open_ = MeterPhase()
+    cut = open_.decide_cut(CutReason.SHUTDOWN).move(StreamInput.CUT)
+    assert (cut.stream, cut.cut_reason) == (StreamPhase.CUT, CutReason.SHUTDOWN)
+    assert cut.decide_cut(CutReason.BACKEND_UNAVAILABLE) is cut  # a late failure after it
+    assert open_.move(StreamInput.CUT).cut_reason is CutReason.QUOTA_EXHAUSTED
+    done = open_.move(StreamInput.UPSTREAM_END).move(StreamInput.RELEASED)
+    assert done.stream is StreamPhase.FINISHED
+    assert done.decide_cut(CutReason.BACKEND_UNAVAILABLE) is done  # nothing left to cut
+    assert done.move(StreamInput.CUT) is done and done.cut_reason is None
+    pending = open_.move(StreamInput.UPSTREAM_END).decide_cut(CutReason.EVENT_TOO_LARGE)
+    assert pending.move(StreamInput.RELEASED) is pending  # it ends by the cut decided
+    off = open_.exhaust().unenforce()
+    assert off.charging is Charging.UNENFORCED and off.exhaust() is off
+    assert open_.unenforce().exhaust().charging is Charging.UNENFORCED
+    assert open_.terminal().terminal_sent and not open_.terminal_sent

@@ -95,7 +95,7 @@ def test_lagging_lazy_stream_is_delivered_up_to_the_quota() -> None:
     # the charge answers: exhausted, 12 tokens of room left after it
     step = m.on_charge(10, True, room=12)
     if step.charge:  # the held events are charged before they go out
-        step = m.on_charge(step.charge, True, room=12 - step.charge + m._held_tokens)
+        step = m.on_charge(step.charge, True, room=12 - step.charge + m.held_tokens)
     assert step.cut_reason is CutReason.QUOTA_EXHAUSTED
     assert m.delivered > 10  # some of the backlog went out before the cut
 
