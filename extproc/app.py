@@ -386,6 +386,7 @@ def _start_rls(
     """The RLS API (docs/rls.md) on the ext_proc server, or on its own at
     ``settings.rls_address``: (runtime, own server or None, its port or 0).  Without an RLS
     config nothing is registered: (None, None, 0)."""
+    from extproc.limiter.rls_counter import rls_counter
     from extproc.rls.match import Caps
     from extproc.rls.service import RlsRuntime, RlsSettings, add_rls_service
 
@@ -400,7 +401,7 @@ def _start_rls(
 
     rls = RlsRuntime(
         settings.rls_config,
-        limiter,  # type: ignore[arg-type]  # the Redis limiter (rls_check)
+        rls_counter(limiter),
         clock,
         metrics.registry,
         RlsSettings(

@@ -13,6 +13,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from extproc.app import Running, start
 from extproc.clock import FakeClock
+from extproc.limiter.base import Limiter
 from extproc.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +35,8 @@ def fake_clock() -> FakeClock:
 
 class Server:
     """Starts ``ai-quota serve`` in process (port 0) with an RLS config (and the rules file
-    ``config=``, tests/data/config/minimal.yaml unless given); stops all at the end."""
+    ``config=``, tests/data/config/minimal.yaml unless given; on Redis unless given a
+    ``limiter``); stops all at the end."""
 
     def __init__(self, redis_url: str) -> None:
         self.redis_url = redis_url
@@ -47,6 +49,7 @@ class Server:
         *,
         clock: FakeClock | None = None,
         redis_url: str = "",
+        limiter: Limiter | None = None,
         **kw: Any,
     ) -> tuple[Any, Running]:
         kw.setdefault("insecure", True)  # the RLS tests are about RLS, not the port's door
@@ -61,7 +64,7 @@ class Server:
             rls_watch_s=0.1,
             **kw,
         )
-        running = await start(settings, clock=clock or fake_clock())
+        running = await start(settings, clock=clock or fake_clock(), limiter=limiter)
         self.started.append(running)
         ch = grpc.aio.insecure_channel(f"127.0.0.1:{running.rls_port or running.port}")
         self.channels.append(ch)

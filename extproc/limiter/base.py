@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 
@@ -182,6 +182,36 @@ class BatchCharger(Protocol):
     async def charge_many(self, items: list[ChargeCall]) -> list[ChargeResult | None]:
         """Charge each item as :meth:`Limiter.charge` would (idempotent by ledger and
         sequence number); None for an item whose call failed.  Never raises for Redis."""
+        ...
+
+
+#: One counter of an RLS request (envoyproxy/ratelimit's protocol, :mod:`extproc.rls`): its
+#: key, the hits to add (0: check only), its limit, its expiry (unix ms: the end of its fixed
+#: window plus slack) and its mode (:data:`RLS_SHADOW`, :data:`RLS_ENFORCED`, :data:`RLS_QUOTA`).
+RlsCount = tuple[str, int, int, int, int]
+
+#: Counted, never refuses (a ``shadow_mode`` rule).
+RLS_SHADOW = 0
+#: Refuses the request when over.
+RLS_ENFORCED = 1
+#: ``quota_mode``: the request is refused only when every quota-mode counter is over.
+RLS_QUOTA = 2
+
+
+@runtime_checkable
+class RlsCounter(Protocol):
+    """The RLS API's fixed-window request counters, on the limiter's store (Redis:
+    :class:`extproc.limiter.rls_counter.RedisRlsCounter`; in memory: the
+    :class:`~extproc.limiter.memory.MemoryLimiter` itself)."""
+
+    async def rls_check(self, counters: Sequence[RlsCount]) -> tuple[bool, list[int]]:
+        """Check every counter of one request and count them all or none (on Redis Cluster:
+        all or none per slot, docs/rls.md): a counter is over
+        when its value plus its hits exceeds its limit; the request is refused when an
+        enforced counter is, or every quota-mode one is (then nothing is added); otherwise
+        each counter gets its hits, a new one its expiry.  The same key twice: the second
+        sees the first's hits.  Returns (admitted, each counter's value before the request).
+        Raises :class:`extproc.errors.LimiterUnavailable`; idempotent under retries."""
         ...
 
 

@@ -29,6 +29,8 @@ from extproc.core.keys import EXPIRY_SLACK_MS, open_key
 from extproc.core.rules import RATE_SCALE, Adjustment, BucketCharge, UnconfirmedCharge, ceil_div
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import (
+    RLS_ENFORCED,
+    RLS_QUOTA,
     AdmitResult,
     AllowanceGrant,
     AllowanceLease,
@@ -37,6 +39,7 @@ from extproc.limiter.base import (
     ChargeResult,
     InputNote,
     Reclaimed,
+    RlsCount,
     SettleCall,
     any_ledger,
 )
@@ -544,6 +547,35 @@ class MemoryLimiter:
             z = self._typed(key, _Scored, now)
             out.append(sum(1 for s in z.members.values() if s > now_ms) if z is not None else 0)
         return out
+
+    async def rls_check(self, counters: Sequence[RlsCount]) -> tuple[bool, list[int]]:
+        """The RLS API's check (``rls.lua``; :class:`extproc.limiter.base.RlsCounter`): every
+        counter checked, then counted all or none; (admitted, values before the request).
+        Nothing here is retried, so the script's call id has nothing to guard."""
+        if not counters:
+            return True, []
+        self.round_trips += 1
+        now = self.clock.now_ms()
+        running: dict[str, int] = {}
+        before: list[int] = []
+        refused = False
+        quota_total = quota_over = 0
+        for key, hits, limit, _, mode in counters:
+            value = running[key] if key in running else self._counter_value(key, now)
+            before.append(value)
+            running[key] = value + hits
+            over = value + hits > limit
+            if mode == RLS_ENFORCED and over:
+                refused = True
+            elif mode == RLS_QUOTA:
+                quota_total += 1
+                quota_over += over
+        if refused or (quota_total > 0 and quota_over == quota_total):
+            return False, before
+        for key, hits, _, expire_at, _ in counters:
+            if hits > 0 and self._incr(key, hits, now) == hits:
+                self._expire_at(key, expire_at, now)
+        return True, before
 
     async def ping(self) -> bool:
         """Always answers."""

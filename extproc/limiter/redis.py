@@ -1,7 +1,8 @@
-"""The Redis limiter: six Lua scripts registered once (admit, charge, settle, note, allowance,
-and rls for the RLS API), a bounded timeout, a circuit breaker.  ``admit`` and ``settle`` share one copy
-of the settlement logic (``settle_lib.lua``, put in front of each): an admission also settles
-the settlements that ride on it (:meth:`RedisLimiter.admit`'s ``settlements``).
+"""The Redis limiter: its Lua scripts registered once (admit, charge, settle, note, allowance,
+tranche), a bounded timeout, a circuit breaker.  ``admit`` and ``settle`` share one copy of the
+settlement logic (``settle_lib.lua``, put in front of each): an admission also settles the
+settlements that ride on it (:meth:`RedisLimiter.admit`'s ``settlements``).  The RLS API's
+counter runs its own script through the same calls (:mod:`extproc.limiter.rls_counter`).
 
 Works with a single Redis server or Redis Cluster (every key of a call shares the tenant's
 hash tag, so each script runs on one slot).  Any Redis failure becomes
@@ -200,25 +201,26 @@ class RedisLimiter:
         self._admit = client.register_script(load_script("admit"))
         self._charge = client.register_script(load_script("charge"))
         self._settle = client.register_script(load_script("settle"))
-        self._rls = client.register_script(load_script("rls"))
         self._note = client.register_script(load_script("note"))
         self._allowance = client.register_script(load_script("allowance"))
         self._tranche = client.register_script(load_script("tranche"))
         self._export_state()
+        # every script a journalled call may have run, by name (a script registered later,
+        # :meth:`register`, joins it)
+        self._scripts: dict[str, Any] = {
+            "admit": self._admit,
+            "charge": self._charge,
+            "settle": self._settle,
+            "allowance": self._allowance,
+            "tranche": self._tranche,
+        }
         # Redis HA: acknowledged charges kept journal_s seconds and replayed to a new master
         # (extproc.limiter.failover); 0 turns it off.
         self.failover: Failover | None = None
         if journal_s > 0:
             self.failover = Failover(
                 client,
-                {
-                    "admit": self._admit,
-                    "charge": self._charge,
-                    "settle": self._settle,
-                    "rls": self._rls,
-                    "allowance": self._allowance,
-                    "tranche": self._tranche,
-                },
+                self._scripts,
                 Journal(window_s=journal_s),
                 metrics=metrics,
                 on_recovered=self._recovered,
@@ -410,6 +412,39 @@ class RedisLimiter:
             args: list[Any] = [1]
             _pack_settlement(keys, args, item)
             self._journal("settle", keys, args, item.ledger_ttl_ms, where)
+
+    # -- for callers composed with the limiter (the RLS counter) -----------------------------
+
+    def register(self, name: str) -> None:
+        """Register the packaged script ``name`` on this limiter's client, for :meth:`run`
+        (and for a replay of the calls :meth:`journal` records, after a failover)."""
+        if name not in self._scripts:
+            self._scripts[name] = self._client.register_script(load_script(name))
+
+    def slot(self, key: str) -> int:
+        """The Cluster slot of ``key`` (0 on a single server)."""
+        return self._slot(key)
+
+    def owner(self, key: str) -> tuple[int, str]:
+        """(slot, run id of its master as known now) of a call about to be sent on ``key``."""
+        return self._owner(key)
+
+    async def run(
+        self, what: str, name: str, keys: list[str], args: list[Any], where: tuple[int, str]
+    ) -> Any:
+        """Run registered script ``name`` under the limiter's bounded timeout, stall retry
+        (the call must be idempotent), circuit breaker and failover catch-up; raises
+        :class:`LimiterUnavailable` (``what`` names the call in its message)."""
+        return await self._call(
+            what, name, _script_call(self._scripts[name], keys, args), slot=where[0]
+        )
+
+    def journal(
+        self, name: str, keys: list[str], args: list[Any], ttl_ms: int, where: tuple[int, str]
+    ) -> None:
+        """Keep an acknowledged call of script ``name`` for a replay to a new master (the
+        arguments it must be replayed with: it must count nothing twice)."""
+        self._journal(name, keys, args, ttl_ms, where)
 
     async def admit(
         self,
@@ -763,42 +798,6 @@ class RedisLimiter:
 
         await self._call("a lease renewal", "renew", run, slot=self._slot(ledgers[0]))
 
-    async def rls_check(
-        self, counters: list[tuple[str, int, int, int, int]]
-    ) -> tuple[bool, list[int]]:
-        """Run ``rls.lua``: check every (key, hits, limit, expire-at ms, mode) counter of one
-        RLS request and count them all or none; (admitted, values before the request).
-
-        On Redis Cluster the counters are grouped by slot (keys hash-tagged to one slot are
-        one call); a request whose counters span slots is checked in one call per slot, each
-        all or nothing (docs/rls.md: the slot strategy).  Each call carries a fresh id (a key
-        in its counters' slot): a retry after a timeout, or a replay to a new master, whose
-        first run counted returns that run's answer and counts nothing."""
-        if not counters:
-            return True, []
-        groups = _by_slot(self._client, counters)
-        admitted, before = True, [0] * len(counters)
-        for idxs in groups:
-            first = counters[idxs[0]][0]
-            call_id = call_id_key(first, uuid.uuid4().hex)
-            keys = [call_id] + [counters[i][0] for i in idxs]
-            args: list[Any] = [RLS_CALL_ID_TTL_MS, "0"]
-            for i in idxs:
-                _, hits, limit, expire, mode = counters[i]
-                args += [hits, limit, expire, mode]
-            where = self._owner(first)
-            res = await self._call(
-                "a rate limit check", "rls", _script_call(self._rls, keys, args), slot=where[0]
-            )
-            if int(res[0]) == 1 and any(counters[i][1] > 0 for i in idxs):
-                self._journal(
-                    "rls", keys, [RLS_CALL_ID_TTL_MS, "1", *args[2:]], RLS_CALL_ID_TTL_MS, where
-                )
-            admitted = admitted and int(res[0]) == 1
-            for i, v in zip(idxs, res[1], strict=True):
-                before[i] = int(v)
-        return admitted, before
-
     async def read(self, keys: list[str]) -> list[int]:
         """MGET the counters (one slot: all keys share a tenant's hash tag)."""
         if not keys:
@@ -905,18 +904,6 @@ def _previous(keys: list[str], b: BucketCharge) -> list[int]:
 def _script_call(script: Any, keys: list[str], args: list[Any]) -> Callable[[], Awaitable[Any]]:
     """A call of a registered script with these keys and arguments, made when awaited."""
     return lambda: script(keys=keys, args=args)
-
-
-def _by_slot(client: Any, counters: list[tuple[str, int, int, int, int]]) -> list[list[int]]:
-    """Indexes of ``counters`` per Redis Cluster slot (one group on a single server)."""
-    if not isinstance(client, RedisCluster):
-        return [list(range(len(counters)))]
-    from redis.crc import key_slot
-
-    groups: dict[int, list[int]] = {}
-    for i, c in enumerate(counters):
-        groups.setdefault(key_slot(c[0].encode()), []).append(i)
-    return list(groups.values())
 
 
 def _with_open_s(settings: BreakerSettings, cooldown_ms: int) -> BreakerSettings:

@@ -3,7 +3,8 @@
 :class:`RlsRuntime` holds the loaded config (swapped whole on reload: a file change or
 SIGHUP; a config that does not load leaves the running one in place), the settings and the
 metrics; :class:`RateLimitServicer` is the gRPC face.  Each ``ShouldRateLimit`` is one Lua
-call over every counter of the request (:meth:`RedisLimiter.rls_check`), all or nothing;
+call over every counter of the request (:class:`extproc.limiter.base.RlsCounter`: Redis's in
+:mod:`extproc.limiter.rls_counter`), all or nothing;
 descriptors that need no counter (no rule, ``unlimited``, replaced) never touch Redis.
 
 When Redis is unavailable (timeout, refused connection, open breaker: the limiter's
@@ -19,7 +20,7 @@ import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import grpc
 import structlog
@@ -31,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from extproc.clock import Clock
 from extproc.errors import LimiterUnavailable
+from extproc.limiter.base import RlsCounter
 from extproc.rls import match
 from extproc.rls.config import RlsConfig, RlsConfigError
 from extproc.rls.load import load_path, signature
@@ -42,16 +44,6 @@ FailureMode = Literal["allow", "deny", "error"]
 HEADER_NAMES = ("RateLimit-Limit", "RateLimit-Remaining", "RateLimit-Reset")
 _UNIT = rls_pb2.RateLimitResponse.RateLimit.Unit
 _OVERRIDE_UNITS = {v: k.lower() for k, v in ratelimit_unit_pb2.RateLimitUnit.items()}
-
-
-class RlsCounters(Protocol):
-    """What the service needs of the limiter (:class:`extproc.limiter.redis.RedisLimiter`)."""
-
-    async def rls_check(
-        self, counters: list[tuple[str, int, int, int, int]]
-    ) -> tuple[bool, list[int]]:
-        """Check and count (all or none); (admitted, values before)."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +170,7 @@ class RlsRuntime:
     def __init__(
         self,
         path: str,
-        counters: RlsCounters,
+        counters: RlsCounter | None,
         clock: Clock,
         registry: CollectorRegistry,
         settings: RlsSettings | None = None,
@@ -259,7 +251,7 @@ class RlsRuntime:
         failed = ""
         if counted:
             try:
-                if not hasattr(self.counters, "rls_check"):  # an in-process test's limiter
+                if self.counters is None:  # an in-process test's limiter
                     raise LimiterUnavailable("this limiter has no RLS counters")
                 admitted, before = await self.counters.rls_check(
                     [(c.key, c.hits, c.limit, c.expire_at_ms, c.mode) for c in counted]

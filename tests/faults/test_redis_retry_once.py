@@ -22,6 +22,7 @@ from extproc.core.rules import Adjustment, BucketCharge
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.redis import RedisLimiter
 from extproc.limiter.redis_url import async_client
+from extproc.limiter.rls_counter import RedisRlsCounter
 from tests.helpers import RedisServer
 
 pytestmark = pytest.mark.faults
@@ -99,7 +100,7 @@ async def warm(lim: RedisLimiter) -> None:
     await lim.admit(f"{t}:r", b, tpm_charged=1, count_refused=False, ledger_ttl_ms=TTL)
     await lim.charge(f"{t}:r", 1, b, 1, strict=False, ledger_ttl_ms=TTL)
     await lim.settle(f"{t}:r", [], ledger_ttl_ms=TTL)
-    await lim.rls_check([(f"{t}:rls", 1, 10, far(), 1)])
+    await RedisRlsCounter(lim).rls_check([(f"{t}:rls", 1, 10, far(), 1)])
 
 
 async def test_each_script_counts_once_through_a_stall(own_redis: RedisServer) -> None:
@@ -155,7 +156,9 @@ async def test_each_script_counts_once_through_a_stall(own_redis: RedisServer) -
             assert r.get(f"{t}:tpm") == expect
         # an RLS check of 7 hits: Envoy does not retry it; whatever ran counted once
         rk = f"{t}:rls"
-        exc = await stalled(own_redis.port, lambda: lim.rls_check([(rk, 7, 1000, far(), 1)]))
+        exc = await stalled(
+            own_redis.port, lambda: RedisRlsCounter(lim).rls_check([(rk, 7, 1000, far(), 1)])
+        )
         assert isinstance(exc, LimiterUnavailable)
         assert r.get(rk) in (None, "7")
     finally:
@@ -196,7 +199,7 @@ async def test_a_ridden_out_stall_counts_once(own_redis: RedisServer) -> None:
 
         async def check() -> None:
             nonlocal ok, before
-            ok, before = await lim.rls_check([(rk, 7, 1000, far(), 1)])
+            ok, before = await RedisRlsCounter(lim).rls_check([(rk, 7, 1000, far(), 1)])
 
         assert await stalled(own_redis.port, check) is None
         assert (ok, before, r.get(rk)) == (True, [0], "7")

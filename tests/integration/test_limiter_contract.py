@@ -1,5 +1,7 @@
 """The limiter contract: every backend (the in-memory limiter, Redis, a three-node Redis
-Cluster) admits atomically, charges streams idempotently and settles once, exactly alike.
+Cluster) admits atomically, charges streams idempotently and settles once, exactly alike; and
+its RLS counter (:class:`extproc.limiter.base.RlsCounter`) checks and counts a request's
+counters the same way.
 
 The scripts' other contracts (budgets, shadow limits, concurrency slots, sliding windows,
 cancels, reclaim) are in ``test_budget_scripts.py`` and ``test_reservation_reclaim.py``, on
@@ -12,11 +14,22 @@ import uuid
 
 import pytest
 
-from extproc.core.keys import ledger_key, windowed
+from extproc.core.keys import EXPIRY_SLACK_MS, ledger_key, windowed
 from extproc.core.rules import Adjustment, BucketCharge, Limit
-from extproc.limiter.base import ChargeCall, SettleCall
+from extproc.limiter.base import (
+    RLS_ENFORCED,
+    RLS_QUOTA,
+    RLS_SHADOW,
+    ChargeCall,
+    RlsCounter,
+    SettleCall,
+)
 from extproc.limiter.memory import MemoryLimiter
 from extproc.limiter.redis import RedisLimiter
+from extproc.limiter.rls_counter import rls_counter
+from extproc.rls.load import compile_domains
+from extproc.rls.match import Descriptor, plan
+from extproc.rls.parse import parse_text
 from tests.limiters import Backend
 
 pytestmark = pytest.mark.integration
@@ -277,3 +290,113 @@ async def test_batches_charge_and_settle_as_single_calls_do(backend: Backend) ->
     assert settled == [True, True, False]
     assert await backend.probe.counter(f"{tag}:tpm") == 330 - 120
     assert await backend.probe.ledger_state(leds[2]) == "admitted"
+
+
+# -- the RLS API's counter (envoyproxy/ratelimit's protocol) --------------------------------
+
+HOUR_RULE = (
+    "domain: d\ndescriptors:\n  - key: tenant\n    descriptors:\n"
+    "      - key: metric\n        rate_limit: {unit: hour, requests_per_unit: 5}\n"
+    "      - key: shadow\n        shadow_mode: true\n"
+    "        rate_limit: {unit: hour, requests_per_unit: 2}\n"
+)
+
+
+def rls_of(backend: Backend) -> RlsCounter:
+    """The backend's RLS counter (Redis's composed with the limiter, the in-memory one's own)."""
+    counter = rls_counter(backend.limiter)
+    assert counter is not None
+    return counter
+
+
+async def test_rls_check_is_all_or_nothing(backend: Backend) -> None:
+    """One enforced counter over refuses the request and nothing is added anywhere; the
+    values before the request come back in order; a new counter gets its window's expiry;
+    one script call per request."""
+    rls = rls_of(backend)
+    tag, exp = uniq("rls-a"), far()
+    a, b = f"{tag}:a", f"{tag}:b"
+    calls = backend.limiter.round_trips  # type: ignore[attr-defined]
+    assert await rls.rls_check([(a, 3, 5, exp, RLS_ENFORCED), (b, 4, 5, exp, RLS_ENFORCED)]) == (
+        True,
+        [0, 0],
+    )
+    assert backend.limiter.round_trips - calls == 1  # type: ignore[attr-defined]
+    ok, before = await rls.rls_check([(a, 1, 5, exp, RLS_ENFORCED), (b, 2, 5, exp, RLS_ENFORCED)])
+    assert (ok, before) == (False, [3, 4])
+    p = backend.probe
+    assert (await p.counter(a), await p.counter(b)) == (3, 4)
+    assert 0 < await p.ttl_ms(a) <= 120_000
+
+
+async def test_rls_limit_is_inclusive_and_hits_add_up(backend: Backend) -> None:
+    """A request whose hits take the counter exactly to its limit passes; one hit past it is
+    refused; the hits of each passed request add up (hits_addend)."""
+    rls = rls_of(backend)
+    k, exp = f"{uniq('rls-b')}:c", far()
+    assert await rls.rls_check([(k, 3, 5, exp, RLS_ENFORCED)]) == (True, [0])
+    assert await rls.rls_check([(k, 3, 5, exp, RLS_ENFORCED)]) == (False, [3])
+    assert await rls.rls_check([(k, 2, 5, exp, RLS_ENFORCED)]) == (True, [3])
+    assert await rls.rls_check([(k, 1, 5, exp, RLS_ENFORCED)]) == (False, [5])
+    assert await backend.probe.counter(k) == 5
+
+
+async def test_rls_repeated_key_sees_the_earlier_hits(backend: Backend) -> None:
+    """The same counter twice in one request: the second sees the first's hits."""
+    rls = rls_of(backend)
+    a, exp = f"{uniq('rls-c')}:c", far()
+    ok, before = await rls.rls_check([(a, 2, 3, exp, RLS_ENFORCED), (a, 2, 3, exp, RLS_ENFORCED)])
+    assert (ok, before) == (False, [0, 2])
+    ok, before = await rls.rls_check([(a, 1, 3, exp, RLS_ENFORCED), (a, 2, 3, exp, RLS_ENFORCED)])
+    assert (ok, before) == (True, [0, 1])
+    assert await backend.probe.counter(a) == 3
+
+
+async def test_rls_shadow_quota_and_check_only(backend: Backend) -> None:
+    """Shadow counters count and never refuse, nor make an enforced one's request refused;
+    quota counters refuse only all together (an enforced one over refuses regardless); 0
+    hits adds nothing and creates no key."""
+    rls = rls_of(backend)
+    tag, exp = uniq("rls-d"), far()
+    s, e, q1, q2, c = (f"{tag}:{n}" for n in ("s", "e", "q1", "q2", "c"))
+    assert await rls.rls_check([(s, 10, 1, exp, RLS_SHADOW), (e, 1, 5, exp, RLS_ENFORCED)]) == (
+        True,
+        [0, 0],
+    )
+    assert (await rls.rls_check([(q1, 2, 1, exp, RLS_QUOTA), (q2, 1, 1, exp, RLS_QUOTA)]))[0]
+    assert not (await rls.rls_check([(q1, 1, 1, exp, RLS_QUOTA), (q2, 1, 1, exp, RLS_QUOTA)]))[0]
+    assert not (await rls.rls_check([(q2, 0, 1, exp, RLS_QUOTA), (e, 5, 5, exp, RLS_ENFORCED)]))[0]
+    assert await rls.rls_check([(c, 0, 1, exp, RLS_ENFORCED)]) == (True, [0])
+    p = backend.probe
+    assert (await p.counter(s), await p.counter(e)) == (10, 1)
+    assert (await p.counter(q1), await p.counter(q2)) == (2, 1)
+    assert not await p.exists(c)
+
+
+async def test_rls_windows_are_counters_of_their_own(backend: Backend) -> None:
+    """Planned by the RLS matcher: the next window's counter starts at 0 while this one is
+    full; each expires at its window's end (plus the slack); a shadow rule over its limit is
+    counted and answered OK."""
+    cfg = compile_domains([parse_text(HOUR_RULE, "d.yaml")])
+    tenant = f"t{uuid.uuid4().hex[:8]}"
+    rls = rls_of(backend)
+    now = int(time.time() * 1000)
+    next_hour = (now // 3_600_000 + 1) * 3_600_000
+    metric = Descriptor((("tenant", tenant), ("metric", "rpm")))
+    shadow = Descriptor((("tenant", tenant), ("shadow", "x")))
+
+    def counters(at_ms: int, hits: int) -> list[tuple[str, int, int, int, int]]:
+        p = plan(cfg, "d", [metric, shadow], hits, at_ms)
+        return [(c.key, c.hits, c.limit, c.expire_at_ms, c.mode) for c in p.counted]
+
+    this, following = counters(now, 5), counters(next_hour, 5)
+    assert this[0][0] != following[0][0]
+    assert await rls.rls_check(this) == (True, [0, 0])  # the shadow rule is already over
+    ok, before = await rls.rls_check(counters(now, 1))
+    assert (ok, before) == (False, [5, 5])
+    assert await rls.rls_check(following) == (True, [0, 0])
+    p = backend.probe
+    assert await p.counter(this[0][0]) == 5 and await p.counter(this[1][0]) == 5
+    ttl = await p.ttl_ms(this[0][0])
+    assert 0 < ttl <= next_hour + EXPIRY_SLACK_MS - now
+    assert ttl > (await p.ttl_ms(following[0][0])) - 3_600_000 - 1000

@@ -291,3 +291,46 @@ async def test_seed_plan_variant(serve: Serve) -> None:
     assert over.overall_code == OVER and other.overall_code == OK
     unknown = await stub.ShouldRateLimit(request("ai-gateway", planned("a", "gold", "rpm")))
     assert unknown.overall_code == OK and not unknown.statuses[0].HasField("current_limit")
+
+
+async def test_served_on_the_in_memory_limiter(serve: Serve) -> None:
+    """Given the in-memory limiter (an in-process embedding), the RLS API counts on it: its
+    own RLS counter, the same answers as on Redis (60 RPM, all or nothing)."""
+    from extproc.limiter.memory import MemoryLimiter
+
+    clock = fake_clock()
+    memory = MemoryLimiter(clock)
+    stub, running = await serve(SEED_DIR, clock=clock, limiter=memory)
+    assert running.rls is not None and running.rls.counters is memory
+    codes = [
+        (await stub.ShouldRateLimit(request("ai-gateway", seed("t-mem", "rpm")))).overall_code
+        for _ in range(61)
+    ]
+    assert codes.count(OK) == 60 and codes[-1] == OVER
+    both = request("ai-gateway", (seed("t-mem2", "rpm"), 1), (seed("t-mem2", "tpm"), 100_001))
+    assert (await stub.ShouldRateLimit(both)).overall_code == OVER
+    one = await stub.ShouldRateLimit(request("ai-gateway", seed("t-mem2", "rpm")))
+    assert one.statuses[0].limit_remaining == 59  # the refused request counted nothing
+
+
+async def test_allowances_leave_the_rls_counter_on_redis(
+    serve: Serve, redis_server: RedisServer
+) -> None:
+    """With allowances on, the request path's limiter is the allowance wrapper; the RLS
+    counter is composed with the Redis limiter inside it and counts in Redis."""
+    from extproc.limiter.allowance import AllowanceLimiter
+    from extproc.limiter.rls_counter import RedisRlsCounter
+
+    stub, running = await serve(SEED_DIR, allowances=True)
+    wrapper = running.gateway.limiter
+    assert isinstance(wrapper, AllowanceLimiter)
+    counter = running.rls.counters if running.rls is not None else None
+    assert isinstance(counter, RedisRlsCounter) and counter.limiter is wrapper.inner
+    r = await stub.ShouldRateLimit(request("ai-gateway", seed("t-allow", "tpm"), hits=700))
+    assert r.overall_code == OK and r.statuses[0].limit_remaining == 100_000 - 700
+    client = redis.Redis(port=redis_server.port, decode_responses=True)
+    try:
+        values = [client.get(k) for k in client.scan_iter("*{t-allow}:rls:*")]
+    finally:
+        client.close()
+    assert values == ["700"]
