@@ -269,3 +269,31 @@ def _wait_blocked(port: int) -> None:
             except TimeoutError:
                 return
     pytest.fail("the server never blocked")
+
+
+async def test_an_admitted_check_is_journalled_and_replayed_after_a_failover(
+    redis_server: RedisServer,
+) -> None:
+    """The RLS counter journals an admitted check through its limiter: the replay (the script
+    the failover runs, by the name journalled) counts nothing on the master that ran it, and
+    on a master that lost it puts back exactly its hits, past the limit if others counted
+    meanwhile (replayed as shadow: never refused).  A refused check is not journalled."""
+    lim = RedisLimiter.from_url(redis_server.url, timeout_ms=1000)
+    r = redis.Redis(port=redis_server.port)
+    try:
+        counter = RedisRlsCounter(lim)
+        a = key()
+        assert await counter.rls_check([(a, 4, 5, far_ms(), 1)]) == (True, [0])
+        assert (await counter.rls_check([(a, 4, 5, far_ms(), 1)]))[0] is False
+        assert lim.failover is not None
+        [entry] = [e for e in lim.failover.journal if e.script == "rls"]
+        replay = lim._scripts[entry.script]  # what the failover runs for this entry
+        await replay(keys=entry.keys, args=entry.args)
+        assert int(r.get(a) or 0) == 4  # ran already: nothing more
+        r.delete(a, entry.keys[0])  # a new master that never saw the check
+        r.set(a, 5)  # ... and other Envoys' hits since
+        await replay(keys=entry.keys, args=entry.args)
+        assert int(r.get(a) or 0) == 9
+    finally:
+        r.close()
+        await lim.close()
