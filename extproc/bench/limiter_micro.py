@@ -10,7 +10,7 @@ range of the per-round figures:
   :class:`extproc.limiter.batch.SettlementBatcher` (its calls counted, its CPU included: the
   run ends when every settlement was taken);
 - ``redis-py packing``: the first arm with redis-py's pure-Python command packer instead of
-  hiredis's (what :func:`extproc.limiter.redis.use_hiredis_packing` replaced);
+  hiredis's (what :func:`extproc.limiter.packing.use_hiredis_packing` replaced);
 - ``allowances``: the batched arm behind :class:`extproc.limiter.allowance.AllowanceLimiter`
   (a tenant far from its limits: admitted and settled from local allowances; the takes and
   give-backs counted, a fresh tenant each round, so its warm-up is included).

@@ -9,7 +9,8 @@ import redis.utils
 from redis._parsers.hiredis import _AsyncHiredisParser
 from redis.asyncio.connection import Connection
 
-from extproc.limiter.redis import HiredisPacking, RedisLimiter
+from extproc.limiter.packing import HiredisPacking
+from extproc.limiter.redis import RedisLimiter
 from tests.helpers import RedisServer
 
 pytestmark = pytest.mark.integration
