@@ -36,6 +36,7 @@ from extproc.core.events import (
     Trailers,
 )
 from extproc.core.lifecycle import CutReason, Ending, State
+from extproc.core.meter import StreamPhase
 from extproc.core.streaming import MeteredStream, room_after, unconfirmed_charge
 from extproc.server.processor import RequestProcessor
 from tests.unit.test_processor_flow import event, limiter, start
@@ -198,12 +199,18 @@ def test_any_event_order_keeps_the_stream_contract(
         # wins; as before the core took this over, a failed charge still cuts it after)
         completed = passed.endswith(DONE)
         assert ms.s.life.ending is (Ending.COMPLETED if completed else Ending.CUT)
+        # the meter's phase says the same: cut, for the cut's reason; complete as the bytes
+        assert ms.meter.phase.stream is StreamPhase.CUT
+        assert ms.meter.cut_reason is run.cut.reason
+        assert ms.meter.complete is completed
     else:
         # not cut: every event passed, and the end went out once
         assert run.forwarded == body
         assert run.ended_by == "end"
         assert ms.complete
         assert ms.s.life.state is State.DONE
+        assert ms.meter.phase.stream is StreamPhase.FINISHED
+        assert ms.meter.complete and ms.meter.cut_reason is None
     assert run.finals, "the final figures went out"
     assert len(set(run.finals)) == 1, "the final figure is decided once"
     assert ms.meter.delivered <= ms.meter.counted
