@@ -318,8 +318,10 @@ def test_a_bound_that_has_room_is_admitted_without_counting() -> None:
     assert not run.of(CountExact) and InputAdmission("bound") in run.actions
     assert s.admitted is not None and s.admitted.input_bound and s.cost is not None
     assert s.parsed is not None
-    assert s.cost.input_tokens == bound_input(CHAT, s.parsed.req, s.parsed.model) > EXACT
-    counter = s.parsed.model.bound_counter
+    model = cfg.models["big"]
+    bound = bound_input(CHAT, s.parsed.req, model)
+    assert bound is not None and s.cost.input_tokens == bound > EXACT
+    counter = model.bound_counter
     assert isinstance(counter, UTF8BoundCounter)
     assert s.admitted.input_floor == counter.fewest_tokens(s.cost.input_tokens)
 
