@@ -99,10 +99,11 @@ StreamAction = (
 
 # -- admission: what :class:`~extproc.core.admitting.Admission` asks the server to do ---------
 # The server executes them in order; :class:`CountExact` and :class:`CallAdmit` are always
-# last: their answer is the next event (:mod:`extproc.core.events`).
+# last: their answer is the next event (:mod:`extproc.core.events`).  Those every request
+# makes are plain (not frozen) dataclasses: cheaper to build, and nothing changes them.
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CountExact:
     """Count the request's input exactly with ``model``'s tokenizer (a body of ``size`` bytes:
     a large one in a worker thread), then report
@@ -127,7 +128,7 @@ class DraftRecord:
     admitted_at_ms: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CallAdmit:
     """Make the one admission call: ``charges`` on ``buckets`` (``tpm_charged`` tokens on each
     TPM counter), leased until ``lease_until_ms`` (0: not leased) with ``draft``; then report
@@ -157,7 +158,7 @@ class KeepLeases:
     """A leased admission went through: keep open reservations' leases renewed."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Attempting:
     """Admission tries the request as ``model`` (log lines from here on carry it)."""
 
@@ -165,7 +166,7 @@ class Attempting:
     model: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class InputAdmission:
     """How the input was admitted: on its ``bound``, ``recounted`` after a refused bound, or
     on its ``exact`` count (counted)."""
@@ -173,7 +174,7 @@ class InputAdmission:
     how: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LimitDecisions:
     """Count each ``(metric, decision)``: refused, fallback, shadow_refused..."""
 
@@ -218,7 +219,7 @@ class PushedBack:
     unmetered: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decided:
     """The request is admitted (its record set): count it and log the decision line."""
 
@@ -235,7 +236,7 @@ class Decided:
     streaming: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ForwardBody:
     """Admission is over: forward ``body`` upstream (None: as it came)."""
 

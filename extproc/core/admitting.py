@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Final, Literal, Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 from extproc.core import admission, policies
 from extproc.core.actions import (
@@ -163,16 +163,15 @@ class _Cancelled(Exception):
 
 
 _T = TypeVar("_T")
-#: A step of the flow: it yields actions and is sent the answer of each asking one.
-_Flow = Generator[AdmissionAction, AdmissionEvent | None, _T]
-#: The actions the server answers with an event (always the last of a list).
-_ASKS: Final = (CountExact, CallAdmit)
+#: A step of the flow: it yields the actions the server answers with an event (the last of a
+#: list), is sent each answer, and adds the others to the list as it goes.
+_Flow = Generator[CountExact | CallAdmit, AdmissionEvent | None, _T]
 
 
 class Admission:
     """One request's admission: fed events, returns actions (see the module's docstring)."""
 
-    __slots__ = ("_flow", "_now_ms", "_prefix", "_records", "_room", "rules", "s")
+    __slots__ = ("_flow", "_now_ms", "_out", "_prefix", "_records", "_room", "rules", "s")
 
     def __init__(
         self,
@@ -191,6 +190,7 @@ class Admission:
         self._records = records  # usage records are written (a lease keeps a draft)
         self._now_ms = now_ms
         self._flow: _Flow[None] | None = None
+        self._out: list[AdmissionAction] = []  # the actions of the step running
 
     # -- feeding ---------------------------------------------------------------------------
 
@@ -220,13 +220,10 @@ class Admission:
         flow = self._flow
         assert flow is not None
         out: list[AdmissionAction] = []
+        self._out = out
         try:
-            a = flow.send(ev)
-            while True:
-                out.append(a)
-                if isinstance(a, _ASKS):
-                    return out
-                a = flow.send(None)
+            out.append(flow.send(ev))
+            return out
         except (StopIteration, _Cancelled):
             pass
         except GatewayError as err:
@@ -273,8 +270,8 @@ class Admission:
             if second.refused is not None:
                 s.attempting(None)
                 raise attempt.refused
-            yield LimitDecisions(((attempt.refused.metric, "fallback"),))
-            yield FellBack(model.name, alt.name, attempt.refused.code)
+            self._out.append(LimitDecisions(((attempt.refused.metric, "fallback"),)))
+            self._out.append(FellBack(model.name, alt.name, attempt.refused.code))
             headers = (
                 ("x-aiquota-fallback-model", alt.name),
                 ("x-aiquota-requested-model", model.name),
@@ -297,9 +294,9 @@ class Admission:
                 ).as_pairs()
             )
             shadow = policies.shadow_outcome(attempt.buckets, res.values, plan.cost)
-            yield LimitDecisions(shadow.decisions)
+            self._out.append(LimitDecisions(shadow.decisions))
             if shadow.exceeded:
-                yield ShadowRefused(shadow.exceeded)
+                self._out.append(ShadowRefused(shadow.exceeded))
             headers += shadow.headers()
         floor = 0
         if attempt.on_bound and isinstance(served.bound_counter, UTF8BoundCounter):
@@ -316,26 +313,30 @@ class Admission:
             ),
             admission.admission_usage(cost) if cost is not None else None,
         )
-        yield Decided(
-            tenant=tenant.id,
-            key=key.name,
-            model=served.name,
-            api=api.name,
-            input_tokens=plan.cost.input_tokens,
-            input_counted="after" if attempt.on_bound else "before",
-            reserved_output=plan.cost.reserved_output,
-            stream=req.stream,
-            decision="admitted" if res is not None else "admitted_unmetered",
-            mode=attempt.charging.mode,
-            streaming=attempt.charging.streaming,
+        self._out.append(
+            Decided(
+                tenant=tenant.id,
+                key=key.name,
+                model=served.name,
+                api=api.name,
+                input_tokens=plan.cost.input_tokens,
+                input_counted="after" if attempt.on_bound else "before",
+                reserved_output=plan.cost.reserved_output,
+                stream=req.stream,
+                decision="admitted" if res is not None else "admitted_unmetered",
+                mode=attempt.charging.mode,
+                streaming=attempt.charging.streaming,
+            )
         )
-        yield ForwardBody(
-            api.rewrite(
-                req,
-                budget=budget,
-                force_usage=rules.force_include_usage and plan.cost.meter_stream,
-                model=served.name if served.known else None,
-                continuous_usage=served.continuous_usage and plan.cost.meter_stream,
+        self._out.append(
+            ForwardBody(
+                api.rewrite(
+                    req,
+                    budget=budget,
+                    force_usage=rules.force_include_usage and plan.cost.meter_stream,
+                    model=served.name if served.known else None,
+                    continuous_usage=served.continuous_usage and plan.cost.meter_stream,
+                )
             )
         )
 
@@ -363,18 +364,18 @@ class Admission:
         an answer."""
         tenant = self.s.tenant
         assert tenant is not None
-        yield Attempting(tenant.id, model.name)
+        self._out.append(Attempting(tenant.id, model.name))
         charging = self.rules.charging_for(tenant.plan, model.name)
         bound = self._on_bound(model, charging)
         if bound is not None:
             plan, now, buckets = bound
             out = yield from self._call(model, plan, charging, on_bound=True, at=(now, buckets))
             if out.refused is None:
-                yield InputAdmission("bound")
+                self._out.append(InputAdmission("bound"))
                 return out
-            yield InputAdmission("recounted")
+            self._out.append(InputAdmission("recounted"))
         else:
-            yield InputAdmission("exact")
+            self._out.append(InputAdmission("exact"))
         ev = yield CountExact(model, size)
         if not isinstance(ev, InputCounted):
             raise PhaseError(f"admission waited for the input count, got {ev!r}")
@@ -483,15 +484,15 @@ class Admission:
                 list(buckets), res.values, cost, now, tenant=tenant.id, model=model.name
             )
             if not on_bound:
-                yield LimitDecisions(((err.metric, "refused"),))
+                self._out.append(LimitDecisions(((err.metric, "refused"),)))
             out.refused = err
         elif res is not None:
             # A duplicate can only be our own retried call (ledger ids are unique per HTTP
             # request): the first execution charged, so the request is admitted and metered.
             if res.duplicate:
-                yield DuplicateAdmit()
+                self._out.append(DuplicateAdmit())
             if lease:
-                yield KeepLeases()
+                self._out.append(KeepLeases())
         return out
 
     def _admit_rpm_only(self) -> _Flow[None]:
@@ -553,7 +554,7 @@ class Admission:
             # Redis has not taken the settlements of the requests admitted before: admitting
             # more would pile up more (dropping one would lose a correction), so push back.
             unmetered = policies.unmetered_on_backlog(failure_mode)
-            yield PushedBack(unmetered)
+            self._out.append(PushedBack(unmetered))
             if unmetered:
                 return None
             raise LimiterUnavailable(
@@ -562,16 +563,16 @@ class Admission:
         if isinstance(ev, AdmitCancelled):
             # The request went away while its call was out: the script may run (or have run)
             # all the same.  The cancel undoes it if it did, or stops it from ever running.
-            yield KeepCancel(_undo(charges), ttl)
+            self._out.append(KeepCancel(_undo(charges), ttl))
             raise _Cancelled
         if not isinstance(ev, AdmitFailed):
             raise PhaseError(f"admission waited for the limiter's answer, got {ev!r}")
         # The call may still run once Redis answers (it timed out, it did not fail): keep a
         # cancel that undoes it if it ran, or stops it from ever running.
         unmetered = policies.fails_open(failure_mode)
-        yield AdmitError(unmetered)
+        self._out.append(AdmitError(unmetered))
         if policies.keeps_cancel(maybe_ran=ev.error.maybe_ran):
-            yield KeepCancel(_undo(charges), ttl)
+            self._out.append(KeepCancel(_undo(charges), ttl))
         if unmetered:
             return None
         raise ev.error

@@ -86,10 +86,11 @@ class InputCounted:
     tokens: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AdmitAnswered:
     """The limiter answered the admission call: ``admitted``, ``duplicate`` (our own retried
-    call found it done) and each bucket's value (after charging when admitted)."""
+    call found it done) and each bucket's value (after charging when admitted).  (Not
+    frozen: every request makes one.)"""
 
     admitted: bool
     duplicate: bool
