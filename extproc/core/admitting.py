@@ -171,7 +171,17 @@ _Flow = Generator[CountExact | CallAdmit, AdmissionEvent | None, _T]
 class Admission:
     """One request's admission: fed events, returns actions (see the module's docstring)."""
 
-    __slots__ = ("_flow", "_now_ms", "_out", "_prefix", "_records", "_room", "rules", "s")
+    __slots__ = (
+        "_begun",
+        "_flow",
+        "_now_ms",
+        "_out",
+        "_prefix",
+        "_records",
+        "_room",
+        "rules",
+        "s",
+    )
 
     def __init__(
         self,
@@ -190,6 +200,7 @@ class Admission:
         self._records = records  # usage records are written (a lease keeps a draft)
         self._now_ms = now_ms
         self._flow: _Flow[None] | None = None
+        self._begun = False
         self._out: list[AdmissionAction] = []  # the actions of the step running
 
     # -- feeding ---------------------------------------------------------------------------
@@ -210,8 +221,9 @@ class Admission:
         return self._run(ev)
 
     def _start(self, flow: _Flow[None]) -> list[AdmissionAction]:
-        if self._flow is not None:
+        if self._begun:
             raise PhaseError("admission started twice")
+        self._begun = True
         self._flow = flow
         return self._run(None)
 

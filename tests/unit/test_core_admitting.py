@@ -360,8 +360,10 @@ def test_an_answer_out_of_turn_is_a_phase_error() -> None:
     with pytest.raises(PhaseError):
         adm.handle(InputCounted(3))
     drive(adm, iter(["admitted"]))
-    with pytest.raises(PhaseError):
+    with pytest.raises(PhaseError, match="started twice"):
         adm.body(BODY)
+    with pytest.raises(PhaseError, match="started twice"):
+        adm.rpm_only()
     assert s.parsed is not None
     with pytest.raises(PhaseError):
         s.parse(s.parsed)
