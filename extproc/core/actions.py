@@ -166,7 +166,7 @@ class Attempting:
     model: str
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class InputAdmission:
     """How the input was admitted: on its ``bound``, ``recounted`` after a refused bound, or
     on its ``exact`` count (counted)."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar
+from typing import Final, Literal, Protocol, TypeVar
 
 from extproc.core import admission, policies
 from extproc.core.actions import (
@@ -161,6 +161,12 @@ class _Attempt:
 class _Cancelled(Exception):
     """The flow ends: the request went away (the server re-raises its cancellation)."""
 
+
+#: The notes without a figure of their own, made once (every admission adds two of them).
+_ON_BOUND: Final = InputAdmission("bound")
+_RECOUNTED: Final = InputAdmission("recounted")
+_COUNTED: Final = InputAdmission("exact")
+_KEEP_LEASES: Final = KeepLeases()
 
 _T = TypeVar("_T")
 #: A step of the flow: it yields the actions the server answers with an event (the last of a
@@ -383,11 +389,11 @@ class Admission:
             plan, now, buckets = bound
             out = yield from self._call(model, plan, charging, on_bound=True, at=(now, buckets))
             if out.refused is None:
-                self._out.append(InputAdmission("bound"))
+                self._out.append(_ON_BOUND)
                 return out
-            self._out.append(InputAdmission("recounted"))
+            self._out.append(_RECOUNTED)
         else:
-            self._out.append(InputAdmission("exact"))
+            self._out.append(_COUNTED)
         ev = yield CountExact(model, size)
         if not isinstance(ev, InputCounted):
             raise PhaseError(f"admission waited for the input count, got {ev!r}")
@@ -480,7 +486,7 @@ class Admission:
                 reserved_output=cost.reserved_output if cost.settle_to_actual else 0,
                 admitted_at_ms=now,
             )
-        res = yield from self._limited(
+        call = self._ask(
             list(buckets),
             cost,
             now_ms=now,
@@ -490,6 +496,7 @@ class Admission:
                 on_bound=on_bound, configured=rules.count_refused_requests
             ),
         )
+        res = self._answer(call, (yield call))
         out = _Attempt(plan, charging, buckets, now, res, on_bound=on_bound)
         if res is not None and not res.admitted and not res.duplicate:
             err = admission.refusal(
@@ -504,7 +511,7 @@ class Admission:
             if res.duplicate:
                 self._out.append(DuplicateAdmit())
             if lease:
-                self._out.append(KeepLeases())
+                self._out.append(_KEEP_LEASES)
         return out
 
     def _admit_rpm_only(self) -> _Flow[None]:
@@ -523,19 +530,20 @@ class Admission:
         )
         if not buckets:
             return
-        res = yield from self._limited(
+        call = self._ask(
             buckets,
             admission.RPM_ONLY,
             count_refused=policies.counts_refusal(
                 on_bound=False, configured=self.rules.count_refused_requests
             ),
         )
+        res = self._answer(call, (yield call))
         if res is not None and not res.admitted and not res.duplicate:
             raise admission.refusal(
                 buckets, res.values, admission.RPM_ONLY, now, tenant=tenant.id, model="*"
             )
 
-    def _limited(
+    def _ask(
         self,
         buckets: list[WindowedBucket],
         cost: Cost,
@@ -544,24 +552,26 @@ class Admission:
         now_ms: int = 0,
         lease_until_ms: int = 0,
         draft: DraftRecord | None = None,
-    ) -> _Flow[AdmitAnswered | None]:
-        """Ask the limiter; None: it failed (or could not be asked) and the plan fails open."""
-        s, rules = self.s, self.rules
-        charges = admission.admission_charges(buckets, cost)
-        ttl = rules.ledger_ttl_seconds * 1000
-        ev = yield CallAdmit(
+    ) -> CallAdmit:
+        """The admission call of ``cost`` on ``buckets`` (its answer goes to :meth:`_answer`)."""
+        return CallAdmit(
             tuple(buckets),
-            charges,
+            admission.admission_charges(buckets, cost),
             cost.tpm_amount,
             count_refused,
-            ttl,
+            self.rules.ledger_ttl_seconds * 1000,
             now_ms=now_ms,
             lease_until_ms=lease_until_ms,
             draft=draft,
         )
-        if isinstance(ev, AdmitAnswered):
+
+    def _answer(self, call: CallAdmit, ev: AdmissionEvent | None) -> AdmitAnswered | None:
+        """What the limiter's answer to ``call`` means; None: it failed (or could not be asked)
+        and the plan fails open."""
+        if type(ev) is AdmitAnswered:
             return ev
-        failure_mode = rules.failure_mode_for(s.plan)
+        charges, ttl = call.charges, call.ledger_ttl_ms
+        failure_mode = self.rules.failure_mode_for(self.s.plan)
         if isinstance(ev, AdmitBacklogged):
             # Redis has not taken the settlements of the requests admitted before: admitting
             # more would pile up more (dropping one would lose a correction), so push back.
