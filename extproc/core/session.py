@@ -10,7 +10,8 @@ The rules it applies live by job: which upstream figures are trusted and what an
 request could have generated in :mod:`extproc.core.figures`, how a response is metered in
 :mod:`extproc.core.classify`, the per-request policies (the fallback model, the shadow-limit
 report, fail-open, the bound, the lease, billing) in :mod:`extproc.core.policies`; what
-settlement charges is :meth:`Session.settlement`.  The server layer executes what they decide
+settlement charges is :meth:`Session.settlement`; the admission flow that sets the parsed and
+admitted records is :mod:`extproc.core.admitting`.  The server layer executes what they decide
 and holds no policy of its own.
 """
 
