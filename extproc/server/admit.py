@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 
@@ -95,85 +97,123 @@ async def _execute(
     """Execute the admission's actions until it forwards the body (returned), rejects
     (raised) or ends (None)."""
     while True:
-        ev: AdmissionEvent | None = None
+        last: AdmissionAction | None = None
         for a in actions:
-            if type(a) is CallAdmit:
-                ev = await limiter_admit(gw, cfg, s, adm, a)
-            elif type(a) is ForwardBody:
-                return a.body
-            elif type(a) is CountExact:
-                api, req = s.api, s.req
-                assert api is not None and req is not None
-                ev = InputCounted(await count_input(gw, cfg, api, req, a.model, size=a.size))
-            elif type(a) is Reject:
-                raise a.error
+            note = _NOTES.get(type(a))
+            if note is not None:
+                note(gw, s, a, started)
             else:
-                _note(gw, s, a, started)
-        if ev is None:
+                last = a  # the one that ends the step: always the last
+        if last is None:
             return None
+        if type(last) is CallAdmit:
+            ev: AdmissionEvent = await limiter_admit(gw, cfg, s, adm, last)
+        elif type(last) is ForwardBody:
+            return last.body
+        elif type(last) is CountExact:
+            api, req = s.api, s.req
+            assert api is not None and req is not None
+            ev = InputCounted(await count_input(gw, cfg, api, req, last.model, size=last.size))
+        elif type(last) is Reject:
+            raise last.error
+        else:  # pragma: no cover - every action is handled
+            raise TypeError(f"unknown admission action {last!r}")
         actions = adm.handle(ev)
 
 
-def _note(gw: Gateway, s: Session, a: AdmissionAction, started: float) -> None:
-    """Count and log what admission reported (or keep what it asked to keep)."""
-    m = gw.metrics
-    # checked by identity (cheaper than isinstance; mypy narrows it), the common ones first
-    if type(a) is Attempting:
-        structlog.contextvars.bind_contextvars(tenant=a.tenant, model=a.model)
-    elif type(a) is InputAdmission:
-        m.input_admissions.labels(a.how).inc()
-    elif type(a) is LimitDecisions:
-        for metric, decision in a.decisions:
-            m.limit_decisions.labels(metric, decision).inc()
-    elif type(a) is KeepLeases:
-        gw.keep_leases()
-    elif type(a) is Decided:
-        m.decisions.labels("admitted", "ok").inc()
-        m.admission_seconds.observe(time.perf_counter() - started)
-        log.info(
-            "decision",
-            tenant=a.tenant,
-            key=a.key,
-            model=a.model,
-            api=a.api,
-            input_tokens=a.input_tokens,
-            input_counted=a.input_counted,
-            reserved_output=a.reserved_output,
-            stream=a.stream,
-            decision=a.decision,
-            mode=a.mode,
-            streaming=a.streaming,
-            latency_ms=round((time.perf_counter() - started) * 1000, 3),
-        )
-    elif type(a) is ShadowRefused:
-        log.info(
-            "shadow_limit_exceeded",
-            request_id=s.request_id,
-            tenant=s.tenant.id if s.tenant else None,
-            limits=list(a.limits),
-            would="refuse",
-        )
-    elif type(a) is FellBack:
-        log.info(
-            "fallback",
-            request_id=s.request_id,
-            requested=a.requested,
-            fallback=a.fallback,
-            reason=a.reason,
-        )
-    elif type(a) is DuplicateAdmit:
-        m.duplicate_hits.labels("admit").inc()
-    elif type(a) is KeepCancel:
-        gw.settlements.keep(Kept(s.ledger, a.undo, a.ledger_ttl_ms, s.request_id, cancel=True))
-    elif type(a) is AdmitError:
-        m.limiter_errors.labels("admit").inc()
-        if a.unmetered:
-            log.warning("limiter_unavailable_fail_open", request_id=s.request_id)
-    elif type(a) is PushedBack:
-        m.settlement_pushback.labels("unmetered" if a.unmetered else "refused").inc()
-        log.warning("settlement_backlog_full", request_id=s.request_id, fail_open=a.unmetered)
-    else:  # pragma: no cover - every action is handled above
-        raise TypeError(f"unknown admission action {a!r}")
+# -- what admission reports: counted, logged, or kept ------------------------------------------
+
+
+def _attempting(gw: Gateway, s: Session, a: Attempting, started: float) -> None:
+    structlog.contextvars.bind_contextvars(tenant=a.tenant, model=a.model)
+
+
+def _input_admission(gw: Gateway, s: Session, a: InputAdmission, started: float) -> None:
+    gw.metrics.input_admissions.labels(a.how).inc()
+
+
+def _limit_decisions(gw: Gateway, s: Session, a: LimitDecisions, started: float) -> None:
+    for metric, decision in a.decisions:
+        gw.metrics.limit_decisions.labels(metric, decision).inc()
+
+
+def _keep_leases(gw: Gateway, s: Session, a: KeepLeases, started: float) -> None:
+    gw.keep_leases()
+
+
+def _decided(gw: Gateway, s: Session, a: Decided, started: float) -> None:
+    gw.metrics.decisions.labels("admitted", "ok").inc()
+    gw.metrics.admission_seconds.observe(time.perf_counter() - started)
+    log.info(
+        "decision",
+        tenant=a.tenant,
+        key=a.key,
+        model=a.model,
+        api=a.api,
+        input_tokens=a.input_tokens,
+        input_counted=a.input_counted,
+        reserved_output=a.reserved_output,
+        stream=a.stream,
+        decision=a.decision,
+        mode=a.mode,
+        streaming=a.streaming,
+        latency_ms=round((time.perf_counter() - started) * 1000, 3),
+    )
+
+
+def _shadow_refused(gw: Gateway, s: Session, a: ShadowRefused, started: float) -> None:
+    log.info(
+        "shadow_limit_exceeded",
+        request_id=s.request_id,
+        tenant=s.tenant.id if s.tenant else None,
+        limits=list(a.limits),
+        would="refuse",
+    )
+
+
+def _fell_back(gw: Gateway, s: Session, a: FellBack, started: float) -> None:
+    log.info(
+        "fallback",
+        request_id=s.request_id,
+        requested=a.requested,
+        fallback=a.fallback,
+        reason=a.reason,
+    )
+
+
+def _duplicate(gw: Gateway, s: Session, a: DuplicateAdmit, started: float) -> None:
+    gw.metrics.duplicate_hits.labels("admit").inc()
+
+
+def _keep_cancel(gw: Gateway, s: Session, a: KeepCancel, started: float) -> None:
+    gw.settlements.keep(Kept(s.ledger, a.undo, a.ledger_ttl_ms, s.request_id, cancel=True))
+
+
+def _admit_error(gw: Gateway, s: Session, a: AdmitError, started: float) -> None:
+    gw.metrics.limiter_errors.labels("admit").inc()
+    if a.unmetered:
+        log.warning("limiter_unavailable_fail_open", request_id=s.request_id)
+
+
+def _pushed_back(gw: Gateway, s: Session, a: PushedBack, started: float) -> None:
+    gw.metrics.settlement_pushback.labels("unmetered" if a.unmetered else "refused").inc()
+    log.warning("settlement_backlog_full", request_id=s.request_id, fail_open=a.unmetered)
+
+
+#: Each reported action's executor, by the action's type (one lookup per action).
+_NOTES: dict[type, Callable[[Gateway, Session, Any, float], None]] = {
+    Attempting: _attempting,
+    InputAdmission: _input_admission,
+    LimitDecisions: _limit_decisions,
+    KeepLeases: _keep_leases,
+    Decided: _decided,
+    ShadowRefused: _shadow_refused,
+    FellBack: _fell_back,
+    DuplicateAdmit: _duplicate,
+    KeepCancel: _keep_cancel,
+    AdmitError: _admit_error,
+    PushedBack: _pushed_back,
+}
 
 
 async def limiter_admit(
@@ -218,7 +258,9 @@ async def limiter_admit(
         done = res
     except asyncio.CancelledError:
         for act in adm.handle(AdmitCancelled()):
-            _note(gw, s, act, 0.0)
+            note = _NOTES.get(type(act))
+            assert note is not None  # only a cancel to keep
+            note(gw, s, act, 0.0)
         raise
     except LimiterUnavailable as exc:
         return AdmitFailed(exc)
