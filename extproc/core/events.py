@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from extproc.core.lifecycle import CutReason
+from extproc.errors import LimiterUnavailable
 
 
 @dataclass(slots=True)
@@ -73,3 +74,46 @@ class CutNow:
 StreamEvent = (
     BodyChunk | Trailers | ChargeAnswered | ChargeFailed | ChargeAbandoned | CountDone | CutNow
 )
+
+
+# -- admission: what the server saw while :class:`~extproc.core.admitting.Admission` waited ----
+
+
+@dataclass(frozen=True, slots=True)
+class InputCounted:
+    """The exact input count :class:`~extproc.core.actions.CountExact` asked for."""
+
+    tokens: int
+
+
+@dataclass(slots=True)
+class AdmitAnswered:
+    """The limiter answered the admission call: ``admitted``, ``duplicate`` (our own retried
+    call found it done) and each bucket's value (after charging when admitted).  (Not
+    frozen: every request makes one.)"""
+
+    admitted: bool
+    duplicate: bool
+    values: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitFailed:
+    """The limiter could not answer the admission call (``error.maybe_ran``: it may still run
+    once Redis answers)."""
+
+    error: LimiterUnavailable
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitCancelled:
+    """The request went away while its admission call was out (the call may run all the
+    same)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitBacklogged:
+    """The call was not made: the settlements waiting for Redis reached their backlog."""
+
+
+AdmissionEvent = InputCounted | AdmitAnswered | AdmitFailed | AdmitCancelled | AdmitBacklogged

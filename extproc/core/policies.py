@@ -2,13 +2,16 @@
 
 Whoever changes how a request is admitted or billed finds the rule here with its tests
 (``tests/unit/test_core_policies.py``): when admission may decide on a bound of the input, how
-long an admission is leased, whether a refusal counts, what a limiter failure does, and the
-billing record's figures.  The stream's own rules (room after a charge, the unconfirmed charge,
-the wait for a charge at settlement) are in :mod:`extproc.core.streaming`.
+long an admission is leased, whether a refusal counts, what a limiter failure or a full
+settlement backlog does, the fallback model, the shadow report, and the billing record's
+figures.  The admission flow that applies them is :mod:`extproc.core.admitting`; the
+stream's own rules (room after a charge, the unconfirmed charge, the wait for a charge at
+settlement) are in :mod:`extproc.core.streaming`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -23,6 +26,21 @@ def fails_open(failure_mode: str) -> bool:
     """A limiter failure lets the request through unmetered (``open``), rather than refusing
     it or cutting its stream (``closed``)."""
     return failure_mode == "open"
+
+
+def unmetered_on_backlog(failure_mode: str) -> bool:
+    """The settlements waiting for Redis reached their backlog: admitting more would pile up
+    more (dropping one would lose a correction), so admission pushes back: a plan that fails
+    open lets the request through unmetered, any other refuses it (503)."""
+    return fails_open(failure_mode)
+
+
+def keeps_cancel(*, maybe_ran: bool) -> bool:
+    """Whether a failed admission call keeps a cancel: when it may have run, or may still run
+    once Redis answers (it timed out rather than failed); the cancel undoes it if it ran, or
+    stops it from ever running.  (A call cancelled because the request went away always keeps
+    one.)"""
+    return maybe_ran
 
 
 def may_admit_on_bound(*, enabled: bool, proven_bound: bool) -> bool:
@@ -101,7 +119,7 @@ def billed(
 
 
 def fallback_for(
-    fallbacks: dict[str, dict[str, str]],
+    fallbacks: Mapping[str, Mapping[str, str]],
     *,
     tenant: TenantInfo,
     model: ModelInfo,

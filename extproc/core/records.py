@@ -31,6 +31,7 @@ from extproc.core.chunks import Usage as UpstreamUsage
 from extproc.core.keys import WindowedBucket
 from extproc.core.lifecycle import Ending
 from extproc.core.rules import Limit, Rates, Usage
+from extproc.core.tokens import TokenCounter, TokenizerSpec
 
 # -- what the session needs to know of the configuration (structural: core imports no config) --
 
@@ -57,6 +58,18 @@ class ModelInfo(Protocol):
     @property
     def abandoned_tokens_per_second(self) -> int: ...
     def stream_counter(self) -> Callable[[str], int]: ...
+
+
+class AdmitModel(ModelInfo, Protocol):
+    """A model as admission needs it: its tokenizer, to count the input exactly or (when it
+    has a proven one) to bound it cheaply."""
+
+    @property
+    def counter(self) -> TokenCounter: ...
+    @property
+    def bound_counter(self) -> TokenCounter | None: ...
+    @property
+    def tokenizer(self) -> TokenizerSpec: ...
 
 
 class TenantInfo(Protocol):

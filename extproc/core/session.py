@@ -10,7 +10,8 @@ The rules it applies live by job: which upstream figures are trusted and what an
 request could have generated in :mod:`extproc.core.figures`, how a response is metered in
 :mod:`extproc.core.classify`, the per-request policies (the fallback model, the shadow-limit
 report, fail-open, the bound, the lease, billing) in :mod:`extproc.core.policies`; what
-settlement charges is :meth:`Session.settlement`.  The server layer executes what they decide
+settlement charges is :meth:`Session.settlement`; the admission flow that sets the parsed and
+admitted records is :mod:`extproc.core.admitting`.  The server layer executes what they decide
 and holds no policy of its own.
 """
 
@@ -50,6 +51,7 @@ class Session:
 
     __slots__ = (
         "_admitted",
+        "_attempt",
         "_cost",
         "_count",
         "_count_inline",
@@ -73,6 +75,9 @@ class Session:
         self._identified: Identified | None = None
         self._parsed: Parsed | None = None
         self._admitted: Admitted | None = None
+        # the model admission is trying the request as, when not the requested one (the
+        # plan's fallback): an error on the way is reported under it
+        self._attempt: ModelInfo | None = None
         # the request's cost: the admitted one, with the exact input once counted (a request
         # admitted on a bound); ``_counted`` is that count (None: not taken)
         self._cost: Cost | None = None
@@ -104,8 +109,16 @@ class Session:
         self._identified = rec
 
     def parse(self, rec: Parsed) -> None:
-        """The body parsed (a fallback model replaces the model it is counted as)."""
+        """The body parsed, with the model it asks for (the one it is admitted as is the
+        admitted record's)."""
+        if self._parsed is not None:
+            raise PhaseError("the request's body was parsed twice")
         self._parsed = rec
+
+    def attempting(self, model: ModelInfo | None) -> None:
+        """Admission tries the request as ``model`` (a fallback; None: the requested one
+        again): until it is admitted, the request is reported under it."""
+        self._attempt = model
 
     def admit(self, rec: Admitted, usage: Usage | None = None) -> None:
         """Admission said yes; ``usage`` is what it charged (None: nothing, fail-open)."""
@@ -371,9 +384,12 @@ class Session:
 
     @property
     def model(self) -> ModelInfo | None:
-        """The model served (admitted), else the one asked for."""
+        """The model served (admitted), else the one admission is trying, else the one asked
+        for."""
         if self._admitted is not None:
             return self._admitted.model
+        if self._attempt is not None:
+            return self._attempt
         return self._parsed.model if self._parsed else None
 
     @property
@@ -419,9 +435,13 @@ class Session:
 
     # -- decisions ---------------------------------------------------------------------------
 
-    def buckets_at(self, prefix: str, now_ms: int, lease_ms: int) -> list[WindowedBucket]:
-        """The request's buckets in the windows containing ``now_ms``."""
-        tenant, key, model, req = self.tenant, self.key, self.model, self.req
+    def buckets_at(
+        self, prefix: str, now_ms: int, lease_ms: int, model: ModelInfo | None = None
+    ) -> list[WindowedBucket]:
+        """The request's buckets in the windows containing ``now_ms`` (as ``model``: by
+        default the request's)."""
+        tenant, key, req = self.tenant, self.key, self.req
+        model = model or self.model
         assert tenant is not None and key is not None and model is not None
         model_key = model.name if model.known else (req.model if req else "*")
         return admission.buckets_for(

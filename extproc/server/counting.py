@@ -2,41 +2,35 @@
 releases the GIL), at most ``Gateway.count_slots`` at a time and within the counting deadline,
 so a burst of huge prompts queues instead of slowing every other tenant's chunks.
 
-:func:`bound_input` is the cheap alternative admission may decide on: the same walk of the
-request with the model's upper-bound counter (no tokenizer run)."""
+The cheap alternative admission may decide on, the same walk of the request with the model's
+upper-bound counter (no tokenizer run), is the core's
+:func:`extproc.core.admitting.bound_input`."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
-from extproc.config.runtime import Model, RuntimeConfig
+from extproc.config.runtime import RuntimeConfig
+from extproc.core.admitting import client_errors
 from extproc.core.apis.base import ApiFormat, ParsedRequest
-from extproc.core.tokens import PromptShapeError, PromptTooLarge
-from extproc.errors import BadRequest, GatewayBusy, RequestTooLarge
+from extproc.core.records import AdmitModel
+from extproc.errors import GatewayBusy
 from extproc.gateway import Gateway
 
 # Bodies longer than this (bytes) are counted in a worker thread.
 OFFLOAD_BYTES = 16_384
 
 
-@contextmanager
-def _client_errors() -> Iterator[None]:
-    """What a body's walk raises, as the client's error."""
-    try:
-        yield
-    except PromptTooLarge as exc:
-        raise RequestTooLarge(str(exc)) from None
-    except PromptShapeError as exc:
-        raise BadRequest(str(exc)) from None
-    except RecursionError:
-        raise BadRequest("the request body is nested too deeply") from None
-
-
 async def count_input(
-    gw: Gateway, cfg: RuntimeConfig, api: ApiFormat, req: ParsedRequest, model: Model, *, size: int
+    gw: Gateway,
+    cfg: RuntimeConfig,
+    api: ApiFormat,
+    req: ParsedRequest,
+    model: AdmitModel,
+    *,
+    size: int,
 ) -> int:
     """The request's input tokens by ``model``'s tokenizer (raises the client-facing errors)."""
 
@@ -44,7 +38,7 @@ async def count_input(
         return api.count_input(req, model.counter, model.tokenizer)
 
     t0 = time.perf_counter()
-    with _client_errors():
+    with client_errors():
         n = await _run(gw, cfg, count, size)
     gw.metrics.tokenize_seconds.labels(api.name).observe(time.perf_counter() - t0)
     return n
@@ -60,13 +54,3 @@ async def _run(gw: Gateway, cfg: RuntimeConfig, count: Callable[[], int], size: 
         raise GatewayBusy(
             "The gateway is busy counting other large prompts; retry in a second."
         ) from None
-
-
-def bound_input(api: ApiFormat, req: ParsedRequest, model: Model) -> int | None:
-    """An upper bound on :func:`count_input`'s answer without running the tokenizer (the same
-    walk, so the same client errors), or None where the model's tokenizer has no proven bound."""
-    bound = model.bound_counter
-    if bound is None:
-        return None
-    with _client_errors():
-        return api.count_input(req, bound, model.tokenizer)

@@ -8,7 +8,7 @@ module only turns them into Envoy messages, limiter calls, metrics and log lines
 the request's lifecycle itself (a stream's moves are the core's :mod:`extproc.core.streaming`).
 
 * request headers → :mod:`extproc.server.identity` (caller, path policy)
-* request body → :mod:`extproc.server.admit` (count, the one admission call)
+* request body → :mod:`extproc.server.admit` (executes the core's :mod:`extproc.core.admitting`)
 * response headers → :func:`extproc.core.classify.classify`; then :mod:`extproc.server.stream`
   executes the core's metered stream, or a JSON body's usage is read
 * the end, whatever it is → :mod:`extproc.server.settle`, in the background, after the last

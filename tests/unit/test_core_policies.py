@@ -1,6 +1,7 @@
-"""The per-request rules of extproc.core.policies, each on its own: fail-open, the bound's
-eligibility, the output room a bound needs, the lease, whether a refusal counts, and the
-billing record's figures (Hypothesis over their inputs)."""
+"""The per-request rules of extproc.core.policies, each on its own: fail-open, the settlement
+push-back, the cancel of a failed call, the bound's eligibility, the output room a bound
+needs, the lease, whether a refusal counts, and the billing record's figures (Hypothesis over
+their inputs)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,19 @@ def test_only_open_fails_open() -> None:
     """``open`` lets a request through unmetered when the limiter fails; anything else refuses."""
     assert policies.fails_open("open")
     assert not policies.fails_open("closed")
+
+
+def test_a_full_settlement_backlog_pushes_back_as_the_plan_fails() -> None:
+    """A full settlement backlog admits unmetered under ``open``, refuses under ``closed``."""
+    assert policies.unmetered_on_backlog("open")
+    assert not policies.unmetered_on_backlog("closed")
+
+
+def test_a_failed_admission_call_keeps_a_cancel_only_when_it_may_have_run() -> None:
+    """A call that timed out may still run: it keeps a cancel; one that failed outright does
+    not."""
+    assert policies.keeps_cancel(maybe_ran=True)
+    assert not policies.keeps_cancel(maybe_ran=False)
 
 
 @given(

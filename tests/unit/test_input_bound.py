@@ -20,6 +20,7 @@ from extproc.clock import FakeClock
 from extproc.config import load_config_text
 from extproc.config.runtime import Model
 from extproc.core.admission import MAX_ROOM_HINTS, RoomHints
+from extproc.core.admitting import bound_input
 from extproc.core.apis.base import RequestLimits
 from extproc.core.apis.registry import api_for_path
 from extproc.core.audits import InputAudits
@@ -36,7 +37,6 @@ from extproc.errors import GatewayError
 from extproc.gateway import Gateway
 from extproc.limiter.memory import MemoryLimiter
 from extproc.metrics import Metrics
-from extproc.server.counting import bound_input
 from extproc.server.processor import RequestProcessor
 from extproc.tokenizers import bundled_encoding
 from tests.limiters import RecordingLimiter
