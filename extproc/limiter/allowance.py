@@ -41,6 +41,15 @@ never-opened tranches back; the leak is what it had opened and not used, about 1
 Opening takes units off the record before the replica may draw from them, and never-opened
 units given back are opened first (or the ledger itself is settled), so a reclaim never
 refunds units a request used nor units already refunded: strict mode stays exact.
+
+Usage records: a request admitted from an allowance has no ledger in Redis, so its
+usage-record draft is kept, batched, in the replica's *draft ledger* for the tenant
+(``drafts.lua``: one call every ``draft_flush_ms`` for all of a tenant's new drafts, their
+charged figures and the drafts of requests settled since, leased like an allowance ledger and
+renewed by those calls).  A request settled before its draft was sent never costs a call.  If
+the replica dies, the reclaim of its draft ledger (``admit.lua``, or ``allowance.lua`` on
+another replica's take, whose caller's next admission carries them) hands each draft back
+once, and the gateway writes the request's record as for a reclaimed ledger of its own.
 """
 
 from __future__ import annotations
@@ -71,6 +80,7 @@ from extproc.limiter.base import (
     ChargeResult,
     InputNote,
     Limiter,
+    Reclaimed,
     SettleCall,
 )
 
@@ -109,6 +119,9 @@ class AllowanceSettings:
     #: the allowance ledger's lease (``failure.reservation_lease_seconds``): renewed while
     #: this replica lives; once it runs out, the never-opened tranches go back to the tenant
     lease_ms: int = 15_000
+    #: how often the usage-record drafts of requests admitted from allowances are sent (a
+    #: SIGKILL loses the records of those admitted in the last interval)
+    draft_flush_ms: int = 100
 
     @property
     def share_ppm(self) -> int:
@@ -161,6 +174,23 @@ class _Local:
     last_local: tuple[int, tuple[tuple[str, int], ...]] = (0, ())
     settled: bool = False
     remainder: SettleCall | None = None
+    tag: str = ""  # the tenant's hash tag (its draft ledger's)
+    draft: str = ""  # its usage-record draft ("": none)
+    charged: int = 0  # tokens charged: admission and every stream charge (as a ledger's)
+
+
+@dataclass(slots=True)
+class _Drafts:
+    """This replica's draft ledger for one tenant (drafts.lua): the usage-record drafts of
+    the requests it admitted from allowances and has not settled."""
+
+    ledger: str
+    ttl_ms: int = 0
+    open: dict[str, None] = dataclasses.field(default_factory=dict)  # not settled
+    sent: dict[str, int] = dataclasses.field(default_factory=dict)  # kept: charged as sent
+    drops: list[str] = dataclasses.field(default_factory=list)  # sent, settled since
+    renewed_ms: int = 0
+    flushing: bool = False
 
 
 @dataclass
@@ -176,6 +206,8 @@ class AllowanceStats:
     takes: int = 0
     opens: int = 0
     reclaimed: int = 0  # dead replicas' never-opened units this replica's calls gave back
+    draft_calls: int = 0  # drafts.lua calls
+    drafts_sent: int = 0  # drafts kept in Redis (requests still open at a flush)
 
 
 class AllowanceLimiter:
@@ -199,6 +231,10 @@ class AllowanceLimiter:
         self._settled: OrderedDict[str, None] = OrderedDict()
         self._returns: list[SettleCall] = []
         self._leases: dict[str, _Lease] = {}
+        self._drafts: dict[str, _Drafts] = {}
+        #: drafts of dead replicas' requests a take reclaimed: the next admission carries them
+        self._reclaimed: list[Reclaimed] = []
+        self._draft_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._instance = uuid.uuid4().hex[:12]
@@ -301,13 +337,23 @@ class AllowanceLimiter:
             if len(self._ledgers) >= MAX_LEDGERS:
                 # the oldest (a request never settled: modes that settle nothing): forgotten,
                 # its later calls, if any, go to Redis, which counts them right all the same
-                self._ledgers.popitem(last=False)
-            self._ledgers[ledger] = _Local()
+                self._draft_done(*self._ledgers.popitem(last=False))
+            loc = self._ledgers[ledger] = _Local(tag=plan[0].tag, charged=tpm_charged)
+            if record_draft:
+                loc.draft = record_draft
+                d = self._draft_ledger(loc.tag)
+                d.open[ledger] = None
+                d.ttl_ms = max(d.ttl_ms, ledger_ttl_ms)
             self.stats.local_admissions += 1
             self._saved("admit")
             self._refill(buckets, now)
             self._open_ahead(plan)
-            return AdmitResult(admitted=True, duplicate=False, values=self._values(buckets, plan))
+            return AdmitResult(
+                admitted=True,
+                duplicate=False,
+                values=self._values(buckets, plan),
+                reclaimed=self._take_reclaimed(),
+            )
         riders = list(settlements)
         if local:
             self._open_short(buckets)
@@ -338,15 +384,17 @@ class AllowanceLimiter:
             self._saw(buckets, res.values)
             if res.admitted:
                 self._refill(buckets, now)
-        if len(riders) != len(settlements):
-            res = AdmitResult(
-                res.admitted,
-                res.duplicate,
-                res.values,
-                res.reclaimed,
-                res.settled[: len(settlements)],
+        if len(riders) != len(settlements) or self._reclaimed:
+            res = dataclasses.replace(
+                res,
+                reclaimed=res.reclaimed + self._take_reclaimed(),
+                settled=res.settled[: len(settlements)],
             )
         return res
+
+    def _take_reclaimed(self) -> tuple[Reclaimed, ...]:
+        out, self._reclaimed = tuple(self._reclaimed), []
+        return out
 
     def _saw(self, buckets: Sequence[BucketCharge], values: Sequence[int]) -> None:
         """Remember the counters' values Redis answered with (headers of local admissions),
@@ -548,6 +596,8 @@ class AllowanceLimiter:
             lease.renewed_ms = now
             if answered[0].reclaimed:
                 self._count("reclaimed", answered[0].reclaimed)
+            if answered[0].drafts and len(self._reclaimed) < MAX_LEDGERS:
+                self._reclaimed.extend(answered[0].drafts)
             if answered[0].gen != lease.gen:
                 # a new ledger: what the old one recorded was reclaimed (or lost): those
                 # never-opened units are no longer this replica's to draw nor to give back
@@ -727,6 +777,7 @@ class AllowanceLimiter:
                     drawn.append((st.key, c.amount))
                 loc.seq = seq
                 loc.last_local = (seq, tuple(drawn))
+                loc.charged += amount
                 self.stats.local_charges += 1
                 self._saved("charge")
                 self._open_ahead(plan)
@@ -738,6 +789,8 @@ class AllowanceLimiter:
             res = await self.inner.charge(
                 ledger, seq, buckets, amount, strict=strict, ledger_ttl_ms=ledger_ttl_ms
             )
+            if seq > loc.seq:
+                loc.charged += res.granted
             loc.seq = max(loc.seq, seq)
             loc.redis_seq = max(loc.redis_seq, seq)
             self._saw(buckets, res.values)
@@ -756,6 +809,7 @@ class AllowanceLimiter:
         if loc.settled:
             return False, loc.remainder
         loc.settled = True
+        self._draft_done(call.ledger, loc)
         now = self.clock.now_ms()
         to_redis: list[Adjustment] = []
         unconfirmed: UnconfirmedCharge | None = call.unconfirmed
@@ -903,7 +957,110 @@ class AllowanceLimiter:
 
     def _start_sweeper(self) -> None:
         if self._sweeper is None and not self._closed:
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
+            loop = asyncio.get_running_loop()
+            self._sweeper = loop.create_task(self._sweep_loop())
+            self._draft_task = loop.create_task(self._draft_loop())
+
+    # -- usage-record drafts -------------------------------------------------------------------
+
+    def _draft_ledger(self, tag: str) -> _Drafts:
+        d = self._drafts.get(tag)
+        if d is None:
+            d = self._drafts[tag] = _Drafts(f"{tag}:req:drafts.{self._instance}")
+        return d
+
+    def _draft_done(self, ledger: str, loc: _Local) -> None:
+        """A local request settled (or forgotten): its draft leaves the draft ledger (by the
+        next flush, if it was sent)."""
+        if not loc.draft:
+            return
+        d = self._drafts.get(loc.tag)
+        if d is None:
+            return
+        d.open.pop(ledger, None)
+        if d.sent.pop(ledger, None) is not None:
+            d.drops.append(ledger)
+
+    async def _draft_loop(self) -> None:
+        tick = max(self.settings.draft_flush_ms, 1) / 1000
+        while True:
+            await asyncio.sleep(tick)
+            await self.flush_drafts()
+
+    async def flush_drafts(self, *, renew: bool = False) -> None:
+        """Send each tenant's new drafts, charged figures and drops (one call a tenant), and
+        renew the draft ledgers still holding drafts every third of the lease."""
+        now = self.clock.now_ms()
+        third = self.settings.lease_ms // 3
+        due = [
+            d
+            for d in self._drafts.values()
+            if not d.flushing
+            and (
+                len(d.open) > len(d.sent)
+                or d.drops
+                or (d.sent and (renew or now - d.renewed_ms >= third))
+                or any(self._ledgers[led].charged != c for led, c in d.sent.items())
+            )
+        ]
+        if due:
+            await asyncio.gather(*(self._flush_drafts(d) for d in due))
+        for tag, d in list(self._drafts.items()):
+            if not d.open and not d.sent and not d.drops and not d.flushing:
+                del self._drafts[tag]
+
+    async def _flush_drafts(self, d: _Drafts) -> None:
+        keeper = getattr(self.inner, "keep_drafts", None)
+        if keeper is None:  # a backend that cannot die apart from this process (in-memory)
+            d.drops.clear()
+            return
+        d.flushing = True
+        try:
+            before = set(d.sent)
+            keep = [
+                (led, loc.charged, loc.draft)
+                for led in d.open
+                if led not in d.sent and (loc := self._ledgers.get(led)) is not None
+            ]
+            charged = [
+                (led, loc.charged)
+                for led, c in d.sent.items()
+                if (loc := self._ledgers.get(led)) is not None and loc.charged != c
+            ]
+            drops, d.drops = d.drops, []
+            now = self.clock.now_ms()
+            s = self.settings
+            try:
+                ok: bool | None = await keeper(
+                    d.ledger,
+                    now + s.lease_ms,
+                    d.ttl_ms + s.lease_ms,
+                    keep=keep,
+                    charged=charged,
+                    drop=drops,
+                )
+            except Exception:
+                ok = None
+            self.stats.draft_calls += 1
+            if ok is None:
+                d.drops = drops + d.drops  # sent again at the next flush
+                return
+            d.renewed_ms = now
+            self.stats.drafts_sent += len(keep)
+            for led, c in charged:
+                if led in d.sent:
+                    d.sent[led] = c
+            if not ok:
+                # created anew (reclaimed, lost): the drafts sent before go again
+                for led in before:
+                    d.sent.pop(led, None)
+            for led, c, _ in keep:
+                if led in d.open:
+                    d.sent[led] = c
+                else:
+                    d.drops.append(led)  # settled while this call was on its way
+        finally:
+            d.flushing = False
 
     async def _sweep_loop(self) -> None:
         # a quarter of an allowance's time, and often enough to renew the allowance ledgers'
@@ -982,14 +1139,19 @@ class AllowanceLimiter:
         """Give back what is held (best effort), stop the background tasks, close the
         wrapped limiter."""
         self._closed = True
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        for task in (self._sweeper, self._draft_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=2.0)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.give_back(), timeout=2.0)
+        with contextlib.suppress(Exception):
+            # drafts of requests settled since the last flush leave the draft ledgers (those
+            # still open stay: if this process never settles them, the reclaim records them)
+            await asyncio.wait_for(self.flush_drafts(), timeout=2.0)
         log.info(
             "allowances_closed", **dataclasses.asdict(self.stats), unreturned=self._unreturned()
         )
