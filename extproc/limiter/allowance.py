@@ -121,7 +121,7 @@ class AllowanceSettings:
     lease_ms: int = 15_000
     #: how often the usage-record drafts of requests admitted from allowances are sent (a
     #: SIGKILL loses the records of those admitted in the last interval)
-    draft_flush_ms: int = 100
+    draft_flush_ms: int = 1_000
 
     @property
     def share_ppm(self) -> int:
@@ -189,6 +189,16 @@ class _Drafts:
     open: dict[str, None] = dataclasses.field(default_factory=dict)  # not settled
     sent: dict[str, int] = dataclasses.field(default_factory=dict)  # kept: charged as sent
     drops: list[str] = dataclasses.field(default_factory=list)  # sent, settled since
+    #: Redis-admitted requests' tokens charged here, not yet in their ledgers' "charged"
+    charged_more: dict[str, int] = dataclasses.field(default_factory=dict)
+    more_since_ms: int = 0
+    pending_ms: int = 0  # since when a draft or a drop waits (0: none)
+
+    def touch(self, now: int) -> None:
+        """A draft or a drop now waits for the next flush."""
+        if not self.pending_ms:
+            self.pending_ms = now
+
     renewed_ms: int = 0
     flushing: bool = False
 
@@ -232,6 +242,10 @@ class AllowanceLimiter:
         self._returns: list[SettleCall] = []
         self._leases: dict[str, _Lease] = {}
         self._drafts: dict[str, _Drafts] = {}
+        #: a backend a process death cannot lose counts with (in-memory) keeps no drafts
+        self._keeps_drafts = hasattr(inner, "keep_drafts")
+        #: requests Redis admitted that had stream charges drawn from allowances
+        self._mixed: OrderedDict[str, _Local] = OrderedDict()
         #: drafts of dead replicas' requests a take reclaimed: the next admission carries them
         self._reclaimed: list[Reclaimed] = []
         self._draft_task: asyncio.Task[None] | None = None
@@ -339,11 +353,12 @@ class AllowanceLimiter:
                 # its later calls, if any, go to Redis, which counts them right all the same
                 self._draft_done(*self._ledgers.popitem(last=False))
             loc = self._ledgers[ledger] = _Local(tag=plan[0].tag, charged=tpm_charged)
-            if record_draft:
+            if record_draft and self._keeps_drafts:
                 loc.draft = record_draft
                 d = self._draft_ledger(loc.tag)
                 d.open[ledger] = None
                 d.ttl_ms = max(d.ttl_ms, ledger_ttl_ms)
+                d.touch(now)
             self.stats.local_admissions += 1
             self._saved("admit")
             self._refill(buckets, now)
@@ -766,6 +781,10 @@ class AllowanceLimiter:
         if buckets and all(self._eligible(c) for c in buckets):
             self._observe(buckets, now, admission=False)  # the demand sizing follows
             self._refill(buckets, now)
+        if loc is None and ledger not in self._settled:
+            return await self._charge_mixed(
+                ledger, seq, buckets, amount, strict=strict, ledger_ttl_ms=ledger_ttl_ms
+            )
         if loc is not None and not loc.settled:
             if seq <= loc.seq and seq == loc.last_local[0]:
                 return ChargeResult(granted=amount, exhausted=False, values=())
@@ -798,6 +817,76 @@ class AllowanceLimiter:
         return await self.inner.charge(
             ledger, seq, buckets, amount, strict=strict, ledger_ttl_ms=ledger_ttl_ms
         )
+
+    async def _charge_mixed(
+        self,
+        ledger: str,
+        seq: int,
+        buckets: list[BucketCharge],
+        amount: int,
+        *,
+        strict: bool,
+        ledger_ttl_ms: int,
+    ) -> ChargeResult:
+        """A charge of a request Redis admitted: drawn from the allowances when they hold it
+        (its ledger stays in Redis: the settlement's corrections go there as usual, counted
+        against what the gateway was granted, local draws included), else charged in Redis."""
+        mix = self._mixed.get(ledger)
+        if mix is not None and seq <= mix.seq and seq == mix.last_local[0]:
+            return ChargeResult(granted=amount, exhausted=False, values=())  # a retry
+        now = self.clock.now_ms()
+        plan = self._plan(buckets, now) if buckets and (mix is None or seq > mix.seq) else None
+        if plan is not None:
+            if mix is None:
+                if len(self._mixed) >= MAX_LEDGERS:
+                    self._mixed.popitem(last=False)  # a request never settled: forgotten
+                mix = self._mixed[ledger] = _Local(tag=plan[0].tag)
+            drawn = []
+            for c, st in zip(buckets, plan, strict=True):
+                st.units -= c.amount
+                drawn.append((st.key, c.amount))
+            mix.seq = seq
+            mix.last_local = (seq, tuple(drawn))
+            if self._keeps_drafts:
+                # not in its ledger's "charged" (what a reclaim bills): a later flush adds it
+                d = self._draft_ledger(mix.tag)
+                if not d.charged_more:
+                    d.more_since_ms = now
+                d.charged_more[ledger] = d.charged_more.get(ledger, 0) + amount
+            self.stats.local_charges += 1
+            self._saved("charge")
+            self._open_ahead(plan)
+            return ChargeResult(granted=amount, exhausted=False, values=self._values(buckets, plan))
+        if buckets and all(self._eligible(c) for c in buckets):
+            self._open_short(buckets)
+        res = await self.inner.charge(
+            ledger, seq, buckets, amount, strict=strict, ledger_ttl_ms=ledger_ttl_ms
+        )
+        if mix is not None:
+            mix.seq = max(mix.seq, seq)
+            mix.redis_seq = max(mix.redis_seq, seq)
+        if buckets and all(self._eligible(c) for c in buckets):
+            self._saw(buckets, res.values)
+        return res
+
+    def _settle_mixed(self, call: SettleCall) -> SettleCall:
+        """The settlement of a Redis-admitted request whose last charge was drawn here and not
+        confirmed to the gateway: its units go back into the allowance (the corrections were
+        computed without it), and Redis, which never saw that charge, takes nothing back."""
+        mix = self._mixed.pop(call.ledger, None)
+        if mix is None:
+            return call
+        d = self._drafts.get(mix.tag)
+        if d is not None:
+            d.charged_more.pop(call.ledger, None)  # settled: no reclaim will bill it
+        u = call.unconfirmed
+        if u is None or u.seq != mix.last_local[0]:
+            return call
+        now = self.clock.now_ms()
+        extra: list[Adjustment] = []
+        for key, units in mix.last_local[1]:
+            self._put_back(key, units, now, extra)
+        return dataclasses.replace(call, adjustments=[*call.adjustments, *extra], unconfirmed=None)
 
     # -- settlement ----------------------------------------------------------------------------
 
@@ -875,12 +964,15 @@ class AllowanceLimiter:
         if ledger in self._settled:
             return False
         if ledger not in self._ledgers:
+            call = self._settle_mixed(
+                SettleCall(ledger, adjustments, ledger_ttl_ms, cancel, unconfirmed)
+            )
             return await self.inner.settle(
                 ledger,
-                adjustments,
+                call.adjustments,
                 ledger_ttl_ms=ledger_ttl_ms,
                 cancel=cancel,
-                unconfirmed=unconfirmed,
+                unconfirmed=call.unconfirmed,
             )
         applied, rest = self._settle_local(
             SettleCall(ledger, adjustments, ledger_ttl_ms, cancel, unconfirmed)
@@ -906,7 +998,7 @@ class AllowanceLimiter:
                 out[i] = False
                 continue
             if call.ledger not in self._ledgers:
-                remote.append(call)
+                remote.append(self._settle_mixed(call))
                 where.append((i, False))
                 continue
             applied, rest = self._settle_local(call)
@@ -980,39 +1072,42 @@ class AllowanceLimiter:
         d.open.pop(ledger, None)
         if d.sent.pop(ledger, None) is not None:
             d.drops.append(ledger)
+            d.touch(self.clock.now_ms())
 
     async def _draft_loop(self) -> None:
-        tick = max(self.settings.draft_flush_ms, 1) / 1000
+        tick = min(max(self.settings.draft_flush_ms, 1), 100) / 2000
         while True:
             await asyncio.sleep(tick)
             await self.flush_drafts()
 
-    async def flush_drafts(self, *, renew: bool = False) -> None:
-        """Send each tenant's new drafts, charged figures and drops (one call a tenant), and
+    async def flush_drafts(self, *, force: bool = False) -> None:
+        """Send each tenant's drafts and drops once the oldest waited ``draft_flush_ms`` (a
+        request settled sooner costs nothing), with the charged figures (one call a tenant);
         renew the draft ledgers still holding drafts every third of the lease."""
         now = self.clock.now_ms()
         third = self.settings.lease_ms // 3
-        due = [
-            d
-            for d in self._drafts.values()
-            if not d.flushing
-            and (
-                len(d.open) > len(d.sent)
-                or d.drops
-                or (d.sent and (renew or now - d.renewed_ms >= third))
-                or any(self._ledgers[led].charged != c for led, c in d.sent.items())
-            )
-        ]
+        wait = 0 if force else self.settings.draft_flush_ms
+        due = []
+        for d in self._drafts.values():
+            if d.flushing:
+                continue
+            if not (len(d.open) > len(d.sent) or d.drops):
+                d.pending_ms = 0  # what was waiting settled before it was sent
+            if (
+                (d.pending_ms and now - d.pending_ms >= wait)
+                or (d.sent and (force or now - d.renewed_ms >= third))
+                or (d.charged_more and (force or now - d.more_since_ms >= third))
+            ):
+                due.append(d)
         if due:
             await asyncio.gather(*(self._flush_drafts(d) for d in due))
         for tag, d in list(self._drafts.items()):
-            if not d.open and not d.sent and not d.drops and not d.flushing:
+            if not (d.open or d.sent or d.drops or d.charged_more or d.flushing):
                 del self._drafts[tag]
 
     async def _flush_drafts(self, d: _Drafts) -> None:
         keeper = getattr(self.inner, "keep_drafts", None)
-        if keeper is None:  # a backend that cannot die apart from this process (in-memory)
-            d.drops.clear()
+        if keeper is None:
             return
         d.flushing = True
         try:
@@ -1028,6 +1123,8 @@ class AllowanceLimiter:
                 if (loc := self._ledgers.get(led)) is not None and loc.charged != c
             ]
             drops, d.drops = d.drops, []
+            more, d.charged_more = d.charged_more, {}
+            d.pending_ms = 0
             now = self.clock.now_ms()
             s = self.settings
             try:
@@ -1038,27 +1135,33 @@ class AllowanceLimiter:
                     keep=keep,
                     charged=charged,
                     drop=drops,
+                    more=list(more.items()),
                 )
             except Exception:
                 ok = None
             self.stats.draft_calls += 1
-            if ok is None:
-                d.drops = drops + d.drops  # sent again at the next flush
+            if ok is None:  # sent again at the next flush
+                d.drops = drops + d.drops
+                d.touch(now)
+                for led, n in more.items():
+                    d.charged_more[led] = d.charged_more.get(led, 0) + n
                 return
             d.renewed_ms = now
             self.stats.drafts_sent += len(keep)
             for led, c in charged:
                 if led in d.sent:
                     d.sent[led] = c
-            if not ok:
+            if not ok and before:
                 # created anew (reclaimed, lost): the drafts sent before go again
                 for led in before:
                     d.sent.pop(led, None)
+                d.touch(now)
             for led, c, _ in keep:
                 if led in d.open:
                     d.sent[led] = c
                 else:
                     d.drops.append(led)  # settled while this call was on its way
+                    d.touch(now)
         finally:
             d.flushing = False
 
@@ -1151,7 +1254,7 @@ class AllowanceLimiter:
         with contextlib.suppress(Exception):
             # drafts of requests settled since the last flush leave the draft ledgers (those
             # still open stay: if this process never settles them, the reclaim records them)
-            await asyncio.wait_for(self.flush_drafts(), timeout=2.0)
+            await asyncio.wait_for(self.flush_drafts(force=True), timeout=2.0)
         log.info(
             "allowances_closed", **dataclasses.asdict(self.stats), unreturned=self._unreturned()
         )

@@ -739,19 +739,23 @@ class RedisLimiter:
         keep: Sequence[tuple[str, int, str]],
         charged: Sequence[tuple[str, int]],
         drop: Sequence[str],
+        more: Sequence[tuple[str, int]] = (),
     ) -> bool | None:
         """``drafts.lua``: keep (request ledger, charged, draft), update (request ledger,
         charged) and drop (request ledger) usage-record drafts in a replica's draft ledger
         ``ledger``, renewing its lease to ``until_ms``; one call, in the ledger's slot.  True
         when the ledger held the earlier drafts, False when it was created anew (the caller
-        sends every draft again), None when the call failed (the caller sends it again)."""
-        keys = [ledger, open_key(ledger)]
+        sends every draft again), None when the call failed (the caller sends it again).
+        ``more``: (request ledger, tokens) added to the "charged" of Redis-admitted requests
+        whose stream charges were drawn from allowances, while their ledgers are open."""
+        keys = [ledger, open_key(ledger)] + [led for led, _ in more]
         args: list[Any] = [until_ms, ttl_ms, len(keep), len(charged), len(drop)]
         for led, amount, draft in keep:
             args += [led, amount, draft]
         for led, amount in charged:
             args += [led, amount]
         args += list(drop)
+        args += [n for _, n in more]
         try:
             res = await self._call(
                 "usage-record drafts",

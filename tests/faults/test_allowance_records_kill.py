@@ -31,7 +31,7 @@ LEASE_S = 3
 TENANT = "t-alwkill"
 MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello."}]
 WARM = 60  # quick requests: the processor takes an allowance for the tenant's buckets
-DONE = 6  # requests open long enough for their drafts to be sent, settled before the kill
+DONE = 6  # requests open past a flush (their drafts sent), settled before the kill
 OPEN = 12  # requests open at the kill
 
 
@@ -49,6 +49,7 @@ def rstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "AIQ_ALLOWANCES": "1",
             "AIQ_ALLOWANCE_MAX_WINDOW_S": "86400",
             "AIQ_ALLOWANCE_TTL_MS": "30000",
+            "AIQ_ALLOWANCE_DRAFT_FLUSH_MS": "200",
         },
     )
     yield s
@@ -110,9 +111,12 @@ async def test_sigkilled_processor_leaves_one_record_per_allowance_admitted_requ
     assert await asyncio.gather(*(warm(i) for i in range(WARM))) == [200] * WARM
     # requests whose drafts are sent (open over a flush), settled before the kill: their
     # drafts leave the draft ledger again
-    assert (
-        await asyncio.gather(*(_post(url, f"done-{i}", 400) for i in range(DONE))) == [200] * DONE
+    done = [asyncio.ensure_future(_post(url, f"done-{i}", 1_000)) for i in range(DONE)]
+    await _until(
+        "the drafts of requests still open sent",
+        lambda: sum(len(ds) for ds in _draft_ledgers(rds).values()) > 0,
     )
+    assert await asyncio.gather(*done) == [200] * DONE
     opened = [asyncio.ensure_future(_post(url, f"open-{i}", 20_000)) for i in range(OPEN)]
 
     # every open request's draft is in Redis (draft ledger, or its own ledger when Redis

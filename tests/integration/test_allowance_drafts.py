@@ -95,7 +95,7 @@ async def dying_replica(url: str, tag: str) -> tuple[AllowanceLimiter, dict[str,
         await admit(lim, led, tag)
     assert lim.stats.local_admissions == local_before + len(opened)
     calls = lim.stats.draft_calls
-    await lim.flush_drafts()
+    await lim.flush_drafts(force=True)
     assert lim.stats.draft_calls == calls + 1  # one call for all eight drafts
     assert lim.stats.drafts_sent >= len(opened)
     # a local stream charge of one (its charged figure follows at the next flush)
@@ -104,7 +104,7 @@ async def dying_replica(url: str, tag: str) -> tuple[AllowanceLimiter, dict[str,
     # two settle after their drafts were sent: the next flush drops them
     for led in opened[6:]:
         await settle(lim, led, tag)
-    await lim.flush_drafts()
+    await lim.flush_drafts(force=True)
     # it dies
     for task in (lim._sweeper, lim._draft_task, *lim._tasks):
         if task is not None:

@@ -7,11 +7,14 @@
 -- KEYS[1]        the replica's draft ledger for the tenant (hash: state "admitted", "drf" 1,
 --                "d:<request ledger>" draft, "k:<request ledger>" tokens charged)
 -- KEYS[2]        the tenant's open reservations (sorted set: ledger -> lease deadline, ms)
+-- KEYS[3..]      ledgers of requests Redis admitted whose stream charges the replica drew from
+--                its allowances: those tokens are added to their "charged" (what a reclaim
+--                bills) while they are open (state "admitted")
 -- ARGV[1]        the lease deadline (unix ms): the ledger is reclaimed once it has passed
 -- ARGV[2]        the ledger's TTL (ms)
 -- ARGV[3..5]     a, c, d: drafts to keep, charged figures to update, drafts to drop
 -- then           a x (request ledger, charged, draft), c x (request ledger, charged),
---                d x request ledger
+--                d x request ledger, then per KEYS[3..] the tokens to add
 --
 -- Every call renews the lease.  Returns 1, or 0 when the ledger was not held (never written,
 -- expired, or reclaimed because renewals were lost): it is created anew with this call's
@@ -37,6 +40,12 @@ for _ = 1, c do
 end
 for _ = 1, d do
   redis.call('HDEL', L, 'd:' .. ARGV[i], 'k:' .. ARGV[i])
+  i = i + 1
+end
+for k = 3, #KEYS do
+  if redis.call('HGET', KEYS[k], 'state') == 'admitted' then
+    redis.call('HINCRBY', KEYS[k], 'charged', ARGV[i])
+  end
   i = i + 1
 end
 redis.call('PEXPIRE', L, ARGV[2])
