@@ -5,9 +5,13 @@ and streamed chunks/s at a fixed concurrency, CPU per request and per chunk of e
 commandstats).
 
 Each variant runs on a stack of its own (its own Redis, so Redis CPU is the variant's), started
-when measured and stopped after, so variants do not share cores.  The load client is this
-process (asyncio, one connection per concurrent request): on a small machine it competes for
-the same cores, which the report's CPU figures show (it is not one of the components)."""
+when measured and stopped after, so variants do not share cores.  The load comes from
+``extproc.bench.load_proc`` processes (one per two cores, ``AIQ_BENCH_CLIENTS``; asyncio, one
+connection per concurrent request), their CPU reported as the ``clients`` component, and the
+simulator runs as one process per four cores sharing its port (``AIQ_BENCH_SIMS``), so that
+on a many-core machine neither is what saturates.  ``AIQ_BENCH_SCALE_MAX_WORKERS`` caps N and
+``AIQ_BENCH_SCALE_CONCURRENCY`` sets the concurrency (``scripts/bench-device`` runs this
+section on a machine without network)."""
 
 from __future__ import annotations
 
@@ -178,6 +182,8 @@ async def measure(b: Bench, stacks: Stacks) -> None:
     cores = os.cpu_count() or 1
     counts = worker_counts(int(os.environ.get("AIQ_BENCH_SCALE_MAX_WORKERS", cores)))
     clients = int(os.environ.get("AIQ_BENCH_CLIENTS", client_count(cores)))
+    # simulator processes sharing its port: one per four cores (it is not what saturates)
+    sims = int(os.environ.get("AIQ_BENCH_SIMS", max(1, cores // 4)))
     c, secs = b.plan.worker_concurrency, b.plan.worker_seconds * 2
     c = int(os.environ.get("AIQ_BENCH_SCALE_CONCURRENCY", c))
     unary = Shape(prompt_tokens=1000, max_tokens=8)
@@ -185,9 +191,10 @@ async def measure(b: Bench, stacks: Stacks) -> None:
     serve = (sys.executable, "-m", "extproc", "serve")
     raw: dict[str, Any] = {"cores": cores, "workers": counts, "concurrency": c, "seconds": secs}
     raw["clients"] = clients
+    raw["sims"] = sims
     b.log(
         f"scale: workers {counts}, allowances off/on, 1 and 64 tenants, c={c}, {secs}s each, "
-        f"{clients} load-client process(es)"
+        f"{clients} load-client process(es), {sims} simulator process(es)"
     )
     for n in counts:
         for allow in (False, True):
@@ -197,6 +204,7 @@ async def measure(b: Bench, stacks: Stacks) -> None:
                 f"scale-{n}-{int(allow)}",
                 extproc_argv=(*serve, "--workers", str(n)),
                 env=env,
+                sims=sims,
             )
             try:
                 await batch(st.base_url, KEY, unary, count=40, concurrency=4)
