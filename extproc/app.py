@@ -274,6 +274,7 @@ async def start(
                 max_window_s=settings.allowance_max_window_s,
                 tranches=settings.allowance_tranches,
                 lease_ms=cfg.reservation_lease_ms,
+                draft_flush_ms=settings.allowance_draft_flush_ms,
             ),
             clock=clk,
             metrics=mets,

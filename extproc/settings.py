@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     # (in the background, ahead of need); a SIGKILLed replica's never-opened tranches go back
     # to the tenant once its lease (failure.reservation_lease_seconds) runs out.
     allowance_tranches: int = Field(default=4, ge=1, le=64)
+    # How often the usage-record drafts of requests admitted from allowances go to Redis (one
+    # call per tenant, batched): a SIGKILL loses the records of those admitted in the last one.
+    allowance_draft_flush_ms: int = Field(default=1_000, ge=10, le=5_000)
     # Shift the gateway's wall clock (windows, resets, months) by this many ms: for drills and
     # tests of window boundaries; every replica sharing counters must use the same value.
     clock_offset_ms: int = 0

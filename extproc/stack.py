@@ -130,6 +130,9 @@ class Stack:
     extprocs: int = 1
     redis_url: str | None = None  # use this Redis instead of starting one
     sim_args: Sequence[str] = ()
+    # Simulator processes sharing its port (SO_REUSEPORT; each keeps its own records, so the
+    # scenarios that read the simulator's ground truth use one).
+    sims: int = 1
     extproc_env: dict[str, str] = field(default_factory=dict)
     log_format: str = "json"
     inherit_output: bool = False
@@ -322,19 +325,21 @@ class Stack:
                     ],
                 )
                 self._wait("redis", lambda: _tcp_ok(self.ports.redis))
-            self._spawn(
-                "sim",
-                [
-                    py,
-                    "-m",
-                    "extproc.sim",
-                    "--port",
-                    str(self.ports.sim),
-                    "--log-format",
-                    self.log_format,
-                    *self.sim_args,
-                ],
-            )
+            for i in range(max(1, self.sims)):
+                self._spawn(
+                    "sim" if i == 0 else f"sim{i}",
+                    [
+                        py,
+                        "-m",
+                        "extproc.sim",
+                        "--port",
+                        str(self.ports.sim),
+                        "--log-format",
+                        self.log_format,
+                        *(["--reuse-port"] if self.sims > 1 else []),
+                        *self.sim_args,
+                    ],
+                )
             for i, port in enumerate(self.extproc_ports):
                 env = {
                     "AIQ_CONFIG": str(Path(self.config).resolve()),

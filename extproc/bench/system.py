@@ -202,6 +202,7 @@ def start_stack(
     redis_url: str | None = None,
     sim_max_records: int = 20_000,
     security: str = "insecure",
+    sims: int = 1,
 ) -> Stack:
     """Start Redis (unless ``redis_url``), the simulator, processors and Envoys on free ports.
 
@@ -224,6 +225,7 @@ def start_stack(
         ports=ports,
         envoys=envoys,
         extprocs=extprocs,
+        sims=sims,
         redis_url=redis_url,
         sim_args=[
             "--ttft-ms",

@@ -41,6 +41,15 @@ never-opened tranches back; the leak is what it had opened and not used, about 1
 Opening takes units off the record before the replica may draw from them, and never-opened
 units given back are opened first (or the ledger itself is settled), so a reclaim never
 refunds units a request used nor units already refunded: strict mode stays exact.
+
+Usage records: a request admitted from an allowance has no ledger in Redis, so its
+usage-record draft is kept, batched, in the replica's *draft ledger* for the tenant
+(``drafts.lua``: one call every ``draft_flush_ms`` for all of a tenant's new drafts, their
+charged figures and the drafts of requests settled since, leased like an allowance ledger and
+renewed by those calls).  A request settled before its draft was sent never costs a call.  If
+the replica dies, the reclaim of its draft ledger (``admit.lua``, or ``allowance.lua`` on
+another replica's take, whose caller's next admission carries them) hands each draft back
+once, and the gateway writes the request's record as for a reclaimed ledger of its own.
 """
 
 from __future__ import annotations
@@ -71,6 +80,7 @@ from extproc.limiter.base import (
     ChargeResult,
     InputNote,
     Limiter,
+    Reclaimed,
     SettleCall,
 )
 
@@ -109,6 +119,9 @@ class AllowanceSettings:
     #: the allowance ledger's lease (``failure.reservation_lease_seconds``): renewed while
     #: this replica lives; once it runs out, the never-opened tranches go back to the tenant
     lease_ms: int = 15_000
+    #: how often the usage-record drafts of requests admitted from allowances are sent (a
+    #: SIGKILL loses the records of those admitted in the last interval)
+    draft_flush_ms: int = 1_000
 
     @property
     def share_ppm(self) -> int:
@@ -161,6 +174,33 @@ class _Local:
     last_local: tuple[int, tuple[tuple[str, int], ...]] = (0, ())
     settled: bool = False
     remainder: SettleCall | None = None
+    tag: str = ""  # the tenant's hash tag (its draft ledger's)
+    draft: str = ""  # its usage-record draft ("": none)
+    charged: int = 0  # tokens charged: admission and every stream charge (as a ledger's)
+
+
+@dataclass(slots=True)
+class _Drafts:
+    """This replica's draft ledger for one tenant (drafts.lua): the usage-record drafts of
+    the requests it admitted from allowances and has not settled."""
+
+    ledger: str
+    ttl_ms: int = 0
+    open: dict[str, None] = dataclasses.field(default_factory=dict)  # not settled
+    sent: dict[str, int] = dataclasses.field(default_factory=dict)  # kept: charged as sent
+    drops: list[str] = dataclasses.field(default_factory=list)  # sent, settled since
+    #: Redis-admitted requests' tokens charged here, not yet in their ledgers' "charged"
+    charged_more: dict[str, int] = dataclasses.field(default_factory=dict)
+    more_since_ms: int = 0
+    pending_ms: int = 0  # since when a draft or a drop waits (0: none)
+
+    def touch(self, now: int) -> None:
+        """A draft or a drop now waits for the next flush."""
+        if not self.pending_ms:
+            self.pending_ms = now
+
+    renewed_ms: int = 0
+    flushing: bool = False
 
 
 @dataclass
@@ -176,6 +216,8 @@ class AllowanceStats:
     takes: int = 0
     opens: int = 0
     reclaimed: int = 0  # dead replicas' never-opened units this replica's calls gave back
+    draft_calls: int = 0  # drafts.lua calls
+    drafts_sent: int = 0  # drafts kept in Redis (requests still open at a flush)
 
 
 class AllowanceLimiter:
@@ -199,6 +241,14 @@ class AllowanceLimiter:
         self._settled: OrderedDict[str, None] = OrderedDict()
         self._returns: list[SettleCall] = []
         self._leases: dict[str, _Lease] = {}
+        self._drafts: dict[str, _Drafts] = {}
+        #: a backend a process death cannot lose counts with (in-memory) keeps no drafts
+        self._keeps_drafts = hasattr(inner, "keep_drafts")
+        #: requests Redis admitted that had stream charges drawn from allowances
+        self._mixed: OrderedDict[str, _Local] = OrderedDict()
+        #: drafts of dead replicas' requests a take reclaimed: the next admission carries them
+        self._reclaimed: list[Reclaimed] = []
+        self._draft_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._instance = uuid.uuid4().hex[:12]
@@ -301,13 +351,24 @@ class AllowanceLimiter:
             if len(self._ledgers) >= MAX_LEDGERS:
                 # the oldest (a request never settled: modes that settle nothing): forgotten,
                 # its later calls, if any, go to Redis, which counts them right all the same
-                self._ledgers.popitem(last=False)
-            self._ledgers[ledger] = _Local()
+                self._draft_done(*self._ledgers.popitem(last=False))
+            loc = self._ledgers[ledger] = _Local(tag=plan[0].tag, charged=tpm_charged)
+            if record_draft and self._keeps_drafts:
+                loc.draft = record_draft
+                d = self._draft_ledger(loc.tag)
+                d.open[ledger] = None
+                d.ttl_ms = max(d.ttl_ms, ledger_ttl_ms)
+                d.touch(now)
             self.stats.local_admissions += 1
             self._saved("admit")
             self._refill(buckets, now)
             self._open_ahead(plan)
-            return AdmitResult(admitted=True, duplicate=False, values=self._values(buckets, plan))
+            return AdmitResult(
+                admitted=True,
+                duplicate=False,
+                values=self._values(buckets, plan),
+                reclaimed=self._take_reclaimed(),
+            )
         riders = list(settlements)
         if local:
             self._open_short(buckets)
@@ -338,15 +399,17 @@ class AllowanceLimiter:
             self._saw(buckets, res.values)
             if res.admitted:
                 self._refill(buckets, now)
-        if len(riders) != len(settlements):
-            res = AdmitResult(
-                res.admitted,
-                res.duplicate,
-                res.values,
-                res.reclaimed,
-                res.settled[: len(settlements)],
+        if len(riders) != len(settlements) or self._reclaimed:
+            res = dataclasses.replace(
+                res,
+                reclaimed=res.reclaimed + self._take_reclaimed(),
+                settled=res.settled[: len(settlements)],
             )
         return res
+
+    def _take_reclaimed(self) -> tuple[Reclaimed, ...]:
+        out, self._reclaimed = tuple(self._reclaimed), []
+        return out
 
     def _saw(self, buckets: Sequence[BucketCharge], values: Sequence[int]) -> None:
         """Remember the counters' values Redis answered with (headers of local admissions),
@@ -548,6 +611,8 @@ class AllowanceLimiter:
             lease.renewed_ms = now
             if answered[0].reclaimed:
                 self._count("reclaimed", answered[0].reclaimed)
+            if answered[0].drafts and len(self._reclaimed) < MAX_LEDGERS:
+                self._reclaimed.extend(answered[0].drafts)
             if answered[0].gen != lease.gen:
                 # a new ledger: what the old one recorded was reclaimed (or lost): those
                 # never-opened units are no longer this replica's to draw nor to give back
@@ -716,6 +781,10 @@ class AllowanceLimiter:
         if buckets and all(self._eligible(c) for c in buckets):
             self._observe(buckets, now, admission=False)  # the demand sizing follows
             self._refill(buckets, now)
+        if loc is None and ledger not in self._settled:
+            return await self._charge_mixed(
+                ledger, seq, buckets, amount, strict=strict, ledger_ttl_ms=ledger_ttl_ms
+            )
         if loc is not None and not loc.settled:
             if seq <= loc.seq and seq == loc.last_local[0]:
                 return ChargeResult(granted=amount, exhausted=False, values=())
@@ -727,6 +796,7 @@ class AllowanceLimiter:
                     drawn.append((st.key, c.amount))
                 loc.seq = seq
                 loc.last_local = (seq, tuple(drawn))
+                loc.charged += amount
                 self.stats.local_charges += 1
                 self._saved("charge")
                 self._open_ahead(plan)
@@ -738,6 +808,8 @@ class AllowanceLimiter:
             res = await self.inner.charge(
                 ledger, seq, buckets, amount, strict=strict, ledger_ttl_ms=ledger_ttl_ms
             )
+            if seq > loc.seq:
+                loc.charged += res.granted
             loc.seq = max(loc.seq, seq)
             loc.redis_seq = max(loc.redis_seq, seq)
             self._saw(buckets, res.values)
@@ -745,6 +817,76 @@ class AllowanceLimiter:
         return await self.inner.charge(
             ledger, seq, buckets, amount, strict=strict, ledger_ttl_ms=ledger_ttl_ms
         )
+
+    async def _charge_mixed(
+        self,
+        ledger: str,
+        seq: int,
+        buckets: list[BucketCharge],
+        amount: int,
+        *,
+        strict: bool,
+        ledger_ttl_ms: int,
+    ) -> ChargeResult:
+        """A charge of a request Redis admitted: drawn from the allowances when they hold it
+        (its ledger stays in Redis: the settlement's corrections go there as usual, counted
+        against what the gateway was granted, local draws included), else charged in Redis."""
+        mix = self._mixed.get(ledger)
+        if mix is not None and seq <= mix.seq and seq == mix.last_local[0]:
+            return ChargeResult(granted=amount, exhausted=False, values=())  # a retry
+        now = self.clock.now_ms()
+        plan = self._plan(buckets, now) if buckets and (mix is None or seq > mix.seq) else None
+        if plan is not None:
+            if mix is None:
+                if len(self._mixed) >= MAX_LEDGERS:
+                    self._mixed.popitem(last=False)  # a request never settled: forgotten
+                mix = self._mixed[ledger] = _Local(tag=plan[0].tag)
+            drawn = []
+            for c, st in zip(buckets, plan, strict=True):
+                st.units -= c.amount
+                drawn.append((st.key, c.amount))
+            mix.seq = seq
+            mix.last_local = (seq, tuple(drawn))
+            if self._keeps_drafts:
+                # not in its ledger's "charged" (what a reclaim bills): a later flush adds it
+                d = self._draft_ledger(mix.tag)
+                if not d.charged_more:
+                    d.more_since_ms = now
+                d.charged_more[ledger] = d.charged_more.get(ledger, 0) + amount
+            self.stats.local_charges += 1
+            self._saved("charge")
+            self._open_ahead(plan)
+            return ChargeResult(granted=amount, exhausted=False, values=self._values(buckets, plan))
+        if buckets and all(self._eligible(c) for c in buckets):
+            self._open_short(buckets)
+        res = await self.inner.charge(
+            ledger, seq, buckets, amount, strict=strict, ledger_ttl_ms=ledger_ttl_ms
+        )
+        if mix is not None:
+            mix.seq = max(mix.seq, seq)
+            mix.redis_seq = max(mix.redis_seq, seq)
+        if buckets and all(self._eligible(c) for c in buckets):
+            self._saw(buckets, res.values)
+        return res
+
+    def _settle_mixed(self, call: SettleCall) -> SettleCall:
+        """The settlement of a Redis-admitted request whose last charge was drawn here and not
+        confirmed to the gateway: its units go back into the allowance (the corrections were
+        computed without it), and Redis, which never saw that charge, takes nothing back."""
+        mix = self._mixed.pop(call.ledger, None)
+        if mix is None:
+            return call
+        d = self._drafts.get(mix.tag)
+        if d is not None:
+            d.charged_more.pop(call.ledger, None)  # settled: no reclaim will bill it
+        u = call.unconfirmed
+        if u is None or u.seq != mix.last_local[0]:
+            return call
+        now = self.clock.now_ms()
+        extra: list[Adjustment] = []
+        for key, units in mix.last_local[1]:
+            self._put_back(key, units, now, extra)
+        return dataclasses.replace(call, adjustments=[*call.adjustments, *extra], unconfirmed=None)
 
     # -- settlement ----------------------------------------------------------------------------
 
@@ -756,6 +898,7 @@ class AllowanceLimiter:
         if loc.settled:
             return False, loc.remainder
         loc.settled = True
+        self._draft_done(call.ledger, loc)
         now = self.clock.now_ms()
         to_redis: list[Adjustment] = []
         unconfirmed: UnconfirmedCharge | None = call.unconfirmed
@@ -821,12 +964,15 @@ class AllowanceLimiter:
         if ledger in self._settled:
             return False
         if ledger not in self._ledgers:
+            call = self._settle_mixed(
+                SettleCall(ledger, adjustments, ledger_ttl_ms, cancel, unconfirmed)
+            )
             return await self.inner.settle(
                 ledger,
-                adjustments,
+                call.adjustments,
                 ledger_ttl_ms=ledger_ttl_ms,
                 cancel=cancel,
-                unconfirmed=unconfirmed,
+                unconfirmed=call.unconfirmed,
             )
         applied, rest = self._settle_local(
             SettleCall(ledger, adjustments, ledger_ttl_ms, cancel, unconfirmed)
@@ -852,7 +998,7 @@ class AllowanceLimiter:
                 out[i] = False
                 continue
             if call.ledger not in self._ledgers:
-                remote.append(call)
+                remote.append(self._settle_mixed(call))
                 where.append((i, False))
                 continue
             applied, rest = self._settle_local(call)
@@ -903,7 +1049,121 @@ class AllowanceLimiter:
 
     def _start_sweeper(self) -> None:
         if self._sweeper is None and not self._closed:
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
+            loop = asyncio.get_running_loop()
+            self._sweeper = loop.create_task(self._sweep_loop())
+            self._draft_task = loop.create_task(self._draft_loop())
+
+    # -- usage-record drafts -------------------------------------------------------------------
+
+    def _draft_ledger(self, tag: str) -> _Drafts:
+        d = self._drafts.get(tag)
+        if d is None:
+            d = self._drafts[tag] = _Drafts(f"{tag}:req:drafts.{self._instance}")
+        return d
+
+    def _draft_done(self, ledger: str, loc: _Local) -> None:
+        """A local request settled (or forgotten): its draft leaves the draft ledger (by the
+        next flush, if it was sent)."""
+        if not loc.draft:
+            return
+        d = self._drafts.get(loc.tag)
+        if d is None:
+            return
+        d.open.pop(ledger, None)
+        if d.sent.pop(ledger, None) is not None:
+            d.drops.append(ledger)
+            d.touch(self.clock.now_ms())
+
+    async def _draft_loop(self) -> None:
+        tick = min(max(self.settings.draft_flush_ms, 1), 100) / 2000
+        while True:
+            await asyncio.sleep(tick)
+            await self.flush_drafts()
+
+    async def flush_drafts(self, *, force: bool = False) -> None:
+        """Send each tenant's drafts and drops once the oldest waited ``draft_flush_ms`` (a
+        request settled sooner costs nothing), with the charged figures (one call a tenant);
+        renew the draft ledgers still holding drafts every third of the lease."""
+        now = self.clock.now_ms()
+        third = self.settings.lease_ms // 3
+        wait = 0 if force else self.settings.draft_flush_ms
+        due = []
+        for d in self._drafts.values():
+            if d.flushing:
+                continue
+            if not (len(d.open) > len(d.sent) or d.drops):
+                d.pending_ms = 0  # what was waiting settled before it was sent
+            if (
+                (d.pending_ms and now - d.pending_ms >= wait)
+                or (d.sent and (force or now - d.renewed_ms >= third))
+                or (d.charged_more and (force or now - d.more_since_ms >= third))
+            ):
+                due.append(d)
+        if due:
+            await asyncio.gather(*(self._flush_drafts(d) for d in due))
+        for tag, d in list(self._drafts.items()):
+            if not (d.open or d.sent or d.drops or d.charged_more or d.flushing):
+                del self._drafts[tag]
+
+    async def _flush_drafts(self, d: _Drafts) -> None:
+        keeper = getattr(self.inner, "keep_drafts", None)
+        if keeper is None:
+            return
+        d.flushing = True
+        try:
+            before = set(d.sent)
+            keep = [
+                (led, loc.charged, loc.draft)
+                for led in d.open
+                if led not in d.sent and (loc := self._ledgers.get(led)) is not None
+            ]
+            charged = [
+                (led, loc.charged)
+                for led, c in d.sent.items()
+                if (loc := self._ledgers.get(led)) is not None and loc.charged != c
+            ]
+            drops, d.drops = d.drops, []
+            more, d.charged_more = d.charged_more, {}
+            d.pending_ms = 0
+            now = self.clock.now_ms()
+            s = self.settings
+            try:
+                ok: bool | None = await keeper(
+                    d.ledger,
+                    now + s.lease_ms,
+                    d.ttl_ms + s.lease_ms,
+                    keep=keep,
+                    charged=charged,
+                    drop=drops,
+                    more=list(more.items()),
+                )
+            except Exception:
+                ok = None
+            self.stats.draft_calls += 1
+            if ok is None:  # sent again at the next flush
+                d.drops = drops + d.drops
+                d.touch(now)
+                for led, n in more.items():
+                    d.charged_more[led] = d.charged_more.get(led, 0) + n
+                return
+            d.renewed_ms = now
+            self.stats.drafts_sent += len(keep)
+            for led, c in charged:
+                if led in d.sent:
+                    d.sent[led] = c
+            if not ok and before:
+                # created anew (reclaimed, lost): the drafts sent before go again
+                for led in before:
+                    d.sent.pop(led, None)
+                d.touch(now)
+            for led, c, _ in keep:
+                if led in d.open:
+                    d.sent[led] = c
+                else:
+                    d.drops.append(led)  # settled while this call was on its way
+                    d.touch(now)
+        finally:
+            d.flushing = False
 
     async def _sweep_loop(self) -> None:
         # a quarter of an allowance's time, and often enough to renew the allowance ledgers'
@@ -982,14 +1242,19 @@ class AllowanceLimiter:
         """Give back what is held (best effort), stop the background tasks, close the
         wrapped limiter."""
         self._closed = True
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        for task in (self._sweeper, self._draft_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=2.0)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.give_back(), timeout=2.0)
+        with contextlib.suppress(Exception):
+            # drafts of requests settled since the last flush leave the draft ledgers (those
+            # still open stay: if this process never settles them, the reclaim records them)
+            await asyncio.wait_for(self.flush_drafts(force=True), timeout=2.0)
         log.info(
             "allowances_closed", **dataclasses.asdict(self.stats), unreturned=self._unreturned()
         )

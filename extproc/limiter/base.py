@@ -128,12 +128,14 @@ class AllowanceGrant(NamedTuple):
     """A take's answer for one counter: units granted, the counter's value after, the
     allowance ledger's generation (a new one: what the replica recorded in the old one is
     gone, reclaimed or lost), and the units of dead replicas' allowances the call reclaimed
-    (on the first item of a call)."""
+    (on the first item of a call), with the usage-record drafts of dead replicas' draft
+    ledgers it reclaimed (their requests' records are the caller's to write)."""
 
     granted: int
     value: int
     gen: str = ""
     reclaimed: int = 0
+    drafts: tuple[Reclaimed, ...] = ()
 
 
 class AllowanceTaker(Protocol):

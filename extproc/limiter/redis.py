@@ -98,6 +98,8 @@ def starved_ceiling_s(timeout_s: float) -> float:
 
 #: Scripts that settle: the shared settlement functions go in front of their text.
 _SETTLING = frozenset({"admit", "settle"})
+#: Scripts whose reclaim hands back the drafts of dead replicas' draft ledgers.
+_DRAFTING = frozenset({"admit", "allowance"})
 
 
 def _lua(name: str) -> str:
@@ -108,6 +110,8 @@ def load_script(name: str) -> str:
     """The text of a packaged ``.lua`` script, as registered (``admit`` and ``settle`` with
     ``settle_lib.lua`` in front)."""
     text = _lua(name)
+    if name in _DRAFTING:
+        text = _lua("drafts_lib") + "\n" + text
     return _lua("settle_lib") + "\n" + text if name in _SETTLING else text
 
 
@@ -152,6 +156,7 @@ class RedisLimiter:
         self._note = client.register_script(load_script("note"))
         self._allowance = client.register_script(load_script("allowance"))
         self._tranche = client.register_script(load_script("tranche"))
+        self._drafts = client.register_script(load_script("drafts"))
         self._export_state()
         # every script a journalled call may have run, by name (a script registered later,
         # :meth:`register`, joins it)
@@ -444,10 +449,7 @@ class RedisLimiter:
             admitted=status == 1,
             duplicate=status == 2,
             values=tuple(int(v) for v in res[1]),
-            reclaimed=tuple(
-                Reclaimed(_str(flat[i]), _str(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3]))
-                for i in range(0, len(flat) - 3, 4)
-            ),
+            reclaimed=_reclaimed(flat),
             settled=tuple(bool(int(v)) for v in settled),
             allowance_reclaimed=int(res[4]) if len(res) > 4 else 0,
         )
@@ -667,9 +669,16 @@ class RedisLimiter:
             except LimiterUnavailable:
                 return False
             grants, reclaimed, gen = res[0], int(res[1]), _str(res[2])
+            drafts = _reclaimed(res[3] if len(res) > 3 else [])
             replay: list[Any] = [RLS_CALL_ID_TTL_MS, "1"]
             for n, (i, v) in enumerate(zip(idx, grants, strict=True)):
-                out[i] = AllowanceGrant(int(v[0]), int(v[1]), gen, reclaimed if n == 0 else 0)
+                out[i] = AllowanceGrant(
+                    int(v[0]),
+                    int(v[1]),
+                    gen,
+                    reclaimed if n == 0 else 0,
+                    drafts if n == 0 else (),
+                )
                 t = items[i]
                 replay += [int(v[0]), t.limit, t.expire_at_ms, t.share_ppm, t.least, t.held]
                 replay.append(t.opened)
@@ -702,6 +711,43 @@ class RedisLimiter:
             return None
         if int(res) == 1:
             self._journal("tranche", keys, args, RLS_CALL_ID_TTL_MS, where)
+        return int(res) == 1
+
+    async def keep_drafts(
+        self,
+        ledger: str,
+        until_ms: int,
+        ttl_ms: int,
+        *,
+        keep: Sequence[tuple[str, int, str]],
+        charged: Sequence[tuple[str, int]],
+        drop: Sequence[str],
+        more: Sequence[tuple[str, int]] = (),
+    ) -> bool | None:
+        """``drafts.lua``: keep (request ledger, charged, draft), update (request ledger,
+        charged) and drop (request ledger) usage-record drafts in a replica's draft ledger
+        ``ledger``, renewing its lease to ``until_ms``; one call, in the ledger's slot.  True
+        when the ledger held the earlier drafts, False when it was created anew (the caller
+        sends every draft again), None when the call failed (the caller sends it again).
+        ``more``: (request ledger, tokens) added to the "charged" of Redis-admitted requests
+        whose stream charges were drawn from allowances, while their ledgers are open."""
+        keys = [ledger, open_key(ledger)] + [led for led, _ in more]
+        args: list[Any] = [until_ms, ttl_ms, len(keep), len(charged), len(drop)]
+        for led, amount, draft in keep:
+            args += [led, amount, draft]
+        for led, amount in charged:
+            args += [led, amount]
+        args += list(drop)
+        args += [n for _, n in more]
+        try:
+            res = await self._call(
+                "usage-record drafts",
+                "drafts",
+                _script_call(self._drafts, keys, args),
+                slot=self._slot(ledger),
+            )
+        except LimiterUnavailable:
+            return None
         return int(res) == 1
 
     async def _per_slot(
@@ -834,6 +880,14 @@ def _pack_settlement(keys: list[str], args: list[Any], s: SettleCall) -> None:
     for key, rate in unconfirmed:
         keys.append(key)
         args.append(rate)
+
+
+def _reclaimed(flat: Sequence[Any]) -> tuple[Reclaimed, ...]:
+    """A reclaim's drafts, as the scripts hand them back: (ledger, draft, charged, input)..."""
+    return tuple(
+        Reclaimed(_str(flat[i]), _str(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3]))
+        for i in range(0, len(flat) - 3, 4)
+    )
 
 
 def _str(value: Any) -> str:

@@ -4,11 +4,13 @@ records to a Redis Stream in batches.
 * ``record()`` never blocks and never raises: it queues the record and wakes the writer.
 * The writer takes up to ``batch_size`` queued records and writes them in **one** script call
   (``XADD ... MAXLEN ~ N`` per record, so the stream stays bounded).  Each record carries a
-  ``record_id``; the script sets a short-lived marker per record id and ending (``SET NX PX``)
-  and skips a record whose marker exists, so a batch sent again after an ambiguous failure (a
-  timeout after Redis had applied it) is not written twice.  (A request's records share their
-  id; only a reclaimed request that its live processor settles later has two, with different
-  endings: both are written.)  The markers share the stream's hash slot.
+  ``record_id``; the script sets a short-lived marker per record id holding the ending
+  written, and skips a record whose marker holds its ending, so a batch sent again after an
+  ambiguous failure (a timeout after Redis had applied it) is not written twice.  (A
+  request's records share their id: a reclaimed request that its live processor settles
+  later has two, and both are written; a reclaim's record for a request whose own record was
+  written already, within the marker's time, is skipped.)  The markers share the stream's
+  hash slot.
 * When Redis fails, the batch goes back to the head of the queue and is retried with backoff
   (0.2 s doubling to 5 s), like a kept settlement.  The queue is bounded (``max_kept``): beyond
   it the oldest record is dropped, counted and logged.
@@ -59,17 +61,25 @@ _ERRORS = (
     asyncio.TimeoutError,
 )
 
-# KEYS[1] the stream, KEYS[1+i] the marker of record i.
-# ARGV[1] MAXLEN (approximate), ARGV[2] marker TTL (ms), then per record: the number of
-# field/value strings that follow, and those strings.
-# Returns one entry per record: its stream id, or "" when its marker said it was written.
+# KEYS[1] the stream, KEYS[1+i] the marker of record i (one per record id; it holds the
+# ending written).
+# ARGV[1] MAXLEN (approximate), ARGV[2] marker TTL (ms), then per record: its ending, the
+# number of field/value strings that follow, and those strings.
+# A record is skipped when its marker holds its own ending (the same record sent again), or
+# when it is a reclaim's ("reclaimed") and the marker holds another ending (the request's
+# own record was written: its processor settled it before it died, or was alive after all);
+# a request's own record after a reclaim's is written (it replaces it downstream).
+# Returns one entry per record: its stream id, or "" when its marker said to skip it.
 _APPEND_LUA = """
 local pos = 3
 local out = {}
 for i = 2, #KEYS do
-  local n = tonumber(ARGV[pos])
-  pos = pos + 1
-  if redis.call('SET', KEYS[i], '1', 'NX', 'PX', ARGV[2]) then
+  local ending = ARGV[pos]
+  local n = tonumber(ARGV[pos + 1])
+  pos = pos + 2
+  local had = redis.call('GET', KEYS[i])
+  if not had or (had ~= ending and ending ~= 'reclaimed') then
+    redis.call('SET', KEYS[i], ending, 'PX', ARGV[2])
     local cmd = {'XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*'}
     for j = pos, pos + n - 1 do
       cmd[#cmd + 1] = ARGV[j]
@@ -202,9 +212,9 @@ class UsageRecorder:
         keys: list[str] = [self.stream]
         args: list[Any] = [self.maxlen, self.marker_ttl_ms]
         for q in self._inflight:
-            keys.append(f"{self._markers}{q.rec.record_id}:{q.rec.ending}")
+            keys.append(f"{self._markers}{q.rec.record_id}")
             fields = q.rec.to_fields()
-            args.append(2 * len(fields))
+            args += [q.rec.ending, 2 * len(fields)]
             for name, value in fields.items():
                 args += [name, value]
         ok = False

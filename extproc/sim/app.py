@@ -37,7 +37,9 @@ async def start_sim(config: SimConfig) -> tuple[web.AppRunner, int]:
     app = make_app(config)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+    site = web.TCPSite(
+        runner, config.host, config.port, reuse_address=True, reuse_port=config.reuse_port or None
+    )
     await site.start()
     port = int(runner.addresses[0][1])
     log.info("sim_listening", host=config.host, port=port, models=list(config.models))

@@ -98,6 +98,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--log-format", choices=("console", "json"), default="console", help="log output format"
     )
     parser.add_argument(
+        "--reuse-port",
+        action="store_const",
+        const=True,
+        help="listen with SO_REUSEPORT, so that several simulator processes share the port "
+        "(each keeps its own /sim/requests records)",
+    )
+    parser.add_argument(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
         default="info",
@@ -118,6 +125,7 @@ _OVERRIDES = (
     "text_mode",
     "max_records",
     "context_tokens",
+    "reuse_port",
 )
 
 

@@ -28,6 +28,9 @@ class SimConfig:
     text_mode: str = "mixed"
     max_records: int = 10000
     context_tokens: int = 8192
+    #: listen with SO_REUSEPORT: several simulator processes share one port (the kernel
+    #: spreads connections; each keeps its own records)
+    reuse_port: bool = False
 
     def __post_init__(self) -> None:
         if not self.models:

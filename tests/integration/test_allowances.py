@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from extproc.core.rules import Adjustment, BucketCharge
+from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 from extproc.limiter.allowance import AllowanceLimiter, AllowanceSettings
 from extproc.limiter.base import SettleCall
 from extproc.limiter.memory import MemoryLimiter
@@ -255,6 +255,57 @@ async def test_stream_charges_and_refunds_stay_local(pair: Pair) -> None:
     # no Redis call for any of it (a take or a tranche opening may run in the background)
     assert lim.round_trips - trips <= lim.stats.opens + lim.stats.takes - background
     truth += 130
+    await lim.give_back()
+    assert await pair.value(tpm) == truth
+
+
+async def test_charges_of_a_request_redis_admitted_draw_from_the_allowance(pair: Pair) -> None:
+    """A stream Redis admitted (before this replica held an allowance) has its later charges
+    drawn from the allowance once one is held: no Redis call each; its settlement goes to its
+    ledger in Redis as usual (refunds counted against what was granted, local draws
+    included), and a last charge drawn here but unconfirmed to the gateway goes back into the
+    allowance, not to Redis.  The counters end exact."""
+    tag, rpm, tpm = tenant_keys()
+    lim = pair.a
+    exp = far()
+    streams = [f"{tag}:req:early.{i}" for i in range(2)]
+    for led in streams:  # admitted by Redis: nothing held yet
+        bs = charges(rpm, tpm, 100, rpm_limit=10**6, tpm_limit=10**8)
+        trips = lim.round_trips
+        res = await lim.admit(led, bs, tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL)
+        assert res.admitted and lim.round_trips > trips
+    truth = 0
+    for n in range(30):  # then the bucket warms up: an allowance is taken
+        bs = charges(rpm, tpm, 100, rpm_limit=10**6, tpm_limit=10**8)
+        assert await one_request(lim, tag, n, bs, 100)
+        truth += 100
+        await asyncio.sleep(0)
+    for t in list(lim._tasks):
+        await t
+    assert lim.stats.local_admissions > 0
+    tok = [BucketCharge(tpm, "tpm", 20, 10**8, exp)]
+    trips, background = lim.round_trips, lim.stats.opens + lim.stats.takes
+    local = lim.stats.local_charges
+    for led in streams:
+        for seq in (1, 2, 3):
+            got = await lim.charge(led, seq, tok, 20, strict=False, ledger_ttl_ms=TTL)
+            assert got.granted == 20 and not got.exhausted
+        # a retry of the last one charges nothing more
+        assert (await lim.charge(led, 3, tok, 20, strict=False, ledger_ttl_ms=TTL)).granted == 20
+    assert lim.stats.local_charges - local == 6
+    assert lim.round_trips - trips <= lim.stats.opens + lim.stats.takes - background
+    # the first: 100 admitted + 60 charged, used 130: 30 back (to its ledger in Redis)
+    adj = [Adjustment(tpm, -30, exp)]
+    assert await lim.settle(streams[0], adj, ledger_ttl_ms=TTL)
+    assert not await lim.settle(streams[0], adj, ledger_ttl_ms=TTL)
+    # the second: its third charge's answer never reached the gateway (unconfirmed): the
+    # corrections count 100 + 40 charged, used 120: 20 back; the third goes back here
+    adj = [Adjustment(tpm, -20, exp)]
+    unconfirmed = UnconfirmedCharge(3, ((tpm, 1_000_000),))
+    assert await lim.settle_many([SettleCall(streams[1], adj, TTL, unconfirmed=unconfirmed)]) == [
+        True
+    ]
+    truth += 130 + 120
     await lim.give_back()
     assert await pair.value(tpm) == truth
 

@@ -175,6 +175,33 @@ async def test_same_record_id_is_not_written_twice(redis_server: RedisServer) ->
     assert [r.record_id for _, r in got] == ["fixed", "other"]
 
 
+async def test_a_reclaims_record_after_the_requests_own_is_skipped(
+    redis_server: RedisServer,
+) -> None:
+    """A request's own record, then a reclaim's with the same record id (its processor had
+    settled it before it died, its draft not yet removed): the reclaim's adds nothing.  The
+    other way round (a reclaim, then the live processor's own record) both are written, the
+    own one last; and neither is written twice when sent again."""
+    stream = stream_key()
+    recorder = UsageRecorder.from_url(redis_server.url, stream)
+    recorder.record(rec(1, record_id="own-first"))
+    await until(lambda: recorder.written == 1)
+    recorder.record(rec(1, record_id="own-first", ending="reclaimed"))
+    recorder.record(rec(2, record_id="reclaim-first", ending="reclaimed"))
+    await until(lambda: recorder.written == 3)
+    recorder.record(rec(2, record_id="reclaim-first"))
+    await until(lambda: recorder.written == 4)
+    recorder.record(rec(2, record_id="reclaim-first"))
+    recorder.record(rec(2, record_id="reclaim-first", ending="reclaimed"))
+    await recorder.close(5.0)
+    got = [(r.record_id, r.ending) for _, r in entries(redis_server.client(), stream)]
+    assert got == [
+        ("own-first", "completed"),
+        ("reclaim-first", "reclaimed"),
+        ("reclaim-first", "completed"),
+    ]
+
+
 async def test_stream_length_is_bounded(redis_server: RedisServer) -> None:
     """MAXLEN ~ 20: after 600 records the stream holds about 20 (approximate trimming keeps
     at most one node more), the newest included."""

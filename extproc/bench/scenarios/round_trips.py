@@ -4,7 +4,11 @@ non-streaming request."""
 from __future__ import annotations
 
 import asyncio
+import os
+from hashlib import sha1
 from typing import Any
+
+import redis
 
 from extproc.bench import system
 from extproc.bench.client import Shape
@@ -12,6 +16,8 @@ from extproc.bench.drivers import KEY, batch, ok_count
 from extproc.bench.plan import Bench
 from extproc.bench.report import Row, Target
 from extproc.bench.scenarios.base import Scenario, Stacks
+from extproc.limiter.redis import load_script
+from extproc.records.writer import _APPEND_LUA
 from extproc.stack import Stack
 
 #: Issue 17's targets: round trips per non-streaming request, and per stream beyond output / N.
@@ -69,9 +75,73 @@ async def round_trips(b: Bench, main: Stack) -> None:
     b.raw["redis"] = raw
 
 
+async def pair_streams(b: Bench, stacks: Stacks) -> None:
+    """The streamed case on a stack of two processors behind one Envoy (local allowances, when
+    ``AIQ_ALLOWANCES=1`` is in the environment the processors inherit, are per processor):
+    20 streams of a fresh tenant (its warm-up included), then 20 more."""
+    every = b.plan.every
+    shape = Shape(prompt_tokens=100, max_tokens=500, stream=True, itl_ms=1)
+    bound = stream_target(shape.max_tokens, every)
+    st = await stacks.start("redis-pair", extprocs=2)
+    raw: dict[str, Any] = {}
+    rds = redis.Redis(port=st.ports.redis)
+    try:
+        # every command logged (a few thousand at most): the script calls told apart by SHA
+        rds.config_set("slowlog-log-slower-than", 0)
+        rds.config_set("slowlog-max-len", 100_000)
+        for name in ("warm-up included", "after 20 streams", "after 40 streams"):
+            rds.slowlog_reset()
+            before = system.redis_calls(st.ports.redis)
+            rs = await batch(st.base_url, KEY, shape, count=20, concurrency=4)
+            await asyncio.sleep(0.3)
+            calls = system.limiter_round_trips(before, system.redis_calls(st.ports.redis))
+            ok = max(1, ok_count(rs))
+            scripts = script_calls(rds)
+            limiter = sum(v for k, v in scripts.items() if k in LIMITER_SCRIPTS)
+            raw[name] = {"requests": len(rs), "ok": ok_count(rs), "calls": calls}
+            raw[name] |= {"per_request": sum(calls.values()) / ok, "scripts": scripts}
+            raw[name] |= {"limiter_per_request": limiter / ok}
+            b.table.add(
+                Row(
+                    "3 redis",
+                    f"limiter round trips per stream, 500 tokens, 2 processors, {name}",
+                    "calls",
+                    limiter / ok,
+                    goal=Target("value", "<=", bound, "calls"),
+                    note=", ".join(f"{k} {v / ok:.2f}" for k, v in sorted(scripts.items()))
+                    + f"; all evalsha incl. record appends {sum(calls.values()) / ok:.2f}",
+                )
+            )
+    finally:
+        rds.close()
+        st.stop()
+    raw["allowances"] = os.environ.get("AIQ_ALLOWANCES", "")
+    b.raw.setdefault("redis", {})["two_processors"] = raw
+
+
+LIMITER_SCRIPTS = ("admit", "charge", "settle", "note", "allowance", "tranche", "drafts")
+
+
+def script_calls(rds: redis.Redis) -> dict[str, int]:
+    """Script calls in Redis's slow log (every command logged), by script: the limiter's by
+    name, the usage recorder's appends as ``records``, any other by its SHA's first 8."""
+    names = {
+        sha1(load_script(n).encode(), usedforsecurity=False).hexdigest(): n for n in LIMITER_SCRIPTS
+    }
+    names[sha1(_APPEND_LUA.encode(), usedforsecurity=False).hexdigest()] = "records"
+    out: dict[str, int] = {}
+    for entry in rds.slowlog_get(100_000):
+        cmd = entry["command"].split()
+        if cmd and cmd[0].lower() == b"evalsha" and len(cmd) > 1:
+            name = names.get(cmd[1].decode(), cmd[1].decode()[:8])
+            out[name] = out.get(name, 0) + 1
+    return out
+
+
 async def measure(b: Bench, stacks: Stacks) -> None:
-    """Run on the shared main stack."""
+    """Run on the shared main stack, then the streamed case on two processors."""
     await round_trips(b, stacks.shared)
+    await pair_streams(b, stacks)
 
 
 SCENARIO = Scenario("redis", measure, on_main=True)

@@ -5,23 +5,29 @@ and streamed chunks/s at a fixed concurrency, CPU per request and per chunk of e
 commandstats).
 
 Each variant runs on a stack of its own (its own Redis, so Redis CPU is the variant's), started
-when measured and stopped after, so variants do not share cores.  The load client is this
-process (asyncio, one connection per concurrent request): on a small machine it competes for
-the same cores, which the report's CPU figures show (it is not one of the components)."""
+when measured and stopped after, so variants do not share cores.  The load comes from
+``extproc.bench.load_proc`` processes (one per two cores, ``AIQ_BENCH_CLIENTS``; asyncio, one
+connection per concurrent request), their CPU reported as the ``clients`` component, and the
+simulator runs as one process per four cores sharing its port (``AIQ_BENCH_SIMS``), so that
+on a many-core machine neither is what saturates.  ``AIQ_BENCH_SCALE_MAX_WORKERS`` caps N and
+``AIQ_BENCH_SCALE_CONCURRENCY`` sets the concurrency (``scripts/bench-device`` runs this
+section on a machine without network)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
 import time
 from typing import Any
 
 import aiohttp
+import orjson
 
 from extproc.bench import system
 from extproc.bench.client import Result, Shape, connector, send
-from extproc.bench.drivers import KEY, batch, ok_count
+from extproc.bench.drivers import KEY, batch
 from extproc.bench.plan import Bench
 from extproc.bench.report import Row
 from extproc.bench.scenarios.base import Scenario, Stacks
@@ -42,19 +48,26 @@ def worker_counts(cores: int) -> list[int]:
 
 
 async def timed_keys(
-    url: str, keys: tuple[str, ...], shape: Shape, *, seconds: float, concurrency: int
+    url: str,
+    keys: tuple[str, ...],
+    shape: Shape,
+    *,
+    seconds: float,
+    concurrency: int,
+    offset: int = 0,
 ) -> tuple[list[Result], float]:
     """Closed loop for ``seconds`` (at most 100,000 requests), the requests spread over
-    ``keys`` in turn."""
+    ``keys`` in turn (numbered from ``offset``: their prompts differ)."""
     out: list[Result] = []
     started = time.perf_counter()
     stop_at = started + seconds
-    sent = 0
+    sent = offset
+    last = offset + 100_000
     async with aiohttp.ClientSession(connector=connector(concurrency)) as session:
 
         async def worker() -> None:
             nonlocal sent
-            while time.perf_counter() < stop_at and sent < 100_000:
+            while time.perf_counter() < stop_at and sent < last:
                 sent += 1
                 key = keys[sent % len(keys)]
                 out.append(await send(session, url, key, shape, body=shape.body(sent)))
@@ -63,27 +76,98 @@ async def timed_keys(
     return out, time.perf_counter() - started
 
 
+def client_count(cores: int) -> int:
+    """Load-client processes by default: one per two cores (at least one)."""
+    return max(1, cores // 2)
+
+
+async def load_clients(
+    st: Stack,
+    keys: tuple[str, ...],
+    shape: Shape,
+    *,
+    seconds: float,
+    concurrency: int,
+    clients: int,
+) -> tuple[list[asyncio.subprocess.Process], list[int]]:
+    """Start ``clients`` load-client processes (extproc.bench.load_proc) sharing
+    ``concurrency``; returned once each said it is ready (not started yet)."""
+    clients = max(1, min(clients, concurrency))
+    shape_json = orjson.dumps(dataclasses.asdict(shape)).decode()
+    procs: list[asyncio.subprocess.Process] = []
+    for i in range(clients):
+        share = concurrency // clients + (1 if i < concurrency % clients else 0)
+        argv = ["-m", "extproc.bench.load_proc", "--url", st.base_url, "--keys", ",".join(keys)]
+        argv += ["--shape", shape_json, "--seconds", str(seconds)]
+        argv += ["--concurrency", str(share), "--offset", str(i * 100_000)]
+        procs.append(
+            await asyncio.create_subprocess_exec(
+                sys.executable,
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
+        )
+    for p in procs:
+        assert p.stdout is not None
+        line = await asyncio.wait_for(p.stdout.readline(), timeout=60)
+        if line.strip() != b"ready":
+            raise RuntimeError(f"a load client did not start: {line!r}")
+    return procs, [p.pid for p in procs]
+
+
 async def run_one(
-    st: Stack, keys: tuple[str, ...], shape: Shape, seconds: float, concurrency: int
+    st: Stack,
+    keys: tuple[str, ...],
+    shape: Shape,
+    *,
+    seconds: float,
+    concurrency: int,
+    clients: int = 1,
 ) -> dict[str, Any]:
-    """One timed run: throughput, CPU per request (µs) per component, Redis calls per
-    request, and for streams chunks/s and CPU per chunk."""
-    meters = {c: system.CpuMeter(system.proc_pids(st, c)) for c in COMPONENTS}
-    before = system.redis_calls(st.ports.redis)
-    for m in meters.values():
-        m.start()
-    rs, elapsed = await timed_keys(
-        st.base_url, keys, shape, seconds=seconds, concurrency=concurrency
+    """One timed run with ``clients`` load-client processes: throughput, CPU per request
+    (µs) per component (the load clients' too), Redis calls per request, and for streams
+    chunks/s and CPU per chunk."""
+    procs, pids = await load_clients(
+        st, keys, shape, seconds=seconds, concurrency=concurrency, clients=clients
     )
-    cpu = {c: m.stop() for c, m in meters.items()}
+    try:
+        meters = {c: system.CpuMeter(system.proc_pids(st, c)) for c in COMPONENTS}
+        meters["clients"] = system.CpuMeter(pids)
+        before = system.redis_calls(st.ports.redis)
+        for m in meters.values():
+            m.start()
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write(b"go\n")
+            await p.stdin.drain()
+        results = []
+        for p in procs:
+            assert p.stdout is not None
+            line = await asyncio.wait_for(p.stdout.readline(), timeout=seconds + 120)
+            results.append(orjson.loads(line))
+        cpu = {c: m.stop() for c, m in meters.items()}
+    finally:
+        for p in procs:
+            if p.stdin is not None:
+                p.stdin.close()
+        for p in procs:
+            try:
+                await asyncio.wait_for(p.wait(), timeout=10)
+            except TimeoutError:
+                p.kill()
+                await p.wait()
     await asyncio.sleep(0.3)  # settlements and give-backs in flight land
     calls = system.limiter_round_trips(before, system.redis_calls(st.ports.redis))
-    ok = max(1, ok_count(rs))
-    chunks = sum(r.tokens for r in rs if r.status == 200)
+    n_ok = sum(r["ok"] for r in results)
+    ok = max(1, n_ok)
+    chunks = sum(r["tokens"] for r in results)
+    elapsed = max(r["elapsed"] for r in results)
     out: dict[str, Any] = {
-        "requests": len(rs),
-        "ok": ok_count(rs),
-        "req_s": round(ok_count(rs) / elapsed, 1),
+        "clients": len(procs),
+        "requests": sum(r["requests"] for r in results),
+        "ok": n_ok,
+        "req_s": round(n_ok / elapsed, 1),
         "cpu_us_per_request": {c: round(v / ok * 1e6, 1) for c, v in cpu.items()},
         "redis_calls_per_request": round(sum(calls.values()) / ok, 3),
     }
@@ -96,13 +180,22 @@ async def run_one(
 async def measure(b: Bench, stacks: Stacks) -> None:
     """Every (workers, allowances) variant on a stack of its own, one after another."""
     cores = os.cpu_count() or 1
-    counts = worker_counts(cores)
+    counts = worker_counts(int(os.environ.get("AIQ_BENCH_SCALE_MAX_WORKERS", cores)))
+    clients = int(os.environ.get("AIQ_BENCH_CLIENTS", client_count(cores)))
+    # simulator processes sharing its port: one per four cores (it is not what saturates)
+    sims = int(os.environ.get("AIQ_BENCH_SIMS", max(1, cores // 4)))
     c, secs = b.plan.worker_concurrency, b.plan.worker_seconds * 2
+    c = int(os.environ.get("AIQ_BENCH_SCALE_CONCURRENCY", c))
     unary = Shape(prompt_tokens=1000, max_tokens=8)
     stream = Shape(prompt_tokens=100, max_tokens=200, stream=True, itl_ms=1)
     serve = (sys.executable, "-m", "extproc", "serve")
     raw: dict[str, Any] = {"cores": cores, "workers": counts, "concurrency": c, "seconds": secs}
-    b.log(f"scale: workers {counts}, allowances off/on, 1 and 64 tenants, c={c}, {secs}s each")
+    raw["clients"] = clients
+    raw["sims"] = sims
+    b.log(
+        f"scale: workers {counts}, allowances off/on, 1 and 64 tenants, c={c}, {secs}s each, "
+        f"{clients} load-client process(es), {sims} simulator process(es)"
+    )
     for n in counts:
         for allow in (False, True):
             name = f"{n} worker{'s' if n > 1 else ''}, allowances {'on' if allow else 'off'}"
@@ -111,6 +204,7 @@ async def measure(b: Bench, stacks: Stacks) -> None:
                 f"scale-{n}-{int(allow)}",
                 extproc_argv=(*serve, "--workers", str(n)),
                 env=env,
+                sims=sims,
             )
             try:
                 await batch(st.base_url, KEY, unary, count=40, concurrency=4)
@@ -118,8 +212,12 @@ async def measure(b: Bench, stacks: Stacks) -> None:
                 for label, keys in (("1 tenant", (KEY,)), ("64 tenants", SCALE_KEYS)):
                     await timed_keys(st.base_url, keys, unary, seconds=1.0, concurrency=c)
                     res[label] = {
-                        "non-streaming": await run_one(st, keys, unary, secs, c),
-                        "streamed": await run_one(st, keys, stream, secs, c),
+                        "non-streaming": await run_one(
+                            st, keys, unary, seconds=secs, concurrency=c, clients=clients
+                        ),
+                        "streamed": await run_one(
+                            st, keys, stream, seconds=secs, concurrency=c, clients=clients
+                        ),
                     }
                 raw[name] = res
             finally:

@@ -38,6 +38,9 @@
 --
 -- A replica's allowance ledger (field "alw", allowance.lua) is reclaimed the same way: its "r:"
 -- fields are the allowance units the dead replica never opened, given back to their counters.
+-- A replica's draft ledger (field "drf", drafts.lua) hands back the usage-record drafts of the
+-- requests the dead replica had admitted from its allowances and not settled (drafts_lib.lua),
+-- each as a reclaimed request's: its record is written once, as for a ledger of its own.
 --
 -- Returns {status, {value per bucket}, {ledger, draft, charged, input, ...}, {rider results},
 -- allowance units reclaimed}:
@@ -76,6 +79,9 @@ if now > 0 then
         end
       end
       redis.call('HSET', led, 'state', 'reclaimed')
+      if redis.call('HGET', led, 'drf') == '1' then
+        reclaim_drafts(led, fields, reclaimed)
+      end
       local rec = redis.call('HGET', led, 'rec')
       if rec then
         redis.call('HDEL', led, 'rec')

@@ -34,10 +34,13 @@
 -- replica died), the next admission (admit.lua) or take (here) of the tenant reclaims the
 -- ledger like a request's: the never-opened units go back to their counters.
 --
--- Before taking, up to 8 allowance ledgers of this tenant whose lease ran out are reclaimed
--- (request ledgers are left to admit.lua, which hands back their usage-record drafts).
+-- Before taking, up to 8 allowance or draft ledgers of this tenant whose lease ran out are
+-- reclaimed (request ledgers are left to admit.lua, which hands back their usage-record
+-- drafts); a draft ledger's drafts are handed back (drafts_lib.lua, which the limiter puts in
+-- front of this text), so that the caller writes the dead replica's requests' records.
 --
--- Returns {per counter {granted, value after}, units reclaimed, the ledger's generation}: the
+-- Returns {per counter {granted, value after}, units reclaimed, the ledger's generation,
+-- {request ledger, draft, charged, -1, ...} of the drafts reclaimed}: the
 -- counter includes the grant at once, so other replicas and the usage API see it as used.  A
 -- ledger created by a take gets that call's id as its generation; a replica whose ledger
 -- changed generation knows that what it recorded in the old one was reclaimed (or lost), and
@@ -58,9 +61,10 @@ if seen then
   if leased then
     gen = redis.call('HGET', KEYS[n + 2], 'gen') or ''
   end
-  return {out, 0, gen}
+  return {out, 0, gen, {}}
 end
 local reclaimed = 0
+local drafts = {}
 local gen = ''
 local L, open, tranches
 if leased then
@@ -71,10 +75,16 @@ if leased then
   local dead = redis.call('ZRANGEBYSCORE', open, '-inf', now, 'LIMIT', 0, 16)
   local done = 0
   for _, led in ipairs(dead) do
-    if done < 8 and redis.call('HGET', led, 'alw') == '1' then
+    local drf = redis.call('HGET', led, 'drf') == '1'
+    if done < 8 and (drf or redis.call('HGET', led, 'alw') == '1') then
       done = done + 1
       redis.call('ZREM', open, led)
-      if redis.call('HGET', led, 'state') == 'admitted' then
+      if drf then
+        if redis.call('HGET', led, 'state') == 'admitted' then
+          reclaim_drafts(led, redis.call('HGETALL', led), drafts)
+          redis.call('HSET', led, 'state', 'reclaimed')
+        end
+      elseif redis.call('HGET', led, 'state') == 'admitted' then
         local fields = redis.call('HGETALL', led)
         for j = 1, #fields, 2 do
           if string.sub(fields[j], 1, 2) == 'r:' then
@@ -92,7 +102,7 @@ if leased then
       end
     end
   end
-    tranches = tonumber(ARGV[t + 2])
+  tranches = tonumber(ARGV[t + 2])
   if redis.call('HGET', L, 'state') ~= 'admitted' then
     redis.call('DEL', L)
     redis.call('HSET', L, 'state', 'admitted', 'alw', 1, 'gen', id)
@@ -145,4 +155,4 @@ for i = 1, n do
   grants[i] = grant
 end
 redis.call('SET', id, table.concat(grants, ','), 'PX', ARGV[1])
-return {out, reclaimed, gen}
+return {out, reclaimed, gen, drafts}
