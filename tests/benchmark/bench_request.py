@@ -43,7 +43,7 @@ import orjson
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: ``tests``
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # run as a script: ``tests``
 
 from extproc.bench.client import Shape
 from extproc.bench.drivers import KEY
