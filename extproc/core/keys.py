@@ -258,8 +258,11 @@ class CounterName:
     window_s: int
 
 
+@lru_cache(maxsize=4096)
 def counter_name(key: str) -> CounterName | None:
-    """Parse a window counter's key; None for any other key (a concurrency set, a ledger)."""
+    """Parse a window counter's key; None for any other key (a concurrency set, a ledger).
+
+    Remembered (bounded): the same few counters are parsed on every admission."""
     end = key.find("}:")
     if end < 0:
         return None

@@ -32,8 +32,8 @@ def headers_of(hh: Any) -> dict[str, str]:
     """Header map with lower-case names (values from ``raw_value``; Envoy leaves ``value`` empty)."""
     out: dict[str, str] = {}
     for h in hh.headers.headers:
-        v = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-        out[h.key.lower()] = v
+        raw = h.raw_value  # read once: each field read of a upb message is a lookup
+        out[h.key.lower()] = raw.decode("utf-8", "replace") if raw else h.value
     return out
 
 
