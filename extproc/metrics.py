@@ -7,7 +7,56 @@ checks that every metric they reference exists here.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from typing import Any
+
+import prometheus_client
+from prometheus_client import CollectorRegistry
+
+
+class _LabelCache:
+    """``labels()`` answered from a dict of the children already made (hot path: about ten
+    labelled updates per request; prometheus_client validates and locks on every call, about
+    1.2 µs, a dict hit 0.1 µs).  The cache holds exactly the children the metric itself keeps
+    (low-cardinality labels only, never removed), keyed by the values as passed."""
+
+    _children: dict[tuple[Any, ...], Any]
+
+    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Any:
+        """The child for these label values (made once, by prometheus_client)."""
+        if labelkwargs:
+            return super().labels(*labelvalues, **labelkwargs)  # type: ignore[misc]
+        try:
+            return self._children[labelvalues]
+        except AttributeError:
+            self._children = {}
+        except KeyError:
+            pass
+        child = super().labels(*labelvalues)  # type: ignore[misc]
+        self._children[labelvalues] = child
+        return child
+
+    def remove(self, *labelvalues: Any) -> None:
+        """Remove a child (and forget every cached one)."""
+        self._children = {}
+        super().remove(*labelvalues)  # type: ignore[misc]
+
+    def clear(self) -> None:
+        """Remove every child (and forget the cached ones)."""
+        self._children = {}
+        super().clear()  # type: ignore[misc]
+
+
+class Counter(_LabelCache, prometheus_client.Counter):
+    """A Counter whose ``labels()`` is a dict lookup after the first call."""
+
+
+class Gauge(_LabelCache, prometheus_client.Gauge):
+    """A Gauge whose ``labels()`` is a dict lookup after the first call."""
+
+
+class Histogram(_LabelCache, prometheus_client.Histogram):
+    """A Histogram whose ``labels()`` is a dict lookup after the first call."""
+
 
 _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 

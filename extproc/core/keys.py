@@ -155,7 +155,23 @@ def windowed(
     ``prices`` are the request's model's (money budgets); ``lease_ms`` how long a
     concurrency slot lives unrenewed (its set expires that long after ``now_ms``)."""
     out: list[WindowedBucket] = []
+    cache = _FIXED
     for lim in limits:
+        if not lim.sliding and lim.metric != "concurrency":
+            # a fixed window's bucket depends on the window, not on ``now``: made once
+            idx = _epoch_window(lim, now_ms)
+            if idx is not None:
+                ck = (prefix, tenant, key_name, id(lim), idx, id(prices))
+                hit = cache.get(ck)
+                if hit is not None and hit[0] is lim and hit[1] is prices:
+                    out.append(hit[2])
+                    continue
+                b = _fixed_bucket(prefix, tenant, key_name, lim, now_ms, prices=prices)
+                if len(cache) >= _FIXED_MAX:
+                    cache.clear()
+                cache[ck] = (lim, prices, b)  # the objects held: their ids stay theirs
+                out.append(b)
+                continue
         if lim.metric == "concurrency":
             end = now_ms + lease_ms
             out.append(
@@ -189,6 +205,35 @@ def windowed(
     return out
 
 
+def _epoch_window(lim: Limit, now_ms: int) -> int | None:
+    """The index of ``lim``'s window containing ``now_ms`` when its windows are numbered from
+    the epoch (as :func:`window_bounds` numbers them); None for calendar windows."""
+    period = lim.period_name
+    if period == "month" or (period in ("day", "week") and lim.tz != "UTC"):
+        return None
+    shift = 3 * 86_400_000 if period == "week" else 0
+    return (now_ms + shift) // (lim.window_s * 1000)
+
+
+def _fixed_bucket(
+    prefix: str, tenant: str, key_name: str, lim: Limit, now_ms: int, *, prices: Rates | None
+) -> WindowedBucket:
+    name, _, end = window_bounds(lim, now_ms)
+    return WindowedBucket(
+        limit=lim,
+        key=bucket_key(prefix, tenant, key_name, lim, name),
+        window_end_ms=end,
+        expire_at_ms=end + EXPIRY_SLACK_MS,
+        rates=rates_for(lim, prices),
+    )
+
+
+#: Fixed-window buckets already made (frozen), by (prefix, tenant, key, limit, window,
+#: prices); cleared when full.  Entries hold their limit and prices, so an id in a key is
+#: never that of another object while the entry lives.
+_FIXED: dict[tuple[str, str, str, int, int, int], tuple[Limit, Rates | None, WindowedBucket]] = {}
+_FIXED_MAX = 4096
+
 #: A sliding window's weight of its previous window is in parts per million.
 SLIDING_SCALE = 1_000_000
 
@@ -213,8 +258,11 @@ class CounterName:
     window_s: int
 
 
+@lru_cache(maxsize=4096)
 def counter_name(key: str) -> CounterName | None:
-    """Parse a window counter's key; None for any other key (a concurrency set, a ledger)."""
+    """Parse a window counter's key; None for any other key (a concurrency set, a ledger).
+
+    Remembered (bounded): the same few counters are parsed on every admission."""
     end = key.find("}:")
     if end < 0:
         return None

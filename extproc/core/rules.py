@@ -19,6 +19,8 @@ WINDOW_SECONDS: dict[str, int] = {
     "day": 86400,
     "week": 7 * 86400,
 }
+#: A fixed window's name by its length (the reverse of ``WINDOW_SECONDS``).
+_PERIOD_NAMES: dict[int, str] = {v: k for k, v in WINDOW_SECONDS.items()}
 Period = Literal["second", "minute", "hour", "day", "week", "month"]
 Metric = Literal["rpm", "tpm", "cost", "concurrency"]
 
@@ -126,8 +128,7 @@ class Limit:
         """``minute``, ``month``...: the window's name in messages and keys."""
         if self.period is not None:
             return self.period
-        names = {v: k for k, v in WINDOW_SECONDS.items()}
-        return names.get(self.window_s, f"{self.window_s}s")
+        return _PERIOD_NAMES.get(self.window_s) or f"{self.window_s}s"
 
     def applies_to(self, model: str) -> bool:
         """Whether a request for ``model`` is counted in this bucket."""

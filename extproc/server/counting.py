@@ -38,7 +38,7 @@ async def count_input(
         return api.count_input(req, model.counter, model.tokenizer)
 
     t0 = time.perf_counter()
-    with client_errors():
+    with client_errors:
         n = await _run(gw, cfg, count, size)
     gw.metrics.tokenize_seconds.labels(api.name).observe(time.perf_counter() - t0)
     return n

@@ -101,8 +101,9 @@ class RequestProcessor:
         # the exact input count of a request admitted on a bound, running after its answer
         self._counting: asyncio.Task[None] | None = None
         # writing the exact input into the open ledger, a moment after admission (the count
-        # taken for it, when not audited, is kept: settlement reuses it)
-        self._noting: asyncio.Task[None] | None = None
+        # taken for it, when not audited, is kept: settlement reuses it): a timer until then
+        # (most requests settle first and cancel it: no task, no loop turn), then the task
+        self._noting: asyncio.Task[None] | asyncio.TimerHandle | None = None
         self._exact: int | None = None
         self._body_size = 0
 
@@ -256,7 +257,9 @@ class RequestProcessor:
                 # Counted for the ledger only, if the request is still open after a moment:
                 # should this processor die, the reclaim refunds the bound down to the exact
                 # input (a short request settles first, and is never counted).
-                self._noting = asyncio.ensure_future(self._note_exact(self._body_size, s.cost))
+                self._noting = asyncio.get_running_loop().call_later(
+                    NOTE_AFTER_S, self._note_later, self._body_size, s.cost, None
+                )
         return wire.continue_request_body(new_body)
 
     async def _counted(self, size: int) -> int | None:
@@ -287,11 +290,15 @@ class RequestProcessor:
         )
         self.gw.note_input(InputNote(s.ledger, exact, refund))
 
+    def _note_later(self, size: int, bound: Cost, exact: int | None) -> None:
+        """:data:`NOTE_AFTER_S` after admission (a timer; settlement cancels it when it comes
+        first): the request is still open, so its exact input goes into its ledger."""
+        if not self.s.settling:
+            self._noting = asyncio.ensure_future(self._note_exact(size, bound, exact))
+
     async def _note_exact(self, size: int, bound: Cost, exact: int | None = None) -> None:
-        """Note the exact input of a request admitted on ``bound`` in its ledger if it is still
-        open :data:`NOTE_AFTER_S` from now, counting it then unless ``exact`` is known
-        (settlement reuses the count; settlement cancels this when it comes first)."""
-        await asyncio.sleep(NOTE_AFTER_S)
+        """Note the exact input of a request admitted on ``bound`` in its ledger, counting it
+        now unless ``exact`` is known (settlement reuses the count)."""
         if self.s.settling:
             return
         if exact is None:
@@ -314,7 +321,9 @@ class RequestProcessor:
         if s.input_pending and cost is not None:
             s.input_counted(cost.input_tokens if exact is None else exact)
             if note and exact is not None and not s.settling:
-                self._noting = asyncio.ensure_future(self._note_exact(size, cost, exact))
+                self._noting = asyncio.get_running_loop().call_later(
+                    NOTE_AFTER_S, self._note_later, size, cost, exact
+                )
 
     async def _input_known(self) -> None:
         """Wait for an exact input count that is running."""
@@ -467,7 +476,7 @@ class RequestProcessor:
     async def _settle(self) -> None:
         s = self.s
         noting = self._noting
-        if noting is not None and not noting.done():
+        if noting is not None:
             noting.cancel()  # a count for the ledger is no use now (settlement counts if it must)
         await self._figures_ready()
         s.settle_ending()

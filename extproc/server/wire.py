@@ -32,8 +32,8 @@ def headers_of(hh: Any) -> dict[str, str]:
     """Header map with lower-case names (values from ``raw_value``; Envoy leaves ``value`` empty)."""
     out: dict[str, str] = {}
     for h in hh.headers.headers:
-        v = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-        out[h.key.lower()] = v
+        raw = h.raw_value  # read once: each field read of a upb message is a lookup
+        out[h.key.lower()] = raw.decode("utf-8", "replace") if raw else h.value
     return out
 
 
@@ -45,16 +45,32 @@ def metadata_of(req: Any) -> dict[str, Any]:
     return {ns: json_format.MessageToDict(fm[ns]) for ns in fm}
 
 
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def _fill_mutation(
+    m: Any, set_headers: Iterable[tuple[str, str]] = (), remove: Iterable[str] = ()
+) -> None:
+    """Fill the HeaderMutation ``m`` in place (hot path: every request's replies carry one).
+
+    Leaf fields are set on messages ``add()`` creates: about a third of the cost of building
+    each ``HeaderValueOption`` and its ``HeaderValue`` by constructor; the same bytes.
+    """
+    m.SetInParent()  # present even when empty, as a constructor-built one is
+    add = m.set_headers.add
+    for k, v in set_headers:
+        opt = add()
+        h = opt.header
+        h.key = k
+        h.raw_value = v.encode()
+        opt.append_action = _OVERWRITE
+    if remove:
+        m.remove_headers.extend(remove)
+
+
 def _mutation(set_headers: Iterable[tuple[str, str]] = (), remove: Iterable[str] = ()) -> Any:
     m = pb.HeaderMutation()
-    for k, v in set_headers:
-        m.set_headers.append(
-            base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key=k, raw_value=v.encode()),
-                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-            )
-        )
-    m.remove_headers.extend(remove)
+    _fill_mutation(m, set_headers, remove)
     return m
 
 
@@ -64,11 +80,10 @@ def continue_request_headers(
     mode: Mode | None = None,
 ) -> ProcessingResponse:
     """CONTINUE at request headers, with our identity headers set and client ones removed."""
-    r = _PR(
-        request_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(header_mutation=_mutation(set_headers, remove))
-        )
-    )
+    r = _PR()
+    common = r.request_headers.response
+    common.SetInParent()
+    _fill_mutation(common.header_mutation, set_headers, remove)
     if mode is not None:
         r.mode_override.CopyFrom(mode)
     return r
@@ -76,11 +91,13 @@ def continue_request_headers(
 
 def continue_request_body(new_body: bytes | None) -> ProcessingResponse:
     """CONTINUE at request body; with a replaced body and its content-length when mutated."""
-    common = pb.CommonResponse()
+    r = _PR()
+    common = r.request_body.response
+    common.SetInParent()
     if new_body is not None:
         common.body_mutation.body = new_body
-        common.header_mutation.CopyFrom(_mutation([("content-length", str(len(new_body)))]))
-    return _PR(request_body=pb.BodyResponse(response=common))
+        _fill_mutation(common.header_mutation, [("content-length", str(len(new_body)))])
+    return r
 
 
 def continue_response_headers(
@@ -91,15 +108,14 @@ def continue_response_headers(
     metadata: Mapping[str, object] | None = None,
 ) -> ProcessingResponse:
     """CONTINUE at response headers, adding ``x-ratelimit-*`` and maybe switching body mode."""
-    r = _PR(
-        response_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(header_mutation=_mutation(set_headers, remove))
-        )
-    )
+    r = _PR()
+    common = r.response_headers.response
+    common.SetInParent()
+    _fill_mutation(common.header_mutation, set_headers, remove)
     if mode is not None:
         r.mode_override.CopyFrom(mode)
     if metadata:
-        r.dynamic_metadata.CopyFrom(dynamic_metadata(metadata))
+        _fill_metadata(r.dynamic_metadata, metadata)
     return r
 
 
@@ -127,9 +143,10 @@ def passthrough_mode() -> Mode:
 
 def continue_response_body(metadata: Mapping[str, object] | None = None) -> ProcessingResponse:
     """CONTINUE for a STREAMED response body chunk."""
-    r = _PR(response_body=pb.BodyResponse(response=pb.CommonResponse()))
+    r = _PR()
+    r.response_body.response.SetInParent()
     if metadata:
-        r.dynamic_metadata.CopyFrom(dynamic_metadata(metadata))
+        _fill_metadata(r.dynamic_metadata, metadata)
     return r
 
 
@@ -147,7 +164,7 @@ def streamed_body(
     if end_of_stream:
         sr.end_of_stream = True
     if metadata:
-        r.dynamic_metadata.CopyFrom(dynamic_metadata(metadata))
+        _fill_metadata(r.dynamic_metadata, metadata)
     return r
 
 
@@ -178,21 +195,32 @@ def immediate(
         )
     )
     if metadata:
-        r.dynamic_metadata.CopyFrom(dynamic_metadata(metadata))
+        _fill_metadata(r.dynamic_metadata, metadata)
     return r
 
 
 def dynamic_metadata(values: Mapping[str, object]) -> Any:
     """``{ai_quota: {...}}`` for ``%DYNAMIC_METADATA(ai_quota:field)%`` in access logs."""
     s = struct_pb2.Struct()
-    inner = s.fields[METADATA_NAMESPACE].struct_value
-    for k, v in values.items():
-        if isinstance(v, bool):
-            inner.fields[k].bool_value = v
-        elif isinstance(v, int | float):
-            inner.fields[k].number_value = float(v)
-        elif v is None:
-            inner.fields[k].null_value = struct_pb2.NULL_VALUE
-        else:
-            inner.fields[k].string_value = str(v)
+    _fill_metadata(s, values)
     return s
+
+
+def _fill_metadata(s: Any, values: Mapping[str, object]) -> None:
+    """Write :func:`dynamic_metadata`'s fields into the Struct ``s`` (a reply's own field:
+    no copy).  Exact types first (the common cases), then the general rule."""
+    fields = s.fields[METADATA_NAMESPACE].struct_value.fields
+    for k, v in values.items():
+        t = type(v)
+        if t is str:
+            fields[k].string_value = v
+        elif t is int or t is float:
+            fields[k].number_value = float(v)  # type: ignore[arg-type]
+        elif t is bool or isinstance(v, bool):
+            fields[k].bool_value = v
+        elif isinstance(v, int | float):
+            fields[k].number_value = float(v)
+        elif v is None:
+            fields[k].null_value = struct_pb2.NULL_VALUE
+        else:
+            fields[k].string_value = str(v)

@@ -78,8 +78,26 @@ async def serve_floor_redis(address: str, redis_url: str, calls: int) -> None:
     await client.aclose()
 
 
-def start_arms(workdir: Path) -> dict[str, Stack]:
-    """Every arm's stack, sharing the first one's Redis."""
+ARMS = (
+    "floor",
+    "floor+1redis",
+    "floor+2redis",
+    "gateway",
+    "gateway-info-logs-off",
+    "gateway-counted",
+    "gateway-allowances",
+)
+
+
+ALLOWANCES = {"AIQ_ALLOWANCES": "1", "AIQ_ALLOWANCE_MAX_WINDOW_S": "86400"}
+
+
+def start_arms(
+    workdir: Path, only: tuple[str, ...] = ARMS, base_tree: Path | None = None
+) -> dict[str, Stack]:
+    """The stacks of the arms in ``only`` (the floor always), sharing the floor's Redis;
+    with ``base_tree`` (a directory holding another revision's ``extproc`` package) also
+    ``gateway@base`` and ``gateway-allowances@base``, the same processors run from that tree."""
     rules = system.bench_rules()
     here = str(Path(__file__).resolve())
     arms: dict[str, Stack] = {}
@@ -88,6 +106,8 @@ def start_arms(workdir: Path) -> dict[str, Stack]:
     )
     url = arms["floor"].effective_redis_url
     for n in (1, 2):
+        if f"floor+{n}redis" not in only:
+            continue
         arms[f"floor+{n}redis"] = system.start_stack(
             workdir / f"floor{n}",
             rules,
@@ -95,31 +115,49 @@ def start_arms(workdir: Path) -> dict[str, Stack]:
             redis_url=url,
             env={"FLOOR_REDIS_CALLS": str(n)},
         )
-    arms["gateway"] = system.start_stack(workdir / "gw", rules, redis_url=url)
-    arms["gateway-info-logs-off"] = system.start_stack(
-        workdir / "gw-warn", rules, redis_url=url, env={"AIQ_LOG_LEVEL": "warning"}
-    )
-    counted = {**rules, "requests": {"admit_on_bound": False}}
-    arms["gateway-counted"] = system.start_stack(workdir / "gw-counted", counted, redis_url=url)
-    arms["gateway-allowances"] = system.start_stack(
-        workdir / "gw-allow",
-        rules,
-        redis_url=url,
-        env={"AIQ_ALLOWANCES": "1", "AIQ_ALLOWANCE_MAX_WINDOW_S": "86400"},
-    )
+    if "gateway" in only:
+        arms["gateway"] = system.start_stack(workdir / "gw", rules, redis_url=url)
+    if "gateway-info-logs-off" in only:
+        arms["gateway-info-logs-off"] = system.start_stack(
+            workdir / "gw-warn", rules, redis_url=url, env={"AIQ_LOG_LEVEL": "warning"}
+        )
+    if "gateway-counted" in only:
+        counted = {**rules, "requests": {"admit_on_bound": False}}
+        arms["gateway-counted"] = system.start_stack(workdir / "gw-counted", counted, redis_url=url)
+    if "gateway-allowances" in only:
+        arms["gateway-allowances"] = system.start_stack(
+            workdir / "gw-allow",
+            rules,
+            redis_url=url,
+            env=ALLOWANCES,
+        )
+    if base_tree is not None:
+        base = {"PYTHONPATH": str(base_tree)}
+        if "gateway" in only:
+            arms["gateway@base"] = system.start_stack(
+                workdir / "gw-base", rules, redis_url=url, env=base
+            )
+        if "gateway-allowances" in only:
+            arms["gateway-allowances@base"] = system.start_stack(
+                workdir / "gw-allow-base", rules, redis_url=url, env={**base, **ALLOWANCES}
+            )
     return arms
 
 
-async def measure(rounds: int, requests: int) -> dict[str, Any]:
-    """CPU per request of every arm, per round."""
+async def measure(
+    rounds: int, requests: int, only: tuple[str, ...] = ARMS, base_tree: Path | None = None
+) -> dict[str, Any]:
+    """CPU per request of every arm, per round (the arms in order; odd rounds reversed)."""
     workdir = Path(tempfile.mkdtemp(prefix="aiq-fixed-"))
-    arms = await asyncio.to_thread(start_arms, workdir)
+    arms = await asyncio.to_thread(start_arms, workdir, only, base_tree)
     try:
         for st in arms.values():
             await batch(st.base_url, KEY, SHAPE, count=50, concurrency=4)
         per_round: dict[str, list[float]] = {name: [] for name in arms}
-        for _ in range(rounds):
-            for name, st in arms.items():
+        for r in range(rounds):
+            order = list(arms) if r % 2 == 0 else list(reversed(arms))
+            for name in order:
+                st = arms[name]
                 pids = system.proc_pids(st, "extproc")
                 before = system.cpu_seconds(pids)
                 rs = await batch(st.base_url, KEY, SHAPE, count=requests, concurrency=4)
@@ -129,14 +167,23 @@ async def measure(rounds: int, requests: int) -> dict[str, Any]:
     finally:
         for st in arms.values():
             st.stop()
+    ratios = {
+        name: [round(g / f, 3) for g, f in zip(v, per_round["floor"], strict=True) if f > 0]
+        for name, v in per_round.items()
+        if name != "floor"
+    }
     return {
         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_avg": os.getloadavg(),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "requests_per_round": requests,
         "concurrency": 4,
         "shape": {"prompt_tokens": SHAPE.prompt_tokens, "max_tokens": SHAPE.max_tokens},
         "cpu_us_per_request": {
             name: {"median": statistics.median(v), "rounds": v} for name, v in per_round.items()
+        },
+        "ratio_to_floor_per_round": {
+            name: {"median": statistics.median(v), "rounds": v} for name, v in ratios.items() if v
         },
     }
 
@@ -154,6 +201,17 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--out", type=Path)
+    p.add_argument(
+        "--arm",
+        action="append",
+        choices=ARMS,
+        help="measure only these arms (repeatable; the floor always runs)",
+    )
+    p.add_argument(
+        "--base-tree",
+        type=Path,
+        help="a directory with another revision's extproc package: adds its gateway arms",
+    )
     p.add_argument("--serve-floor-redis", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_floor_redis:
@@ -168,9 +226,12 @@ def main() -> int:
             )
         )
         return 0
-    res = asyncio.run(measure(args.rounds, args.requests))
+    only = ("floor", *(args.arm or ARMS))
+    res = asyncio.run(measure(args.rounds, args.requests, only, args.base_tree))
     for name, v in res["cpu_us_per_request"].items():
         print(f"{name:24s} {v['median']:8.1f} us/request  rounds {v['rounds']}")
+    for name, v in res["ratio_to_floor_per_round"].items():
+        print(f"{name:24s} {v['median']:8.2f} x floor     rounds {v['rounds']}")
     if args.out:
         args.out.write_text(json.dumps(res, indent=2) + "\n")
     return 0

@@ -81,3 +81,35 @@ def test_hiredis_packing_rejects_unencodable_arguments() -> None:
     """An argument neither str, bytes nor number is a clear DataError, as with redis-py."""
     with pytest.raises(redis.exceptions.DataError, match="invalid argument"):
         HiredisPacking.pack_command(Connection(), "SET", "k", None)  # type: ignore[arg-type]
+
+
+async def test_usage_recorder_connections_pack_with_hiredis(redis_server: RedisServer) -> None:
+    """The usage-record writer's connections pack with hiredis too (a batch of records is a
+    thousand arguments), and what they write reads back as the records written."""
+    from extproc.records.model import UsageRecord
+    from extproc.records.writer import UsageRecorder
+
+    rec = UsageRecorder.from_url(redis_server.url, "aiq:usage:wire", linger_s=0)
+    try:
+        rec.record(
+            UsageRecord(
+                request_id="r-1",
+                tenant="t-é",
+                key="k",
+                model="m",
+                api="chat",
+                input_tokens=7,
+                output_tokens=3,
+                ending="completed",
+                admitted_at_ms=1,
+                finished_at_ms=2,
+            )
+        )
+        await rec.flush(5.0)
+        pool = rec.client.connection_pool
+        _assert_hiredis([*pool._available_connections, *pool._in_use_connections])
+        entries = await rec.client.xrange("aiq:usage:wire")
+        back = UsageRecord.from_fields(entries[0][1])
+        assert (back.request_id, back.tenant, back.input_tokens) == ("r-1", "t-é", 7)
+    finally:
+        await rec.client.aclose()

@@ -8,13 +8,16 @@ from hypothesis import strategies as st
 
 from extproc.core.keys import (
     EXPIRY_SLACK_MS,
+    WindowedBucket,
     bucket_key,
     ledger_key,
+    rates_for,
     sanitize_request_id,
     tenant_tag,
+    window_bounds,
     windowed,
 )
-from extproc.core.rules import Limit
+from extproc.core.rules import Limit, Rates
 
 pytestmark = pytest.mark.unit
 
@@ -199,3 +202,63 @@ def test_sanitize_request_id_property(raw: str) -> None:
 def test_ledger_key_format() -> None:
     """The ledger key is ``prefix:{tenant}:req:<sanitized id>``."""
     assert ledger_key("aq", "acme", "req{1}") == "aq:{acme}:req:req_1_"
+
+
+def _uncached(lim: Limit, now_ms: int, prices: Rates | None) -> WindowedBucket:
+    """A fixed window's bucket as made before the cache (issue 27): the window arithmetic and
+    the key of this module's own functions."""
+    name, _, end = window_bounds(lim, now_ms)
+    return WindowedBucket(
+        limit=lim,
+        key=bucket_key("aiq", "t1", "k1", lim, name),
+        window_end_ms=end,
+        expire_at_ms=end + EXPIRY_SLACK_MS,
+        rates=rates_for(lim, prices),
+    )
+
+
+_PERIODS = st.sampled_from(
+    [
+        (60, None, "UTC"),
+        (3600, None, "UTC"),
+        (86400, None, "UTC"),
+        (7 * 86400, None, "UTC"),
+        (90, None, "UTC"),
+        (86400, None, "Europe/Paris"),
+        (7 * 86400, None, "America/New_York"),
+        (0, "month", "UTC"),
+    ]
+)
+
+
+@given(
+    period=_PERIODS,
+    now_ms=st.integers(min_value=0, max_value=4_000_000_000_000),
+    step_ms=st.integers(min_value=0, max_value=40 * 86_400_000),
+    metric=st.sampled_from(["rpm", "tpm", "cost"]),
+)
+def test_fixed_window_buckets_are_the_same_made_or_remembered(
+    period: tuple[int, str | None, str], now_ms: int, step_ms: int, metric: str
+) -> None:
+    """Buckets of fixed windows come from a cache: the first and the repeated answer, and an
+    answer in a later window, equal the bucket made from scratch (calendar windows too)."""
+    window_s, named, tz = period
+    lim = Limit(metric, 100, window_s, "*", "key", period=named, tz=tz, unit="USD")  # type: ignore[arg-type]
+    prices = Rates(input=1, output=4)
+    for t in (now_ms, now_ms, now_ms + step_ms, now_ms):
+        got = windowed("aiq", "t1", "k1", [lim], t, prices=prices)
+        assert got == [_uncached(lim, t, prices)]
+
+
+def test_remembered_buckets_follow_the_objects_they_were_made_for() -> None:
+    """Another limit object, other prices or another key make their own buckets."""
+    now = 1_764_800_000_000
+    lim = Limit("cost", 100, 3600, "*", "key", unit="USD")
+    a, b = Rates(input=1, output=4), Rates(input=2, output=8)
+    assert windowed("aiq", "t", "k", [lim], now, prices=a)[0].rates is a
+    assert windowed("aiq", "t", "k", [lim], now, prices=b)[0].rates is b
+    twin = Limit("cost", 200, 3600, "*", "key", unit="USD")
+    assert windowed("aiq", "t", "k", [twin], now, prices=a)[0].limit is twin
+    assert windowed("aiq", "t", "k2", [lim], now, prices=a)[0].key.endswith(
+        bucket_key("aiq", "t", "k2", lim, now // 3_600_000)
+    )
