@@ -193,7 +193,7 @@ async def test_requests_never_settled_do_not_stop_allowances(
 ) -> None:
     """Modes that settle nothing leave their local requests unsettled: past the bound the
     oldest is forgotten, and admissions stay local."""
-    import extproc.limiter.allowance as allowance
+    import extproc.limiter.allowance.limiter as allowance
 
     monkeypatch.setattr(allowance, "MAX_LEDGERS", 5)
     clock, _store, lim = setup()

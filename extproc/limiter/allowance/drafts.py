@@ -1,0 +1,121 @@
+"""The usage-record drafts of requests admitted from allowances: kept, batched, in the\nreplica's draft ledger for the tenant (``drafts.lua``), one call a tenant every\n``draft_flush_ms``."""
+
+from __future__ import annotations
+
+import asyncio
+
+from extproc.limiter.allowance.state import AllowanceState, Drafts, Local
+
+
+class Drafting(AllowanceState):
+    """The draft ledgers and their flushes."""
+
+    def _draft_ledger(self, tag: str) -> Drafts:
+        d = self._drafts.get(tag)
+        if d is None:
+            d = self._drafts[tag] = Drafts(f"{tag}:req:drafts.{self._instance}")
+        return d
+
+    def _draft_done(self, ledger: str, loc: Local) -> None:
+        """A local request settled (or forgotten): its draft leaves the draft ledger (by the
+        next flush, if it was sent)."""
+        if not loc.draft:
+            return
+        d = self._drafts.get(loc.tag)
+        if d is None:
+            return
+        d.open.pop(ledger, None)
+        if d.sent.pop(ledger, None) is not None:
+            d.drops.append(ledger)
+            d.touch(self.clock.now_ms())
+
+    async def _draft_loop(self) -> None:
+        tick = min(max(self.settings.draft_flush_ms, 1), 100) / 2000
+        while True:
+            await asyncio.sleep(tick)
+            await self.flush_drafts()
+
+    async def flush_drafts(self, *, force: bool = False) -> None:
+        """Send each tenant's drafts and drops once the oldest waited ``draft_flush_ms`` (a
+        request settled sooner costs nothing), with the charged figures (one call a tenant);
+        renew the draft ledgers still holding drafts every third of the lease."""
+        now = self.clock.now_ms()
+        third = self.settings.lease_ms // 3
+        wait = 0 if force else self.settings.draft_flush_ms
+        due = []
+        for d in self._drafts.values():
+            if d.flushing:
+                continue
+            if not (len(d.open) > len(d.sent) or d.drops):
+                d.pending_ms = 0  # what was waiting settled before it was sent
+            if (
+                (d.pending_ms and now - d.pending_ms >= wait)
+                or (d.sent and (force or now - d.renewed_ms >= third))
+                or (d.charged_more and (force or now - d.more_since_ms >= third))
+            ):
+                due.append(d)
+        if due:
+            await asyncio.gather(*(self._flush_drafts(d) for d in due))
+        for tag, d in list(self._drafts.items()):
+            if not (d.open or d.sent or d.drops or d.charged_more or d.flushing):
+                del self._drafts[tag]
+
+    async def _flush_drafts(self, d: Drafts) -> None:
+        keeper = getattr(self.inner, "keep_drafts", None)
+        if keeper is None:
+            return
+        d.flushing = True
+        try:
+            before = set(d.sent)
+            keep = [
+                (led, loc.charged, loc.draft)
+                for led in d.open
+                if led not in d.sent and (loc := self._ledgers.get(led)) is not None
+            ]
+            charged = [
+                (led, loc.charged)
+                for led, c in d.sent.items()
+                if (loc := self._ledgers.get(led)) is not None and loc.charged != c
+            ]
+            drops, d.drops = d.drops, []
+            more, d.charged_more = d.charged_more, {}
+            d.pending_ms = 0
+            now = self.clock.now_ms()
+            s = self.settings
+            try:
+                ok: bool | None = await keeper(
+                    d.ledger,
+                    now + s.lease_ms,
+                    d.ttl_ms + s.lease_ms,
+                    keep=keep,
+                    charged=charged,
+                    drop=drops,
+                    more=list(more.items()),
+                )
+            except Exception:
+                ok = None
+            self.stats.draft_calls += 1
+            if ok is None:  # sent again at the next flush
+                d.drops = drops + d.drops
+                d.touch(now)
+                for led, n in more.items():
+                    d.charged_more[led] = d.charged_more.get(led, 0) + n
+                return
+            d.renewed_ms = now
+            self.stats.drafts_sent += len(keep)
+            for led, c in charged:
+                if led in d.sent:
+                    d.sent[led] = c
+            if not ok and before:
+                # created anew (reclaimed, lost): the drafts sent before go again
+                for led in before:
+                    d.sent.pop(led, None)
+                d.touch(now)
+            for led, c, _ in keep:
+                if led in d.open:
+                    d.sent[led] = c
+                else:
+                    d.drops.append(led)  # settled while this call was on its way
+                    d.touch(now)
+        finally:
+            d.flushing = False

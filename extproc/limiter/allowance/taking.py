@@ -1,0 +1,188 @@
+"""Taking allowances: what this replica sees of each bucket (its rate, its demand, the counter\nRedis answered with) and the takes (``allowance.lua``) of the buckets that run short."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+
+from extproc.core.keys import EXPIRY_SLACK_MS, counter_name
+from extproc.core.rules import Adjustment, BucketCharge
+from extproc.limiter.allowance.returns import Returns
+from extproc.limiter.allowance.state import MAX_LEDGERS, MAX_STATES, Bucket
+from extproc.limiter.base import AllowanceGrant, AllowanceLease, AllowanceTake
+
+
+class Taking(Returns):
+    """Each bucket's observed demand and the takes that follow it."""
+
+    def _state(self, c: BucketCharge, now: int) -> Bucket | None:
+        st = self._states.get(c.key)
+        if st is None:
+            if len(self._states) >= MAX_STATES:
+                return None
+            name = counter_name(c.key)
+            assert name is not None
+            st = self._states[c.key] = Bucket(
+                c.key, name.tag, c.limit, c.expire_at_ms, since_ms=now, touched_ms=now
+            )
+        st.limit = c.limit
+        return st
+
+    def _observe(
+        self, buckets: Sequence[BucketCharge], now: int, *, admission: bool = True
+    ) -> None:
+        """Count a limiter call (an admission or a stream charge) of these buckets on this
+        replica: the rate and the size of its allowances follow."""
+        second = now // 1000
+        for c in buckets:
+            st = self._state(c, now)
+            if st is None:
+                continue
+            if second != st.second:
+                st.hits_prev = st.hits if second == st.second + 1 else 0
+                st.hits, st.second = 0, second
+            st.hits += 1
+            st.drawn += c.amount
+            if admission:
+                st.largest = max(st.largest, c.amount)
+            st.touched_ms = now
+
+    def _saw(self, buckets: Sequence[BucketCharge], values: Sequence[int]) -> None:
+        """Remember the counters' values Redis answered with (headers of local admissions),
+        and give back what is held beyond ``share`` of the room they leave."""
+        back: dict[str, list[Adjustment]] = {}
+        for c, v in zip(buckets, values, strict=False):
+            seen = self._states.get(c.key)
+            if seen is not None:
+                seen.seen = v
+                self._trim(seen, v, back)
+        self._queue_returns(back)
+
+    def _refill(self, buckets: Sequence[BucketCharge], now: int) -> None:
+        """Take (in the background) allowances for the buckets that run short."""
+        s = self.settings
+        takes: list[AllowanceTake] = []
+        busy = False
+        for c in buckets:
+            st = self._states.get(c.key)
+            if st is not None and now < st.quiet_until_ms:
+                return  # near its limit: an allowance of the others would not be drawn from
+            if st is not None and max(st.hits, st.hits_prev) >= s.min_rate:
+                busy = True
+        if not busy:  # one busy bucket is enough: a request draws from all of its buckets
+            return
+        for c in buckets:
+            st = self._states.get(c.key)
+            if st is None:
+                continue
+            if st.units and now < st.deadline_ms < now + s.ttl_ms // 2:
+                # still drawn from: it stays (its size is bounded by the share at its take);
+                # an allowance nobody draws from goes back within ``ttl_ms``
+                st.deadline_ms = now + s.ttl_ms
+            if st.taking:
+                continue
+            want = self._want(st, now)
+            if st.units * 2 >= want or now + EXPIRY_SLACK_MS >= st.expire_at_ms:
+                continue
+            cap = (st.limit - st.seen) * s.share_ppm // 1_000_000 - st.units
+            if st.seen and cap < max(st.largest, 1):
+                if st.units < c.amount:
+                    return  # near its limit: the request's other allowances would not be drawn
+                continue  # it holds its share of the room left already: a take grants nothing
+            takes.append(
+                AllowanceTake(
+                    st.key,
+                    want - st.units,
+                    st.limit,
+                    st.expire_at_ms,
+                    s.share_ppm,
+                    st.largest,
+                    st.units,
+                    st.units - st.closed,
+                )
+            )
+        if not takes or self._closed:
+            return
+        for t in takes:
+            self._states[t.key].taking = True
+        task = asyncio.get_running_loop().create_task(self._take(takes))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _want(self, st: Bucket, now: int) -> int:
+        """What to hold: the units drawn here over one allowance's time, at least four of the
+        largest recent admissions."""
+        elapsed = max(now - st.since_ms, 100)
+        per_ms = st.drawn / elapsed
+        return max(math.ceil(per_ms * self.settings.ttl_ms * 1.25), 4 * st.largest, 1)
+
+    async def _take(self, takes: list[AllowanceTake]) -> None:
+        s = self.settings
+        tag = self._states[takes[0].key].tag
+        lease = self._lease(tag)
+        now = self.clock.now_ms()
+        terms = AllowanceLease(
+            lease.ledger,
+            now,
+            now + s.lease_ms,
+            max(s.tranches, 1),
+            s.max_window_s * 1000 + s.lease_ms + EXPIRY_SLACK_MS,
+        )
+        try:
+            results: list[AllowanceGrant | None] = await self.inner.take_allowances(takes, terms)
+        except Exception:  # a wrapped limiter that raises: no allowance, admission as before
+            results = [None] * len(takes)
+        now = self.clock.now_ms()
+        near: dict[str, list[Adjustment]] = {}
+        answered = [r for r in results if r is not None]
+        if answered:
+            lease.renewed_ms = now
+            if answered[0].reclaimed:
+                self._count("reclaimed", answered[0].reclaimed)
+            if answered[0].drafts and len(self._reclaimed) < MAX_LEDGERS:
+                self._reclaimed.extend(answered[0].drafts)
+            if answered[0].gen != lease.gen:
+                # a new ledger: what the old one recorded was reclaimed (or lost): those
+                # never-opened units are no longer this replica's to draw nor to give back
+                self._drop_closed(tag)
+                lease.gen = answered[0].gen
+        for t, r in zip(takes, results, strict=True):
+            self.stats.takes += 1
+            st = self._states.get(t.key)
+            if r is None:
+                self._count_take("failed")
+                if st is not None:
+                    st.taking = False
+                continue
+            grant, value = r.granted, r.value
+            if st is None:  # forgotten meanwhile (cannot happen while taking): give it back
+                name = counter_name(t.key)
+                if grant and name is not None:
+                    near.setdefault(name.tag, []).append(Adjustment(t.key, -grant, t.expire_at_ms))
+                continue
+            st.taking = False
+            st.seen = value
+            st.drawn, st.since_ms, st.largest = 0, now, st.largest // 2 or st.largest
+            if grant > 0:
+                self._count_take("granted")
+                self._count("taken", grant)
+                st.units += grant
+                st.tranche = max(-(-(t.held + grant) // max(s.tranches, 1)), t.least)
+                # what brings the open part up to one tranche is open at once (allowance.lua)
+                st.closed += grant - max(0, min(grant, st.tranche - t.opened))
+                st.deadline_ms = now + self.settings.ttl_ms
+            elif (t.limit - value) * t.share_ppm // 1_000_000 >= max(t.least, 1):
+                self._count_take("none")  # it holds its share already: not near the limit
+                self._trim(st, value, near)  # ... or more, the room having shrunk
+            else:
+                # near the limit: nothing taken, none asked for a while, and what is still
+                # held goes back now
+                self._count_take("none")
+                st.quiet_until_ms = now + self.settings.ttl_ms
+                if st.units > 0:
+                    self._release(st, st.units, near)
+        for rtag, adj in near.items():
+            self._returns.append(self._return_call(rtag, adj))
+        if near:
+            await self._flush_returns()

@@ -1,0 +1,136 @@
+"""Tranches: a grant is drawn from only as far as it is opened; the rest is recorded in the\nreplica's allowance ledger for the tenant (leased, renewed while the replica lives) and opened\nwith ``tranche.lua``, a tranche at a time, or to be given back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+
+from extproc.core.rules import Adjustment, BucketCharge
+from extproc.limiter.allowance.state import AllowanceState, Bucket, Lease
+
+
+class Tranches(AllowanceState):
+    """Opening tranches and keeping the allowance ledgers' leases."""
+
+    def _lease(self, tag: str) -> Lease:
+        lease = self._leases.get(tag)
+        if lease is None:
+            lease = self._leases[tag] = Lease(
+                f"{tag}:req:allow.{self._instance}.{next(self._serial)}"
+            )
+        return lease
+
+    def _drop_closed(self, tag: str) -> None:
+        """The tenant's allowance ledger was reclaimed: forget its never-opened units."""
+        for st in self._states.values():
+            if st.tag == tag and (st.closed or st.releasing):
+                st.units -= st.closed
+                st.closed = 0
+                st.releasing = 0
+
+    def _needs_open(self, st: Bucket) -> bool:
+        return st.closed > 0 and st.units - st.closed < max(st.tranche // 2, st.largest, 1)
+
+    def _open_short(self, buckets: Sequence[BucketCharge]) -> None:
+        """An allowance that holds the amount but has not opened enough of it: open the next
+        tranche now (this call goes to Redis; the next ones draw from it)."""
+        for c in buckets:
+            st = self._states.get(c.key)
+            if st is not None and st.closed and st.units - st.closed < c.amount <= st.units:
+                self._schedule_open(st.tag)
+
+    def _open_ahead(self, plan: Sequence[Bucket]) -> None:
+        """Open the next tranche, in the background, of each allowance half drawn."""
+        for st in plan:
+            if self._needs_open(st):
+                self._schedule_open(st.tag)
+
+    def _schedule_open(self, tag: str) -> None:
+        lease = self._lease(tag)
+        if lease.opening or self._closed or not lease.gen:
+            return
+        lease.opening = True
+        task = lease.task = asyncio.get_running_loop().create_task(self._open(tag, lease))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _open(self, tag: str, lease: Lease) -> None:
+        """tranche.lua for the tenant: open a tranche of each allowance that needs one and
+        the never-opened units being given back (then refunded as opened ones)."""
+        try:
+            for _ in range(4):  # what became due meanwhile, a few times at most
+                plan: list[tuple[Bucket, int, int]] = []
+                for st in self._states.values():
+                    if st.tag != tag:
+                        continue
+                    ahead = min(st.closed, st.tranche) if self._needs_open(st) else 0
+                    if ahead or st.releasing:
+                        plan.append((st, st.releasing, ahead))
+                if not plan or not lease.gen:
+                    return
+                gen = lease.gen
+                opener = getattr(self.inner, "open_tranches", None)
+                if opener is None:
+                    return
+                items = [(st.key, rel + ahead) for st, rel, ahead in plan]
+                try:
+                    ok: bool | None = await opener(lease.ledger, gen, items)
+                except Exception:
+                    ok = None
+                self.stats.opens += 1
+                if ok is None:
+                    return  # the sweeper tries again
+                if lease.gen != gen:
+                    return  # a newer ledger meanwhile: this one's units were dropped already
+                if not ok:  # reclaimed (a lease renewal lost): its record went back already
+                    self._drop_closed(tag)
+                    lease.gen = ""
+                    return
+                back: dict[str, list[Adjustment]] = {}
+                for st, rel, ahead in plan:
+                    st.releasing -= rel
+                    opened = min(ahead, st.closed)
+                    st.closed -= opened
+                    # what a give-back moved out of ``closed`` meanwhile: opened, so refunded
+                    refund = rel + ahead - opened
+                    st.releasing -= ahead - opened
+                    if refund > 0:
+                        back.setdefault(tag, []).append(
+                            Adjustment(st.key, -refund, st.expire_at_ms)
+                        )
+                if back:
+                    self._queue_returns(back)
+        finally:
+            lease.opening = False
+
+    async def _renew_leases(self, force: bool = False) -> None:
+        """Renew the allowance ledgers that still record never-opened units (every third
+        of the lease), as the gateway renews its reservations."""
+        now = self.clock.now_ms()
+        s = self.settings
+        held = {st.tag for st in self._states.values() if st.closed or st.releasing}
+        due = [
+            lease.ledger
+            for tag, lease in self._leases.items()
+            if tag in held and lease.gen and (force or now - lease.renewed_ms >= s.lease_ms // 3)
+        ]
+        if not due:
+            return
+        with contextlib.suppress(Exception):
+            await self.inner.renew(due, now + s.lease_ms)
+            for lease in self._leases.values():
+                if lease.ledger in due:
+                    lease.renewed_ms = now
+
+    async def _release_now(self) -> None:
+        """Open (then refund) the never-opened units being given back, now."""
+        for tag, lease in list(self._leases.items()):
+            if lease.task is not None and not lease.task.done():
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(lease.task)
+            if not lease.opening and any(
+                st.tag == tag and st.releasing for st in self._states.values()
+            ):
+                lease.opening = True
+                await self._open(tag, lease)
