@@ -28,6 +28,7 @@ from extproc.clock import Clock, SystemClock
 from extproc.core.keys import EXPIRY_SLACK_MS, open_key
 from extproc.core.rules import RATE_SCALE, Adjustment, BucketCharge, UnconfirmedCharge, ceil_div
 from extproc.errors import LimiterUnavailable
+from extproc.limiter.allowance import sizing
 from extproc.limiter.base import (
     RLS_ENFORCED,
     RLS_QUOTA,
@@ -459,15 +460,12 @@ class MemoryLimiter:
         out: list[AllowanceGrant | None] = []
         for t in items:
             value = self._counter_value(t.key, now)
-            room = t.limit - value
-            grant = min(t.want, room * t.share_ppm // 1_000_000 - t.held) if room > 0 else 0
-            if grant < max(1, t.least):
-                grant = 0
+            grant = sizing.grant(t.want, t.limit, value, t.share_ppm, held=t.held, least=t.least)
             if grant > 0:
                 value = self._incr(t.key, grant, now)
                 self._expire_at(t.key, t.expire_at_ms, now)
-                tranche = max(-(-(t.held + grant) // tranches), t.least)
-                closed = grant - max(0, min(grant, tranche - t.opened))
+                tranche = sizing.tranche_size(t.held, grant, tranches, t.least)
+                closed = sizing.closed_of_grant(grant, tranche, t.opened)
                 if led is not None and closed > 0:
                     led.refundable[t.key] = led.refundable.get(t.key, 0) + closed
             out.append(AllowanceGrant(grant, value, gen, alw[0] if not out else 0))

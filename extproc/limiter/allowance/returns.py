@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from extproc.core.keys import EXPIRY_SLACK_MS
 from extproc.core.rules import Adjustment, BucketCharge
+from extproc.limiter.allowance.sizing import share_of_room
 from extproc.limiter.allowance.state import IDLE_MS, Bucket, Lease
 from extproc.limiter.allowance.tranches import Tranches
 from extproc.limiter.base import SettleCall
@@ -47,7 +48,7 @@ class Returns(Tranches):
     def _trim(self, st: Bucket, value: int, back: dict[str, list[Adjustment]]) -> None:
         """The room left shrank (other replicas used it): what this replica holds beyond
         ``share`` of it goes back, so that it does not keep the others from the rest."""
-        cap = max(0, (st.limit - value) * self.settings.share_ppm // 1_000_000)
+        cap = max(0, share_of_room(st.limit, value, self.settings.share_ppm))
         excess = st.units - cap
         if excess > 0 and excess >= max(st.largest, 1):
             self._release(st, excess, back)

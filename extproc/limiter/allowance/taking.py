@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Sequence
 
 from extproc.core.keys import EXPIRY_SLACK_MS, counter_name
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.limiter.allowance.returns import Returns
+from extproc.limiter.allowance.sizing import closed_of_grant, share_of_room, tranche_size, wanted
 from extproc.limiter.allowance.state import MAX_LEDGERS, MAX_STATES, Bucket
 from extproc.limiter.base import AllowanceGrant, AllowanceLease, AllowanceTake
 
@@ -85,7 +85,7 @@ class Taking(Returns):
             want = self._want(st, now)
             if st.units * 2 >= want or now + EXPIRY_SLACK_MS >= st.expire_at_ms:
                 continue
-            cap = (st.limit - st.seen) * s.share_ppm // 1_000_000 - st.units
+            cap = share_of_room(st.limit, st.seen, s.share_ppm) - st.units
             if st.seen and cap < max(st.largest, 1):
                 if st.units < c.amount:
                     return  # near its limit: the request's other allowances would not be drawn
@@ -113,9 +113,7 @@ class Taking(Returns):
     def _want(self, st: Bucket, now: int) -> int:
         """What to hold: the units drawn here over one allowance's time, at least four of the
         largest recent admissions."""
-        elapsed = max(now - st.since_ms, 100)
-        per_ms = st.drawn / elapsed
-        return max(math.ceil(per_ms * self.settings.ttl_ms * 1.25), 4 * st.largest, 1)
+        return wanted(st.drawn, now - st.since_ms, self.settings.ttl_ms, st.largest)
 
     async def _take(self, takes: list[AllowanceTake]) -> None:
         s = self.settings
@@ -168,11 +166,11 @@ class Taking(Returns):
                 self._count_take("granted")
                 self._count("taken", grant)
                 st.units += grant
-                st.tranche = max(-(-(t.held + grant) // max(s.tranches, 1)), t.least)
+                st.tranche = tranche_size(t.held, grant, s.tranches, t.least)
                 # what brings the open part up to one tranche is open at once (allowance.lua)
-                st.closed += grant - max(0, min(grant, st.tranche - t.opened))
+                st.closed += closed_of_grant(grant, st.tranche, t.opened)
                 st.deadline_ms = now + self.settings.ttl_ms
-            elif (t.limit - value) * t.share_ppm // 1_000_000 >= max(t.least, 1):
+            elif share_of_room(t.limit, value, t.share_ppm) >= max(t.least, 1):
                 self._count_take("none")  # it holds its share already: not near the limit
                 self._trim(st, value, near)  # ... or more, the room having shrunk
             else:
