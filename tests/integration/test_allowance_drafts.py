@@ -1,4 +1,4 @@
-"""Usage-record drafts of requests admitted from allowances (extproc/limiter/allowance.py,
+"""Usage-record drafts of requests admitted from allowances (extproc/limiter/allowance/drafts.py,
 drafts.lua), on a real redis-server and on a three-node Redis Cluster.
 
 A replica that dies with such requests open: their drafts, sent batched to its draft ledger,

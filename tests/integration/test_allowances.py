@@ -1,4 +1,4 @@
-"""Local allowances (extproc/limiter/allowance.py): two replicas sharing one tenant's counters,
+"""Local allowances (extproc/limiter/allowance/): two replicas sharing one tenant's counters,
 on a real redis-server and on the in-memory limiter.
 
 Far from the limit an admission costs no Redis call (round trips counted); at the limit strict

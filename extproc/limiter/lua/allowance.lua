@@ -1,5 +1,5 @@
 -- Take allowances: units of a tenant's counters pre-debited for one replica, which then admits
--- and charges from them in process (extproc/limiter/allowance.py).  One call takes for one
+-- and charges from them in process (extproc/limiter/allowance/).  One call takes for one
 -- tenant's counters (every key shares its hash tag: one Cluster slot).  What a replica gives
 -- back goes through settle.lua (a refund) or tranche.lua, not here.
 --

@@ -1,5 +1,5 @@
 -- Keep the usage-record drafts of requests a replica admitted from its allowances
--- (allowance.py), batched: one call a flush interval for all of one tenant's, so that a
+-- (allowance/drafts.py), batched: one call a flush interval for all of one tenant's, so that a
 -- SIGKILLed replica's open requests still get their records (the reclaim of its draft ledger
 -- hands them back: drafts_lib.lua).  A request that settles before its draft was sent never
 -- costs a call; one that settles after has its draft dropped by a later call.

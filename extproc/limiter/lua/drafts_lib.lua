@@ -1,4 +1,4 @@
--- Usage-record drafts of requests a replica admitted from its allowances (allowance.py), kept
+-- Usage-record drafts of requests a replica admitted from allowances (allowance/drafts.py), kept
 -- in the replica's draft ledger for the tenant (drafts.lua): a hash with state "admitted",
 -- "drf" 1, and per open request "d:<its ledger>" (the draft) and "k:<its ledger>" (the tokens
 -- it had charged when last sent), leased in the tenant's open reservations.  The limiter puts

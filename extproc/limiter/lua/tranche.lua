@@ -1,4 +1,4 @@
--- Open allowance tranches (extproc/limiter/allowance.py): the units a replica took
+-- Open allowance tranches (extproc/limiter/allowance/tranches.py): the units a replica took
 -- (allowance.lua) and has not opened are recorded in its allowance ledger ("r:<counter>"),
 -- which a reclaim gives back if the replica dies.  Opening takes units off that record; the
 -- replica draws from them only once this call said so.  A record therefore never holds more
