@@ -50,6 +50,14 @@ renewed by those calls).  A request settled before its draft was sent never cost
 the replica dies, the reclaim of its draft ledger (``admit.lua``, or ``allowance.lua`` on
 another replica's take, whose caller's next admission carries them) hands each draft back
 once, and the gateway writes the request's record as for a reclaimed ledger of its own.
+
+The code, one module a job: :mod:`.limiter` (:class:`AllowanceLimiter`: the limiter calls,
+served from allowances all or nothing, else by the wrapped limiter), :mod:`.state` (settings,
+bounds, the records and the state the parts share), :mod:`.sizing` (the arithmetic: what a
+bucket wants, its share of the room, grants and tranche sizes), :mod:`.taking` (demand seen and
+takes), :mod:`.tranches` (opening tranches, the allowance ledgers' leases), :mod:`.returns`
+(give-backs and the sweeper), :mod:`.drafts` (the draft ledgers and their flushes) and
+:mod:`.stats` (counts and metrics).  The parts are mixins over :class:`.state.AllowanceState`.
 """
 
 from extproc.limiter.allowance.limiter import AllowanceLimiter

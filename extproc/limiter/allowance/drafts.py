@@ -1,4 +1,6 @@
-"""The usage-record drafts of requests admitted from allowances: kept, batched, in the\nreplica's draft ledger for the tenant (``drafts.lua``), one call a tenant every\n``draft_flush_ms``."""
+"""The usage-record drafts of requests admitted from allowances: kept, batched, in the
+replica's draft ledger for the tenant (``drafts.lua``), one call a tenant every
+``draft_flush_ms``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-""":class:`AllowanceLimiter`: the limiter protocol around another limiter, admitting, charging\nand settling from the allowances when they hold enough (all or nothing), else with the wrapped\nlimiter."""
+""":class:`AllowanceLimiter`: the limiter protocol around another limiter, admitting, charging
+and settling from the allowances when they hold enough (all or nothing), else with the wrapped
+limiter."""
 
 from __future__ import annotations
 

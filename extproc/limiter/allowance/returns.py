@@ -1,4 +1,5 @@
-"""Giving back: what allowances hold beyond their time, their share of a shrunk room, or an\nadmission's need goes back to Redis (refunds through ``settle.lua``, retried by the sweeper)."""
+"""Giving back: what allowances hold beyond their time, their share of a shrunk room, or an
+admission's need goes back to Redis (refunds through ``settle.lua``, retried by the sweeper)."""
 
 from __future__ import annotations
 

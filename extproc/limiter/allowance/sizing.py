@@ -2,8 +2,8 @@
 left it may hold, what a take grants and how a grant splits into tranches.
 
 ``allowance.lua`` grants by the same rules in Redis; the in-memory limiter grants with
-:func:`grant`, :func:`tranche_size` and :func:`closed_of_grant` (the contract suite holds the
-two to the same answers)."""
+:func:`grant`, :func:`tranche_size` and :func:`closed_of_grant`
+(tests/integration/test_allowances.py runs the same tests on both)."""
 
 from __future__ import annotations
 

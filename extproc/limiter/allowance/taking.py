@@ -1,4 +1,5 @@
-"""Taking allowances: what this replica sees of each bucket (its rate, its demand, the counter\nRedis answered with) and the takes (``allowance.lua``) of the buckets that run short."""
+"""Taking allowances: what this replica sees of each bucket (its rate, its demand, the counter
+Redis answered with) and the takes (``allowance.lua``) of the buckets that run short."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Tranches: a grant is drawn from only as far as it is opened; the rest is recorded in the\nreplica's allowance ledger for the tenant (leased, renewed while the replica lives) and opened\nwith ``tranche.lua``, a tranche at a time, or to be given back."""
+"""Tranches: a grant is drawn from only as far as it is opened; the rest is recorded in the
+replica's allowance ledger for the tenant (leased, renewed while the replica lives) and opened
+with ``tranche.lua``, a tranche at a time, or to be given back."""
 
 from __future__ import annotations
 
