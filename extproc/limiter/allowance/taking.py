@@ -83,7 +83,7 @@ class Taking(Returns):
                 st.deadline_ms = now + s.ttl_ms
             if st.taking:
                 continue
-            want = self._want(st, now)
+            want = wanted(st.drawn, now - st.since_ms, s.ttl_ms, st.largest)
             if st.units * 2 >= want or now + EXPIRY_SLACK_MS >= st.expire_at_ms:
                 continue
             cap = share_of_room(st.limit, st.seen, s.share_ppm) - st.units
@@ -110,11 +110,6 @@ class Taking(Returns):
         task = asyncio.get_running_loop().create_task(self._take(takes))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _want(self, st: Bucket, now: int) -> int:
-        """What to hold: the units drawn here over one allowance's time, at least four of the
-        largest recent admissions."""
-        return wanted(st.drawn, now - st.since_ms, self.settings.ttl_ms, st.largest)
 
     async def _take(self, takes: list[AllowanceTake]) -> None:
         s = self.settings
