@@ -51,8 +51,9 @@ the replica dies, the reclaim of its draft ledger (``admit.lua``, or ``allowance
 another replica's take, whose caller's next admission carries them) hands each draft back
 once, and the gateway writes the request's record as for a reclaimed ledger of its own.
 
-The code, one module a job: :mod:`.limiter` (:class:`AllowanceLimiter`: the limiter calls,
-served from allowances all or nothing, else by the wrapped limiter), :mod:`.state` (settings,
+The code, one module a job: :mod:`.limiter` (:class:`AllowanceLimiter`: admissions and
+stream charges, served from allowances all or nothing, else by the wrapped limiter),
+:mod:`.settling` (settlements into the allowances, the rest to Redis), :mod:`.state` (settings,
 bounds, the records and the state the parts share), :mod:`.sizing` (the arithmetic: what a
 bucket wants, its share of the room, grants and tranche sizes), :mod:`.taking` (demand seen and
 takes), :mod:`.tranches` (opening tranches, the allowance ledgers' leases), :mod:`.returns`

@@ -54,16 +54,6 @@ class Returns(Tranches):
         if excess > 0 and excess >= max(st.largest, 1):
             self._release(st, excess, back)
 
-    def _put_back(
-        self, key: str, units: int, now: int, to_redis: list[Adjustment], expire_at: int = 0
-    ) -> None:
-        """A refund into the key's allowance (its window still running), else to Redis."""
-        st = self._states.get(key)
-        if st is not None and now + EXPIRY_SLACK_MS < st.expire_at_ms:
-            st.units += units  # past its time, the sweeper gives it back on its next turn
-        else:
-            to_redis.append(Adjustment(key, -units, expire_at or (st.expire_at_ms if st else 0)))
-
     def _give_back_short(self, buckets: Sequence[BucketCharge], now: int) -> SettleCall | None:
         """The rest of each allowance too short for this admission, as a refund riding on it."""
         short = [
