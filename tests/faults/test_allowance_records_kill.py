@@ -129,6 +129,8 @@ async def test_sigkilled_processor_leaves_one_record_per_allowance_admitted_requ
     local = [d for ds in _draft_ledgers(rds).values() for d in ds]
     remote = _open_ledgers(rds)
     assert len(local) >= OPEN // 2, "most open requests were admitted from the allowance"
+    # the settled requests' records are written by the recorder's batches: wait for them
+    await _until("the settled requests' records written", lambda: len(_records(rds)) >= WARM + DONE)
     settled_before = _records(rds)
     assert len(settled_before) == WARM + DONE
     assert {r.ending for r in settled_before} == {"completed"}
@@ -142,7 +144,6 @@ async def test_sigkilled_processor_leaves_one_record_per_allowance_admitted_requ
     assert len(_records(rds)) == WARM + DONE  # nobody wrote theirs yet
 
     # after the lease, the tenant's next admissions reclaim the dead processor's ledgers
-    # (up to 8 a call) and write their records
     # (up to 8 a call) and write their records; the first answers after the restart may be
     # Envoy's 503 while it reconnects
     await asyncio.sleep(max(0.0, LEASE_S - (time.monotonic() - killed)))
