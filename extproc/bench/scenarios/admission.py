@@ -28,25 +28,37 @@ FIXED_CPU_RATIO = 1.8
 SETTLE_S = 0.15
 
 
-async def admission(b: Bench, main: Stack, baseline_url: str) -> None:
-    """Non-streaming, 1k-token prompt, filtered listener vs the same Envoy's baseline listener."""
+async def admission(b: Bench, main: Stack, baseline_url: str, floor: Stack | None = None) -> None:
+    """Non-streaming, 1k-token prompt, filtered listener vs the same Envoy's baseline listener;
+    with ``floor``, the do-nothing processor's listener too (what the ext_proc messages alone
+    add: the part of the gateway's added latency no processor work can take away)."""
     raw: dict[str, Any] = b.raw.setdefault("admission", {})
     for c, n in ((1, b.plan.admit_c1), (16, b.plan.admit_c16)):
         b.log(f"admission: concurrency {c}, {n} requests per arm x {b.plan.rounds} rounds")
-        res = await interleave(
-            b.plan.rounds,
-            {
-                "baseline": partial(batch, baseline_url, KEY, SHAPE, count=n, concurrency=c),
-                "gateway": partial(batch, main.base_url, KEY, SHAPE, count=n, concurrency=c),
-            },
-        )
+        arms = {
+            "baseline": partial(batch, baseline_url, KEY, SHAPE, count=n, concurrency=c),
+            "gateway": partial(batch, main.base_url, KEY, SHAPE, count=n, concurrency=c),
+        }
+        if floor is not None:
+            arms["floor"] = partial(batch, floor.base_url, KEY, SHAPE, count=n, concurrency=c)
+        res = await interleave(b.plan.rounds, arms)
         summary: dict[str, Any] = {}
         for q in (50, 99):
-            base = med_rounds([pct_ms(r, q) for r in res["baseline"]])
-            gw = med_rounds([pct_ms(r, q) for r in res["gateway"]])
-            summary[f"p{q}"] = {"baseline": base, "gateway": gw}
+            figs = {arm: med_rounds([pct_ms(r, q) for r in res[arm]]) for arm in arms}
+            base, gw = figs["baseline"], figs["gateway"]
+            summary[f"p{q}"] = figs
             goal = Target("delta", "<=", ADDED_P50_C1_MS, "ms") if (q, c) == (50, 1) else None
             b.table.add(Row("1 admission", f"latency p{q}, c={c}", "ms", gw, base, goal=goal))
+            if "floor" in figs:
+                b.table.add(
+                    Row(
+                        "1 admission",
+                        f"latency p{q}, c={c}, floor processor (base = no filter)",
+                        "ms",
+                        figs["floor"],
+                        base,
+                    )
+                )
         summary["errors"] = {arm: sum(len(r) - ok_count(r) for r in rs) for arm, rs in res.items()}
         raw[f"c{c}"] = summary
 
@@ -138,8 +150,9 @@ def cpu_rows(summary: dict[str, Any]) -> list[Row]:
 
 async def measure(b: Bench, stacks: Stacks) -> None:
     """Run on the shared main stack, and the floor stack for the CPU comparison."""
-    await admission(b, stacks.shared, stacks.baseline_url)
-    await cpu_per_request(b, stacks.shared, await stacks.shared_floor())
+    floor = await stacks.shared_floor()
+    await admission(b, stacks.shared, stacks.baseline_url, floor)
+    await cpu_per_request(b, stacks.shared, floor)
 
 
 SCENARIO = Scenario("admission", measure, on_main=True)
