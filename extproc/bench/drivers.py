@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
 import aiohttp
@@ -73,7 +73,7 @@ async def timed(
 
 
 async def interleave(
-    rounds: int, arms: dict[str, Callable[[], Awaitable[T]]]
+    rounds: int, arms: Mapping[str, Callable[[], Awaitable[T]]]
 ) -> dict[str, list[T]]:
     """Run every arm once per round, in the same order (A B A B ...)."""
     out: dict[str, list[T]] = {name: [] for name in arms}

@@ -189,26 +189,41 @@ def admission_amount(b: WindowedBucket, cost: Cost) -> int:
 
 def admission_charges(buckets: list[WindowedBucket], cost: Cost) -> list[BucketCharge]:
     """What admission adds to each bucket, and what of it a dead processor's reclaim refunds
-    (the reserved output, unless the admission charge is final: ``reserve_max``)."""
-    return [
-        BucketCharge(
-            key=b.key,
-            kind=b.kind,
-            amount=admission_amount(b, cost),
-            limit=b.limit.limit,
-            expire_at_ms=b.expire_at_ms,
-            rate=b.rates.output,
-            refundable=(
-                b.rates.output_units(cost.reserved_output)
-                if b.kind == "tpm" and cost.settle_to_actual
-                else 0
-            ),
-            shadow=b.limit.shadow,
-            prev_key=b.prev_key,
-            prev_weight=b.prev_weight,
+    (the reserved output, unless the admission charge is final: ``reserve_max``).
+
+    :func:`admission_amount` of each bucket, with the usage made once for all of them."""
+    usage: Usage | None = None
+    out: list[BucketCharge] = []
+    for b in buckets:
+        kind = b.kind
+        rates = b.rates
+        refundable = 0
+        if kind == "rpm":
+            amount = cost.requests
+        elif kind == "concurrency":
+            amount = 1
+        else:
+            if usage is None:
+                usage = admission_usage(cost)
+            amount = rates.units(usage)
+            if kind == "tpm" and cost.settle_to_actual:
+                refundable = rates.output_units(cost.reserved_output)
+        lim = b.limit
+        out.append(
+            BucketCharge(
+                b.key,
+                kind,
+                amount,
+                lim.limit,
+                b.expire_at_ms,
+                rates.output,
+                refundable,
+                lim.shadow,
+                b.prev_key,
+                b.prev_weight,
+            )
         )
-        for b in buckets
-    ]
+    return out
 
 
 def token_charges(buckets: list[WindowedBucket], amount: int) -> list[BucketCharge]:

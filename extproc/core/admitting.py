@@ -403,8 +403,10 @@ class Admission:
         charging = self.rules.charging_for(tenant.plan, model.name)
         bound = self._on_bound(model, charging)
         if bound is not None:
-            plan, now, buckets = bound
-            out = yield from self._call(model, plan, charging, on_bound=True, at=(now, buckets))
+            plan, now, buckets, charges = bound
+            out = yield from self._call(
+                model, plan, charging, on_bound=True, at=(now, buckets, charges)
+            )
             if out.refused is None:
                 self._out.append(_ON_BOUND)
                 return out
@@ -437,13 +439,13 @@ class Admission:
 
     def _on_bound(
         self, model: AdmitModel, charging: Charging
-    ) -> tuple[AdmissionPlan, int, list[WindowedBucket]] | None:
+    ) -> tuple[AdmissionPlan, int, list[WindowedBucket], list[BucketCharge]] | None:
         """The plan on an upper bound of the input, when admission may decide on it: the
         model's tokenizer has a proven bound, the bound is within the model's input limit, the
         request settles to its actual figures (a final-at-admission charge would keep the
         bound), and every per-token counter was last seen with ``bound_headroom`` times the
         charge free (and, for a metered stream, its whole output besides); with the time and
-        buckets it was judged at."""
+        buckets it was judged at and their charges (the call's own: made once)."""
         s, rules = self.s, self.rules
         api, req = s.api, s.req
         assert api is not None and req is not None
@@ -464,7 +466,7 @@ class Admission:
         charges = admission.admission_charges(buckets, cost)
         if not self._room.ample(charges, rules.bound_headroom, later, share=rules.bound_below):
             return None
-        return plan, now, buckets
+        return plan, now, buckets, charges
 
     def _call(
         self,
@@ -473,18 +475,21 @@ class Admission:
         charging: Charging,
         *,
         on_bound: bool = False,
-        at: tuple[int, list[WindowedBucket]] | None = None,
+        at: tuple[int, list[WindowedBucket], list[BucketCharge]] | None = None,
     ) -> _Flow[_Attempt]:
         """The one admission call of ``plan`` (``at``: the time and buckets it was planned
-        at, else now's)."""
+        at and their charges, else now's)."""
         s, rules = self.s, self.rules
         api, tenant, key = s.api, s.tenant, s.key
         assert api is not None and tenant is not None and key is not None
         cost = plan.cost
+        charges: list[BucketCharge] | None = None
         if at is None:
             now = self._now_ms()
-            at = now, s.buckets_at(self._prefix, now, rules.reservation_lease_ms, model)
-        now, buckets = at[0], tuple(at[1])
+            listed = s.buckets_at(self._prefix, now, rules.reservation_lease_ms, model)
+        else:
+            now, listed, charges = at
+        buckets = tuple(listed)
         lease = policies.lease_ms(
             settle_to_actual=cost.settle_to_actual,
             holds_slots=any(b.kind == "concurrency" for b in buckets),
@@ -504,8 +509,9 @@ class Admission:
                 admitted_at_ms=now,
             )
         call = self._ask(
-            list(buckets),
+            listed,
             cost,
+            charges=charges,
             now_ms=now,
             lease_until_ms=now + lease if lease else 0,
             draft=draft,
@@ -569,11 +575,13 @@ class Admission:
         now_ms: int = 0,
         lease_until_ms: int = 0,
         draft: DraftRecord | None = None,
+        charges: list[BucketCharge] | None = None,
     ) -> CallAdmit:
-        """The admission call of ``cost`` on ``buckets`` (its answer goes to :meth:`_answer`)."""
+        """The admission call of ``cost`` on ``buckets`` (its answer goes to :meth:`_answer`;
+        ``charges``: their admission charges of ``cost`` when already made)."""
         return CallAdmit(
             tuple(buckets),
-            admission.admission_charges(buckets, cost),
+            admission.admission_charges(buckets, cost) if charges is None else charges,
             cost.tpm_amount,
             count_refused,
             self.rules.ledger_ttl_seconds * 1000,
