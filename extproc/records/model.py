@@ -12,7 +12,7 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -161,19 +161,7 @@ class RecordDraft:
 
     def to_json(self) -> str:
         """The draft as stored in the ledger (compact JSON)."""
-        return orjson.dumps(
-            [
-                1,
-                self.request_id,
-                self.tenant,
-                self.key,
-                self.model,
-                self.api,
-                self.input_tokens,
-                self.reserved_output,
-                self.admitted_at_ms,
-            ]
-        ).decode()
+        return draft_json(self)
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> RecordDraft:
@@ -219,3 +207,43 @@ class RecordDraft:
             currency=currency if cost is not None else "",
             record_id=record_id_for(ledger),
         )
+
+
+class DraftFields(Protocol):
+    """What a draft is written from: a :class:`RecordDraft`, or admission's own draft
+    (:class:`extproc.core.actions.DraftRecord`, the same fields)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def api(self) -> str: ...
+    @property
+    def input_tokens(self) -> int: ...
+    @property
+    def reserved_output(self) -> int: ...
+    @property
+    def admitted_at_ms(self) -> int: ...
+
+
+def draft_json(d: DraftFields) -> str:
+    """A draft as stored in the ledger (compact JSON; :meth:`RecordDraft.from_json` reads it):
+    written straight from admission's draft on the hot path, no :class:`RecordDraft` made."""
+    return orjson.dumps(
+        [
+            1,
+            d.request_id,
+            d.tenant,
+            d.key,
+            d.model,
+            d.api,
+            d.input_tokens,
+            d.reserved_output,
+            d.admitted_at_ms,
+        ]
+    ).decode()

@@ -53,7 +53,7 @@ from extproc.errors import LimiterUnavailable
 from extproc.gateway import Gateway
 from extproc.limiter.base import AdmitResult
 from extproc.limiter.kept import Kept
-from extproc.records.model import RecordDraft
+from extproc.records.model import draft_json
 from extproc.server.counting import count_input
 from extproc.server.reclaim import record_reclaimed
 
@@ -239,20 +239,7 @@ async def limiter_admit(
             ledger_ttl_ms=a.ledger_ttl_ms,
             now_ms=a.now_ms,
             lease_until_ms=a.lease_until_ms,
-            record_draft=(
-                RecordDraft(
-                    request_id=d.request_id,
-                    tenant=d.tenant,
-                    key=d.key,
-                    model=d.model,
-                    api=d.api,
-                    input_tokens=d.input_tokens,
-                    reserved_output=d.reserved_output,
-                    admitted_at_ms=d.admitted_at_ms,
-                ).to_json()
-                if d is not None
-                else ""
-            ),
+            record_draft=draft_json(d) if d is not None else "",
             settlements=riders,
         )
         done = res

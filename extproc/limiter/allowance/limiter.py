@@ -63,14 +63,18 @@ class AllowanceLimiter(Taking, Settling):
             and name.window_s <= self.settings.max_window_s
         )
 
-    def _plan(self, buckets: Sequence[BucketCharge], now: int) -> list[Bucket] | None:
-        """Each bucket's state when every one can be drawn from for its amount, else None."""
+    def _plan(
+        self, buckets: Sequence[BucketCharge], now: int, *, eligible: bool = False
+    ) -> list[Bucket] | None:
+        """Each bucket's state when every one can be drawn from for its amount, else None
+        (``eligible``: the caller has checked :meth:`_eligible` of every bucket already)."""
         out: list[Bucket] = []
+        states = self._states
         for c in buckets:
-            st = self._states.get(c.key)
+            st = states.get(c.key)
             if (
                 st is None
-                or not self._eligible(c)
+                or not (eligible or self._eligible(c))
                 or now >= st.deadline_ms
                 or st.units - st.closed < c.amount
             ):
@@ -102,7 +106,7 @@ class AllowanceLimiter(Taking, Settling):
         local = all(self._eligible(c) for c in buckets) and bool(buckets)
         if local:
             self._observe(buckets, now)
-        plan = self._plan(buckets, now) if local and not settlements else None
+        plan = self._plan(buckets, now, eligible=True) if local and not settlements else None
         if plan is not None:
             for c, st in zip(buckets, plan, strict=True):
                 st.units -= c.amount
