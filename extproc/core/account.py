@@ -49,7 +49,9 @@ class RequestAccount:
 
     def charged(self, limit: Limit) -> int:
         """Units charged so far to ``limit``'s counters."""
-        return sum(u for b, u in self.charges if b.limit == limit)
+        # ``is`` first: the same Limit object almost always (a dataclass ``==`` compares
+        # every field; an object is equal to itself all the same)
+        return sum(u for b, u in self.charges if b.limit is limit or b.limit == limit)
 
     def adjustments(self, final: Usage, current: list[WindowedBucket]) -> list[Adjustment]:
         """Corrections that make every per-token counter hold the units of ``final``."""
@@ -63,7 +65,7 @@ class RequestAccount:
             elif delta < 0:
                 left = -delta
                 for cb, units in reversed(self.charges):
-                    if cb.limit != b.limit:
+                    if cb.limit is not b.limit and cb.limit != b.limit:
                         continue
                     take = min(left, units)
                     out.setdefault(cb.key, [0, cb.expire_at_ms])[0] -= take
