@@ -270,43 +270,27 @@ def rate_limit_headers(
         cur = best.get(family)
         if cur is None or room < cur[0]:
             best[family] = (room, b, remaining)
-    # each family's three fields, None where it has no bucket (one constructor call, no
-    # keyword dict: this runs for every admitted request)
-    lr = rr = lt = rt = lc = rc = None
-    sr = st = sb = None
-    lb = rb = unit = None
-    found = best.get("requests")
-    if found is not None:
-        _, b, rr = found
-        lr, sr = b.limit.limit, b.reset_s(now_ms)
-    found = best.get("tokens")
-    if found is not None:
-        _, b, rt = found
-        lt, st = b.limit.limit, b.reset_s(now_ms)
-    found = best.get("budget")
-    if found is not None:
-        _, b, rem = found
-        lb = format_amount(b.limit, b.limit.limit)
-        rb = format_amount(b.limit, max(0, rem))
-        sb, unit = b.reset_s(now_ms), b.limit.unit
-    found = best.get("concurrency")
-    if found is not None:
-        _, b, rc = found
-        lc = b.limit.limit
-    return RateLimitHeaders(
-        limit_requests=lr,
-        remaining_requests=rr,
-        reset_requests_s=sr,
-        limit_tokens=lt,
-        remaining_tokens=rt,
-        reset_tokens_s=st,
-        limit_budget=lb,
-        remaining_budget=rb,
-        reset_budget_s=sb,
-        budget_unit=unit,
-        limit_concurrency=lc,
-        remaining_concurrency=rc,
-    )
+    h: dict[str, object] = {}
+    if "requests" in best:
+        _, b, rem = best["requests"]
+        h.update(
+            limit_requests=b.limit.limit, remaining_requests=rem, reset_requests_s=b.reset_s(now_ms)
+        )
+    if "tokens" in best:
+        _, b, rem = best["tokens"]
+        h.update(limit_tokens=b.limit.limit, remaining_tokens=rem, reset_tokens_s=b.reset_s(now_ms))
+    if "budget" in best:
+        _, b, rem = best["budget"]
+        h.update(
+            limit_budget=format_amount(b.limit, b.limit.limit),
+            remaining_budget=format_amount(b.limit, max(0, rem)),
+            reset_budget_s=b.reset_s(now_ms),
+            budget_unit=b.limit.unit,
+        )
+    if "concurrency" in best:
+        _, b, rem = best["concurrency"]
+        h.update(limit_concurrency=b.limit.limit, remaining_concurrency=rem)
+    return RateLimitHeaders(**h)  # type: ignore[arg-type]
 
 
 #: Money counters are kept in micro-units of the currency.
