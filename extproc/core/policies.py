@@ -12,7 +12,7 @@ settlement) are in :mod:`extproc.core.streaming`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 
 from extproc.core import admission
@@ -72,6 +72,22 @@ def lease_ms(*, settle_to_actual: bool, holds_slots: bool, records: bool, lease:
     concurrency slot to free or a usage record to write are leased, so that the tenant's next
     admission gives the first two back and writes the record if this processor dies."""
     return lease if (settle_to_actual or holds_slots or records) else 0
+
+
+def bound_excess_refund(
+    buckets: tuple[WindowedBucket, ...] | list[WindowedBucket], bound: Cost, exact: int
+) -> tuple[tuple[str, int], ...]:
+    """What a reclaim may refund on each per-token counter of a request admitted on ``bound``
+    once its exact input is known: what admission charged beyond the exact count (nothing
+    when the exact count is not below the bound)."""
+    if exact >= bound.input_tokens:
+        return ()
+    counted = replace(bound, input_tokens=exact)
+    return tuple(
+        (b.key, admission.admission_amount(b, bound) - admission.admission_amount(b, counted))
+        for b in buckets
+        if b.kind == "tpm"
+    )
 
 
 def counts_refusal(*, on_bound: bool, configured: bool) -> bool:

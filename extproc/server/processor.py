@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
 from typing import Any
 
 import structlog
 
 from extproc.config.runtime import Model
-from extproc.core import admission
 from extproc.core.admission import Cost
 from extproc.core.apis.openai import CHAT
 from extproc.core.apis.registry import api_for_path
@@ -38,7 +36,7 @@ from extproc.core.lifecycle import (
     CutReason,
     LifecycleError,
 )
-from extproc.core.policies import fails_open
+from extproc.core.policies import bound_excess_refund, fails_open
 from extproc.core.records import Identified, Reported, Requested
 from extproc.core.session import Session
 from extproc.errors import (
@@ -282,13 +280,7 @@ class RequestProcessor:
         s = self.s
         if s.settling or exact >= bound.input_tokens:
             return  # settlement is on its way (it bills the exact input), or nothing to refund
-        counted = replace(bound, input_tokens=exact)
-        refund = tuple(
-            (b.key, admission.admission_amount(b, bound) - admission.admission_amount(b, counted))
-            for b in s.buckets
-            if b.kind == "tpm"
-        )
-        self.gw.note_input(InputNote(s.ledger, exact, refund))
+        self.gw.note_input(InputNote(s.ledger, exact, bound_excess_refund(s.buckets, bound, exact)))
 
     def _note_later(self, size: int, bound: Cost, exact: int | None) -> None:
         """:data:`NOTE_AFTER_S` after admission (a timer; settlement cancels it when it comes

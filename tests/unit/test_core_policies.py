@@ -151,3 +151,36 @@ def test_the_billing_record_never_bills_more_input_than_was_charged(
     else:
         billed = Usage(input=got.input, output=got.output, requests=1)
         assert got.money == Decimal(prices.units(billed)).scaleb(-6)
+
+
+RPM = Limit("rpm", 60, 60, "*", "tenant")
+
+
+@given(
+    bound=st.integers(min_value=1, max_value=50_000),
+    exact=st.integers(min_value=0, max_value=60_000),
+    reserved=st.integers(min_value=0, max_value=4_000),
+)
+def test_the_bound_excess_refund_is_what_admission_charged_beyond_the_exact_input(
+    bound: int, exact: int, reserved: int
+) -> None:
+    """Once the exact input of a request admitted on a bound is known, a reclaim may refund on
+    each token counter what admission charged beyond it: the difference of input, never
+    negative, nothing at or above the bound, and nothing on request or other counters."""
+    buckets = windowed("aq", "acme", "k1", [TPM, RPM], 10_000)
+    cost = Cost(
+        input_tokens=bound,
+        effective_max_output=reserved,
+        reserved_output=reserved,
+        meter_stream=False,
+        enforce_stream=False,
+        strict=False,
+        settle_to_actual=True,
+        every=4,
+    )
+    refund = policies.bound_excess_refund(buckets, cost, exact)
+    if exact >= bound:
+        assert refund == ()
+    else:
+        tpm = next(b for b in buckets if b.kind == "tpm")
+        assert refund == ((tpm.key, bound - exact),)
