@@ -131,6 +131,25 @@ def billed(
     return Billed(inp, out, money)
 
 
+def reclaimed_billing(
+    *,
+    charged: int,
+    draft_input: int,
+    reserved_output: int,
+    noted_input: int,
+    prices: Rates | None,
+) -> Billed:
+    """The billing record of a request whose processor died before settling it, from its
+    ledger as the reclaim handed it back: its input the exact count its processor noted
+    (``noted_input`` >= 0), else the draft's figure; its output what the ledger charged beyond
+    the draft's input and reservation (the reservation went back with the reclaim); its money
+    the prices of that usage."""
+    inp = noted_input if noted_input >= 0 else draft_input
+    out = max(0, charged - draft_input - reserved_output)
+    money = None if prices is None else Decimal(prices.units(Usage(input=inp, output=out)))
+    return Billed(inp, out, None if money is None else money.scaleb(-6))
+
+
 # -- policies beside the limits --------------------------------------------------------------
 
 

@@ -174,32 +174,27 @@ class RecordDraft:
         except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
             raise RecordFormatError(f"not a record draft: {exc!r}") from exc
 
-    def output_charged(self, charged: int) -> int:
-        """Output tokens still charged once a reclaim refunded the reservation: the ledger's
-        ``charged`` counts the input, the reservation and every stream charge."""
-        return max(0, charged - self.input_tokens - self.reserved_output)
-
     def reclaimed(
         self,
         ledger: str,
-        charged: int,
         finished_at_ms: int,
         *,
+        input_tokens: int,
+        output_tokens: int,
         cost: Decimal | None = None,
         currency: str = "",
-        input_tokens: int = -1,
     ) -> UsageRecord:
-        """The record of a request reclaimed from a dead processor: the input (``input_tokens``:
-        the exact count noted in its ledger, when one was; else the draft's figure), and the
-        output its stream charges had billed (what the counters keep)."""
+        """The record of a request reclaimed from a dead processor, with the figures the core
+        bills it (:func:`extproc.core.policies.reclaimed_billing`: the exact input its
+        processor noted, else the draft's; the output its stream charges had billed)."""
         return UsageRecord(
             request_id=self.request_id,
             tenant=self.tenant,
             key=self.key,
             model=self.model,
             api=self.api,
-            input_tokens=input_tokens if input_tokens >= 0 else self.input_tokens,
-            output_tokens=self.output_charged(charged),
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
             ending=RECLAIMED,
             admitted_at_ms=self.admitted_at_ms,
             finished_at_ms=finished_at_ms,

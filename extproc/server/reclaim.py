@@ -15,12 +15,11 @@ it downstream.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from decimal import Decimal
 
 import structlog
 
 from extproc.config.runtime import RuntimeConfig
-from extproc.core.rules import Usage
+from extproc.core.policies import reclaimed_billing
 from extproc.gateway import Gateway
 from extproc.limiter.base import Reclaimed
 from extproc.records.model import RecordDraft, RecordFormatError
@@ -38,15 +37,16 @@ def record_reclaimed(gw: Gateway, cfg: RuntimeConfig, reclaimed: Sequence[Reclai
         except RecordFormatError as exc:
             log.error("reclaimed_record_unreadable", ledger=r.ledger, error=str(exc))
             continue
-        out = draft.output_charged(r.charged)
-        # the exact count noted in the ledger (the bound admission charged was refunded down
-        # to it), else the draft's figure
-        inp = r.input if r.input >= 0 else draft.input_tokens
         model = cfg.resolve_model(draft.model)
-        cost: Decimal | None = None
-        if model is not None and model.prices is not None and model.currency:
-            micros = model.prices.units(Usage(input=inp, output=out))
-            cost = Decimal(micros).scaleb(-6)
+        priced = model is not None and model.prices is not None and bool(model.currency)
+        bill = reclaimed_billing(
+            charged=r.charged,
+            draft_input=draft.input_tokens,
+            reserved_output=draft.reserved_output,
+            noted_input=r.input,
+            prices=model.prices if priced and model is not None else None,
+        )
+        inp, out, cost = bill.input, bill.output, bill.money
         log.warning(
             "reclaimed",
             request_id=draft.request_id,
@@ -59,6 +59,11 @@ def record_reclaimed(gw: Gateway, cfg: RuntimeConfig, reclaimed: Sequence[Reclai
             currency = model.currency if model is not None else ""
             gw.recorder.record(
                 draft.reclaimed(
-                    r.ledger, r.charged, now, cost=cost, currency=currency, input_tokens=inp
+                    r.ledger,
+                    now,
+                    input_tokens=inp,
+                    output_tokens=out,
+                    cost=cost,
+                    currency=currency,
                 )
             )

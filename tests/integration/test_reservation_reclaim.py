@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 
+from extproc.core.policies import reclaimed_billing
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.limiter.base import AdmitResult, InputNote, Limiter
 from extproc.records.model import RecordDraft, record_id_for
@@ -132,7 +133,19 @@ async def test_a_reclaimed_request_hands_back_its_record_draft_once(backend: Bac
         (f"{tag}:req:1", draft, 1_010 + 1_500)
     ]
     got = RecordDraft.from_json(res.reclaimed[0].draft)
-    rec = got.reclaimed(res.reclaimed[0].ledger, res.reclaimed[0].charged, now + LEASE + 1)
+    bill = reclaimed_billing(
+        charged=res.reclaimed[0].charged,
+        draft_input=got.input_tokens,
+        reserved_output=got.reserved_output,
+        noted_input=res.reclaimed[0].input,
+        prices=None,
+    )
+    rec = got.reclaimed(
+        res.reclaimed[0].ledger,
+        now + LEASE + 1,
+        input_tokens=bill.input,
+        output_tokens=bill.output,
+    )
     assert (rec.input_tokens, rec.output_tokens, rec.ending) == (10, 1_500, "reclaimed")
     assert rec.record_id == record_id_for(f"{tag}:req:1")
     # the counter keeps input and the stream charge of 1, all of 2 (settled as admitted), and 3

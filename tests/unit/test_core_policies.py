@@ -184,3 +184,33 @@ def test_the_bound_excess_refund_is_what_admission_charged_beyond_the_exact_inpu
     else:
         tpm = next(b for b in buckets if b.kind == "tpm")
         assert refund == ((tpm.key, bound - exact),)
+
+
+@given(
+    draft_input=st.integers(min_value=0, max_value=50_000),
+    reserved=st.integers(min_value=0, max_value=4_000),
+    streamed=st.integers(min_value=-5_000, max_value=20_000),
+    noted=st.integers(min_value=-1, max_value=50_000),
+    priced=st.booleans(),
+)
+def test_a_reclaimed_request_is_billed_its_noted_input_and_its_charged_output(
+    draft_input: int, reserved: int, streamed: int, noted: int, priced: bool
+) -> None:
+    """A request reclaimed from a dead processor is billed the exact input its processor noted
+    (else the draft's), the output its ledger charged beyond input and reservation (never
+    negative), and the prices of exactly that."""
+    charged = max(0, draft_input + reserved + streamed)
+    prices = Rates(input=3 * RATE_SCALE, output=5 * RATE_SCALE) if priced else None
+    bill = policies.reclaimed_billing(
+        charged=charged,
+        draft_input=draft_input,
+        reserved_output=reserved,
+        noted_input=noted,
+        prices=prices,
+    )
+    assert bill.input == (noted if noted >= 0 else draft_input)
+    assert bill.output == max(0, charged - draft_input - reserved)
+    if prices is None:
+        assert bill.money is None
+    else:
+        assert bill.money == Decimal(3 * bill.input + 5 * bill.output).scaleb(-6)
