@@ -78,6 +78,7 @@ class RequestProcessor:
         "_exact",
         "_json",
         "_noting",
+        "_settle_pending",
         "cfg",
         "driver",
         "gw",
@@ -104,6 +105,7 @@ class RequestProcessor:
         self._noting: asyncio.Task[None] | asyncio.TimerHandle | None = None
         self._exact: int | None = None
         self._body_size = 0
+        self._settle_pending = False  # settlement decided, waiting for its response to be sent
 
     @property
     def request_id(self) -> str:
@@ -439,6 +441,7 @@ class RequestProcessor:
         complete = self.driver is not None and self.driver.complete
         self.s.close(how, stream_complete=complete)
         self._settle_later()
+        self.sent()  # nothing more is written (a write that failed left one pending)
 
     async def cut_for_shutdown(self) -> bool:
         """Cut a running stream with ``server_shutdown``; True when one was cut."""
@@ -455,15 +458,29 @@ class RequestProcessor:
                 # could not reach a client that is gone
                 log.info("shutdown_cut_not_delivered", request_id=self.request_id, error=repr(exc))
         self._settle_later()
+        self.sent()
         return True
 
     def _settle_later(self) -> None:
-        """Settle in the background, once, after the current response is sent."""
+        """Settle in the background, once, after the current response is sent: with a
+        :attr:`writer` (the servicer writes the responses) the task starts at :meth:`sent`, so
+        that nothing it does runs on the event loop between the writes of those responses
+        (a cut's error event and its immediate response: Envoy resets the upstream only on
+        the second); without one (a caller that does not write) at once."""
         if not self.s.begin_settlement():
             return
         if self.driver is not None:
             self.gw.metrics.active_streams.dec()
-        self.gw.track(asyncio.ensure_future(self._settle()))
+        self._settle_pending = True
+        if self.writer is None:
+            self.sent()
+
+    def sent(self) -> None:
+        """The responses of the last message are written (or never will be): start the
+        settlement decided meanwhile, if any."""
+        if self._settle_pending:
+            self._settle_pending = False
+            self.gw.track(asyncio.ensure_future(self._settle()))
 
     async def _settle(self) -> None:
         s = self.s

@@ -54,6 +54,7 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
                         await context.write(resp)
                 finally:
                     lock.release()
+                proc.sent()  # a settlement these responses ended with starts now, not between them
             how = Closed.EOF
         except asyncio.CancelledError:
             raise

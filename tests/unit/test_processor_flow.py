@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import grpc
 import orjson
 import pytest
 from envoy.config.core.v3 import base_pb2
@@ -19,6 +20,7 @@ from extproc.gateway import Gateway
 from extproc.limiter.memory import MemoryLimiter
 from extproc.metrics import Metrics
 from extproc.server.processor import RequestProcessor
+from extproc.server.servicer import ExternalProcessorServicer
 from tests.limiters import RecordingLimiter
 
 pytestmark = pytest.mark.unit
@@ -191,3 +193,69 @@ async def test_a_shutdown_cut_on_a_stream_already_gone_still_settles() -> None:
     await asyncio.gather(*proc.gw.pending)
     assert len(lim.settles) == 1
     assert proc.driver is not None and proc.driver.meter.delivered == 2
+
+
+class _Context:
+    """A gRPC context as the servicer sees it: ``read`` hands out the messages ``script`` yields
+    (then EOF); ``write`` takes a few event-loop turns, as grpc.aio's does, and notes for each
+    response whether a settlement had been started by then."""
+
+    def __init__(self, script: Any, gw: Gateway, lim: RecordingLimiter) -> None:
+        self.script, self.gw, self.lim = script, gw, lim
+        self.writes: list[tuple[str, bool]] = []
+
+    async def read(self) -> Any:
+        return next(self.script, grpc.aio.EOF)
+
+    async def write(self, resp: Any) -> None:
+        settling = bool(self.gw.pending or self.lim.settles)  # started, or even done
+        self.writes.append((resp.WhichOneof("response"), settling))
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    def cancelled(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return False
+
+
+async def test_a_cut_is_written_before_its_settlement_starts() -> None:
+    """The servicer writes a cut's error event and its immediate response (the one that makes
+    Envoy reset the upstream) before the request's settlement is started: nothing settlement
+    does runs on the event loop between the two writes.  The request still settles once."""
+    lim = limiter()
+    cfg = load_config_text(RULES % ("strict", 100000))
+    gw = Gateway(config=cfg, limiter=lim, clock=lim.inner.clock, metrics=Metrics())
+    body = orjson.dumps(
+        {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    )
+
+    def script() -> Any:
+        yield pb.ProcessingRequest(
+            request_headers=headers(
+                {
+                    ":path": "/v1/chat/completions",
+                    ":method": "POST",
+                    "authorization": "Bearer sk-t",
+                    "x-request-id": "r-cut",
+                }
+            )
+        )
+        yield pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+        yield pb.ProcessingRequest(
+            response_headers=headers({":status": "200", "content-type": "text/event-stream"})
+        )
+        # other requests took the hour's TPM but 4 tokens: the next lease grants 4, then none
+        [tpm] = [b for b in lim.admits[0] if b.kind == "tpm"]
+        lim.inner.seed_counter(tpm.key, tpm.limit - 4)
+        chunk = b"".join(event(f" x{i}") for i in range(20))
+        yield pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk))
+
+    ctx = _Context(script(), gw, lim)
+    await ExternalProcessorServicer(gw).Process(None, ctx)
+    assert ctx.writes[-1][0] == "immediate_response"
+    assert ctx.writes[-2][0] == "response_body"  # the error event
+    assert not any(settling for _, settling in ctx.writes)  # none begun before any write
+    await asyncio.gather(*gw.pending)
+    assert len(lim.settles) == 1
