@@ -162,6 +162,20 @@ async def test_script_flush_under_load(
         server.stop()
 
 
+#: redis-py's cluster client can drop a node object from its topology while one of its
+#: connections is out of the pool (a failover renames the slot's owner mid-call); that
+#: connection is then closed by the garbage collector, not by ``aclose()``, and its
+#: ResourceWarning surfaces in whatever test runs then (seen once in ~6 full runs of the suite).
+#: What these drills test is the accounting across the failover (lost, doubled, failed calls),
+#: so only those objects' warnings are let through, and only here.
+_CLUSTER_CLIENT_LEAK = pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. <function "
+    "(AbstractConnection|StreamWriter|_SelectorTransport).__del__"
+    ":pytest.PytestUnraisableExceptionWarning"
+)
+
+
+@_CLUSTER_CLIENT_LEAK
 async def test_cluster_primary_sigkill(
     tmp_path: Path, record_property: Callable[[str, object], None]
 ) -> None:
@@ -176,6 +190,7 @@ async def test_cluster_primary_sigkill(
     assert (metrics.registry.get_sample_value("aiq_redis_failovers_total") or 0) >= 1, s
 
 
+@_CLUSTER_CLIENT_LEAK
 async def test_cluster_graceful_failover(
     tmp_path: Path, record_property: Callable[[str, object], None]
 ) -> None:
