@@ -166,18 +166,6 @@ def test_latency_c1_arms_run() -> None:
     assert all(v > 0 for v in res["p50_ms_median"].values())
 
 
-def test_classify_reads_the_servicers_source_lines(tmp_path: Path) -> None:
-    """The split goes by the frame's source line (line numbers move as code changes)."""
-    src = tmp_path / "s.py"
-    src.write_text("x = 1\nreq = await context.read()\nawait context.write(resp)\n")
-    assert classify(f"Process ({src}:2)") == "read"
-    assert classify(f"Process ({src}:3)") == "write"
-    assert classify(f"Process ({src}:1)") == "other"
-    assert classify("garbage") == "other"
-    raw = f"a;Runner.run (x.py:1) 5\na;Process ({src}:3) 7\na;Process ({src}:2) 2\n"
-    assert split_samples(raw) == Counter({"idle": 5, "write": 7, "read": 2})
-
-
 def main() -> int:
     """Command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
