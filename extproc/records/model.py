@@ -12,9 +12,11 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
+
+from extproc.core.actions import DraftRecord
 
 SCHEMA_VERSION = "1"
 
@@ -143,21 +145,14 @@ RECLAIMED = "reclaimed"
 
 
 @dataclass(frozen=True, slots=True)
-class RecordDraft:
-    """What admission knows of a request's record, kept in its ledger while it is open.
+class RecordDraft(DraftRecord):
+    """What admission knows of a request's record (admission's own
+    :class:`~extproc.core.actions.DraftRecord`, the same fields), kept in its ledger while it
+    is open.
 
     If the processor dies, the tenant's next admission reclaims the reservation and hands the
     draft back, with the tokens the ledger had charged by then, so that a record is still
     written (:meth:`reclaimed`)."""
-
-    request_id: str
-    tenant: str
-    key: str
-    model: str
-    api: str
-    input_tokens: int
-    reserved_output: int
-    admitted_at_ms: int
 
     def to_json(self) -> str:
         """The draft as stored in the ledger (compact JSON)."""
@@ -204,29 +199,7 @@ class RecordDraft:
         )
 
 
-class DraftFields(Protocol):
-    """What a draft is written from: a :class:`RecordDraft`, or admission's own draft
-    (:class:`extproc.core.actions.DraftRecord`, the same fields)."""
-
-    @property
-    def request_id(self) -> str: ...
-    @property
-    def tenant(self) -> str: ...
-    @property
-    def key(self) -> str: ...
-    @property
-    def model(self) -> str: ...
-    @property
-    def api(self) -> str: ...
-    @property
-    def input_tokens(self) -> int: ...
-    @property
-    def reserved_output(self) -> int: ...
-    @property
-    def admitted_at_ms(self) -> int: ...
-
-
-def draft_json(d: DraftFields) -> str:
+def draft_json(d: DraftRecord) -> str:
     """A draft as stored in the ledger (compact JSON; :meth:`RecordDraft.from_json` reads it):
     written straight from admission's draft on the hot path, no :class:`RecordDraft` made."""
     return orjson.dumps(

@@ -199,19 +199,8 @@ class AllowanceLimiter(Taking, Settling):
                 return ChargeResult(granted=amount, exhausted=False, values=())
             plan = self._plan(buckets, now) if seq > loc.seq else None
             if plan is not None:
-                drawn = []
-                for c, st in zip(buckets, plan, strict=True):
-                    st.units -= c.amount
-                    drawn.append((st.key, c.amount))
-                loc.seq = seq
-                loc.last_local = (seq, tuple(drawn))
                 loc.charged += amount
-                self.stats.local_charges += 1
-                self._saved("charge")
-                self._open_ahead(plan)
-                return ChargeResult(
-                    granted=amount, exhausted=False, values=self._values(buckets, plan)
-                )
+                return self._draw_charge(loc, seq, buckets, plan, amount)
             if seq > loc.seq:
                 self._open_short(buckets)
             res = await self.inner.charge(
@@ -226,6 +215,23 @@ class AllowanceLimiter(Taking, Settling):
         return await self.inner.charge(
             ledger, seq, buckets, amount, strict=strict, ledger_ttl_ms=ledger_ttl_ms
         )
+
+    def _draw_charge(
+        self, loc: Local, seq: int, buckets: list[BucketCharge], plan: list[Bucket], amount: int
+    ) -> ChargeResult:
+        """Draw stream charge ``seq`` from the allowances ``plan`` found holding it: each
+        bucket's units, the request's last local draw (what a retry of ``seq`` is answered
+        from), the counts."""
+        drawn = []
+        for c, st in zip(buckets, plan, strict=True):
+            st.units -= c.amount
+            drawn.append((st.key, c.amount))
+        loc.seq = seq
+        loc.last_local = (seq, tuple(drawn))
+        self.stats.local_charges += 1
+        self._saved("charge")
+        self._open_ahead(plan)
+        return ChargeResult(granted=amount, exhausted=False, values=self._values(buckets, plan))
 
     async def _charge_mixed(
         self,
@@ -250,22 +256,13 @@ class AllowanceLimiter(Taking, Settling):
                 if len(self._mixed) >= MAX_LEDGERS:
                     self._mixed.popitem(last=False)  # a request never settled: forgotten
                 mix = self._mixed[ledger] = Local(tag=plan[0].tag)
-            drawn = []
-            for c, st in zip(buckets, plan, strict=True):
-                st.units -= c.amount
-                drawn.append((st.key, c.amount))
-            mix.seq = seq
-            mix.last_local = (seq, tuple(drawn))
             if self._keeps_drafts:
                 # not in its ledger's "charged" (what a reclaim bills): a later flush adds it
                 d = self._draft_ledger(mix.tag)
                 if not d.charged_more:
                     d.more_since_ms = now
                 d.charged_more[ledger] = d.charged_more.get(ledger, 0) + amount
-            self.stats.local_charges += 1
-            self._saved("charge")
-            self._open_ahead(plan)
-            return ChargeResult(granted=amount, exhausted=False, values=self._values(buckets, plan))
+            return self._draw_charge(mix, seq, buckets, plan, amount)
         if buckets and all(self._eligible(c) for c in buckets):
             self._open_short(buckets)
         res = await self.inner.charge(
