@@ -106,7 +106,7 @@ class RuntimeConfig:
     ledger_ttl_seconds: int
     reservation_lease_ms: int = 15_000
     count_deadline_ms: int = 4000
-    admit_on_bound: bool = True
+    admit_on_bound: bool = False
     bound_headroom: float = 4.0
     bound_below: float = 0.25
     input_audit_every: int = 16

@@ -312,11 +312,14 @@ class RequestsPolicy(Strict):
     # Counting a prompt (queue for a counting thread included) is given up after this, with a
     # JSON 503 to retry; keep it below Envoy's ext_proc message_timeout (5 s in envoy-config).
     count_deadline_ms: int = Field(default=4000, ge=100, le=60_000)
-    # Admit on an upper bound of the prompt's tokens (its UTF-8 length, for tiktoken models)
-    # and count exactly after the request is on its way, where every per-token counter was
-    # last seen with room for bound_headroom times the request's charge; elsewhere (near a
-    # limit, other tokenizers) count first.  docs/semantics.md, "Admission on a bound".
-    admit_on_bound: bool = True
+    # Off (the default): every prompt is counted with the model's tokenizer before admission,
+    # so a processor killed at any moment leaves ledgers holding exact inputs.  On: admit on an
+    # upper bound of the prompt's tokens (its UTF-8 length, for tiktoken models) and count
+    # exactly after the request is on its way, where every per-token counter was last seen
+    # with room for bound_headroom times the request's charge (less CPU; a processor killed
+    # within a request's first 0.25 s bills that request its bound).  docs/semantics.md,
+    # "Admission on a bound".
+    admit_on_bound: bool = False
     bound_headroom: float = Field(default=4.0, ge=1.0, le=1000.0)
     # ... and only while that leaves every such counter under this share of its limit: many
     # requests admitted on bounds at once then hold at most about this share beyond their counts

@@ -9,8 +9,9 @@ Non-streaming chat completions (the bench's admission shape: a 1k-token prompt, 
   one-line script at the request body (what a Redis round trip inside a grpc.aio handler costs);
 - ``gateway``: ``ai-quota serve`` with the bench's rules;
 - ``gateway-info-logs-off``: the same at log level ``warning`` (no info lines);
-- ``gateway-counted``: the same with ``requests.admit_on_bound: false`` (every prompt tokenized
-  before admission, as before issue 17);
+- ``gateway-bound``: the same with ``requests.admit_on_bound: true`` (a prompt far from its
+  limits admitted on its byte bound and counted only if it must be: issue 17's lever, off by
+  default since issue 33 for crash safety);
 - ``gateway-allowances``: the gateway with local allowances (``AIQ_ALLOWANCES=1``, issue 27):
   admitted and settled without a Redis round trip while the tenant is far from its limits.
 
@@ -84,7 +85,7 @@ ARMS = (
     "floor+2redis",
     "gateway",
     "gateway-info-logs-off",
-    "gateway-counted",
+    "gateway-bound",
     "gateway-allowances",
 )
 
@@ -121,9 +122,9 @@ def start_arms(
         arms["gateway-info-logs-off"] = system.start_stack(
             workdir / "gw-warn", rules, redis_url=url, env={"AIQ_LOG_LEVEL": "warning"}
         )
-    if "gateway-counted" in only:
-        counted = {**rules, "requests": {"admit_on_bound": False}}
-        arms["gateway-counted"] = system.start_stack(workdir / "gw-counted", counted, redis_url=url)
+    if "gateway-bound" in only:
+        bound = {**rules, "requests": {**rules.get("requests", {}), "admit_on_bound": True}}
+        arms["gateway-bound"] = system.start_stack(workdir / "gw-bound", bound, redis_url=url)
     if "gateway-allowances" in only:
         arms["gateway-allowances"] = system.start_stack(
             workdir / "gw-allow",

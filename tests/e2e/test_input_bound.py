@@ -5,17 +5,37 @@ goes over."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import openai
 import orjson
 import pytest
 import redis
 
 from extproc.stack import Stack
-from tests.e2e.conftest import client
+from tests.e2e.conftest import client, make_stack
 from tests.e2e.test_streaming import ENGINE_PROMPT, MSG, PROMPT
-from tests.helpers import settled
+from tests.helpers import e2e_rules, settled
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The e2e stack with admission on a bound turned on (off by default)."""
+    rules = e2e_rules()
+    rules["requests"] = {**rules.get("requests", {}), "admit_on_bound": True}
+    s = make_stack(Path(tmp_path_factory.mktemp("bound")), rules=rules)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def rds(stack: Stack) -> Iterator[redis.Redis]:
+    client = redis.Redis(port=stack.ports.redis, decode_responses=True)
+    yield client
+    client.close()
 
 
 def decisions(stack: Stack, tenant: str) -> list[str]:

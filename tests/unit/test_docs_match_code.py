@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from extproc.config.schema import RequestsPolicy
 from extproc.core.figures import OUTPUT_SLACK_TOKENS, OUTPUT_TOLERANCE
 
 pytestmark = pytest.mark.unit
@@ -31,13 +32,14 @@ def test_semantics_states_the_output_tolerance_the_code_uses() -> None:
     }
 
 
-def test_the_readme_says_admission_may_be_on_a_bound() -> None:
-    """The README's first account of admission says the prompt is admitted on a bound by
-    default, not that it is always counted with the model's tokenizer."""
+def test_the_readme_says_how_admission_counts_by_default() -> None:
+    """The README's first account of admission states the default the code has: counted
+    before admission unless ``admit_on_bound`` (off by default) admits on a bound."""
     readme = text("README.md")
     first = readme[readme.index("1. **Admits**") : readme.index("2. **Watches")]
     assert "admit_on_bound" in first and "upper bound" in first
-    assert "counted with the model's real tokenizer (never" not in first
+    assert RequestsPolicy().admit_on_bound is False
+    assert "counted with the model's real tokenizer before admission" in first
 
 
 def test_errors_are_rendered_in_one_module() -> None:

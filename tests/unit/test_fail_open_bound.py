@@ -23,6 +23,7 @@ from tests.limiters import RecordingLimiter
 pytestmark = pytest.mark.unit
 
 RULES = """
+requests: {admit_on_bound: true}
 models:
   m: {tokenizer: {kind: tiktoken, encoding: cl100k_base}, max_output_tokens: 1000}
 plans:

@@ -144,7 +144,7 @@ RULES = """
 models:
   m: {tokenizer: {kind: tiktoken, encoding: cl100k_base}, max_output_tokens: 50}
 charging: {charge_every_tokens: 4, streaming: %s}
-requests: {count_refused_requests: true, input_audit_every: %d, bound_below: %s}
+requests: {count_refused_requests: true, admit_on_bound: true, input_audit_every: %d, bound_below: %s}
 plans:
   p: {limits: [{model: "*", per: hour, rpm: 100, tpm: %d}]}
 tenants:
