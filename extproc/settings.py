@@ -50,6 +50,11 @@ class Settings(BaseSettings):
     # A stream charge that Redis does not answer is sent again (idempotent) for this long before
     # the stream's failure mode applies: a failover shorter than this cuts no stream (0: at once).
     redis_stream_tolerance_s: float = Field(default=0.0, ge=0, le=60)
+    # A call that finds Redis unavailable (a failover, a restart) is sent again (idempotent)
+    # for this long before it fails and the plan's failure mode applies: a replica's promotion
+    # shorter than this fails no request and cuts no stream (0: fail at once).  Envoy's ext_proc
+    # message_timeout must be longer (``ai-quota envoy-config`` renders 12 s).
+    redis_failover_wait_s: float = Field(default=8.0, ge=0, le=60)
     grpc_address: str = "127.0.0.1:50051"
     key_prefix: str = "aiq"
     log_format: Literal["json", "console"] = "json"
