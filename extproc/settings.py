@@ -192,7 +192,7 @@ class Settings(BaseSettings):
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
         """Read ``AIQ_CONFIG``, ``AIQ_REDIS_URL``, ``AIQ_REDIS_JOURNAL_S``,
-        ``AIQ_REDIS_STREAM_TOLERANCE_S``, ``AIQ_GRPC_ADDRESS``, ``AIQ_KEY_PREFIX``,
+        ``AIQ_REDIS_STREAM_TOLERANCE_S``, ``AIQ_REDIS_FAILOVER_WAIT_S``, ``AIQ_GRPC_ADDRESS``, ``AIQ_KEY_PREFIX``,
         ``AIQ_LOG_FORMAT`` (json|console), ``AIQ_LOG_LEVEL``, ``AIQ_METRICS_PORT``,
         ``AIQ_USAGE_ADDRESS``, ``AIQ_WORKERS``, ``AIQ_REUSEPORT`` (1|0|true|false),
         ``AIQ_EVENT_LOOP`` (uvloop|asyncio), ``AIQ_SHUTDOWN_GRACE_S``, ``AIQ_DRAIN_NOTICE_S``,

@@ -297,6 +297,20 @@ def measure(report: DrillReport, outs: list[Outcome], fault_at: float, promoted_
     report.max_window_ms = max(window, default=0.0)
 
 
+def replayed_of(stack: Stack) -> int:
+    """Journal entries the processor replayed to a new master (its ``redis_failover_recovered``
+    log lines)."""
+    total = 0
+    log = stack.proc("extproc0").log_path
+    if log is None:
+        return 0
+    for line in log.read_bytes().splitlines():
+        if b"redis_failover_recovered" in line:
+            with contextlib.suppress(ValueError, KeyError):
+                total += int(orjson.loads(line)["replayed"])
+    return total
+
+
 def _dump(workdir: Path, stack: Stack, port: int) -> None:
     """Keep the ledgers and the simulator's records of the tenant for a post-mortem."""
     recs = httpx.get(f"{stack.sim_url}/sim/requests", timeout=30).json()["requests"]
@@ -320,12 +334,20 @@ def sentinel_kill_drill(
     fault: str = "kill",
     strict: bool = False,
     extra: list[str] | None = None,
+    lag_s: float = 0.3,
     during: Callable[[Stack, SentinelGroup, int], None] | None = None,
 ) -> DrillReport:
     """The Sentinel drill: a master and two replicas, three sentinels (down-after 1 s); the
     master SIGKILLed (``fault="kill"``) or frozen until a replica is promoted
-    (``fault="freeze"``: SIGSTOP, then SIGCONT) ``fault_at_s`` into the load."""
-    group = SentinelGroup(workdir / "sentinel", replicas=2, down_after_ms=1000, extra=extra)
+    (``fault="freeze"``: SIGSTOP, then SIGCONT) ``fault_at_s`` into the load.  With ``lag_s``
+    the replicas' links are cut that long just before (DEBUG SLEEP): the master dies holding
+    acknowledged writes no replica has, which only the processor's journal can give back."""
+    group = SentinelGroup(
+        workdir / "sentinel",
+        replicas=2,
+        down_after_ms=1000,
+        extra=[*(extra or []), "--enable-debug-command", "local"],
+    )
     try:
         stack = start_stack(workdir / "stack", group.url(), drill_rules(strict=strict), env)
     except BaseException:
@@ -350,6 +372,11 @@ def sentinel_kill_drill(
             )
             await asyncio.sleep(fault_at_s)
             old = group.master_port()
+            if lag_s > 0:
+                for port in group.ports:
+                    if port != old:
+                        group.cut_replication(port, lag_s)
+                await asyncio.sleep(lag_s * 0.8)
             fault_at = time.monotonic()
             if fault == "kill":
                 group.kill(old)
@@ -373,6 +400,7 @@ def sentinel_kill_drill(
         report.truth, records = truth_of(stack.sim_url, TENANT)
         report.notes["ledgers"] = ledgers
         report.notes["records"] = records
+        report.notes["replayed"] = replayed_of(stack)
         _dump(workdir, stack, new)
     finally:
         with contextlib.suppress(Exception):
@@ -389,10 +417,17 @@ def cluster_kill_drill(
     fault_at_s: float = 6.0,
     after_s: float = 4.0,
     env: dict[str, str] | None = None,
+    lag_s: float = 0.3,
 ) -> DrillReport:
     """The Cluster drill: 3 primaries + 3 replicas (node timeout 2 s); the primary of the
-    tenant's slot SIGKILLed ``fault_at_s`` into the load."""
-    cluster = HaCluster(workdir / "cluster", primaries=3, node_timeout_ms=2000)
+    tenant's slot SIGKILLed ``fault_at_s`` into the load (its replica's link cut ``lag_s``
+    just before, as in :func:`sentinel_kill_drill`)."""
+    cluster = HaCluster(
+        workdir / "cluster",
+        primaries=3,
+        node_timeout_ms=2000,
+        extra=["--enable-debug-command", "local"],
+    )
     try:
         stack = start_stack(workdir / "stack", cluster.url, drill_rules(), env)
     except BaseException:
@@ -418,6 +453,9 @@ def cluster_kill_drill(
             )
             await asyncio.sleep(fault_at_s)
             old = cluster.primary_of(probe_key)
+            if lag_s > 0:
+                cluster.cut_replication(cluster.replica_of(old), lag_s)
+                await asyncio.sleep(lag_s * 0.8)
             fault_at = time.monotonic()
             cluster.kill(old)
             _, promoted = await asyncio.to_thread(cluster.wait_new_primary, probe_key, old, 30.0)
@@ -434,6 +472,7 @@ def cluster_kill_drill(
         report.truth, records = truth_of(stack.sim_url, TENANT)
         report.notes["ledgers"] = ledgers
         report.notes["records"] = records
+        report.notes["replayed"] = replayed_of(stack)
     finally:
         with contextlib.suppress(Exception):
             stack.stop()

@@ -104,7 +104,7 @@ DEFAULT_FAILOVER_WAIT_S = 0.0
 def failover_pause(waited: int) -> float:
     """The pause before the ``waited``-th resend of a call that found Redis unavailable: 50 ms,
     doubling to at most 250 ms (a promotion is seen within a quarter second)."""
-    return min(0.05 * (2 ** min(waited, 3)), 0.25)
+    return min(0.05 * float(2 ** min(waited, 3)), 0.25)
 
 
 def may_wait(elapsed_s: float, pause_s: float, wait_s: float) -> bool:
