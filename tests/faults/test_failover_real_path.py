@@ -59,7 +59,7 @@ def test_cluster_primary_sigkill_fails_nothing_and_bills_the_upstreams_records(
     reason="issue 32 item 4, open: a frozen master that runs again answers the processor's "
     "run-id check with its old run id while new connections already reach the promoted "
     "replica; charges land there before the journal's admissions are replayed, and a replayed "
-    "admission finds its ledger and charges nothing (measured 330-394 tokens lost)",
+    "admission finds its ledger and charges nothing (measured 330-758 tokens lost in 4 runs)",
 )
 def test_sentinel_frozen_master_loses_nothing(
     tmp_path: Path, record_property: Callable[[str, object], None]
