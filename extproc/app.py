@@ -262,6 +262,7 @@ async def start(
         metrics=mets,
         journal_s=settings.redis_journal_s,
         stream_tolerance_s=settings.redis_stream_tolerance_s,
+        failover_wait_s=settings.redis_failover_wait_s,
     )
     lim: Limiter = redis_lim
     if settings.allowances and isinstance(redis_lim, RedisLimiter):

@@ -120,9 +120,11 @@ class EnvoyPorts:
     upstreams: tuple[tuple[str, int], ...] = (("127.0.0.1", 18080),)
     extprocs: tuple[tuple[str, int], ...] = (("127.0.0.1", 50051),)
     max_body_bytes: int = 1_048_576
-    # Above the processor's own deadline for counting a prompt (requests.count_deadline_ms,
-    # 4 s) so a slow count gets the gateway's JSON 503, never Envoy's empty 504.
-    message_timeout_ms: int = 5000
+    # Above the processor's own deadlines, so that a slow answer gets the gateway's JSON 503,
+    # never Envoy's empty 504: counting a prompt (requests.count_deadline_ms, 4 s) and an
+    # admission that waits out a Redis failover (AIQ_REDIS_FAILOVER_WAIT_S, 8 s, plus the last
+    # call's own timeout and the queue for a counting thread).
+    message_timeout_ms: int = 12000
     health_interval_ms: int = 500
     with_baseline_listener: int = 0  # a second listener without the filter (benchmarks)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -273,7 +275,7 @@ def _hcm(name: str, with_filter: bool, p: EnvoyPorts) -> dict[str, Any]:
                     },
                     "allow_mode_override": True,
                     "message_timeout": f"{p.message_timeout_ms / 1000:g}s",
-                    "max_message_timeout": "10s",
+                    "max_message_timeout": f"{max(20.0, 2 * p.message_timeout_ms / 1000):g}s",
                     "metadata_options": {
                         "receiving_namespaces": {"untyped": ["ai_quota"]},
                         **(

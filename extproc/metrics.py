@@ -223,6 +223,13 @@ class Metrics:
             "New Redis masters seen (a promoted replica or a restarted server: its run id changed)",
             registry=r,
         )
+        self.redis_waits = Counter(
+            "aiq_redis_waits",
+            "Calls that found Redis unavailable and were sent again within "
+            "AIQ_REDIS_FAILOVER_WAIT_S (outcome waited), and those that failed past it (failed)",
+            ["outcome"],
+            registry=r,
+        )
         self.journal_replays = Counter(
             "aiq_journal_replays",
             "Times this replica replayed its journal of acknowledged charges to a new master",

@@ -50,6 +50,11 @@ class Settings(BaseSettings):
     # A stream charge that Redis does not answer is sent again (idempotent) for this long before
     # the stream's failure mode applies: a failover shorter than this cuts no stream (0: at once).
     redis_stream_tolerance_s: float = Field(default=0.0, ge=0, le=60)
+    # A call that finds Redis unavailable (a failover, a restart) is sent again (idempotent)
+    # for this long before it fails and the plan's failure mode applies: a replica's promotion
+    # shorter than this fails no request and cuts no stream (0: fail at once).  Envoy's ext_proc
+    # message_timeout must be longer (``ai-quota envoy-config`` renders 12 s).
+    redis_failover_wait_s: float = Field(default=8.0, ge=0, le=60)
     grpc_address: str = "127.0.0.1:50051"
     key_prefix: str = "aiq"
     log_format: Literal["json", "console"] = "json"
@@ -187,7 +192,7 @@ class Settings(BaseSettings):
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
         """Read ``AIQ_CONFIG``, ``AIQ_REDIS_URL``, ``AIQ_REDIS_JOURNAL_S``,
-        ``AIQ_REDIS_STREAM_TOLERANCE_S``, ``AIQ_GRPC_ADDRESS``, ``AIQ_KEY_PREFIX``,
+        ``AIQ_REDIS_STREAM_TOLERANCE_S``, ``AIQ_REDIS_FAILOVER_WAIT_S``, ``AIQ_GRPC_ADDRESS``, ``AIQ_KEY_PREFIX``,
         ``AIQ_LOG_FORMAT`` (json|console), ``AIQ_LOG_LEVEL``, ``AIQ_METRICS_PORT``,
         ``AIQ_USAGE_ADDRESS``, ``AIQ_WORKERS``, ``AIQ_REUSEPORT`` (1|0|true|false),
         ``AIQ_EVENT_LOOP`` (uvloop|asyncio), ``AIQ_SHUTDOWN_GRACE_S``, ``AIQ_DRAIN_NOTICE_S``,

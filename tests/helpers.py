@@ -77,6 +77,24 @@ class RedisServer:
             self.proc.terminate()
             self.proc.wait(10)
 
+    def restart(self) -> float:
+        """Start the stopped server again on its port, with its arguments (an AOF it wrote is
+        loaded); seconds until it answered PING."""
+        started = time.monotonic()
+        self.proc = spawn(list(self.proc.args), self.workdir / "redis.log")  # type: ignore[arg-type]
+        client = redis.Redis(port=self.port)
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return time.monotonic() - started
+                except redis.exceptions.RedisError:
+                    if time.monotonic() - started > 10:
+                        raise
+                    time.sleep(0.02)
+        finally:
+            client.close()
+
 
 def e2e_rules(extra_tenants: dict[str, dict[str, Any]] | None = None, **top: Any) -> dict[str, Any]:
     """The rules the end-to-end suite runs on: one tenant per scenario, daily windows (a test

@@ -21,7 +21,12 @@ hash tag, so each script runs on one slot).  Any Redis failure becomes
   connection (Redis down) is not retried and fails at once;
 - the :class:`extproc.limiter.breaker.CircuitBreaker` opens on a failure *rate* over a short
   rolling window (never on one slow call), then fails calls at once for ``cooldown_ms`` and
-  probes Redis with a few half-open calls before closing.
+  probes Redis with a few half-open calls before closing;
+- a call that finds Redis unavailable (refused, reset, READONLY, no master, the breaker open,
+  timed out past its stall retry) *waits*: it is sent again, the same call (idempotent), every
+  50-250 ms until ``failover_wait_s`` after it started (:func:`failover_pause`), so a replica's
+  promotion or a restart costs callers a pause, not an error.  Only past that bound does
+  :class:`LimiterUnavailable` reach the caller (and its plan's failure mode apply).
 
 Timeouts, the pool and the breaker can be changed on a live limiter (:meth:`RedisLimiter.configure`,
 called on SIGHUP reload).
@@ -91,6 +96,23 @@ DEFAULT_MAX_CONNECTIONS = 128
 RLS_CALL_ID_TTL_MS = 60_000
 
 
+#: Default of :attr:`RedisLimiter.failover_wait_s` for a limiter built directly (the served
+#: processor takes ``AIQ_REDIS_FAILOVER_WAIT_S``, default :data:`extproc.settings` 8 s).
+DEFAULT_FAILOVER_WAIT_S = 0.0
+
+
+def failover_pause(waited: int) -> float:
+    """The pause before the ``waited``-th resend of a call that found Redis unavailable: 50 ms,
+    doubling to at most 250 ms (a promotion is seen within a quarter second)."""
+    return min(0.05 * float(2 ** min(waited, 3)), 0.25)
+
+
+def may_wait(elapsed_s: float, pause_s: float, wait_s: float) -> bool:
+    """Whether a call that started ``elapsed_s`` ago and found Redis unavailable is sent again
+    after ``pause_s``: only while that stays within its ``wait_s`` bound."""
+    return wait_s > 0 and elapsed_s + pause_s <= wait_s
+
+
 def starved_ceiling_s(timeout_s: float) -> float:
     """The longest a call may wait, in wall time, while the processor is starved of CPU."""
     return max(20 * timeout_s, 10.0)
@@ -134,8 +156,16 @@ class RedisLimiter:
         metrics: Metrics | None = None,
         journal_s: float = DEFAULT_WINDOW_S,
         stream_tolerance_s: float = 0.0,
+        failover_wait_s: float = DEFAULT_FAILOVER_WAIT_S,
     ) -> None:
         self._client = client
+        #: how long a call that finds Redis unavailable is sent again before it fails (a
+        #: replica's promotion or a restart shorter than this fails nothing; 0: at once)
+        self.failover_wait_s = failover_wait_s
+        #: calls that found Redis unavailable and waited (were sent again), and of those the
+        #: ones that failed all the same past the bound
+        self.waited_calls = 0
+        self.waits_exhausted = 0
         #: how long a stream charge keeps being sent again (same sequence number) before its
         #: stream gives up on it: a failover shorter than this does not cut streams in flight
         self.stream_tolerance_s = stream_tolerance_s
@@ -192,6 +222,7 @@ class RedisLimiter:
         metrics: Metrics | None = None,
         journal_s: float = DEFAULT_WINDOW_S,
         stream_tolerance_s: float = 0.0,
+        failover_wait_s: float = DEFAULT_FAILOVER_WAIT_S,
     ) -> RedisLimiter:
         """Connect to ``redis://host:port/db``, ``redis+cluster://host:port`` or
         ``redis+sentinel://host:port[,host:port...]/<master>[/db]`` (lazily; see
@@ -213,6 +244,7 @@ class RedisLimiter:
             metrics=metrics,
             journal_s=journal_s,
             stream_tolerance_s=stream_tolerance_s,
+            failover_wait_s=failover_wait_s,
         )
 
     # -- live settings -----------------------------------------------------------------------
@@ -290,12 +322,18 @@ class RedisLimiter:
         """Run ``make()`` against Redis under the timeout, the stall retry (``retry``: the
         call is idempotent) and the breaker."""
         attempt = 0
+        waited = 0
+        first = time.monotonic()
         maybe_ran = False  # an attempt timed out: Redis may still run it when it wakes up
         while True:
             started = time.perf_counter()
             if not self.breaker.allow():
                 self._observe(script, "breaker", started)
                 self._export_state()
+                if retry and await self._wait(first, waited):
+                    waited += 1
+                    continue
+                self._exhausted(waited)
                 raise LimiterUnavailable(
                     "the quota backend (Redis) is unavailable; retry shortly", maybe_ran=maybe_ran
                 )
@@ -321,6 +359,10 @@ class RedisLimiter:
                 if retry and timed_out and attempt < self.stall_retries:
                     attempt += 1
                     continue
+                if retry and await self._wait(first, waited):
+                    waited += 1
+                    continue
+                self._exhausted(waited)
                 raise LimiterUnavailable(
                     f"the quota backend (Redis) did not answer {what} in time: {type(exc).__name__}",
                     maybe_ran=maybe_ran,
@@ -331,6 +373,25 @@ class RedisLimiter:
                 self.failover.answered()
             self._export_state()
             return result
+
+    async def _wait(self, first: float, waited: int) -> bool:
+        """Pause before sending a call again that found Redis unavailable, when its
+        :attr:`failover_wait_s` bound allows (False: it fails now)."""
+        pause = failover_pause(waited)
+        if not may_wait(time.monotonic() - first, pause, self.failover_wait_s):
+            return False
+        if waited == 0:
+            self.waited_calls += 1
+            if self.metrics is not None:
+                self.metrics.redis_waits.labels("waited").inc()
+        await asyncio.sleep(pause)
+        return True
+
+    def _exhausted(self, waited: int) -> None:
+        if waited:
+            self.waits_exhausted += 1
+            if self.metrics is not None:
+                self.metrics.redis_waits.labels("failed").inc()
 
     async def _after_failover(self, make: Callable[[], Awaitable[T]], slot: int) -> T:
         """``make()``, after the journal was replayed to a new master if one may have taken

@@ -40,6 +40,9 @@ def fstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         Path(tmp_path_factory.mktemp("fail")),
         rules=rules,
         sim_args=["--model", "sim-small", "--model", "mystery-model"],
+        # Redis "gone" here means gone for good: its calls wait 1 s (not the default 8 s) for a
+        # failover that never comes, then the plans' failure modes apply
+        extproc_env={"AIQ_REDIS_FAILOVER_WAIT_S": "1"},
     )
     yield s
     s.stop()
@@ -192,7 +195,8 @@ def test_redis_gone_mid_stream_cuts_closed_and_continues_open(fstack: Stack) -> 
 
 
 def test_redis_gone_fails_closed_with_503_within_bounded_time(fstack: Stack) -> None:
-    """With Redis down, a fail-closed tenant gets a 503 OpenAI error quickly, never a hang."""
+    """With Redis down, a fail-closed tenant gets a 503 OpenAI error once its bounded wait for
+    a failover is over, never a hang."""
     fstack.kill("redis")
     r = httpx.post(
         f"{fstack.base_url}/chat/completions",

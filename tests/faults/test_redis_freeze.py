@@ -1,5 +1,6 @@
-"""Redis frozen for 15 s under load, on the real stack: running streams are cut cleanly (fail
-closed), new requests get a quick 503, settlements Redis could not take are kept and applied
+"""Redis frozen for 15 s under load, on the real stack, far past the processor's wait for a
+failover (AIQ_REDIS_FAILOVER_WAIT_S, 2 s here): running streams are cut cleanly (fail closed)
+once their charges have waited that long, new requests get a 503 after it, settlements Redis could not take are kept and applied
 once it is back, and the tenant is charged exactly what reached its clients."""
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ STREAMS = 6
 @pytest.fixture(scope="module")
 def zstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     rules = e2e_rules({"t-frz": {"plan": "big", "keys": [{"name": "frz", "plaintext": "sk-frz"}]}})
-    s = make_stack(Path(tmp_path_factory.mktemp("freeze")), rules=rules)
+    s = make_stack(
+        Path(tmp_path_factory.mktemp("freeze")),
+        rules=rules,
+        extproc_env={"AIQ_REDIS_FAILOVER_WAIT_S": "2"},
+    )
     yield s
     s.stop()
 

@@ -271,7 +271,7 @@ def test_envoy_gateway_extension_policy(base: list[Obj]) -> None:
     assert mode["request"]["body"] == "Buffered"
     assert "response" in mode and "body" not in mode["response"]  # headers only; see below
     assert mode["allowModeOverride"] is True  # the processor switches SSE to full duplex
-    assert ext["messageTimeout"] == "5s"
+    assert ext["messageTimeout"] == "12s"  # above AIQ_REDIS_FAILOVER_WAIT_S (8 s) + margin
     assert ext["failOpen"] is False
     assert ext["metadata"]["writableNamespaces"] == ["ai_quota"]
     active = ext["backendSettings"]["healthCheck"]["active"]
