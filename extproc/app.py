@@ -221,6 +221,8 @@ def port_security(settings: Settings, metrics: Metrics) -> PortSecurity:
         allow_plaintext=settings.grpc_allow_plaintext,
         admin_token=admin_token,
         refused=metrics.grpc_refused,
+        # a listener of its own only when the RLS API is served (without a config it is not)
+        rls_address=settings.rls_address if settings.rls_config else "",
     )
 
 
