@@ -196,6 +196,7 @@ class Running:
             await self.gateway.recorder.close(grace)
         if self.admin is not None:
             await self.admin.close()
+        await self.gateway.close_input_stops()
         await self.gateway.limiter.close()
 
 
@@ -333,6 +334,8 @@ async def start(
             await rls_server.start()
         if health_server is not None:
             await health_server.start()
+        # the models whose input shortcut a replica stopped: read now, then every second
+        gw.keep_input_stops()
     except BaseException:
         # What was built so far holds connections and tasks: close it, or the process hangs
         # on its way out instead of reporting the error.

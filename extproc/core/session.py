@@ -65,6 +65,7 @@ class Session:
         "_settlement",
         "account",
         "count_failed",
+        "input_uncounted",
         "life",
         "unconfirmed",
     )
@@ -82,6 +83,8 @@ class Session:
         # admitted on a bound); ``_counted`` is that count (None: not taken)
         self._cost: Cost | None = None
         self._counted: int | None = None
+        # billed (or about to be) at the upstream's own input figure without a count
+        self.input_uncounted = False
         self._responding: Responding | None = None
         self._reported: Reported | None = None
         self._output: Figure | int | None = None
@@ -149,6 +152,7 @@ class Session:
             raise PhaseError("the input count arrived after settlement was decided")
         self._counted = exact
         self._cost = replace(rec.cost, input_tokens=exact)
+        self.input_uncounted = False  # a figure taken before is checked against this count
 
     @property
     def counted_after_bound(self) -> bool:
@@ -496,6 +500,7 @@ class Session:
         if self.input_pending:
             upstream = self._upstream_input()
             if upstream is not None:
+                self.input_uncounted = True
                 return upstream  # the engine's own count, under a proven bound
             self._exact_input()
         cost, req, model, rep = self.cost, self.req, self.model, self._reported
@@ -572,6 +577,7 @@ class Session:
                 upstream = self._upstream_input() if self.input_pending else None
                 if upstream is not None:
                     self.input_counted(upstream)
+                    self.input_uncounted = True
                 self._exact_input()
                 adm, cost = self._admitted, self._cost
                 assert adm is not None and adm.cost is not None and cost is not None

@@ -79,6 +79,7 @@ class RequestProcessor:
         "_json",
         "_noting",
         "_settle_pending",
+        "_uncounted_ok",
         "cfg",
         "driver",
         "gw",
@@ -106,6 +107,8 @@ class RequestProcessor:
         self._exact: int | None = None
         self._body_size = 0
         self._settle_pending = False  # settlement decided, waiting for its response to be sent
+        # whether the upstream's input figure may stand without a count (asked once)
+        self._uncounted_ok: bool | None = None
 
     @property
     def request_id(self) -> str:
@@ -330,8 +333,22 @@ class RequestProcessor:
         the exact count it needs, a large prompt's in a worker thread within the counting
         deadline, never on the event loop."""
         await self._input_known()
-        if self.s.needs_count() and self.s.cost is not None:  # fail-open: nothing charged
+        s = self.s
+        if s.cost is None:  # fail-open: nothing charged
+            return
+        if s.needs_count() or (s.input_pending and not self._may_bill_uncounted()):
             await self._count_exact(self._body_size)
+
+    def _may_bill_uncounted(self) -> bool:
+        """Whether the upstream's input figure may be billed without a count: not while the
+        model is in probation, stopped, or has had ``input_audit_every - 1`` such bills since
+        its last agreeing count (:meth:`InputAudits.take_uncounted`; asked once a request)."""
+        if self._uncounted_ok is None:
+            model = self.s.model
+            self._uncounted_ok = isinstance(model, Model) and self.gw.input_audits.take_uncounted(
+                model.name, self.cfg.input_audit_every
+            )
+        return self._uncounted_ok
 
     # -- response --------------------------------------------------------------------------
 
