@@ -66,7 +66,7 @@ def billed(stack: Stack, rds: redis.Redis, want: int) -> list[tuple[UsageRecord,
     them have their usage record."""
     deadline = time.monotonic() + 20
     while True:
-        recs = [UsageRecord.from_fields(f) for _, f in rds.xrange("aiq:usage")]
+        recs = [UsageRecord.from_fields(f or {}) for _, f in rds.xrange("aiq:usage") or []]
         recs = [r for r in recs if r.tenant == "t-bound"]
         if len(recs) >= want or time.monotonic() > deadline:
             break
