@@ -374,6 +374,13 @@ class RequestProcessor:
             )
         if how.kind == "unmeterable":
             return self._unmeterable(how.reason)
+        # An answer to meter: should its upstream input figure not be billed without a count
+        # (the model's room between counts is used up), count it now, off the answer's path,
+        # so that every figure shown from here on (the access log's, a cut's) is the one
+        # billed; settlement checks again all the same.
+        pending = s.input_pending and s.cost is not None and self._counting is None
+        if pending and not self._may_bill_uncounted():
+            self._counting = asyncio.ensure_future(self._count_exact(self._body_size))
         if how.kind == "stream":  # SSE, or SSE under a missing/odd content type
             self.driver = StreamDriver(
                 self.gw, self.cfg, s, how.decoder, figures_ready=self._figures_ready
