@@ -17,6 +17,7 @@ and holds no policy of its own.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -45,6 +46,9 @@ from extproc.core.records import (
 )
 from extproc.core.rules import Adjustment, UnconfirmedCharge, Usage
 
+#: The order of the upstream figures read in this process (:attr:`Session.report_seq`).
+_REPORTS = itertools.count(1)
+
 
 class Session:
     """One request: its lifecycle, its phase records (each set once) and its account."""
@@ -67,6 +71,7 @@ class Session:
         "count_failed",
         "input_uncounted",
         "life",
+        "report_seq",
         "unconfirmed",
     )
 
@@ -85,6 +90,9 @@ class Session:
         self._counted: int | None = None
         # billed (or about to be) at the upstream's own input figure without a count
         self.input_uncounted = False
+        # the order in which the upstream's figures were read, in this process (0: none yet):
+        # which bills a later count vouches for (extproc.core.audits)
+        self.report_seq = 0
         self._responding: Responding | None = None
         self._reported: Reported | None = None
         self._output: Figure | int | None = None
@@ -324,6 +332,7 @@ class Session:
         if self._output is not None:
             return  # the figures are decided: a late report changes nothing
         self._reported = rec
+        self.report_seq = next(_REPORTS)
 
     @property
     def identified(self) -> Identified | None:

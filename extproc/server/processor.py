@@ -507,6 +507,15 @@ class RequestProcessor:
             self.gw.track(asyncio.ensure_future(self._settle()))
 
     async def _settle(self) -> None:
+        try:
+            await self._settle_figures()
+        finally:
+            model = self.s.model
+            if self._uncounted_ok and isinstance(model, Model):
+                # billed at the upstream's figure (then a bill holds the room) or counted
+                self.gw.input_audits.release(model.name)
+
+    async def _settle_figures(self) -> None:
         s = self.s
         noting = self._noting
         if noting is not None:

@@ -126,12 +126,13 @@ def _audit_input(gw: Gateway, s: Session, inp: Figure | int) -> str:
     record's ``input_check``."""
     model = s.model.name if s.model else ""
     if s.input_uncounted:
-        gw.input_audits.billed_uncounted(model, inp.value if isinstance(inp, Figure) else inp)
+        figure = inp.value if isinstance(inp, Figure) else inp
+        gw.input_audits.billed_uncounted(model, figure, s.report_seq)
         return "uncounted"
     if not isinstance(inp, Figure):
         return ""
     if inp.disagreement is None:
-        gw.input_audits.agreed(model)
+        gw.input_audits.agreed(model, s.report_seq)
         return ""
     _stop_input_shortcut(gw, s, inp)
     return inp.disagreement

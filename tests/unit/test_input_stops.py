@@ -72,25 +72,48 @@ async def open_requests(gw: Gateway, n: int, start: int) -> list[RequestProcesso
 
 def test_the_shortcut_is_earned_kept_under_audit_and_lost() -> None:
     """The table alone: probation until a count agrees; per model one admission in ``every``
-    counted; at most ``every - 1`` uncounted bills between counts; a disagreement stops it
-    and hands back the suspects; a config change starts over."""
+    counted; at most ``every - 1`` uncounted bills (reserved or billed) since the latest
+    agreeing figure; a disagreement stops it and hands back the suspects; a config change
+    starts over."""
     a = InputAudits()
     assert a.count_now("m", 4) and not a.take_uncounted("m", 4)  # probation: counted
-    a.agreed("m")
+    a.agreed("m", 1)
     # per model: another model's traffic cannot push this one's audits away
     assert [a.count_now("m", 4) for _ in range(8)] == [False, False, False, True] * 2
     assert [a.count_now("other", 4) for _ in range(3)] == [True] * 3  # other: in probation
     assert [a.take_uncounted("m", 4) for _ in range(5)] == [True, True, True, False, False]
-    for reported in (40, 40, 40):
-        a.billed_uncounted("m", reported)
-    assert a.disagreed("m") == Suspects(3, 120) and a.stopped("m")
+    for seq in (2, 3, 4):  # the three settle at the upstream's figure
+        a.billed_uncounted("m", 40, seq)
+        a.release("m")
+    assert not a.take_uncounted("m", 4)  # the bills hold the room, not the reservations
+    a.agreed("m", 3)  # a count of a figure read between them vouches for the two before it
+    assert a.take_uncounted("m", 4) and a.take_uncounted("m", 4)
+    assert not a.take_uncounted("m", 4)
+    a.release("m")
+    a.release("m")
+    assert a.disagreed("m") == Suspects(1, 40) and a.stopped("m")
     assert Suspects(3, 120).unbilled_estimate(40, 1000) == 120 * 960 // 40
     assert a.disagreed("m") is None and a.count_now("m", 4) and not a.take_uncounted("m", 4)
-    a.agreed("m")  # a later agreeing count does not bring a stopped shortcut back
+    a.agreed("m", 9)  # a later agreeing count does not bring a stopped shortcut back
     assert a.stopped("m")
     assert a.stopped_elsewhere(["m", "n"]) == ["n"]
     a.reset()  # a new config version
     assert not a.stopped("m") and not a.stopped("n") and a.count_now("m", 4)
+
+
+def test_a_stale_agreement_does_not_clear_bills_read_after_it() -> None:
+    """An audit whose figure was read before the upstream began to under-report, settling
+    after requests billed at the new figures (its count took longer): it vouches for nothing
+    read after it, so those bills keep holding the room."""
+    a = InputAudits()
+    a.agreed("m", 1)
+    assert a.take_uncounted("m", 4) and a.take_uncounted("m", 4)
+    a.billed_uncounted("m", 10, 5)
+    a.billed_uncounted("m", 10, 6)
+    a.release("m")
+    a.release("m")
+    a.agreed("m", 4)  # read before both bills
+    assert a.take_uncounted("m", 4) and not a.take_uncounted("m", 4)
 
 
 async def test_an_upstream_lying_from_the_start_never_bills_a_request_uncounted() -> None:
