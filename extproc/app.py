@@ -334,8 +334,6 @@ async def start(
             await rls_server.start()
         if health_server is not None:
             await health_server.start()
-        # the models whose input shortcut a replica stopped: read now, then every second
-        gw.keep_input_stops()
     except BaseException:
         # What was built so far holds connections and tasks: close it, or the process hangs
         # on its way out instead of reporting the error.

@@ -96,8 +96,10 @@ class Gateway:
     input_audits: InputAudits = field(default_factory=InputAudits)
     # stops found here that Redis has not taken yet: (config version, model) -> what was found
     _stops_unsent: dict[tuple[str, str], str] = field(default_factory=dict)
-    # writes them and reads the other replicas' every INPUT_STOPS_REFRESH_S
+    # writes them and reads the other replicas' every INPUT_STOPS_REFRESH_S while requests
+    # are admitted on a bound (an idle replica makes no call)
     _stops_loop: asyncio.Task[None] | None = None
+    _bound_seen: bool = False
     _settlements: SettlementQueue | None = None
     # Settlements go to Redis many per call, from one background task (when the limiter can)
     _batcher: SettlementBatcher | None = None
@@ -150,6 +152,9 @@ class Gateway:
         """Whether this request of ``model``, admitted on a bound, is counted exactly at once:
         to check the upstream's input figure (one in ``requests.input_audit_every``), or
         because that model's figures disagreed with a count before (:class:`InputAudits`)."""
+        self._bound_seen = True  # the shortcut is in use: keep the shared stops fresh
+        if self._stops_loop is None:
+            self.keep_input_stops()
         return self.input_audits.count_now(model, config.input_audit_every)
 
     # -- the input shortcut's stops, shared by every replica through Redis -----------------
@@ -174,6 +179,7 @@ class Gateway:
         self._stops_unsent[(version, model)] = orjson.dumps(entry).decode()
         if self._stop_store() is not None:
             self.track(asyncio.ensure_future(self._write_stops()))
+            self.keep_input_stops()  # retries what Redis did not take
 
     async def _write_stops(self) -> None:
         store = self._stop_store()
@@ -219,8 +225,11 @@ class Gateway:
         return new
 
     def keep_input_stops(self) -> None:
-        """Start the refresh of the shared stops (once per process): at once, then every
-        :data:`INPUT_STOPS_REFRESH_S`."""
+        """Start the refresh of the shared stops (once per process, with the first request
+        admitted on a bound or the first stop found here): at once, then every
+        :data:`INPUT_STOPS_REFRESH_S` in which a request was admitted on a bound or a stop
+        waits to be written.  An idle replica makes no call; a model's first requests after a
+        start are counted until one agrees (its probation), so the first read is never late."""
         if self._stop_store() is None:
             return
         if self._stops_loop is None or self._stops_loop.done():
@@ -229,10 +238,12 @@ class Gateway:
 
     async def _refresh_loop(self) -> None:
         while True:
-            try:
-                await self.refresh_input_stops()
-            except Exception:  # never let the loop die: the next period tries again
-                log.exception("input_stops_refresh_failed")
+            if self._bound_seen or self._stops_unsent:
+                self._bound_seen = False
+                try:
+                    await self.refresh_input_stops()
+                except Exception:  # never let the loop die: the next period tries again
+                    log.exception("input_stops_refresh_failed")
             await asyncio.sleep(INPUT_STOPS_REFRESH_S)
 
     async def close_input_stops(self) -> None:

@@ -35,18 +35,22 @@ MAX_STOPPED_MODELS = 1024
 @dataclass(frozen=True, slots=True)
 class Suspects:
     """The requests of a model this process billed at the upstream's own input figure since
-    its last agreeing count: the ones a later disagreement says were probably billed low."""
+    its last agreeing count: the ones a later disagreement says were probably billed low.
+    ``bills``: each one's (reported figure, the bound it was admitted on)."""
 
     requests: int = 0
     reported_tokens: int = 0
+    bills: tuple[tuple[int, int], ...] = ()
 
     def unbilled_estimate(self, reported: int, counted: int) -> int:
         """What those requests were likely short, if the upstream under-reported them as it did
-        the request whose count disagreed (``reported`` against ``counted``): their reported
-        tokens scaled by ``counted / reported - 1`` (0 when it over-reported)."""
+        the request whose count disagreed (``reported`` against ``counted``): each one's figure
+        scaled by ``counted / reported - 1``, but never more than its bound less its figure
+        (its true count is at most the bound); 0 when the upstream over-reported."""
         if counted <= reported:
             return 0
-        return self.reported_tokens * (counted - max(1, reported)) // max(1, reported)
+        r = max(1, reported)
+        return sum(min(f * (counted - r) // r, max(0, b - f)) for f, b in self.bills)
 
 
 @dataclass(slots=True)
@@ -57,9 +61,9 @@ class _Trust:
     agreed_at: int = 0
     # requests allowed to be billed at the upstream's figure, not yet settled
     reserved: int = 0
-    # (report order, reported figure) of the requests billed at the upstream's figure whose
-    # figure was read after the latest agreeing one
-    bills: list[tuple[int, int]] = field(default_factory=list)
+    # (report order, reported figure, bound) of the requests billed at the upstream's figure
+    # whose figure was read after the latest agreeing one
+    bills: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class InputAudits:
@@ -120,12 +124,13 @@ class InputAudits:
         if t is not None and t.reserved > 0:
             t.reserved -= 1
 
-    def billed_uncounted(self, model: str, reported: int, seq: int) -> None:
-        """A request of ``model`` was billed at the upstream's figure ``reported`` (read in
-        report order ``seq``) without a count: a suspect should a later count disagree."""
+    def billed_uncounted(self, model: str, reported: int, seq: int, bound: int) -> None:
+        """A request of ``model`` admitted on ``bound`` was billed at the upstream's figure
+        ``reported`` (read in report order ``seq``) without a count: a suspect should a later
+        count disagree."""
         t = self._trust.get(model)
         if t is not None and seq > t.agreed_at:
-            t.bills.append((seq, max(0, reported)))
+            t.bills.append((seq, max(0, reported), bound))
 
     def agreed(self, model: str, seq: int) -> None:
         """A count agreed with ``model``'s upstream figure read in report order ``seq``: the
@@ -153,9 +158,9 @@ class InputAudits:
         if self.stopped(model):
             return None
         t = self._trust.get(model)
-        bills = t.bills if t is not None else []
+        bills = tuple((r, b) for _, r, b in t.bills) if t is not None else ()
         self._stop(model)
-        return Suspects(len(bills), sum(r for _, r in bills))
+        return Suspects(len(bills), sum(r for r, _ in bills), bills)
 
     def stopped_elsewhere(self, models: Iterable[str]) -> list[str]:
         """Stops another replica (or this one before a restart) found under the same config

@@ -127,7 +127,9 @@ def _audit_input(gw: Gateway, s: Session, inp: Figure | int) -> str:
     model = s.model.name if s.model else ""
     if s.input_uncounted:
         figure = inp.value if isinstance(inp, Figure) else inp
-        gw.input_audits.billed_uncounted(model, figure, s.report_seq)
+        adm = s.admitted
+        bound = adm.cost.input_tokens if adm is not None and adm.cost is not None else figure
+        gw.input_audits.billed_uncounted(model, figure, s.report_seq, bound)
         return "uncounted"
     if not isinstance(inp, Figure):
         return ""

@@ -83,7 +83,7 @@ def test_the_shortcut_is_earned_kept_under_audit_and_lost() -> None:
     assert [a.count_now("other", 4) for _ in range(3)] == [True] * 3  # other: in probation
     assert [a.take_uncounted("m", 4) for _ in range(5)] == [True, True, True, False, False]
     for seq in (2, 3, 4):  # the three settle at the upstream's figure
-        a.billed_uncounted("m", 40, seq)
+        a.billed_uncounted("m", 40, seq, 2000)
         a.release("m")
     assert not a.take_uncounted("m", 4)  # the bills hold the room, not the reservations
     a.agreed("m", 3)  # a count of a figure read between them vouches for the two before it
@@ -91,8 +91,9 @@ def test_the_shortcut_is_earned_kept_under_audit_and_lost() -> None:
     assert not a.take_uncounted("m", 4)
     a.release("m")
     a.release("m")
-    assert a.disagreed("m") == Suspects(1, 40) and a.stopped("m")
-    assert Suspects(3, 120).unbilled_estimate(40, 1000) == 120 * 960 // 40
+    assert a.disagreed("m") == Suspects(1, 40, ((40, 2000),)) and a.stopped("m")
+    # 40 reported for 1000 counted: each bill 960 short, an honest one capped by its bound
+    assert Suspects(2, 540, ((40, 2000), (500, 600))).unbilled_estimate(40, 1000) == 960 + 100
     assert a.disagreed("m") is None and a.count_now("m", 4) and not a.take_uncounted("m", 4)
     a.agreed("m", 9)  # a later agreeing count does not bring a stopped shortcut back
     assert a.stopped("m")
@@ -108,8 +109,8 @@ def test_a_stale_agreement_does_not_clear_bills_read_after_it() -> None:
     a = InputAudits()
     a.agreed("m", 1)
     assert a.take_uncounted("m", 4) and a.take_uncounted("m", 4)
-    a.billed_uncounted("m", 10, 5)
-    a.billed_uncounted("m", 10, 6)
+    a.billed_uncounted("m", 10, 5, 900)
+    a.billed_uncounted("m", 10, 6, 900)
     a.release("m")
     a.release("m")
     a.agreed("m", 4)  # read before both bills
@@ -158,7 +159,7 @@ async def test_one_replica_bills_at_most_every_minus_one_uncounted_between_count
             await complete_json(p, lie)
     assert [p.s.input_uncounted for p in procs].count(True) == 3
     assert metric(gw, "input_shortcut_stops") == 1
-    assert metric(gw, "input_unbilled_estimate") == 3 * lie * (exact - lie) // lie
+    assert metric(gw, "input_unbilled_estimate") == 3 * (lie * (exact - lie) // lie)
 
 
 async def test_a_stop_found_by_one_replica_holds_on_every_replica_and_after_a_restart() -> None:
