@@ -466,8 +466,13 @@ def check_settings(
     client_ca: str,
     allowed_sans: list[str],
     allow_plaintext: bool,
+    rls_address: str = "",
 ) -> None:
-    """Refuse settings that leave the port open by accident (:class:`AccessConfigError`)."""
+    """Refuse settings that leave the port open by accident (:class:`AccessConfigError`).
+
+    ``rls_address``: the RLS API's own listener (``AIQ_RLS_ADDRESS``, "" when it shares the
+    gRPC port).  It takes the same caller token as the gRPC port, so it is held to the same
+    rule: no token in plaintext off loopback."""
     if bool(tls_cert) != bool(tls_key):
         raise AccessConfigError("--grpc-tls-cert and --grpc-tls-key go together (PEM files)")
     if client_ca and not tls_cert:
@@ -485,14 +490,20 @@ def check_settings(
             "(--grpc-tls-client-ca with --grpc-tls-cert/--grpc-tls-key); to serve anyone "
             "without credentials, say so: --insecure or AIQ_INSECURE=1 (docs/security.md)"
         )
-    host = address.rpartition(":")[0]
     plaintext = token_file and not tls_cert and not allow_plaintext and not insecure
-    if plaintext and not is_loopback(host):
-        raise AccessConfigError(
-            f"the gRPC port on non-loopback address {address!r} would receive bearer "
-            "tokens in plaintext: give --grpc-tls-cert and --grpc-tls-key (or set "
-            "AIQ_GRPC_ALLOW_PLAINTEXT=1 when a mesh in front terminates TLS)"
-        )
+    if not plaintext:
+        return
+    listeners = [("the gRPC port", address)]
+    if rls_address:
+        listeners.append(("the RLS API's own port (AIQ_RLS_ADDRESS)", rls_address))
+    for what, where in listeners:
+        if not is_loopback(where.rpartition(":")[0]):
+            raise AccessConfigError(
+                f"{what} on non-loopback address {where!r} would receive bearer "
+                "tokens in plaintext: give --grpc-tls-cert and --grpc-tls-key (TLS on every "
+                "gRPC listener, this one included), or set AIQ_GRPC_ALLOW_PLAINTEXT=1 when a "
+                "mesh in front terminates TLS"
+            )
 
 
 def build(
@@ -507,6 +518,7 @@ def build(
     allow_plaintext: bool,
     admin_token: Any,
     refused: Any,
+    rls_address: str = "",
 ) -> PortSecurity:
     """The credentials and guard of the port, or :class:`AccessConfigError`."""
     check_settings(
@@ -518,6 +530,7 @@ def build(
         client_ca=client_ca,
         allowed_sans=allowed_sans,
         allow_plaintext=allow_plaintext,
+        rls_address=rls_address,
     )
     tokens = TokenSet(token_file) if token_file else None
     files = CertFiles(tls_cert, tls_key, client_ca) if tls_cert else None

@@ -196,6 +196,7 @@ class Running:
             await self.gateway.recorder.close(grace)
         if self.admin is not None:
             await self.admin.close()
+        await self.gateway.close_input_stops()
         await self.gateway.limiter.close()
 
 
@@ -221,6 +222,8 @@ def port_security(settings: Settings, metrics: Metrics) -> PortSecurity:
         allow_plaintext=settings.grpc_allow_plaintext,
         admin_token=admin_token,
         refused=metrics.grpc_refused,
+        # a listener of its own only when the RLS API is served (without a config it is not)
+        rls_address=settings.rls_address if settings.rls_config else "",
     )
 
 

@@ -188,6 +188,21 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.input_unbilled_estimate = Counter(
+            "aiq_input_unbilled_estimate_tokens",
+            "Input tokens a stopped shortcut revealed as probably unbilled: the requests this "
+            "replica billed at the upstream's figure since the model's last agreeing count, "
+            "scaled by how far the disagreeing count was above the upstream's figure",
+            ["model"],
+            registry=r,
+        )
+        self.input_stops_adopted = Counter(
+            "aiq_input_shortcut_stops_adopted",
+            "Models whose shortcut this replica stopped because another replica (or this one "
+            "before a restart) found a disagreement: read from Redis",
+            ["model"],
+            registry=r,
+        )
         self.duplicate_hits = Counter(
             "aiq_idempotent_duplicates",
             "Limiter calls that found their ledger entry already applied",

@@ -264,6 +264,16 @@ class RecordingLimiter:
         self._check()
         return await self.inner.count_slots(keys, now_ms)
 
+    async def stop_input_shortcut(self, key: str, model: str, entry: str, ttl_ms: int) -> bool:
+        """Record a model's stopped input shortcut (shared by the gateways on this limiter)."""
+        self._check()
+        return await self.inner.stop_input_shortcut(key, model, entry, ttl_ms)
+
+    async def input_stops(self, key: str) -> list[str]:
+        """The models stopped under ``key``."""
+        self._check()
+        return await self.inner.input_stops(key)
+
     async def ping(self) -> bool:
         """Whether the scripted backend is up."""
         return not self.down

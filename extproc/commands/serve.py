@@ -211,6 +211,7 @@ def check_security(settings: Any) -> None:
         client_ca=settings.grpc_tls_client_ca,
         allowed_sans=settings.allowed_sans,
         allow_plaintext=settings.grpc_allow_plaintext,
+        rls_address=settings.rls_address if settings.rls_config else "",
     )
 
 

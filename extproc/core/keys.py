@@ -130,6 +130,12 @@ def ledger_key(prefix: str, tenant: str, request_id: str) -> str:
     return f"{tenant_tag(prefix, tenant)}:req:{sanitize_request_id(request_id)}"
 
 
+def input_stops_key(prefix: str, config_version: str) -> str:
+    """The models whose input shortcut stopped under one config version (a hash, one Cluster
+    slot: its own hash tag, not a tenant's)."""
+    return f"{prefix}:{{input-stops}}:{sanitize_request_id(config_version or 'unversioned')}"
+
+
 def open_key(ledger: str) -> str:
     """The sorted set of a tenant's open reservations, next to its ledgers (same hash tag)."""
     return ledger.rsplit(":req:", 1)[0] + ":open"

@@ -17,6 +17,7 @@ and holds no policy of its own.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -45,6 +46,9 @@ from extproc.core.records import (
 )
 from extproc.core.rules import Adjustment, UnconfirmedCharge, Usage
 
+#: The order of the upstream figures read in this process (:attr:`Session.report_seq`).
+_REPORTS = itertools.count(1)
+
 
 class Session:
     """One request: its lifecycle, its phase records (each set once) and its account."""
@@ -65,7 +69,9 @@ class Session:
         "_settlement",
         "account",
         "count_failed",
+        "input_uncounted",
         "life",
+        "report_seq",
         "unconfirmed",
     )
 
@@ -82,6 +88,11 @@ class Session:
         # admitted on a bound); ``_counted`` is that count (None: not taken)
         self._cost: Cost | None = None
         self._counted: int | None = None
+        # billed (or about to be) at the upstream's own input figure without a count
+        self.input_uncounted = False
+        # the order in which the upstream's figures were read, in this process (0: none yet):
+        # which bills a later count vouches for (extproc.core.audits)
+        self.report_seq = 0
         self._responding: Responding | None = None
         self._reported: Reported | None = None
         self._output: Figure | int | None = None
@@ -149,6 +160,7 @@ class Session:
             raise PhaseError("the input count arrived after settlement was decided")
         self._counted = exact
         self._cost = replace(rec.cost, input_tokens=exact)
+        self.input_uncounted = False  # a figure taken before is checked against this count
 
     @property
     def counted_after_bound(self) -> bool:
@@ -320,6 +332,7 @@ class Session:
         if self._output is not None:
             return  # the figures are decided: a late report changes nothing
         self._reported = rec
+        self.report_seq = next(_REPORTS)
 
     @property
     def identified(self) -> Identified | None:
@@ -496,6 +509,7 @@ class Session:
         if self.input_pending:
             upstream = self._upstream_input()
             if upstream is not None:
+                self.input_uncounted = True
                 return upstream  # the engine's own count, under a proven bound
             self._exact_input()
         cost, req, model, rep = self.cost, self.req, self.model, self._reported
@@ -572,6 +586,7 @@ class Session:
                 upstream = self._upstream_input() if self.input_pending else None
                 if upstream is not None:
                     self.input_counted(upstream)
+                    self.input_uncounted = True
                 self._exact_input()
                 adm, cost = self._admitted, self._cost
                 assert adm is not None and adm.cost is not None and cost is not None

@@ -168,6 +168,23 @@ class InputNoter(Protocol):
         ...
 
 
+class InputStopStore(Protocol):
+    """A limiter that shares the models whose input shortcut stopped (Redis and in-memory
+    limiters): one hash per config version, ``key`` from
+    :func:`extproc.core.keys.input_stops_key`."""
+
+    async def stop_input_shortcut(self, key: str, model: str, entry: str, ttl_ms: int) -> bool:
+        """Record that ``model``'s shortcut stopped (``entry``: what was found, kept from the
+        first finder); True when this call recorded it.  Idempotent; raises
+        :class:`extproc.errors.LimiterUnavailable` when Redis does not answer."""
+        ...
+
+    async def input_stops(self, key: str) -> list[str]:
+        """The models whose shortcut stopped under ``key``'s config version (one read);
+        raises :class:`extproc.errors.LimiterUnavailable` when Redis does not answer."""
+        ...
+
+
 class BatchSettler(Protocol):
     """A limiter that settles many requests per round trip (:class:`RedisLimiter`)."""
 

@@ -100,6 +100,8 @@ class MemoryLimiter:
         self.clock: Clock = clock or SystemClock()
         self._keys: dict[str, _Entry] = {}
         self.round_trips = 0
+        # input_stop.lua's hashes (config version key -> model -> entry); no expiry here
+        self._input_stops: dict[str, dict[str, str]] = {}
 
     # -- the keyspace --------------------------------------------------------------------------
 
@@ -502,6 +504,20 @@ class MemoryLimiter:
                     led.refundable[key] = led.refundable.get(key, 0) + units
             out.append(True)
         return out
+
+    async def stop_input_shortcut(self, key: str, model: str, entry: str, ttl_ms: int) -> bool:
+        """input_stop.lua: the first entry for ``model`` is kept (the expiry is not modelled)."""
+        self.round_trips += 1
+        stops = self._input_stops.setdefault(key, {})
+        if model in stops:
+            return False
+        stops[model] = entry
+        return True
+
+    async def input_stops(self, key: str) -> list[str]:
+        """The models stopped under ``key`` (HKEYS)."""
+        self.round_trips += 1
+        return list(self._input_stops.get(key, {}))
 
     async def renew(
         self, ledgers: list[str], until_ms: int, *, held: dict[str, list[str]] | None = None

@@ -187,6 +187,7 @@ class RedisLimiter:
         self._allowance = client.register_script(load_script("allowance"))
         self._tranche = client.register_script(load_script("tranche"))
         self._drafts = client.register_script(load_script("drafts"))
+        self._input_stop = client.register_script(load_script("input_stop"))
         self._export_state()
         # every script a journalled call may have run, by name (a script registered later,
         # :meth:`register`, joins it)
@@ -695,6 +696,27 @@ class RedisLimiter:
 
         await self._per_slot([n.ledger for n in notes], one)
         return out
+
+    async def stop_input_shortcut(self, key: str, model: str, entry: str, ttl_ms: int) -> bool:
+        """``input_stop.lua``: record a model's stopped input shortcut for every replica
+        (idempotent: a retry after a timeout changes nothing)."""
+        res = await self._call(
+            "an input shortcut stop",
+            "input_stop",
+            lambda: self._input_stop(keys=[key], args=[model, entry, ttl_ms]),
+            slot=self._slot(key),
+        )
+        return bool(int(res))
+
+    async def input_stops(self, key: str) -> list[str]:
+        """The models whose input shortcut stopped under this config version (HKEYS)."""
+        names = await self._call(
+            "the input shortcut stops",
+            "input_stops",
+            lambda: self._client.hkeys(key),
+            slot=self._slot(key),
+        )
+        return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
 
     async def take_allowances(
         self, items: list[AllowanceTake], lease: AllowanceLease | None = None

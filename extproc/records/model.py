@@ -38,7 +38,15 @@ FIELDS: tuple[str, ...] = (
     "status",
     "admitted_at_ms",
     "finished_at_ms",
+    "input_check",
+    "input_reported",
 )
+
+#: ``input_check``: how the input was billed, when it was not simply counted (docs/
+#: usage-records.md): ``uncounted`` at the upstream's own figure without a count (admitted on
+#: a bound; re-bill these if the upstream is later found to under-report), ``low``/``high`` the
+#: upstream's figure disagreed with the count (billed at the nearest bound).
+INPUT_CHECKS = ("", "uncounted", "low", "high")
 
 _INTS = (
     "input_tokens",
@@ -83,6 +91,10 @@ class UsageRecord:
     status: int | None = None
     record_id: str = ""
     currency: str = ""  # of ``cost`` (an ISO 4217 code); empty while unpriced
+    # how the input was billed when not simply counted (:data:`INPUT_CHECKS`), and the
+    # upstream's own input figure then (None: not reported, or nothing to flag)
+    input_check: str = ""
+    input_reported: int | None = None
 
     def to_fields(self) -> dict[str, str]:
         """The flat string fields of the stream entry (None is written as an empty string)."""
@@ -100,6 +112,7 @@ class UsageRecord:
             ints = {name: int(f.get(name) or 0) for name in _INTS}
             status = f.get("status") or ""
             cost = f.get("cost") or ""
+            reported = f.get("input_reported") or ""
             return cls(
                 record_id=f.get("record_id", ""),
                 request_id=f["request_id"],
@@ -111,6 +124,8 @@ class UsageRecord:
                 status=int(status) if status else None,
                 cost=Decimal(cost) if cost else None,
                 currency=f.get("currency", ""),
+                input_check=f.get("input_check", ""),
+                input_reported=int(reported) if reported else None,
                 **ints,
             )
         except (KeyError, ValueError, InvalidOperation) as exc:

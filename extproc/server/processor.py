@@ -79,6 +79,7 @@ class RequestProcessor:
         "_json",
         "_noting",
         "_settle_pending",
+        "_uncounted_ok",
         "cfg",
         "driver",
         "gw",
@@ -106,6 +107,8 @@ class RequestProcessor:
         self._exact: int | None = None
         self._body_size = 0
         self._settle_pending = False  # settlement decided, waiting for its response to be sent
+        # whether the upstream's input figure may stand without a count (asked once)
+        self._uncounted_ok: bool | None = None
 
     @property
     def request_id(self) -> str:
@@ -330,8 +333,22 @@ class RequestProcessor:
         the exact count it needs, a large prompt's in a worker thread within the counting
         deadline, never on the event loop."""
         await self._input_known()
-        if self.s.needs_count() and self.s.cost is not None:  # fail-open: nothing charged
+        s = self.s
+        if s.cost is None:  # fail-open: nothing charged
+            return
+        if s.needs_count() or (s.input_pending and not self._may_bill_uncounted()):
             await self._count_exact(self._body_size)
+
+    def _may_bill_uncounted(self) -> bool:
+        """Whether the upstream's input figure may be billed without a count: not while the
+        model is in probation, stopped, or has had ``input_audit_every - 1`` such bills since
+        its last agreeing count (:meth:`InputAudits.take_uncounted`; asked once a request)."""
+        if self._uncounted_ok is None:
+            model = self.s.model
+            self._uncounted_ok = isinstance(model, Model) and self.gw.input_audits.take_uncounted(
+                model.name, self.cfg.input_audit_every
+            )
+        return self._uncounted_ok
 
     # -- response --------------------------------------------------------------------------
 
@@ -357,6 +374,13 @@ class RequestProcessor:
             )
         if how.kind == "unmeterable":
             return self._unmeterable(how.reason)
+        # An answer to meter: should its upstream input figure not be billed without a count
+        # (the model's room between counts is used up), count it now, off the answer's path,
+        # so that every figure shown from here on (the access log's, a cut's) is the one
+        # billed; settlement checks again all the same.
+        pending = s.input_pending and s.cost is not None and self._counting is None
+        if pending and not self._may_bill_uncounted():
+            self._counting = asyncio.ensure_future(self._count_exact(self._body_size))
         if how.kind == "stream":  # SSE, or SSE under a missing/odd content type
             self.driver = StreamDriver(
                 self.gw, self.cfg, s, how.decoder, figures_ready=self._figures_ready
@@ -483,6 +507,15 @@ class RequestProcessor:
             self.gw.track(asyncio.ensure_future(self._settle()))
 
     async def _settle(self) -> None:
+        try:
+            await self._settle_figures()
+        finally:
+            model = self.s.model
+            if self._uncounted_ok and isinstance(model, Model):
+                # billed at the upstream's figure (then a bill holds the room) or counted
+                self.gw.input_audits.release(model.name)
+
+    async def _settle_figures(self) -> None:
         s = self.s
         noting = self._noting
         if noting is not None:

@@ -77,6 +77,7 @@ async def settle(gw: Gateway, cfg: RuntimeConfig, s: Session, stream: StreamEnd 
         return
     now = gw.clock.now_ms()
     result = s.settlement(now, stream=stream, ending=ending)
+    check = ""  # the usage record's input_check
     if s.count_failed:  # the bound it was admitted on stands: an over-count, never an under-count
         log.error("input_count_failed", request_id=s.request_id, kept="bound")
     if result.output is not None and result.total is not None and result.total > 0:
@@ -86,9 +87,11 @@ async def settle(gw: Gateway, cfg: RuntimeConfig, s: Session, stream: StreamEnd 
             log_disagreement(gw, s, "output", fig)
         inp = s.input_figure()
         log_disagreement(gw, s, "input", inp)
-        if isinstance(inp, Figure) and inp.disagreement is not None and _has_shortcut(s):
-            _stop_input_shortcut(gw, s)
-    _record(gw, s, result, now)
+        if _has_shortcut(s):
+            check = _audit_input(gw, s, inp)
+    elif s.input_uncounted and result.input is not None and _has_shortcut(s):
+        check = _audit_input(gw, s, result.input)  # an abandoned request, at the engine's figure
+    _record(gw, s, result, now, check)
     if result.total is None and not s.holds_slots:
         _log_settled(s, result, s.account.total, 0)
         return
@@ -115,19 +118,66 @@ def _has_shortcut(s: Session) -> bool:
     return s.counted_after_bound or (isinstance(model, Model) and model.bound_counter is not None)
 
 
-def _stop_input_shortcut(gw: Gateway, s: Session) -> None:
-    """A request admitted on a bound whose upstream input figure a count contradicted: that
-    model's later requests on a bound are counted, not billed at the upstream's figure."""
+def _audit_input(gw: Gateway, s: Session, inp: Figure | int) -> str:
+    """What the request's input figure says of its model's upstream (a model with the
+    shortcut, :class:`extproc.core.audits.InputAudits`): billed at the upstream's figure without
+    a count (a suspect should a later count disagree), a count that agreed (the shortcut is
+    earned or kept), or one that disagreed (the shortcut stops, on every replica).  The usage
+    record's ``input_check``."""
     model = s.model.name if s.model else ""
-    if gw.input_audits.disagreed(model):
-        gw.metrics.input_shortcut_stops.labels(model).inc()
-        log.warning(
-            "input_shortcut_stopped",
-            request_id=s.request_id,
-            model=model,
-            reported=s.reported.input if s.reported else None,
-            counted=s.cost.input_tokens if s.cost else None,
-        )
+    if s.input_uncounted:
+        figure = inp.value if isinstance(inp, Figure) else inp
+        adm = s.admitted
+        bound = adm.cost.input_tokens if adm is not None and adm.cost is not None else figure
+        gw.input_audits.billed_uncounted(model, figure, s.report_seq, bound)
+        return "uncounted"
+    if not isinstance(inp, Figure):
+        return ""
+    if inp.disagreement is None:
+        gw.input_audits.agreed(model, s.report_seq)
+        return ""
+    _stop_input_shortcut(gw, s, inp)
+    return inp.disagreement
+
+
+def _stop_input_shortcut(gw: Gateway, s: Session, fig: Figure) -> None:
+    """A count contradicted the upstream's input figure: that model's later requests on a
+    bound are counted, on this replica at once and on the others once they read the stop
+    (written to Redis, :meth:`Gateway.stop_input_shortcut`).  Reported with what it revealed:
+    the requests this replica billed at the upstream's figure since the model's last agreeing
+    count, and what they were likely short if the upstream under-reported them alike."""
+    model = s.model.name if s.model else ""
+    suspects = gw.input_audits.disagreed(model)
+    if suspects is None:
+        return  # stopped already
+    estimate = suspects.unbilled_estimate(fig.reported, fig.counted)
+    gw.metrics.input_shortcut_stops.labels(model).inc()
+    gw.metrics.input_unbilled_estimate.labels(model).inc(estimate)
+    gw.stop_input_shortcut(
+        model,
+        {
+            "request_id": s.request_id,
+            "reported": fig.reported,
+            "counted": fig.counted,
+            "disagreement": fig.disagreement,
+            "suspect_requests": suspects.requests,
+            "unbilled_estimate": estimate,
+        },
+    )
+    log.warning(
+        "input_shortcut_stopped",
+        request_id=s.request_id,
+        model=model,
+        reported=fig.reported,
+        counted=fig.counted,
+        disagreement=fig.disagreement,
+        gap=fig.counted - fig.reported,
+        suspect_requests=suspects.requests,
+        suspect_reported_tokens=suspects.reported_tokens,
+        unbilled_estimate=estimate,
+        config_version=gw.config_version,
+        note="this model's input is counted on every replica from now on (this config version)",
+    )
 
 
 async def _settle_now(
@@ -163,7 +213,7 @@ def _count_tokens(gw: Gateway, s: Session, result: Settlement, total: int) -> No
                 gw.metrics.model_tokens.labels(s.model.name, kind).inc(n)
 
 
-def _record(gw: Gateway, s: Session, result: Settlement, now_ms: int) -> None:
+def _record(gw: Gateway, s: Session, result: Settlement, now_ms: int, check: str = "") -> None:
     """The request's billing record, once, at settlement (never blocks: the recorder queues)."""
     cost, tenant, model = s.cost, s.tenant, s.model
     if gw.recorder is None or cost is None or tenant is None:
@@ -199,6 +249,8 @@ def _record(gw: Gateway, s: Session, result: Settlement, now_ms: int) -> None:
             admitted_at_ms=admitted.at_ms if admitted else 0,
             finished_at_ms=now_ms,
             record_id=record_id_for(s.ledger) if s.ledger else "",
+            input_check=check,
+            input_reported=rep.input if check and rep is not None else None,
         )
     )
 

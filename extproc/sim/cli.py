@@ -32,7 +32,8 @@ per-request headers: x-sim-tokens, x-sim-seed, x-sim-ttft-ms, x-sim-itl-ms,
 x-sim-tokens-per-chunk, x-sim-reasoning, x-sim-tool-call, x-sim-status, x-sim-slow-start-ms,
 x-sim-disconnect-after, x-sim-malformed-after, x-sim-error-event-after,
 x-sim-chunk-tokens, x-sim-burst-tokens, x-sim-gzip, x-sim-honour-accept-encoding,
-x-sim-content-type, x-sim-usage, x-sim-ignore-max-tokens, x-sim-content-length
+x-sim-content-type, x-sim-usage, x-sim-prompt-usage, x-sim-ignore-max-tokens,
+x-sim-content-length
 """
 
 

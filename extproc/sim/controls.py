@@ -49,6 +49,9 @@ class SimControls:
     honour_accept_encoding: bool = False
     content_type: str | None = None
     usage: UsageLie | None = None
+    # x-sim-prompt-usage: what the usage reports instead of the real prompt-token count (an
+    # upstream that under-reports its input, e.g. scale:0.04)
+    prompt_usage: UsageLie | None = None
     ignore_max_tokens: bool = False
     content_length: bool = False
 
@@ -113,6 +116,9 @@ def parse_controls(headers: Mapping[str, str]) -> SimControls:
         honour_accept_encoding=_header_flag(headers, "x-sim-honour-accept-encoding"),
         content_type=content_type,
         usage=parse_usage_lie(headers.get("x-sim-usage")),
+        prompt_usage=parse_usage_lie(
+            headers.get("x-sim-prompt-usage"), name="x-sim-prompt-usage", absent=False
+        ),
         ignore_max_tokens=_header_flag(headers, "x-sim-ignore-max-tokens"),
         content_length=_header_flag(headers, "x-sim-content-length"),
     )
@@ -125,13 +131,17 @@ def _header_flag(headers: Mapping[str, str], name: str) -> bool:
     return headers.get(name, "").strip().lower() in _TRUE
 
 
-def parse_usage_lie(raw: str | None) -> UsageLie | None:
-    """``x-sim-usage``: ``<int>`` (report that count), ``scale:<float>`` or ``absent``."""
+def parse_usage_lie(
+    raw: str | None, *, name: str = "x-sim-usage", absent: bool = True
+) -> UsageLie | None:
+    """``x-sim-usage``: ``<int>`` (report that count), ``scale:<float>`` or ``absent``
+    (``x-sim-prompt-usage``, ``absent=False``: the first two only)."""
     if raw is None:
         return None
     value = raw.strip().lower()
-    if value == "absent":
+    if value == "absent" and absent:
         return UsageLie("absent")
+    forms = "<int>, scale:<float> or absent" if absent else "<int> or scale:<float>"
     try:
         if value.startswith("scale:"):
             factor = float(value.removeprefix("scale:"))
@@ -140,9 +150,7 @@ def parse_usage_lie(raw: str | None) -> UsageLie | None:
             return UsageLie("scale", factor)
         count = int(value)
     except ValueError:
-        raise RequestError(
-            400, f"header x-sim-usage must be <int>, scale:<float> or absent, got {raw!r}"
-        ) from None
+        raise RequestError(400, f"header {name} must be {forms}, got {raw!r}") from None
     if count < 0:
-        raise RequestError(400, "header x-sim-usage must be >= 0")
+        raise RequestError(400, f"header {name} must be >= 0")
     return UsageLie("fixed", float(count))

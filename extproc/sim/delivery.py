@@ -163,7 +163,7 @@ class Generation:
             sim_id=self.rec.sim_id,
             model=self.req.model,
             created=self.created,
-            prompt_tokens=self.req.prompt_tokens,
+            prompt_tokens=self.rec.prompt_tokens_reported,
             include_usage=self.req.include_usage,
             finish_reason=self.plan.finish_reason,
             choices=self.req.choices,

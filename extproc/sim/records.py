@@ -31,6 +31,9 @@ class SimRecord:
     n: int = 1
     max_tokens: int | None = None
     prompt_tokens: int = 0
+    #: the prompt-token count the usage reports (differs from prompt_tokens under
+    #: x-sim-prompt-usage, an upstream that under-reports its input)
+    prompt_tokens_reported: int = 0
     tokens_planned: int = 0
     tokens_sent: int = 0
     ending: str = "in_progress"

@@ -148,6 +148,9 @@ async def _handle_generation(request: web.Request, api: str) -> web.StreamRespon
             controls = dataclasses.replace(controls, reasoning=0, tool_call=False)
         if controls.usage is not None:
             rec.usage_lie = headers.get("x-sim-usage")
+        lie = controls.prompt_usage
+        reported = lie.reported(req.prompt_tokens) if lie is not None else None
+        rec.prompt_tokens_reported = req.prompt_tokens if reported is None else reported
         plan = plan_answer(req, controls, cfg)
         rec.max_tokens = plan.limit
         rec.tokens_planned = plan.tokens_per_choice * req.choices

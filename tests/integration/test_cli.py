@@ -66,11 +66,17 @@ def test_check_config_reports_a_missing_file(tmp_path: Path) -> None:
 
 
 def test_envoy_config_matches_the_committed_default() -> None:
-    """`ai-quota envoy-config` with defaults reproduces envoy/envoy.yaml (no drift)."""
+    """`ai-quota envoy-config` with defaults reproduces envoy/envoy.yaml byte for byte (no
+    drift), its first lines included: without credentials they say the bootstrap needs
+    processors started --insecure."""
+    from extproc.envoy_config import PLAINTEXT_WARNING
+
     p = run("envoy-config")
     assert p.returncode == 0
     committed = (ROOT / "envoy/envoy.yaml").read_text()
-    assert committed.split("\n", 1)[1] == p.stdout.split("\n", 1)[1]
+    assert committed == p.stdout
+    assert committed.split("\n")[1:3] == PLAINTEXT_WARNING.split("\n")[:2]
+    assert "serve --insecure" in committed.split("admin:", 1)[0]
 
 
 def test_up_refuses_a_busy_port() -> None:

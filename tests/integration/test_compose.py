@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from extproc.config import load_config
-from extproc.envoy_config import EnvoyPorts, GrpcClientAuth, render_yaml
+from extproc.envoy_config import EnvoyPorts, GrpcClientAuth, header, render_yaml
 
 pytestmark = pytest.mark.integration
 
@@ -331,8 +331,14 @@ def test_compose_envoy_yaml_passes_envoy_validate(tmp_path: Path) -> None:
 
 
 def test_local_envoy_yaml_equals_the_renderer_default() -> None:
-    """envoy/envoy.yaml is exactly render_yaml(EnvoyPorts()) (the renderer's default output)."""
-    assert yaml.safe_load(LOCAL_ENVOY.read_text()) == yaml.safe_load(render_yaml(EnvoyPorts()))
+    """envoy/envoy.yaml is exactly render_yaml(EnvoyPorts()) (the renderer's default output),
+    under the header saying it needs processors started --insecure; compose/envoy.yaml,
+    rendered with the stack's credentials, carries no such warning."""
+    text = LOCAL_ENVOY.read_text()
+    assert text == header(EnvoyPorts()) + render_yaml(EnvoyPorts())
+    assert "serve --insecure" in header(EnvoyPorts())
+    compose = COMPOSE_ENVOY.read_text()
+    assert compose.startswith(header(COMPOSE_PORTS)) and "--insecure" not in header(COMPOSE_PORTS)
 
 
 def test_local_envoy_yaml_passes_envoy_validate() -> None:

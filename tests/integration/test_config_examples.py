@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.envoy_config import EnvoyPorts, JwtAuth, render_yaml
+from extproc.envoy_config import EnvoyPorts, JwtAuth, header, render_yaml
 from extproc.stack import find_binary
 
 pytestmark = pytest.mark.integration
@@ -93,8 +93,10 @@ def test_each_example_passes_check_config(path: Path) -> None:
 
 def test_jwt_bootstrap_equals_the_renderer_output() -> None:
     """envoy/envoy-jwt.yaml is exactly what `ai-quota envoy-config --jwt-issuer ...` renders."""
-    committed = yaml.safe_load(JWT_BOOTSTRAP.read_text())
-    assert committed == yaml.safe_load(render_yaml(JWT_PORTS))
+    text = JWT_BOOTSTRAP.read_text()
+    assert yaml.safe_load(text) == yaml.safe_load(render_yaml(JWT_PORTS))
+    # its first lines are the renderer's: that it needs processors started --insecure
+    assert text.startswith(header(JWT_PORTS)) and "serve --insecure" in header(JWT_PORTS)
 
 
 def test_jwt_bootstrap_passes_envoy_validate() -> None:

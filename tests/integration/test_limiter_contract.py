@@ -400,3 +400,23 @@ async def test_rls_windows_are_counters_of_their_own(backend: Backend) -> None:
     ttl = await p.ttl_ms(this[0][0])
     assert 0 < ttl <= next_hour + EXPIRY_SLACK_MS - now
     assert ttl > (await p.ttl_ms(following[0][0])) - 3_600_000 - 1000
+
+
+async def test_input_shortcut_stops_are_kept_once_per_config_version(backend: Backend) -> None:
+    """input_stop.lua: the first finder's entry is kept, a second stop (another replica, a
+    retried call) changes nothing, every replica reads the model back; another config
+    version's hash is a separate one; on Redis the hash expires (its TTL is set)."""
+    from extproc.core.keys import input_stops_key
+    from extproc.limiter.base import InputStopStore
+
+    store: InputStopStore = backend.limiter  # type: ignore[assignment]
+    prefix = f"c{uuid.uuid4().hex[:8]}"
+    key, other = input_stops_key(prefix, "v1"), input_stops_key(prefix, "v2")
+    assert await store.input_stops(key) == []
+    assert await store.stop_input_shortcut(key, "m", '{"replica":"a"}', 60_000)
+    assert not await store.stop_input_shortcut(key, "m", '{"replica":"b"}', 60_000)
+    assert await store.stop_input_shortcut(key, "n", '{"replica":"b"}', 60_000)
+    assert sorted(await store.input_stops(key)) == ["m", "n"]
+    assert await store.input_stops(other) == []
+    if backend.name != "memory":
+        assert 0 < await backend.probe.ttl_ms(key) <= 60_000

@@ -320,6 +320,9 @@ async def test_insecure_is_an_explicit_choice(
         ({"client_ca": "ca"}, "needs --grpc-tls-cert"),
         ({"token_file": "t", "allowed_sans": ["envoy"]}, "needs --grpc-tls-client-ca"),
         ({"token_file": "t", "address": "0.0.0.0:50051"}, "in plaintext"),
+        # the RLS API's own port takes the same token: held to the same rule
+        ({"token_file": "t", "rls_address": "0.0.0.0:50052"}, r"RLS API's own port .*plaintext"),
+        ({"token_file": "t", "rls_address": ":50052"}, r"AIQ_RLS_ADDRESS\) on non-loopback"),
         ({}, "needs caller credentials"),
     ],
 )
@@ -485,3 +488,73 @@ async def test_the_rls_api_on_its_own_address_has_the_same_door(
     finally:
         await running.stop(1.0)
     assert metric(running, "aiq_grpc_refused_total", service="rls", reason="missing") == 1
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"rls_address": "127.0.0.1:50052"},  # loopback: the token stays on the machine
+        {"rls_address": "0.0.0.0:50052", "tls_cert": "c", "tls_key": "k"},  # TLS there too
+        {"rls_address": "0.0.0.0:50052", "allow_plaintext": True},  # a mesh terminates TLS
+        {"rls_address": "0.0.0.0:50052", "insecure": True, "token_file": ""},  # no token at all
+    ],
+)
+def test_an_rls_port_off_loopback_is_allowed_only_without_a_plaintext_token(
+    kw: dict[str, Any],
+) -> None:
+    """What the refusal above leaves allowed: loopback, TLS, a mesh's TLS, no token."""
+    args: dict[str, Any] = {
+        "address": "127.0.0.1:50051",
+        "insecure": False,
+        "token_file": "t",
+        "tls_cert": "",
+        "tls_key": "",
+        "client_ca": "",
+        "allowed_sans": [],
+        "allow_plaintext": False,
+        **kw,
+    }
+    check_settings(**args)
+
+
+async def test_an_rls_port_off_loopback_with_a_plaintext_token_does_not_start(
+    redis_server: RedisServer, rules: Path, creds: devcerts.DevCredentials
+) -> None:
+    """AIQ_RLS_ADDRESS on 0.0.0.0 with a caller token and no TLS: start() refuses before
+    binding anything (the main port on loopback does not make the RLS port safe), and
+    ``ai-quota serve`` exits 2 naming the variable.  Without an RLS config the address is
+    ignored (nothing is bound there), so it is not refused."""
+    import subprocess
+    import sys
+
+    from extproc.stack import free_port, port_in_use
+
+    main_port, rls_port = free_port(), free_port()
+    with pytest.raises(AccessConfigError, match=r"AIQ_RLS_ADDRESS\) on non-loopback"):
+        await serve(
+            redis_server,
+            rules,
+            grpc_token_file=str(creds.token_file),
+            rls_address=f"0.0.0.0:{rls_port}",
+        )
+    assert not port_in_use(rls_port)
+    proc = subprocess.run(
+        [sys.executable, "-m", "extproc", "serve"],
+        check=False,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "AIQ_CONFIG": str(rules),
+            "AIQ_GRPC_ADDRESS": f"127.0.0.1:{main_port}",
+            "AIQ_GRPC_TOKEN_FILE": str(creds.token_file),
+            "AIQ_RLS_CONFIG": str(SEED_DIR),
+            "AIQ_RLS_ADDRESS": f"0.0.0.0:{rls_port}",
+            "AIQ_REDIS_URL": redis_server.url,
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "AIQ_RLS_ADDRESS" in proc.stderr and "plaintext" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -232,6 +232,46 @@ async def test_slow_start_and_overrides_recorded(sim_port: int) -> None:
     assert rec["ending"] == "completed"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_prompt_usage_under_reports_the_prompt(
+    client: openai.AsyncOpenAI, sim_port: int, stream: bool
+) -> None:
+    """x-sim-prompt-usage: scale:0.04 reports 4 % of the prompt in the usage (stream and
+    JSON), the record keeps the truth beside what was claimed; a bad value is a 400."""
+    crid = _crid()
+    messages: Any = [{"role": "user", "content": "Tell me a long story. " * 100}]
+    headers = {"x-client-request-id": crid, "x-sim-prompt-usage": "scale:0.04"}
+    if stream:
+        chunks = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers=headers,
+        )
+        usage = [c.usage async for c in chunks if c.usage is not None][-1]
+    else:
+        answer = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=3, extra_headers=headers
+        )
+        assert answer.usage is not None
+        usage = answer.usage
+    rec = await record_for(sim_port, crid)
+    assert rec["prompt_tokens"] > 500
+    assert (
+        usage.prompt_tokens == rec["prompt_tokens_reported"] == round(rec["prompt_tokens"] * 0.04)
+    )
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    with pytest.raises(openai.BadRequestError, match="x-sim-prompt-usage"):
+        await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=3,
+            extra_headers={"x-sim-prompt-usage": "absent"},
+        )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -13,6 +13,7 @@ import structlog
 
 from extproc.core.keys import counter_name
 from extproc.core.rules import BucketCharge
+from extproc.errors import LimiterUnavailable
 from extproc.limiter.allowance.settling import Settling
 from extproc.limiter.allowance.state import MAX_LEDGERS, Bucket, Local
 from extproc.limiter.allowance.taking import Taking
@@ -286,6 +287,18 @@ class AllowanceLimiter(Taking, Settling):
             for i, r in zip(remote, results, strict=True):
                 out[i] = r
         return out
+
+    async def stop_input_shortcut(self, key: str, model: str, entry: str, ttl_ms: int) -> bool:
+        """The wrapped limiter's (Redis): allowances change nothing here."""
+        store = getattr(self.inner, "stop_input_shortcut", None)
+        if store is None:
+            raise LimiterUnavailable("the wrapped limiter keeps no input shortcut stops")
+        return bool(await store(key, model, entry, ttl_ms))
+
+    async def input_stops(self, key: str) -> list[str]:
+        """The wrapped limiter's (Redis)."""
+        read = getattr(self.inner, "input_stops", None)
+        return list(await read(key)) if read is not None else []
 
     async def renew(
         self, ledgers: list[str], until_ms: int, *, held: dict[str, list[str]] | None = None
