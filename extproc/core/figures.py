@@ -97,7 +97,8 @@ def run_ahead_budget(
 
 def bounded_input(reported: int, counted: int, *, unseen: bool, ceiling: int | None) -> Figure:
     """The upstream's input figure (``prompt_tokens``/``input_tokens``) within bounds around the
-    gateway's own count; a request carrying server-side state the gateway cannot see
+    gateway's own count (below them the count is charged, above them the upper bound); a
+    request carrying server-side state the gateway cannot see
     (``previous_response_id``) may be charged the upstream's larger figure up to the model's
     input limit."""
     low = max(0, math.floor(counted * (1 - INPUT_TOLERANCE)) - INPUT_SLACK_TOKENS)
@@ -107,7 +108,10 @@ def bounded_input(reported: int, counted: int, *, unseen: bool, ceiling: int | N
     else:
         high = math.ceil(counted * (1 + INPUT_TOLERANCE)) + INPUT_TEMPLATE_ALLOWANCE
     if reported < low:
-        return Figure(low, reported, counted, "low", low)
+        # Below what any framing of the same prompt makes: the figure is not believed, and
+        # the gateway's own count is charged (charging the low bound would leave an
+        # under-reporting upstream a quarter of every prompt unbilled).
+        return Figure(counted, reported, counted, "low", counted)
     if reported > high:
         return Figure(high, reported, counted, "high", high)
     return Figure(reported, reported, counted)

@@ -115,6 +115,22 @@ def test_bounded_input_trusts_the_engine_near_the_count(reported: int, counted: 
     got = bounded_input(reported, counted, unseen=False, ceiling=None)
     assert got.value == reported or got.disagreement is not None
     assert got.value <= max(reported, counted * 2 + 64)
+    if got.disagreement == "low":  # a figure below its bounds is not believed
+        assert got.value == got.bound == counted > reported
+
+
+def test_an_input_figure_below_its_bounds_is_billed_the_count() -> None:
+    """An upstream reporting 4 % of an 8,701-token prompt is billed the gateway's count, not
+    the low bound (which would leave a quarter of every such prompt unbilled); a figure
+    within the bounds is billed as reported."""
+    low = bounded_input(348, 8701, unseen=False, ceiling=None)
+    assert (low.value, low.disagreement, low.reported) == (8701, "low", 348)
+    assert bounded_input(8000, 8701, unseen=False, ceiling=None) == Figure(8000, 8000, 8701)
+    s = admitted_session(input_tokens=8701)
+    s.respond(Responding(200, Metering("stream")))
+    s.report(Reported(348, 40))
+    result = s.settlement(0, stream=StreamEnd(counted=41, delivered=41, complete=True, cut=False))
+    assert (result.input, result.output) == (8701, 40)
 
 
 def test_input_settles_on_the_engine_figure() -> None:

@@ -522,13 +522,13 @@ def shortcut_stops(gw: Gateway, model: str = "m") -> float:
 
 async def test_an_upstream_whose_audited_figure_is_low_loses_the_shortcut() -> None:
     """An upstream reporting a sixth of the prompt (uncached tokens only, another tokenizer):
-    the audit bills the count's bound and stops the shortcut for the model, so its next
+    the audit bills the count and stops the shortcut for the model, so its next
     unaudited requests are counted and billed as counted, not at the upstream's figure."""
     gw, lim = gateway(1_000_000, audit=2)
     first, exact, before = await first_request(gw, lim)
     low = exact // 6
     assert prompt_bound(first) / 32 <= low  # believed by a share-of-the-bound floor
-    fair = max(0, int(exact * 0.75) - 16)  # what the counted path bills for it
+    fair = exact  # what the counted path bills for a figure below its bounds: the count
 
     second, _ = await request(gw, 2)  # not audited: the engine's figure, in range, is billed
     assert second.s.input_pending
@@ -629,7 +629,7 @@ async def test_a_large_prompts_count_never_runs_on_the_event_loop(
     delivered = proc.driver.meter.delivered if proc.driver is not None else 0
     billed = {
         "no_prompt_figure": exact + 10,  # no usage read: the reservation stands
-        "zero_figure": int(exact * 0.75) - 16 + 5,  # the count's lower bound, as counted
+        "zero_figure": exact + 5,  # below the count's bounds: the count, as counted
         "upstream_error": 0,  # an upstream error costs nothing
         "cut": exact + delivered,
         "done": exact + delivered,  # no usage: the input counted, the output delivered
@@ -650,6 +650,6 @@ async def test_a_counted_first_request_contradicting_its_upstream_stops_the_shor
     assert admissions(gw, "bound") == 1
     await complete_json(second, exact // 6)
     assert tokenizer_runs(gw) == runs + 1
-    fair = int(exact * 0.75) - 16
+    fair = exact  # below the counted path's bounds: the count
     assert second.s.input_tokens() == fair
     assert await tpm_value(lim, second) - before == fair + 5
