@@ -158,6 +158,11 @@ class ModelEntry(Strict):
     # before its response is billed its input and this many output tokens per second it ran
     # (never more than it reserved). Set it to the engine's decode speed (docs/semantics.md).
     abandoned_tokens_per_second: int = Field(default=200, ge=0, le=1_000_000)
+    # How a non-streaming request is sent upstream: "exact" sends it as a stream with usage,
+    # meters it as it passes and gives the client the API's JSON rebuilt from it (an abandon
+    # settles on what the engine generated); "json" forwards it as sent (an abandon is billed
+    # by the rate above). Embeddings are never streamed (docs/semantics.md).
+    non_streams: Literal["exact", "json"] = "exact"
 
 
 class LimitEntry(Strict):

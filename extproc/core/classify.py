@@ -45,7 +45,10 @@ def classify(
         return Metering(
             "unmeterable", reason=f"content-encoding {headers.get('content-encoding', '')[:40]}"
         )
-    if parsed.req.stream and api.can_stream and cost.meter_stream and not is_json(ctype):
+    # a stream, or a non-stream the gateway sent upstream as one (the exact path: its JSON is
+    # rebuilt for the client); an upstream that answered it with JSON anyway is read below
+    streamed = parsed.req.stream or cost.upstream_stream
+    if streamed and api.can_stream and cost.meter_stream and not is_json(ctype):
         if media_type(ctype) in UNMETERABLE_STREAMS:
             return Metering("unmeterable", reason=f"content-type {media_type(ctype)}")
         return Metering("stream", decoder)

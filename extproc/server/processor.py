@@ -362,6 +362,8 @@ class RequestProcessor:
                 self.gw, self.cfg, s, how.decoder, figures_ready=self._figures_ready
             )
             self.gw.metrics.active_streams.inc()
+            if self.driver.stream.json is not None:  # the exact path: the client gets JSON
+                headers_out.append(("content-type", "application/json"))
             return wire.continue_response_headers(
                 headers_out,
                 remove=("content-length", "content-encoding"),
