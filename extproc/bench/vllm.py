@@ -308,11 +308,6 @@ EVERY = 16
 #: reaches it (measured 1-15 per stream on a pinned 2-core machine).
 RUN_AHEAD_BOUND = 2 * EVERY + 16
 
-#: The tiny model's ``abandoned_tokens_per_second`` in :func:`engine_rules`: at or above its
-#: decode speed, which reached ~420 tokens/s alone on 2 cores (636 tokens in 1.5 s), so a rate
-#: of 400 billed less than it generated there.
-ABANDON_RATE = 1000
-
 #: Tenant (``e-<name>``, key ``sk-<name>``) -> plan, for the engine tests and bench.
 ENGINE_TENANTS = {
     "chat": "big",
@@ -359,9 +354,6 @@ def engine_rules(tokenizer_json: Path, tenants: dict[str, str] | None = None) ->
                 "max_output_tokens": 2048,
                 # vLLM reports its running usage in every chunk when asked
                 "stream_usage": "continuous",
-                # above the tiny model's decode speed here (up to ~290 tokens/s pinned): an
-                # abandoned non-stream is never billed less than the engine generated
-                "abandoned_tokens_per_second": ABANDON_RATE,
             }
         },
         "plans": {

@@ -371,7 +371,9 @@ class Admission:
                     force_usage=rules.force_include_usage and plan.cost.meter_stream,
                     model=served.name if served.known else None,
                     continuous_usage=served.continuous_usage and plan.cost.meter_stream,
-                    upstream_stream=plan.cost.upstream_stream,
+                    # admitted unmetered (fail-open): nothing meters the response, so it
+                    # goes as the client sent it
+                    upstream_stream=plan.cost.upstream_stream and res is not None,
                 )
             )
         )
