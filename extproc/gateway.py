@@ -24,6 +24,7 @@ from extproc.config.runtime import RuntimeConfig
 from extproc.core.admission import RoomHints
 from extproc.core.apis.base import ApiFormat
 from extproc.core.audits import InputAudits
+from extproc.core.decode_rate import DecodeRates
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import (
     MAX_RIDERS,
@@ -82,6 +83,8 @@ class Gateway:
     room: RoomHints = field(default_factory=RoomHints)
     # the audit sampler, and the models whose upstream input figures a count contradicted
     input_audits: InputAudits = field(default_factory=InputAudits)
+    # each model's decode rate, learned from its completed responses (abandons it cannot meter)
+    decode_rates: DecodeRates = field(default_factory=DecodeRates)
     _settlements: SettlementQueue | None = None
     # Settlements go to Redis many per call, from one background task (when the limiter can)
     _batcher: SettlementBatcher | None = None

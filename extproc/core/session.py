@@ -524,9 +524,17 @@ class Session:
         return self.life.close(how)
 
     def settlement(
-        self, now_ms: int, *, stream: StreamEnd | None = None, ending: Ending | None = None
+        self,
+        now_ms: int,
+        *,
+        stream: StreamEnd | None = None,
+        ending: Ending | None = None,
+        abandon_rate: int | None = None,
     ) -> Settlement:
-        """The request's final figures (decided once): what the counters must hold, by kind."""
+        """The request's final figures (decided once): what the counters must hold, by kind.
+        ``abandon_rate``: tokens per second per sequence a request abandoned before a response
+        the gateway could meter is billed at (the model's learned decode rate,
+        :mod:`extproc.core.decode_rate`); None: the model's configured one."""
         if self._settlement is not None:
             return self._settlement
         cost = self.cost
@@ -562,7 +570,9 @@ class Session:
                     cost,
                     req.sequences if req else 1,
                     now_ms - adm.at_ms,
-                    adm.model.abandoned_tokens_per_second,
+                    adm.model.abandoned_tokens_per_second
+                    if abandon_rate is None
+                    else abandon_rate,
                 )
             else:
                 output = None  # a JSON response without usage: the reservation stands

@@ -76,7 +76,23 @@ async def settle(gw: Gateway, cfg: RuntimeConfig, s: Session, stream: StreamEnd 
     if cost is None or s.tenant is None:
         return
     now = gw.clock.now_ms()
-    result = s.settlement(now, stream=stream, ending=ending)
+    model, adm, req = s.model, s.admitted, s.req
+    rate = (
+        gw.decode_rates.rate(model.name, model.abandoned_tokens_per_second)
+        if model is not None
+        else None
+    )
+    result = s.settlement(now, stream=stream, ending=ending, abandon_rate=rate)
+    if (
+        ending is Ending.COMPLETED
+        and result.output is not None
+        and model is not None
+        and adm is not None
+        and req is not None
+    ):
+        # a completed response teaches the model's decode rate (admission to end, as an
+        # abandon's elapsed time is measured)
+        gw.decode_rates.observe(model.name, result.output, req.sequences, now - adm.at_ms)
     if s.count_failed:  # the bound it was admitted on stands: an over-count, never an under-count
         log.error("input_count_failed", request_id=s.request_id, kept="bound")
     if result.output is not None and result.total is not None and result.total > 0:
