@@ -8,6 +8,7 @@ non-stream is billed what the simulator had sent when the client left, not a rat
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ TENANTS = (
     "xabandon",
     "xjson",
     "xjsonabandon",
-    "xlate",
+    "xlearn",
 )
 
 
@@ -45,16 +46,17 @@ def xstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     }
     rules = e2e_rules(extra)
     # the same simulator under a model that keeps today's path (forwarded as JSON)
-    rules["models"]["sim-json"] = {
-        "tokenizer": {"kind": "tiktoken", "encoding": "cl100k_base"},
-        "max_output_tokens": 1024,
-        "non_streams": "json",
-        "abandoned_tokens_per_second": 200,
-    }
+    for name in ("sim-json", "sim-learn"):
+        rules["models"][name] = {
+            "tokenizer": {"kind": "tiktoken", "encoding": "cl100k_base"},
+            "max_output_tokens": 1024,
+            "non_streams": "json",
+            "abandoned_tokens_per_second": 200,
+        }
     s = make_stack(
         Path(tmp_path_factory.mktemp("exact")),
         rules=rules,
-        sim_args=["--model", "sim-small", "--model", "sim-json"],
+        sim_args=["--model", "sim-small", "--model", "sim-json", "--model", "sim-learn"],
     )
     yield s
     s.stop()
@@ -290,3 +292,43 @@ def test_the_json_path_still_bills_by_the_rate(xstack: Stack, xrds: redis.Redis)
     billed, rec = abandon(xstack, xrds, "xjsonabandon", "sim-json")
     out = billed - int(rec["prompt_tokens"])
     assert 200 <= out <= 200 * 1.5, (billed, rec)
+
+
+def test_the_json_path_bills_an_abandon_at_the_learned_rate(
+    xstack: Stack, xrds: redis.Redis
+) -> None:
+    """Where the gateway cannot meter a non-stream (here a model on ``non_streams: json``), an
+    abandon is billed at the model's decode rate learned from its completed responses (their
+    output per sequence over admission to end), not the configured 200 tokens/s: after five
+    responses at 10 ms a token (~100 tokens/s here), an abandon after 1 s is billed about what
+    the simulator sent."""
+
+    def one(_: int) -> None:
+        oai(xstack, "xlearn").chat.completions.create(
+            model="sim-learn",
+            messages=MSG,  # type: ignore[arg-type]
+            max_tokens=100,
+            extra_headers={"x-sim-tokens": "100", "x-sim-itl-ms": "10", "x-sim-ttft-ms": "50"},
+        )
+
+    with ThreadPoolExecutor(5) as pool:
+        list(pool.map(one, range(5)))
+    settled(xrds, "x-xlearn", expect=5)
+    billed_before = settled(xrds, "x-xlearn", expect=5)
+    with pytest.raises(openai.APITimeoutError):
+        oai(xstack, "xlearn", timeout=1.0).chat.completions.create(
+            model="sim-learn",
+            messages=MSG,  # type: ignore[arg-type]
+            max_tokens=1000,
+            extra_headers={"x-sim-tokens": "1000", "x-sim-itl-ms": "10", "x-sim-ttft-ms": "50"},
+        )
+    recs = records(xstack, "x-xlearn", want=6)
+    (rec,) = [r for r in recs if r["ending"] != "completed"]
+    billed = settled(xrds, "x-xlearn", expect=6) - billed_before
+    out = billed - int(rec["prompt_tokens"])
+    # a JSON answer is sent whole at its end: what the simulator had made when the client
+    # left is its time then (after the first token's 50 ms) at 10 ms a token
+    ran = float(rec["disconnected_at"] or rec["ended_at"]) - float(rec["started_at"])
+    made = max(0.0, (ran - 0.05) / 0.010)
+    assert out < 0.75 * 200, (out, made, rec)  # not the configured rate
+    assert abs(out - made) <= 0.25 * made + 16, (out, made, rec)
