@@ -147,7 +147,14 @@ class Admitted:
 
 
 MeteringKind = Literal[
-    "local_reply", "unmetered", "upstream_error", "unmeterable", "stream", "read_json", "done"
+    "local_reply",
+    "unmetered",
+    "upstream_error",
+    "unmeterable",
+    "stream",
+    "exact",
+    "read_json",
+    "done",
 ]
 
 

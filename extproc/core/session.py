@@ -266,7 +266,7 @@ class Session:
             self.life.advance(Input.END)
         elif kind == "stream":
             self.life.advance(Input.STREAM_START)
-        elif kind == "read_json":
+        elif kind in ("read_json", "exact"):
             self.life.advance(Input.READ_BODY)
         elif kind == "done" or (kind == "unmeterable" and fail_open):
             self.life.advance(Input.END)

@@ -32,7 +32,6 @@ from extproc.core.actions import (
     StartCharge,
     StreamAction,
 )
-from extproc.core.apis.base import Reassembler
 from extproc.core.apis.errors import cut_error, quota_cut
 from extproc.core.apis.responses import ResponsesFormat
 from extproc.core.encoding import BodyDecoder
@@ -92,7 +91,6 @@ class MeteredStream:
         "_fail_open",
         "_final_sent",
         "_in_flight",
-        "_json_sent",
         "_last",
         "_lease_ms",
         "_now_ms",
@@ -101,7 +99,6 @@ class MeteredStream:
         "_resume",
         "_seq",
         "_shadowed",
-        "json",
         "meter",
         "reader",
         "s",
@@ -133,16 +130,10 @@ class MeteredStream:
             strict=cost.strict,
             enforce=cost.enforce_stream,
             initial_lease=cost.reserved_output,
-            strip_usage=(
-                force_include_usage and not req.client_include_usage and not cost.upstream_stream
-            ),
+            strip_usage=force_include_usage and not req.client_include_usage,
             read=self.reader.read,
             engine_counts=model.continuous_usage and api.name in ("chat", "completions"),
         )
-        #: the exact path (a non-stream sent upstream as a stream): what passes is kept here and
-        #: the client gets the API's JSON rebuilt from it, with the stream's end
-        self.json: Reassembler | None = api.reassembler() if cost.upstream_stream else None
-        self._json_sent = False
         self._final_sent = False
         self._in_flight = False  # a charge was asked for and its answer not yet reported
         self._seq = 0
@@ -187,42 +178,10 @@ class MeteredStream:
 
     def handle(self, ev: StreamEvent) -> list[StreamAction]:
         """Take one event; return what the server must do, in order."""
-        out = self._handle(ev)
-        if self.json is None:
-            return out
-        out = self._reassembled(out)
-        if type(ev) is Trailers and not self._json_sent and not self.s.life.ended:
-            # the upstream ended with trailers: the body goes before them
-            self._json_sent = True
-            out.append(Forward(self.json.body(), False, self._terminal_output()))
-        return out
-
-    def _reassembled(self, actions: list[StreamAction]) -> list[StreamAction]:
-        """The exact path: what the meter forwards is kept for the reassembly, not sent; the
-        stream's end carries the API's JSON (with the final figures); a forward carrying
-        figures goes on with an empty body; every other action is unchanged."""
-        rs = self.json
-        assert rs is not None
-        out: list[StreamAction] = []
-        for a in actions:
-            if type(a) is not Forward:
-                out.append(a)
-                continue
-            assert isinstance(a, Forward)
-            if a.data:
-                rs.feed(a.data)
-            if a.end_stream and not self._json_sent:
-                self._json_sent = True
-                out.append(Forward(rs.body(), True, a.output_tokens))
-            elif a.end_stream or a.output_tokens is not None:
-                out.append(Forward(b"", a.end_stream, a.output_tokens))
-        return out
-
-    def _handle(self, ev: StreamEvent) -> list[StreamAction]:
         t = type(ev)
         if t is BodyChunk:
             assert isinstance(ev, BodyChunk)
-            return self._chunk_in(ev.data, ev.end, ev.answer)
+            return self.chunk(ev.data, ev.end, ev.answer)
         if t is ChargeAnswered or t is ChargeFailed:
             assert isinstance(ev, ChargeAnswered | ChargeFailed)
             side, step = self._take(ev)
@@ -252,13 +211,6 @@ class MeteredStream:
         """``handle(BodyChunk(data, end, answer))`` without building the event: the per-chunk
         call (as h2's ``receive_data``).  The chunk is the request's response body event too:
         the session's lifecycle takes it first."""
-        if self.json is None:
-            return self._chunk_in(data, end, answer)
-        return self._reassembled(self._chunk_in(data, end, answer))
-
-    def _chunk_in(
-        self, data: bytes, end: bool, answer: ChargeAnswered | ChargeFailed | None
-    ) -> list[StreamAction]:
         life = self.s.life
         life.advance(Input.RESPONSE_BODY)
         if answer is None and self._decoder is None:

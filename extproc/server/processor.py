@@ -37,7 +37,8 @@ from extproc.core.lifecycle import (
     LifecycleError,
 )
 from extproc.core.policies import bound_excess_refund, fails_open
-from extproc.core.records import Identified, Reported, Requested
+from extproc.core.exact import ExactResponse
+from extproc.core.records import Identified, Reported, Requested, StreamEnd
 from extproc.core.session import Session
 from extproc.errors import (
     AuthenticationError,
@@ -76,6 +77,7 @@ class RequestProcessor:
         "_body_size",
         "_counting",
         "_exact",
+        "_exact_response",
         "_json",
         "_noting",
         "_settle_pending",
@@ -95,6 +97,7 @@ class RequestProcessor:
         self.started = time.perf_counter()
         self.driver: StreamDriver | None = None
         self._json: tuple[bytearray, Any] | None = None  # body read for usage, its decoder
+        self._exact_response: ExactResponse | None = None  # the exact path's kept stream
         self.write_lock = WriteLock()
         self.writer: Any = None  # the gRPC context, for a cut at shutdown
         # the exact input count of a request admitted on a bound, running after its answer
@@ -362,8 +365,15 @@ class RequestProcessor:
                 self.gw, self.cfg, s, how.decoder, figures_ready=self._figures_ready
             )
             self.gw.metrics.active_streams.inc()
-            if self.driver.stream.json is not None:  # the exact path: the client gets JSON
-                headers_out.append(("content-type", "application/json"))
+            return wire.continue_response_headers(
+                headers_out,
+                remove=("content-length", "content-encoding"),
+                mode=wire.full_duplex_mode(),
+                metadata=access_metadata(s),
+            )
+        if how.kind == "exact":  # a non-stream sent upstream as a stream: JSON rebuilt
+            self._exact_response = ExactResponse(s, how.decoder)
+            headers_out.append(("content-type", "application/json"))
             return wire.continue_response_headers(
                 headers_out,
                 remove=("content-length", "content-encoding"),
@@ -403,6 +413,14 @@ class RequestProcessor:
                 self._settle_later()
             return out
         s.response_body()
+        exact = self._exact_response
+        if exact is not None:
+            if not s.reading:
+                return []
+            body_out = exact.chunk(body.body, body.end_of_stream)
+            if body_out is None:
+                return []  # kept: nothing goes back while the upstream generates
+            return [wire.streamed_body(body_out, True, await self._exact_done())]
         if self._json is not None and s.reading:
             buf, decoder = self._json
             if len(buf) < MAX_USAGE_BODY:
@@ -429,8 +447,26 @@ class RequestProcessor:
         self._settle_later()
         return access_metadata(s, output_tokens=s.output_decided)
 
+    async def _exact_done(self) -> dict[str, object]:
+        """The exact path's JSON is rebuilt (its usage reported): the figures, the end."""
+        s = self.s
+        if s.json_output() is not None:
+            await self._figures_ready()
+        s.response_read()
+        self._settle_later()
+        return access_metadata(s, output_tokens=s.output_decided)
+
     async def on_response_trailers(self) -> list[wire.ProcessingResponse]:
-        """Trailers pass; a metered stream first flushes what it holds."""
+        """Trailers pass; a metered stream first flushes what it holds (the exact path: its
+        JSON goes before them)."""
+        exact = self._exact_response
+        if exact is not None and self.s.reading:
+            body_out = exact.finish()
+            self.s.response_trailers()
+            return [
+                wire.streamed_body(body_out, False, await self._exact_done()),
+                wire.continue_response_trailers(),
+            ]
         self.s.response_trailers()
         out = await self.driver.trailers() if self.driver is not None else []
         out.append(wire.continue_response_trailers())
@@ -496,4 +532,10 @@ class RequestProcessor:
             # a charge not answered in time is counted once whether it ran (the settlement
             # takes it back) or not (a charge after the settlement charges nothing)
             await driver.settle_charge()
-        await settle(self.gw, self.cfg, s, driver.end() if driver is not None else None)
+        if driver is not None:
+            end: StreamEnd | None = driver.end()
+        elif self._exact_response is not None:
+            end = self._exact_response.end()  # None once its JSON was rebuilt: read as JSON
+        else:
+            end = None
+        await settle(self.gw, self.cfg, s, end)

@@ -197,19 +197,6 @@ class StreamDriver:
             delivered_tokens=a.delivered,
             charged=a.charged,
         )
-        api = s.api
-        if self.stream.json is not None and api is not None:
-            # the exact path: the client asked for JSON and nothing of the body was sent, so
-            # the cut is the API's own JSON error (Envoy resets a response whose headers went)
-            return [
-                wire.immediate(
-                    a.error.status,
-                    api.error_headers(a.error),
-                    api.error_body(a.error),
-                    CUT_DETAILS,
-                    self._metadata(a.output_tokens),
-                )
-            ]
         # The error event, then an immediate response: the response has started, so Envoy
         # resets it (HTTP/1.1: the connection closes before the last chunk; HTTP/2: RST_STREAM)
         # after delivering the event.  Clients that look at nothing but the transport
