@@ -158,11 +158,14 @@ class ModelEntry(Strict):
     # before its response is billed its input and this many output tokens per second it ran
     # (never more than it reserved). Set it to the engine's decode speed (docs/semantics.md).
     abandoned_tokens_per_second: int = Field(default=200, ge=0, le=1_000_000)
-    # How a non-streaming request is sent upstream: "exact" sends it as a stream with usage,
-    # meters it as it passes and gives the client the API's JSON rebuilt from it (an abandon
-    # settles on what the engine generated); "json" forwards it as sent (an abandon is billed
-    # by the rate above). Embeddings are never streamed (docs/semantics.md).
-    non_streams: Literal["exact", "json"] = "exact"
+    # How a non-streaming request is sent upstream: "json" (the default) forwards it as sent
+    # and reads its JSON's usage; an abandon is billed its input and the model's decode rate
+    # (learned from its completed responses, this figure until then) times the time it ran.
+    # "exact" sends it as a stream with usage, keeps what passes and gives the client the
+    # API's JSON rebuilt from it: an abandon settles on what the engine generated, at the
+    # CPU of one ext_proc message per SSE chunk (docs/performance.md: 1.2-2.7x the JSON
+    # path's processor CPU from 64 output tokens up). Embeddings never stream.
+    non_streams: Literal["exact", "json"] = "json"
 
 
 class LimitEntry(Strict):

@@ -1,15 +1,20 @@
-"""What a model's upstream generates per second per sequence, learned from its completed
-responses: the rate an abandoned request is billed at where the gateway could not meter it
-(an upstream that answered a non-stream with JSON instead of a stream, or a model on
-``non_streams: json``).  Sans-IO arithmetic, bounded memory.
+"""What a model's upstream generates per second per sequence, and how long it takes to start,
+learned from its completed streams: what an abandoned request is billed where the gateway
+could not meter it (a non-stream on the JSON path, ``non_streams: json``, or one whose
+upstream answered with JSON although asked for a stream).  Sans-IO arithmetic, bounded memory.
 
-An observation is one completed metered response: its output tokens per sequence over the
-milliseconds from its admission to its end (the time to the first token included, as it is
-in an abandoned request's elapsed time, which the rate multiplies).  Each model keeps its
-last :data:`WINDOW` observations; its rate is their median once :data:`MIN_SAMPLES` were
-made (one slow or fast outlier moves it by nothing), before that the model's configured
-``abandoned_tokens_per_second``.  Responses too short to say anything (fewer than
-:data:`MIN_TOKENS` tokens per sequence, or under :data:`MIN_MS`) are not observed.
+An observation is one completed response the gateway saw arrive chunk by chunk (a stream, or
+a non-stream on the exact path): its time to the first chunk (admission to first body chunk:
+queueing, prefill, the network) and its decode rate (output tokens per sequence over first
+chunk to end).  Each model keeps its last :data:`WINDOW` of each; a figure is their median
+once :data:`MIN_SAMPLES` were made (one outlier moves it by nothing; the short window follows
+the engine's speed as its load changes).  An abandon ``t`` ms after admission is billed
+``rate * (t - start)`` per sequence (:meth:`DecodeRates.abandon`): measured with vLLM, a
+rate over the whole time (admission to end) billed 8-11 % under what the engine generated
+after 2 s and 28 % over after 0.5 s, the start being ~0.1 s.  Before a model has enough
+observations its configured ``abandoned_tokens_per_second`` stands, with no start.
+Responses too short to say anything (fewer than :data:`MIN_TOKENS` tokens per sequence, or a
+decode under :data:`MIN_MS`) are not observed.
 """
 
 from __future__ import annotations
@@ -18,11 +23,11 @@ from collections import deque
 from typing import Final
 
 #: Observations kept per model (the newest).
-WINDOW: Final = 64
-#: Observations a model needs before its learned rate replaces its configured one.
+WINDOW: Final = 9
+#: Observations a model needs before its learned figures replace its configured rate.
 MIN_SAMPLES: Final = 5
-#: A response with fewer output tokens per sequence than this, or shorter than MIN_MS, is not
-#: observed: its time is mostly the time to its first token.
+#: A response with fewer output tokens per sequence than this, or decoding for less than
+#: MIN_MS, is not observed: its rate would be mostly noise.
 MIN_TOKENS: Final = 32
 MIN_MS: Final = 100
 #: Models remembered at once (the oldest-observed is forgotten past this; models come from the
@@ -30,50 +35,65 @@ MIN_MS: Final = 100
 MAX_MODELS: Final = 4096
 
 
-def observed_rate(tokens: int, sequences: int, elapsed_ms: int) -> float | None:
+def observed_rate(tokens: int, sequences: int, decode_ms: int) -> float | None:
     """Tokens per second per sequence of one response, None when it is too short to count."""
     per_sequence = tokens / max(1, sequences)
-    if per_sequence < MIN_TOKENS or elapsed_ms < MIN_MS:
+    if per_sequence < MIN_TOKENS or decode_ms < MIN_MS:
         return None
-    return per_sequence * 1000 / elapsed_ms
+    return per_sequence * 1000 / decode_ms
+
+
+def _median(values: deque[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
 
 
 class RateWindow:
-    """One model's last :data:`WINDOW` observed rates."""
+    """One model's last :data:`WINDOW` observations: decode rates and times to start."""
 
-    __slots__ = ("_rates",)
+    __slots__ = ("_rates", "_starts")
 
     def __init__(self) -> None:
         self._rates: deque[float] = deque(maxlen=WINDOW)
+        self._starts: deque[float] = deque(maxlen=WINDOW)
 
-    def observe(self, rate: float) -> None:
-        """Keep one observed rate (the oldest goes past :data:`WINDOW`)."""
+    def observe(self, rate: float, start_ms: float = 0.0) -> None:
+        """Keep one observation (the oldest goes past :data:`WINDOW`)."""
         self._rates.append(rate)
+        self._starts.append(max(0.0, start_ms))
 
     def __len__(self) -> int:
         return len(self._rates)
 
     def rate(self) -> int | None:
         """The median observed rate, rounded up, once :data:`MIN_SAMPLES` were made."""
-        n = len(self._rates)
-        if n < MIN_SAMPLES:
+        if len(self._rates) < MIN_SAMPLES:
             return None
-        ordered = sorted(self._rates)
-        mid = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
-        return max(1, -int(-mid // 1))
+        return max(1, -int(-_median(self._rates) // 1))
+
+    def start_ms(self) -> int:
+        """The median time to the first chunk, rounded down (0 before :data:`MIN_SAMPLES`)."""
+        if len(self._starts) < MIN_SAMPLES:
+            return 0
+        return int(_median(self._starts))
 
 
 class DecodeRates:
-    """The learned rates of every model (one process's memory: each replica learns its own)."""
+    """The learned figures of every model (one process's memory: each replica learns its
+    own, and starts again from the configured rate after a restart)."""
 
     __slots__ = ("_models",)
 
     def __init__(self) -> None:
         self._models: dict[str, RateWindow] = {}
 
-    def observe(self, model: str, tokens: int, sequences: int, elapsed_ms: int) -> None:
-        """One completed response of ``model``."""
-        rate = observed_rate(tokens, sequences, elapsed_ms)
+    def observe(
+        self, model: str, tokens: int, sequences: int, decode_ms: int, start_ms: int = 0
+    ) -> None:
+        """One completed response of ``model``: its output, its decode time (first chunk to
+        end) and its time to the first chunk."""
+        rate = observed_rate(tokens, sequences, decode_ms)
         if rate is None:
             return
         window = self._models.pop(model, None)  # re-inserted: the dict's order is recency
@@ -81,14 +101,23 @@ class DecodeRates:
             window = RateWindow()
             if len(self._models) >= MAX_MODELS:
                 del self._models[next(iter(self._models))]
-        window.observe(rate)
+        window.observe(rate, start_ms)
         self._models[model] = window
 
     def rate(self, model: str, default: int) -> int:
-        """The rate to bill ``model``'s abandoned requests at: learned, else ``default``."""
+        """``model``'s decode rate: learned, else ``default``."""
         window = self._models.get(model)
         learned = window.rate() if window is not None else None
         return default if learned is None else learned
+
+    def abandon(self, model: str, default: int) -> tuple[int, int]:
+        """(rate, start ms) an abandoned request of ``model`` is billed at: learned, else
+        ``default`` with no start."""
+        window = self._models.get(model)
+        learned = window.rate() if window is not None else None
+        if window is None or learned is None:
+            return default, 0
+        return learned, window.start_ms()
 
     def samples(self, model: str) -> int:
         """Observations kept for ``model``."""

@@ -530,11 +530,13 @@ class Session:
         stream: StreamEnd | None = None,
         ending: Ending | None = None,
         abandon_rate: int | None = None,
+        abandon_start_ms: int = 0,
     ) -> Settlement:
         """The request's final figures (decided once): what the counters must hold, by kind.
         ``abandon_rate``: tokens per second per sequence a request abandoned before a response
         the gateway could meter is billed at (the model's learned decode rate,
-        :mod:`extproc.core.decode_rate`); None: the model's configured one."""
+        :mod:`extproc.core.decode_rate`), from ``abandon_start_ms`` after admission (its learned
+        time to the first token); None: the model's configured one, from admission."""
         if self._settlement is not None:
             return self._settlement
         cost = self.cost
@@ -569,10 +571,8 @@ class Session:
                 output = abandoned_output(
                     cost,
                     req.sequences if req else 1,
-                    now_ms - adm.at_ms,
-                    adm.model.abandoned_tokens_per_second
-                    if abandon_rate is None
-                    else abandon_rate,
+                    now_ms - adm.at_ms - abandon_start_ms,
+                    adm.model.abandoned_tokens_per_second if abandon_rate is None else abandon_rate,
                 )
             else:
                 output = None  # a JSON response without usage: the reservation stands

@@ -30,6 +30,7 @@ from extproc.config.runtime import Model
 from extproc.core.admission import Cost
 from extproc.core.apis.openai import CHAT
 from extproc.core.apis.registry import api_for_path
+from extproc.core.exact import ExactResponse
 from extproc.core.keys import ledger_key
 from extproc.core.lifecycle import (
     Closed,
@@ -37,7 +38,6 @@ from extproc.core.lifecycle import (
     LifecycleError,
 )
 from extproc.core.policies import bound_excess_refund, fails_open
-from extproc.core.exact import ExactResponse
 from extproc.core.records import Identified, Reported, Requested, StreamEnd
 from extproc.core.session import Session
 from extproc.errors import (
@@ -78,6 +78,7 @@ class RequestProcessor:
         "_counting",
         "_exact",
         "_exact_response",
+        "_first_chunk_ms",
         "_json",
         "_noting",
         "_settle_pending",
@@ -98,6 +99,7 @@ class RequestProcessor:
         self.driver: StreamDriver | None = None
         self._json: tuple[bytearray, Any] | None = None  # body read for usage, its decoder
         self._exact_response: ExactResponse | None = None  # the exact path's kept stream
+        self._first_chunk_ms = 0  # when a stream's first body chunk came (the decode rate)
         self.write_lock = WriteLock()
         self.writer: Any = None  # the gRPC context, for a cut at shutdown
         # the exact input count of a request admitted on a bound, running after its answer
@@ -407,6 +409,8 @@ class RequestProcessor:
         """Meter SSE (full duplex: we forward) or read a JSON body's usage (streamed)."""
         s = self.s
         driver = self.driver
+        if not self._first_chunk_ms:
+            self._first_chunk_ms = self.gw.clock.now_ms()
         if driver is not None:  # the stream takes the chunk (and moves the lifecycle with it)
             out = await driver.body(body.body, body.end_of_stream)
             if driver.ended:
@@ -538,4 +542,5 @@ class RequestProcessor:
             end = self._exact_response.end()  # None once its JSON was rebuilt: read as JSON
         else:
             end = None
-        await settle(self.gw, self.cfg, s, end)
+        read_by_chunk = driver is not None or self._exact_response is not None
+        await settle(self.gw, self.cfg, s, end, self._first_chunk_ms if read_by_chunk else 0)

@@ -68,8 +68,16 @@ def log_disagreement(gw: Gateway, s: Session, kind: str, figure: Figure | int) -
     )
 
 
-async def settle(gw: Gateway, cfg: RuntimeConfig, s: Session, stream: StreamEnd | None) -> None:
-    """Settle; the caller calls this once per request (``Lifecycle.begin_settlement``)."""
+async def settle(
+    gw: Gateway,
+    cfg: RuntimeConfig,
+    s: Session,
+    stream: StreamEnd | None,
+    first_chunk_ms: int = 0,
+) -> None:
+    """Settle; the caller calls this once per request (``Lifecycle.begin_settlement``).
+    ``first_chunk_ms``: when the response's first body chunk arrived (0: none, or a response
+    not read chunk by chunk), for the model's learned decode rate."""
     ending = s.ending or Ending.COMPLETED
     gw.metrics.endings.labels(ending.value).inc()
     cost = s.cost
@@ -77,22 +85,31 @@ async def settle(gw: Gateway, cfg: RuntimeConfig, s: Session, stream: StreamEnd 
         return
     now = gw.clock.now_ms()
     model, adm, req = s.model, s.admitted, s.req
-    rate = (
-        gw.decode_rates.rate(model.name, model.abandoned_tokens_per_second)
+    rate, start = (
+        gw.decode_rates.abandon(model.name, model.abandoned_tokens_per_second)
         if model is not None
-        else None
+        else (None, 0)
     )
-    result = s.settlement(now, stream=stream, ending=ending, abandon_rate=rate)
+    result = s.settlement(
+        now, stream=stream, ending=ending, abandon_rate=rate, abandon_start_ms=start
+    )
     if (
         ending is Ending.COMPLETED
+        and first_chunk_ms > 0
         and result.output is not None
         and model is not None
         and adm is not None
         and req is not None
     ):
-        # a completed response teaches the model's decode rate (admission to end, as an
-        # abandon's elapsed time is measured)
-        gw.decode_rates.observe(model.name, result.output, req.sequences, now - adm.at_ms)
+        # a completed response read chunk by chunk teaches the model's decode rate (first
+        # chunk to end) and its time to start (admission to first chunk)
+        gw.decode_rates.observe(
+            model.name,
+            result.output,
+            req.sequences,
+            now - first_chunk_ms,
+            first_chunk_ms - adm.at_ms,
+        )
     if s.count_failed:  # the bound it was admitted on stands: an over-count, never an under-count
         log.error("input_count_failed", request_id=s.request_id, kept="bound")
     if result.output is not None and result.total is not None and result.total > 0:

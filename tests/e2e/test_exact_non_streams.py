@@ -8,8 +8,8 @@ non-stream is billed what the simulator had sent when the client left, not a rat
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +41,10 @@ TENANTS = (
 @pytest.fixture(scope="module")
 def xstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     extra = {
-        f"x-{n}": {"plan": "big", "keys": [{"name": n, "plaintext": f"sk-x-{n}"}]}
-        for n in TENANTS
+        f"x-{n}": {"plan": "big", "keys": [{"name": n, "plaintext": f"sk-x-{n}"}]} for n in TENANTS
     }
     rules = e2e_rules(extra)
+    rules["models"]["sim-small"]["non_streams"] = "exact"
     # the same simulator under a model that keeps today's path (forwarded as JSON)
     for name in ("sim-json", "sim-learn"):
         rules["models"][name] = {
@@ -298,18 +298,20 @@ def test_the_json_path_bills_an_abandon_at_the_learned_rate(
     xstack: Stack, xrds: redis.Redis
 ) -> None:
     """Where the gateway cannot meter a non-stream (here a model on ``non_streams: json``), an
-    abandon is billed at the model's decode rate learned from its completed responses (their
-    output per sequence over admission to end), not the configured 200 tokens/s: after five
-    responses at 10 ms a token (~100 tokens/s here), an abandon after 1 s is billed about what
-    the simulator sent."""
+    abandon is billed at the model's decode rate learned from its completed streams (output
+    per sequence over first chunk to end, from their time to start), not the configured 200
+    tokens/s: after five streams at 10 ms a token (~100 tokens/s here), an abandon after 1 s
+    is billed about what the simulator had made."""
 
     def one(_: int) -> None:
-        oai(xstack, "xlearn").chat.completions.create(
+        for _chunk in oai(xstack, "xlearn").chat.completions.create(
             model="sim-learn",
             messages=MSG,  # type: ignore[arg-type]
             max_tokens=100,
+            stream=True,
             extra_headers={"x-sim-tokens": "100", "x-sim-itl-ms": "10", "x-sim-ttft-ms": "50"},
-        )
+        ):
+            pass
 
     with ThreadPoolExecutor(5) as pool:
         list(pool.map(one, range(5)))

@@ -1,6 +1,7 @@
 """The learned decode rate (pure arithmetic): per model the median of its last WINDOW
-observed rates once MIN_SAMPLES were made, the configured rate before; short responses say
-nothing; memory stays bounded whatever is observed."""
+observed rates and times to start once MIN_SAMPLES were made, the configured rate with no
+start before; short responses say nothing; memory stays bounded whatever is observed; an
+abandon is billed the rate times the time after the start, never more than reserved."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.core import decode_rate as dr
+from extproc.core.admission import Cost
 from extproc.core.decode_rate import DecodeRates, RateWindow, observed_rate
+from extproc.core.figures import abandoned_output
 
 pytestmark = pytest.mark.unit
 
@@ -19,11 +22,12 @@ pytestmark = pytest.mark.unit
 def test_the_configured_rate_stands_until_enough_observations() -> None:
     rates = DecodeRates()
     for _ in range(dr.MIN_SAMPLES - 1):
-        rates.observe("m", 400, 1, 1000)
-    assert rates.rate("m", 200) == 200
-    rates.observe("m", 400, 1, 1000)
+        rates.observe("m", 400, 1, 1000, 120)
+    assert rates.abandon("m", 200) == (200, 0)
+    rates.observe("m", 400, 1, 1000, 120)
+    assert rates.abandon("m", 200) == (400, 120)
     assert rates.rate("m", 200) == 400
-    assert rates.rate("other", 123) == 123  # per model
+    assert rates.abandon("other", 123) == (123, 0)  # per model
 
 
 def test_short_responses_are_not_observed() -> None:
@@ -36,30 +40,35 @@ def test_short_responses_are_not_observed() -> None:
     assert rates.samples("m") == 0 and rates.rate("m", 77) == 77
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    obs=st.lists(
-        st.tuples(
-            st.integers(min_value=0, max_value=50_000),
-            st.integers(min_value=1, max_value=8),
-            st.integers(min_value=0, max_value=120_000),
-        ),
-        max_size=3 * dr.WINDOW,
-    )
+obs_st = st.lists(
+    st.tuples(
+        st.integers(min_value=0, max_value=50_000),
+        st.integers(min_value=1, max_value=8),
+        st.integers(min_value=0, max_value=120_000),
+        st.integers(min_value=0, max_value=5_000),
+    ),
+    max_size=4 * dr.WINDOW,
 )
-def test_the_rate_is_the_median_of_the_last_window(obs: list[tuple[int, int, int]]) -> None:
+
+
+@settings(max_examples=200, deadline=None)
+@given(obs=obs_st)
+def test_the_figures_are_the_medians_of_the_last_window(
+    obs: list[tuple[int, int, int, int]],
+) -> None:
     rates = DecodeRates()
-    for tokens, seqs, ms in obs:
-        rates.observe("m", tokens, seqs, ms)
-    kept = [r for r in (observed_rate(*o) for o in obs) if r is not None][-dr.WINDOW :]
-    assert rates.samples("m") == len(kept) <= dr.WINDOW
-    if len(kept) < dr.MIN_SAMPLES:
-        assert rates.rate("m", 200) == 200
+    for tokens, seqs, ms, start in obs:
+        rates.observe("m", tokens, seqs, ms, start)
+    kept = [(observed_rate(t, q, m), s) for t, q, m, s in obs]
+    window = [(r, s) for r, s in kept if r is not None][-dr.WINDOW :]
+    assert rates.samples("m") == len(window) <= dr.WINDOW
+    rate, start = rates.abandon("m", 200)
+    if len(window) < dr.MIN_SAMPLES:
+        assert (rate, start) == (200, 0)
     else:
-        got = rates.rate("m", 200)
-        med = statistics.median(kept)
-        assert med <= got < med + 1  # rounded up
-        assert min(kept) <= got <= max(kept) + 1
+        med = statistics.median(r for r, _ in window)
+        assert med <= rate < med + 1  # rounded up
+        assert start == int(statistics.median(s for _, s in window))
 
 
 @settings(max_examples=50, deadline=None)
@@ -68,10 +77,9 @@ def test_one_outlier_barely_moves_it(values: list[float]) -> None:
     w = RateWindow()
     for v in values:
         w.observe(v)
-    before = w.rate()
     w.observe(1e9)
     after = w.rate()
-    assert before is not None and after is not None
+    assert after is not None
     kept = sorted([*values, 1e9][-dr.WINDOW :])
     assert after <= kept[len(kept) // 2] + 1  # the median, not the mean
 
@@ -83,3 +91,33 @@ def test_models_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         rates.observe(name, 100, 1, 1000)
     assert rates.samples("a") == 0  # the oldest-observed was forgotten
     assert all(rates.samples(n) == 1 for n in ("b", "c", "d"))
+
+
+def cost(reserved: int) -> Cost:
+    return Cost(
+        input_tokens=10,
+        effective_max_output=reserved,
+        reserved_output=reserved,
+        meter_stream=False,
+        enforce_stream=False,
+        strict=False,
+        settle_to_actual=True,
+        every=16,
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rate=st.integers(min_value=0, max_value=5000),
+    start=st.integers(min_value=0, max_value=2000),
+    elapsed=st.integers(min_value=0, max_value=60_000),
+    seqs=st.integers(min_value=1, max_value=8),
+    reserved=st.integers(min_value=0, max_value=100_000),
+)
+def test_an_abandon_bills_the_rate_after_the_start(
+    rate: int, start: int, elapsed: int, seqs: int, reserved: int
+) -> None:
+    got = abandoned_output(cost(reserved), seqs, elapsed - start, rate)
+    decoding = max(0, elapsed - start)
+    assert 0 <= got <= reserved
+    assert got == min(reserved, -(-decoding * rate * seqs // 1000))

@@ -8,6 +8,7 @@ an abandoned one settles on what passed."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import orjson
@@ -54,7 +55,7 @@ def fed(rs: BufferedStream, raw: bytes, cuts: list[int]) -> dict[str, Any]:
 
 def pieces(text: str, cuts: list[int]) -> list[str]:
     bounds = sorted({c % (len(text) + 1) for c in cuts} | {0, len(text)})
-    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if text[a:b]]
+    return [text[a:b] for a, b in itertools.pairwise(bounds) if text[a:b]]
 
 
 texts = st.text(min_size=0, max_size=40)
@@ -159,9 +160,21 @@ def test_messages_blocks_are_rebuilt(
                 "usage": {"input_tokens": 5, "output_tokens": 1},
             },
         },
-        {"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}},
-        {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "hm"}},
-        {"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "sig"}},
+        {
+            "type": "content_block_start",
+            "index": 0,
+            "content_block": {"type": "thinking", "thinking": ""},
+        },
+        {
+            "type": "content_block_delta",
+            "index": 0,
+            "delta": {"type": "thinking_delta", "thinking": "hm"},
+        },
+        {
+            "type": "content_block_delta",
+            "index": 0,
+            "delta": {"type": "signature_delta", "signature": "sig"},
+        },
         {"type": "content_block_stop", "index": 0},
         {"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}},
         *(
@@ -202,7 +215,7 @@ def test_messages_blocks_are_rebuilt(
 
 def test_responses_take_the_terminal_events_object() -> None:
     final = {"id": "resp_1", "object": "response", "status": "completed", "output": [1]}
-    events = [
+    events: list[dict[str, Any]] = [
         {"type": "response.created", "response": {"id": "resp_1", "status": "in_progress"}},
         {"type": "response.output_text.delta", "delta": "hi"},
         {"type": "response.completed", "response": final},
@@ -221,7 +234,12 @@ def test_embeddings_never_reassemble() -> None:
     from extproc.core.apis.embeddings import EMBEDDINGS
     from extproc.core.apis.openai.request import parse_request
 
-    req = parse_request(b'{"model": "m", "prompt": "x", "best_of": 2}', "completions", max_tokens_ceiling=10, max_n=4)
+    req = parse_request(
+        b'{"model": "m", "prompt": "x", "best_of": 2}',
+        "completions",
+        max_tokens_ceiling=10,
+        max_n=4,
+    )
     assert not COMPLETIONS.reassembles(req)  # best_of cannot stream
     assert EMBEDDINGS.can_stream is False
 
@@ -259,12 +277,19 @@ async def admitted(lim: RecordingLimiter, extra: str = "") -> tuple[RequestProce
 
 def chunk(word: str) -> bytes:
     c = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
-    return b"data: " + orjson.dumps({**c, "choices": [{"index": 0, "delta": {"content": word}}]}) + b"\n\n"
+    return (
+        b"data: "
+        + orjson.dumps({**c, "choices": [{"index": 0, "delta": {"content": word}}]})
+        + b"\n\n"
+    )
+
+
+EXACT = ", non_streams: exact"
 
 
 def test_a_non_stream_goes_upstream_as_a_stream_and_only_its_json_comes_back() -> None:
     async def run() -> None:
-        proc, resp = await admitted(limiter())
+        proc, resp = await admitted(limiter(), EXACT)
         sent = orjson.loads(resp.request_body.response.body_mutation.body)
         assert sent["stream"] is True
         assert sent["stream_options"] == {"include_usage": True}
@@ -288,7 +313,11 @@ def test_a_non_stream_goes_upstream_as_a_stream_and_only_its_json_comes_back() -
         assert bodies == []
         usage = {"prompt_tokens": 8, "completion_tokens": 3, "total_tokens": 11}
         tail = b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
-        tail += b'data: {"id":"c","choices":[],"usage":' + orjson.dumps(usage) + b"}\n\ndata: [DONE]\n\n"
+        tail += (
+            b'data: {"id":"c","choices":[],"usage":'
+            + orjson.dumps(usage)
+            + b"}\n\ndata: [DONE]\n\n"
+        )
         last = await proc.handle(
             pb.ProcessingRequest(response_body=pb.HttpBody(body=tail, end_of_stream=True))
         )
@@ -306,7 +335,7 @@ def test_a_non_stream_goes_upstream_as_a_stream_and_only_its_json_comes_back() -
 
 def test_an_abandoned_non_stream_settles_on_what_passed() -> None:
     async def run() -> None:
-        proc, _ = await admitted(limiter())
+        proc, _ = await admitted(limiter(), EXACT)
         await proc.handle(
             pb.ProcessingRequest(
                 response_headers=headers({":status": "200", "content-type": "text/event-stream"})
@@ -323,9 +352,9 @@ def test_an_abandoned_non_stream_settles_on_what_passed() -> None:
     asyncio.run(run())
 
 
-def test_the_json_path_forwards_the_request_as_sent() -> None:
+def test_the_json_path_is_the_default_and_forwards_the_request_as_sent() -> None:
     async def run() -> None:
-        proc, resp = await admitted(limiter(), ", non_streams: json")
+        proc, resp = await admitted(limiter())
         mutated = resp.request_body.response.body_mutation.body
         assert not mutated or "stream" not in orjson.loads(mutated)
         [h] = await proc.handle(

@@ -33,12 +33,14 @@ SETTLE_S = 0.15
 
 
 def rules_with_json_model(rules: dict[str, Any]) -> dict[str, Any]:
-    """The run's rules plus ``sim-json``: ``sim-small`` on the JSON path."""
+    """The run's rules with ``sim-small`` on the exact path, plus ``sim-json``: the same
+    model on the JSON path."""
     out = copy.deepcopy(rules)
     model = copy.deepcopy(out["models"]["sim-small"])
     model.pop("aliases", None)
     model["non_streams"] = "json"
     out["models"]["sim-json"] = model
+    out["models"]["sim-small"]["non_streams"] = "exact"
     return out
 
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from extproc.core.apis.reassembly import BufferedStream
 from extproc.core.apis.base import ApiName, ParsedRequest, RequestLimits
 from extproc.core.apis.common import json_object, require_model, rewrite_fields, usage_of_json
 from extproc.core.apis.errors import error_body, error_headers, sse_error_event
+from extproc.core.apis.reassembly import BufferedStream
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
 from extproc.core.tokens import PromptShapeError, TokenCounter, TokenizerSpec
 from extproc.core.values import is_int

@@ -424,7 +424,8 @@ def assemble_message(events: list[Event]) -> dict[str, Any]:
                 msg.update(delta)
             usage = obj.get("usage")
             if isinstance(usage, dict):
-                have = msg.get("usage") if isinstance(msg.get("usage"), dict) else {}
+                old = msg.get("usage")
+                have: dict[str, Any] = old if isinstance(old, dict) else {}
                 msg["usage"] = have | {k: v for k, v in usage.items() if v is not None}
     for i, pieces in partial.items():
         text = "".join(pieces)

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from extproc.core.apis.errors import passed_error
-from extproc.core.sse import SSEDecoder, SSEDecodeError
+from extproc.core.sse import SSEDecodeError, SSEDecoder
 
 #: One stream event as the assemblers see it: its ``event:`` name and its JSON data object.
 Event = tuple[str | None, dict[str, Any]]

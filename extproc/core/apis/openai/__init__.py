@@ -14,8 +14,8 @@ from extproc.core.apis.errors import error_body, error_headers, openai_cut_event
 from extproc.core.apis.openai.counting import count_chat_request, count_completion_prompt
 from extproc.core.apis.openai.reassemble import chat_reassembler, completion_reassembler
 from extproc.core.apis.openai.request import parse_request, rewrite_body
-from extproc.core.apis.reassembly import BufferedStream
 from extproc.core.apis.openai.stream import parse_event_data
+from extproc.core.apis.reassembly import BufferedStream
 from extproc.core.chat_template import count_with_template
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
 from extproc.core.tokens import TokenCounter, TokenizerSpec

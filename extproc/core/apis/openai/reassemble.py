@@ -43,7 +43,11 @@ def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) ->
     i = i if isinstance(i, int) and is_int(i) else len(calls)
     call = calls.get(i)
     if call is None:
-        call = calls[i] = {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+        call = calls[i] = {
+            "id": None,
+            "type": "function",
+            "function": {"name": "", "arguments": ""},
+        }
     if isinstance(delta.get("id"), str):
         call["id"] = delta["id"]
     if isinstance(delta.get("type"), str):
