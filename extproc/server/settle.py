@@ -29,6 +29,11 @@ from extproc.records.model import UsageRecord, record_id_for
 
 log = structlog.get_logger("extproc")
 
+#: Endings before any response the gateway could meter: billed by the abandon rule.
+_ABANDONED = frozenset(
+    (Ending.CLIENT_DISCONNECTED, Ending.UPSTREAM_RESET, Ending.SHUTDOWN, Ending.INTERNAL_ERROR)
+)
+
 
 def access_metadata(s: Session, *, output_tokens: int | None = None) -> dict[str, Any]:
     """The ``ai_quota`` dynamic metadata the access log prints."""
@@ -85,11 +90,11 @@ async def settle(
         return
     now = gw.clock.now_ms()
     model, adm, req = s.model, s.admitted, s.req
-    rate, start = (
-        gw.decode_rates.abandon(model.name, model.abandoned_tokens_per_second)
-        if model is not None
-        else (None, 0)
-    )
+    rate: int | None = None
+    start = 0
+    if model is not None and stream is None and ending in _ABANDONED:
+        # what the abandon rule bills at: the model's learned decode rate and time to start
+        rate, start = gw.decode_rates.abandon(model.name, model.abandoned_tokens_per_second)
     result = s.settlement(
         now, stream=stream, ending=ending, abandon_rate=rate, abandon_start_ms=start
     )

@@ -365,3 +365,26 @@ def test_the_json_path_is_the_default_and_forwards_the_request_as_sent() -> None
         assert h.mode_override.response_body_mode == 1  # STREAMED: the JSON body is read
 
     asyncio.run(run())
+
+
+def test_an_upstream_that_answers_json_to_a_stream_is_read_as_json() -> None:
+    """An upstream that cannot stream answers the exact path's request with JSON: it is read
+    for its usage as any JSON response (the JSON path's figures)."""
+
+    async def run() -> None:
+        proc, _ = await admitted(limiter(), EXACT)
+        [h] = await proc.handle(
+            pb.ProcessingRequest(
+                response_headers=headers({":status": "200", "content-type": "application/json"})
+            )
+        )
+        assert h.mode_override.response_body_mode == 1  # STREAMED: the JSON body is read
+        usage = {"prompt_tokens": 8, "completion_tokens": 5, "total_tokens": 13}
+        body = orjson.dumps({"id": "c", "object": "chat.completion", "choices": [], "usage": usage})
+        await proc.handle(
+            pb.ProcessingRequest(response_body=pb.HttpBody(body=body, end_of_stream=True))
+        )
+        await asyncio.sleep(0.05)
+        assert proc.s.ending is Ending.COMPLETED and proc.s.output_decided == 5
+
+    asyncio.run(run())
