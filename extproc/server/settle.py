@@ -95,6 +95,14 @@ async def settle(
     if model is not None and stream is None and ending in _ABANDONED:
         # what the abandon rule bills at: the model's learned decode rate and time to start
         rate, start = gw.decode_rates.abandon(model.name, model.abandoned_tokens_per_second)
+        log.info(
+            "abandon_rate",
+            request_id=s.request_id,
+            model=model.name,
+            tokens_per_second=rate,
+            start_ms=start,
+            learned_from=gw.decode_rates.samples(model.name),
+        )
     result = s.settlement(
         now, stream=stream, ending=ending, abandon_rate=rate, abandon_start_ms=start
     )
