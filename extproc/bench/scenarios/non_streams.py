@@ -99,7 +99,7 @@ async def measure(b: Bench, stacks: Stacks) -> None:
         failed = f"failed: exact {errors['exact']}, json {errors['json']}"
         b.table.add(
             Row(
-                "non_streams",
+                "13 non_streams",
                 f"processor CPU per non-stream, exact path, {out} output tokens (base = JSON path)",
                 "µs",
                 med["exact"]["cpu_per_req_us"],
@@ -110,7 +110,7 @@ async def measure(b: Bench, stacks: Stacks) -> None:
         )
         b.table.add(
             Row(
-                "non_streams",
+                "13 non_streams",
                 f"gRPC messages Envoy sent per non-stream, {out} output tokens (base = JSON path)",
                 "msgs",
                 med["exact"]["msgs_per_req"],
