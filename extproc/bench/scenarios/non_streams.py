@@ -23,8 +23,9 @@ from extproc.bench.report import Row, Target
 from extproc.bench.scenarios.base import Scenario, Stacks
 from extproc.stats import median
 
-#: Output lengths measured (tokens per request; the simulator sends one token per chunk).
-OUTPUTS = (8, 64, 256)
+#: (output tokens, ms between tokens) measured: the simulator sends one token per chunk; at
+#: ITL 0 Envoy often reads several chunks at once, paced (as an engine decodes) one each.
+OUTPUTS: tuple[tuple[int, float], ...] = ((8, 0.0), (64, 0.0), (256, 0.0), (64, 2.0))
 #: The prompt of every request.
 PROMPT_TOKENS = 200
 #: The exact path is the default when it costs at most this much CPU per non-stream.
@@ -76,11 +77,12 @@ async def measure(b: Bench, stacks: Stacks) -> None:
             "msgs_per_req": sent / done,
         }
 
-    for out in OUTPUTS:
-        b.log(f"non_streams: {out} output tokens, {n} requests at c={c} per arm x {b.plan.rounds}")
+    for out, itl in OUTPUTS:
+        what = f"{out} output tokens" + (f" {itl:g} ms apart" if itl else "")
+        b.log(f"non_streams: {what}, {n} requests at c={c} per arm x {b.plan.rounds}")
         arms = {
-            "exact": partial(one_round, Shape(PROMPT_TOKENS, out, model="sim-small")),
-            "json": partial(one_round, Shape(PROMPT_TOKENS, out, model="sim-json")),
+            "exact": partial(one_round, Shape(PROMPT_TOKENS, out, itl_ms=itl, model="sim-small")),
+            "json": partial(one_round, Shape(PROMPT_TOKENS, out, itl_ms=itl, model="sim-json")),
         }
         rounds = await interleave(b.plan.rounds, arms)
         med = {a: {k: med_rounds([r[k] for r in rs]) for k in rs[0]} for a, rs in rounds.items()}
@@ -90,7 +92,12 @@ async def measure(b: Bench, stacks: Stacks) -> None:
             if j["cpu_per_req_us"] > 0
         ]
         errors = {a: int(sum(r["errors"] for r in rs)) for a, rs in rounds.items()}
-        raw[f"out{out}"] = {"rounds": rounds, "median": med, "ratios": ratios, "errors": errors}
+        raw[f"out{out}" + (f"_itl{itl:g}" if itl else "")] = {
+            "rounds": rounds,
+            "median": med,
+            "ratios": ratios,
+            "errors": errors,
+        }
         spread = (
             f"ratio per round: median {median(ratios):.2f}x, {min(ratios):.2f}-{max(ratios):.2f}x"
             if ratios
@@ -100,7 +107,7 @@ async def measure(b: Bench, stacks: Stacks) -> None:
         b.table.add(
             Row(
                 "13 non_streams",
-                f"processor CPU per non-stream, exact path, {out} output tokens (base = JSON path)",
+                f"processor CPU per non-stream, exact path, {what} (base = JSON path)",
                 "µs",
                 med["exact"]["cpu_per_req_us"],
                 med["json"]["cpu_per_req_us"],
@@ -111,7 +118,7 @@ async def measure(b: Bench, stacks: Stacks) -> None:
         b.table.add(
             Row(
                 "13 non_streams",
-                f"gRPC messages Envoy sent per non-stream, {out} output tokens (base = JSON path)",
+                f"gRPC messages Envoy sent per non-stream, {what} (base = JSON path)",
                 "msgs",
                 med["exact"]["msgs_per_req"],
                 med["json"]["msgs_per_req"],
