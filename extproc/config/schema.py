@@ -163,7 +163,7 @@ class ModelEntry(Strict):
     # (learned from its completed responses, this figure until then) times the time it ran.
     # "exact" sends it as a stream with usage, keeps what passes and gives the client the
     # API's JSON rebuilt from it: an abandon settles on what the engine generated, at the
-    # CPU of one ext_proc message per SSE chunk (docs/performance.md: 1.2-2.7x the JSON
+    # CPU of one ext_proc message per SSE chunk (docs/performance.md: 1.4-2.9x the JSON
     # path's processor CPU from 64 output tokens up). Embeddings never stream.
     non_streams: Literal["exact", "json"] = "json"
 
