@@ -3,10 +3,11 @@ learned from its completed streams: what an abandoned request is billed where th
 could not meter it (a non-stream on the JSON path, ``non_streams: json``, or one whose
 upstream answered with JSON although asked for a stream).  Sans-IO arithmetic, bounded memory.
 
-An observation is one completed response the gateway saw arrive chunk by chunk (a stream, or
-a non-stream on the exact path): its time to the first chunk (admission to first body chunk:
-queueing, prefill, the network) and its decode rate (output tokens per sequence over first
-chunk to end).  Each model keeps its last :data:`WINDOW` of each; a figure is their median
+An observation is one completed response.  One the gateway saw arrive chunk by chunk (a
+stream, or a non-stream on the exact path) gives its time to the first chunk (admission to
+first body chunk: queueing, prefill, the network) and its decode rate (output tokens per
+sequence over first chunk to end); a JSON response gives a decode rate only, over admission
+to end less the model's learned time to start (a model whose traffic is all JSON learns too).  Each model keeps its last :data:`WINDOW` of each; a figure is their median
 once :data:`MIN_SAMPLES` were made (one outlier moves it by nothing; the short window follows
 the engine's speed as its load changes).  An abandon ``t`` ms after admission is billed
 ``rate * (t - start)`` per sequence (:meth:`DecodeRates.abandon`): measured with vLLM, a
@@ -58,10 +59,12 @@ class RateWindow:
         self._rates: deque[float] = deque(maxlen=WINDOW)
         self._starts: deque[float] = deque(maxlen=WINDOW)
 
-    def observe(self, rate: float, start_ms: float = 0.0) -> None:
-        """Keep one observation (the oldest goes past :data:`WINDOW`)."""
+    def observe(self, rate: float, start_ms: float | None = 0.0) -> None:
+        """Keep one observation (the oldest goes past :data:`WINDOW`); ``start_ms`` None: a
+        rate only (a JSON response: no first chunk seen)."""
         self._rates.append(rate)
-        self._starts.append(max(0.0, start_ms))
+        if start_ms is not None:
+            self._starts.append(max(0.0, start_ms))
 
     def __len__(self) -> int:
         return len(self._rates)
@@ -89,10 +92,11 @@ class DecodeRates:
         self._models: dict[str, RateWindow] = {}
 
     def observe(
-        self, model: str, tokens: int, sequences: int, decode_ms: int, start_ms: int = 0
+        self, model: str, tokens: int, sequences: int, decode_ms: int, start_ms: int | None = 0
     ) -> None:
         """One completed response of ``model``: its output, its decode time (first chunk to
-        end) and its time to the first chunk."""
+        end) and its time to the first chunk (None: a JSON response, whose decode time is
+        admission to end less :meth:`start_ms`)."""
         rate = observed_rate(tokens, sequences, decode_ms)
         if rate is None:
             return
@@ -118,6 +122,11 @@ class DecodeRates:
         if window is None or learned is None:
             return default, 0
         return learned, window.start_ms()
+
+    def start_ms(self, model: str) -> int:
+        """``model``'s learned time to start (0 before it has enough observations)."""
+        window = self._models.get(model)
+        return window.start_ms() if window is not None else 0
 
     def samples(self, model: str) -> int:
         """Observations kept for ``model``."""

@@ -108,21 +108,26 @@ async def settle(
     )
     if (
         ending is Ending.COMPLETED
-        and first_chunk_ms > 0
         and result.output is not None
         and model is not None
         and adm is not None
         and req is not None
     ):
-        # a completed response read chunk by chunk teaches the model's decode rate (first
-        # chunk to end) and its time to start (admission to first chunk)
-        gw.decode_rates.observe(
-            model.name,
-            result.output,
-            req.sequences,
-            now - first_chunk_ms,
-            first_chunk_ms - adm.at_ms,
-        )
+        rates = gw.decode_rates
+        if first_chunk_ms > 0:
+            # read chunk by chunk: the model's decode rate (first chunk to end) and its time
+            # to start (admission to first chunk)
+            rates.observe(
+                model.name,
+                result.output,
+                req.sequences,
+                now - first_chunk_ms,
+                first_chunk_ms - adm.at_ms,
+            )
+        elif stream is None:
+            # a JSON response: its decode rate over admission to end less the time to start
+            decode_ms = now - adm.at_ms - rates.start_ms(model.name)
+            rates.observe(model.name, result.output, req.sequences, decode_ms, None)
     if s.count_failed:  # the bound it was admitted on stands: an over-count, never an under-count
         log.error("input_count_failed", request_id=s.request_id, kept="bound")
     if result.output is not None and result.total is not None and result.total > 0:

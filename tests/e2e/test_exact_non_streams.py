@@ -35,6 +35,7 @@ TENANTS = (
     "xjson",
     "xjsonabandon",
     "xlearn",
+    "xlearnjson",
 )
 
 
@@ -46,7 +47,7 @@ def xstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     rules = e2e_rules(extra)
     rules["models"]["sim-small"]["non_streams"] = "exact"
     # the same simulator under a model that keeps today's path (forwarded as JSON)
-    for name in ("sim-json", "sim-learn"):
+    for name in ("sim-json", "sim-learn", "sim-learn-json"):
         rules["models"][name] = {
             "tokenizer": {"kind": "tiktoken", "encoding": "cl100k_base"},
             "max_output_tokens": 1024,
@@ -56,7 +57,10 @@ def xstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = make_stack(
         Path(tmp_path_factory.mktemp("exact")),
         rules=rules,
-        sim_args=["--model", "sim-small", "--model", "sim-json", "--model", "sim-learn"],
+        sim_args=[
+            *("--model", "sim-small", "--model", "sim-json"),
+            *("--model", "sim-learn", "--model", "sim-learn-json"),
+        ],
     )
     yield s
     s.stop()
@@ -330,6 +334,39 @@ def test_the_json_path_bills_an_abandon_at_the_learned_rate(
     out = billed - int(rec["prompt_tokens"])
     # a JSON answer is sent whole at its end: what the simulator had made when the client
     # left is its time then (after the first token's 50 ms) at 10 ms a token
+    ran = float(rec["disconnected_at"] or rec["ended_at"]) - float(rec["started_at"])
+    made = max(0.0, (ran - 0.05) / 0.010)
+    assert out < 0.75 * 200, (out, made, rec)  # not the configured rate
+    assert abs(out - made) <= 0.25 * made + 16, (out, made, rec)
+
+
+def test_json_traffic_alone_teaches_the_rate(xstack: Stack, xrds: redis.Redis) -> None:
+    """A model whose traffic is all non-streams on the JSON path learns its decode rate from
+    them (output per sequence over admission to end): after five at 10 ms a token, an abandon
+    after 1 s is billed about what the simulator had made, not the configured 200 tokens/s."""
+    headers = {"x-sim-tokens": "100", "x-sim-itl-ms": "10", "x-sim-ttft-ms": "50"}
+
+    def one(_: int) -> None:
+        oai(xstack, "xlearnjson").chat.completions.create(
+            model="sim-learn-json",
+            messages=MSG,  # type: ignore[arg-type]
+            max_tokens=100,
+            extra_headers=headers,
+        )
+
+    with ThreadPoolExecutor(5) as pool:
+        list(pool.map(one, range(5)))
+    billed_before = settled(xrds, "x-xlearnjson", expect=5)
+    with pytest.raises(openai.APITimeoutError):
+        oai(xstack, "xlearnjson", timeout=1.0).chat.completions.create(
+            model="sim-learn-json",
+            messages=MSG,  # type: ignore[arg-type]
+            max_tokens=1000,
+            extra_headers={**headers, "x-sim-tokens": "1000"},
+        )
+    recs = records(xstack, "x-xlearnjson", want=6)
+    (rec,) = [r for r in recs if r["ending"] != "completed"]
+    out = settled(xrds, "x-xlearnjson", expect=6) - billed_before - int(rec["prompt_tokens"])
     ran = float(rec["disconnected_at"] or rec["ended_at"]) - float(rec["started_at"])
     made = max(0.0, (ran - 0.05) / 0.010)
     assert out < 0.75 * 200, (out, made, rec)  # not the configured rate

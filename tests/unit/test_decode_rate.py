@@ -121,3 +121,16 @@ def test_an_abandon_bills_the_rate_after_the_start(
     decoding = max(0, elapsed - start)
     assert 0 <= got <= reserved
     assert got == min(reserved, -(-decoding * rate * seqs // 1000))
+
+
+def test_json_responses_teach_a_rate_but_no_start() -> None:
+    """A model whose traffic is all JSON learns its rate too; its start stays what chunked
+    responses taught (0 without any)."""
+    rates = DecodeRates()
+    for _ in range(dr.MIN_SAMPLES):
+        rates.observe("m", 300, 1, 1000, None)
+    assert rates.abandon("m", 200) == (300, 0)
+    for _ in range(dr.MIN_SAMPLES):
+        rates.observe("m", 300, 1, 1000, 80)
+    assert rates.abandon("m", 200) == (300, 80)
+    assert rates.start_ms("m") == 80 and rates.start_ms("other") == 0
