@@ -26,6 +26,7 @@ from extproc.config.runtime import RuntimeConfig
 from extproc.core.admission import RoomHints
 from extproc.core.apis.base import ApiFormat
 from extproc.core.audits import InputAudits
+from extproc.core.decode_rate import DecodeRates
 from extproc.core.keys import input_stops_key
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import (
@@ -100,6 +101,8 @@ class Gateway:
     # are admitted on a bound (an idle replica makes no call)
     _stops_loop: asyncio.Task[None] | None = None
     _bound_seen: bool = False
+    # each model's decode rate, learned from its completed responses (abandons it cannot meter)
+    decode_rates: DecodeRates = field(default_factory=DecodeRates)
     _settlements: SettlementQueue | None = None
     # Settlements go to Redis many per call, from one background task (when the limiter can)
     _batcher: SettlementBatcher | None = None

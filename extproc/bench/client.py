@@ -58,11 +58,12 @@ class Shape:
     ttft_ms: float = 0.0
     itl_ms: float = 0.0
     extra_headers: tuple[tuple[str, str], ...] = field(default=())
+    model: str = "sim-small"
 
     def body(self, n: int = 0) -> bytes:
         """The JSON body of request ``n`` (the prompt text is the same apart from a prefix)."""
         payload: dict[str, Any] = {
-            "model": "sim-small",
+            "model": self.model,
             "messages": [{"role": "user", "content": f"{n} {base_prompt(self.prompt_tokens)}"}],
             "max_tokens": self.max_tokens,
         }

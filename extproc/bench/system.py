@@ -203,6 +203,7 @@ def start_stack(
     sim_max_records: int = 20_000,
     security: str = "insecure",
     sims: int = 1,
+    sim_models: Sequence[str] = (),
 ) -> Stack:
     """Start Redis (unless ``redis_url``), the simulator, processors and Envoys on free ports.
 
@@ -238,6 +239,7 @@ def start_stack(
             "8192",
             "--log-level",
             "warning",
+            *(arg for m in sim_models for arg in ("--model", m)),
         ],
         extproc_env=dict(env or {}),
         baseline_port=consecutive_free(envoys) if baseline else 0,

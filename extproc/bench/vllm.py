@@ -35,6 +35,9 @@ from extproc.stack import Stack, StackPorts, free_port
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_VENV = REPO / ".venv-engine"
 SERVED_NAME = "tiny"
+#: The same model under a second served name, metered on the exact path for non-streams
+#: (``non_streams: exact``) in :func:`engine_rules`.
+EXACT_NAME = "tiny-exact"
 
 
 class EngineError(RuntimeError):
@@ -221,6 +224,7 @@ class Engine:
             str(self.model),
             "--served-model-name",
             SERVED_NAME,
+            EXACT_NAME,
             "--dtype",
             "float32",
             "--max-model-len",
@@ -308,11 +312,6 @@ EVERY = 16
 #: reaches it (measured 1-15 per stream on a pinned 2-core machine).
 RUN_AHEAD_BOUND = 2 * EVERY + 16
 
-#: The tiny model's ``abandoned_tokens_per_second`` in :func:`engine_rules`: at or above its
-#: decode speed, which reached ~420 tokens/s alone on 2 cores (636 tokens in 1.5 s), so a rate
-#: of 400 billed less than it generated there.
-ABANDON_RATE = 1000
-
 #: Tenant (``e-<name>``, key ``sk-<name>``) -> plan, for the engine tests and bench.
 ENGINE_TENANTS = {
     "chat": "big",
@@ -333,6 +332,12 @@ ENGINE_TENANTS = {
     "concstrict": "strict1500",
     "lagging": "lazy100",
     "abandoned": "big",
+    "abandonedexact": "big",
+    # the non-streams on the exact path
+    "chatexact": "big",
+    "completionsexact": "big",
+    "responsesexact": "big",
+    "messagesexact": "big",
 }
 
 
@@ -354,15 +359,20 @@ def engine_rules(tokenizer_json: Path, tenants: dict[str, str] | None = None) ->
             "charge_every_tokens": EVERY,
         },
         "models": {
+            # the default configuration (non-streams on the JSON path)
             SERVED_NAME: {
                 "tokenizer": {"kind": "huggingface", "path": str(tokenizer_json)},
                 "max_output_tokens": 2048,
                 # vLLM reports its running usage in every chunk when asked
                 "stream_usage": "continuous",
-                # above the tiny model's decode speed here (up to ~290 tokens/s pinned): an
-                # abandoned non-stream is never billed less than the engine generated
-                "abandoned_tokens_per_second": ABANDON_RATE,
-            }
+            },
+            # the same engine, its non-streams on the exact path
+            EXACT_NAME: {
+                "tokenizer": {"kind": "huggingface", "path": str(tokenizer_json)},
+                "max_output_tokens": 2048,
+                "stream_usage": "continuous",
+                "non_streams": "exact",
+            },
         },
         "plans": {
             "big": plan(10_000_000),

@@ -314,6 +314,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
             currency=m.pricing.currency if m.pricing else "",
             continuous_usage=m.stream_usage == "continuous",
             abandoned_tokens_per_second=m.abandoned_tokens_per_second,
+            exact_non_streams=m.non_streams == "exact",
         )
     assert fallback_counter is not None
     unknown = Model(

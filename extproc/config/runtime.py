@@ -37,6 +37,8 @@ class Model:
     continuous_usage: bool = False
     # output tokens per second per sequence billed for a request abandoned before its response
     abandoned_tokens_per_second: int = ABANDONED_TOKENS_PER_SECOND
+    # non-streaming requests are sent upstream as streams and their JSON rebuilt (exact path)
+    exact_non_streams: bool = False
 
     @property
     def exact_count(self) -> bool:

@@ -158,6 +158,14 @@ class ModelEntry(Strict):
     # before its response is billed its input and this many output tokens per second it ran
     # (never more than it reserved). Set it to the engine's decode speed (docs/semantics.md).
     abandoned_tokens_per_second: int = Field(default=200, ge=0, le=1_000_000)
+    # How a non-streaming request is sent upstream: "json" (the default) forwards it as sent
+    # and reads its JSON's usage; an abandon is billed its input and the model's decode rate
+    # (learned from its completed responses, this figure until then) times the time it ran.
+    # "exact" sends it as a stream with usage, keeps what passes and gives the client the
+    # API's JSON rebuilt from it: an abandon settles on what the engine generated, at the
+    # CPU of one ext_proc message per SSE chunk (docs/performance.md: 1.4-2.9x the JSON
+    # path's processor CPU from 64 output tokens up). Embeddings never stream.
+    non_streams: Literal["exact", "json"] = "json"
 
 
 class LimitEntry(Strict):

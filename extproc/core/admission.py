@@ -30,6 +30,9 @@ class Cost:
     settle_to_actual: bool  # refund/charge the difference at the end
     every: int
     requests: int = 1  # RPM units
+    # a non-streaming request sent upstream as a stream with usage, metered as one and its
+    # JSON reassembled for the client (the exact path: an abandon settles on what passed)
+    upstream_stream: bool = False
 
     @property
     def tpm_amount(self) -> int:
@@ -50,25 +53,36 @@ RPM_ONLY = Cost(
 
 
 def compute_cost(
-    *, input_tokens: int, per_choice_max: int, n: int, stream: bool, charging: Charging
+    *,
+    input_tokens: int,
+    per_choice_max: int,
+    n: int,
+    stream: bool,
+    charging: Charging,
+    exact_json: bool = False,
 ) -> Cost:
     """The admission cost under ``charging.mode`` (see docs/semantics.md for each mode).
 
     ``n`` is the number of sequences the upstream may generate, ``per_choice_max`` the
-    budget of each."""
+    budget of each.  ``exact_json``: a non-streaming request that settles to its actual
+    figures is sent upstream as a stream and metered as it passes (never enforced: its whole
+    budget is reserved), so that an abandon settles on what the engine generated."""
     eff = per_choice_max * n
     every = charging.charge_every_tokens
     strict = charging.streaming == "strict"
     mode = charging.mode
     meter, enforce, settle = False, False, True
+    upstream_stream = False
     if mode == "input_only":
         reserve, settle = 0, False
     elif mode == "reserve_max":
         reserve, settle = eff, False
     elif mode == "reserve_refund":
-        reserve, meter = eff, stream
+        reserve, meter = eff, stream or exact_json
+        upstream_stream = exact_json and not stream
     elif not stream:  # stream_incremental, a JSON response: reserve, settle to usage
         reserve = eff
+        meter = upstream_stream = exact_json
     else:
         reserve = min(every, eff) if strict else 0
         meter = enforce = True
@@ -81,6 +95,7 @@ def compute_cost(
         strict=strict,
         settle_to_actual=settle,
         every=every,
+        upstream_stream=upstream_stream,
     )
 
 
@@ -105,6 +120,7 @@ def plan_admission(
     over_cap: Literal["clamp", "reject"],
     budget_param: str,
     charging: Charging,
+    exact_json: bool = False,
 ) -> AdmissionPlan:
     """The output budget, whether it was clamped, and the cost (raises 400/413 on limits)."""
     if max_input_tokens is not None and input_tokens > max_input_tokens:
@@ -128,6 +144,7 @@ def plan_admission(
         n=sequences,
         stream=stream,
         charging=charging,
+        exact_json=exact_json,
     )
     return AdmissionPlan(budget=budget, clamped=clamped, cost=cost)
 

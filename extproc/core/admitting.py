@@ -371,6 +371,9 @@ class Admission:
                     force_usage=rules.force_include_usage and plan.cost.meter_stream,
                     model=served.name if served.known else None,
                     continuous_usage=served.continuous_usage and plan.cost.meter_stream,
+                    # admitted unmetered (fail-open): nothing meters the response, so it
+                    # goes as the client sent it
+                    upstream_stream=plan.cost.upstream_stream and res is not None,
                 )
             )
         )
@@ -435,6 +438,12 @@ class Admission:
             over_cap=self.rules.over_model_cap,
             budget_param=req.budget_fields[0] if req.budget_fields else "max_tokens",
             charging=charging,
+            exact_json=(
+                not req.stream
+                and api.can_stream
+                and model.exact_non_streams
+                and api.reassembles(req)
+            ),
         )
 
     def _on_bound(

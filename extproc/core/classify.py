@@ -49,6 +49,16 @@ def classify(
         if media_type(ctype) in UNMETERABLE_STREAMS:
             return Metering("unmeterable", reason=f"content-type {media_type(ctype)}")
         return Metering("stream", decoder)
+    if (
+        cost.upstream_stream
+        and not end_of_stream
+        and not is_json(ctype)
+        and media_type(ctype) not in UNMETERABLE_STREAMS
+    ):
+        # a non-stream the gateway sent upstream as a stream (the exact path): kept as it
+        # passes, its JSON rebuilt for the client; an upstream that answered it with JSON
+        # anyway (it cannot stream) is read as JSON below
+        return Metering("exact", decoder)
     if cost.settle_to_actual and not end_of_stream:
         return Metering("read_json", decoder)
     return Metering("done")

@@ -61,8 +61,8 @@ def output_room_needed(buckets: list[WindowedBucket], cost: Cost) -> dict[str, i
     """For a request admitted on a bound: the units per counter its whole output needs on top
     of the bound (a metered stream charges its output as it goes, against counters that hold
     the bound until settlement, so its cut must not come earlier); None for a request whose
-    output is not metered as it streams."""
-    if not cost.meter_stream:
+    output is not metered as it streams (a non-stream sent as one reserved its whole output)."""
+    if not cost.meter_stream or cost.upstream_stream:
         return None
     return {b.key: b.rates.output_units(cost.effective_max_output) for b in buckets}
 

@@ -57,6 +57,8 @@ class ModelInfo(Protocol):
     def continuous_usage(self) -> bool: ...
     @property
     def abandoned_tokens_per_second(self) -> int: ...
+    @property
+    def exact_non_streams(self) -> bool: ...
     def stream_counter(self) -> Callable[[str], int]: ...
 
 
@@ -145,7 +147,14 @@ class Admitted:
 
 
 MeteringKind = Literal[
-    "local_reply", "unmetered", "upstream_error", "unmeterable", "stream", "read_json", "done"
+    "local_reply",
+    "unmetered",
+    "upstream_error",
+    "unmeterable",
+    "stream",
+    "exact",
+    "read_json",
+    "done",
 ]
 
 

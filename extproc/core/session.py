@@ -278,7 +278,7 @@ class Session:
             self.life.advance(Input.END)
         elif kind == "stream":
             self.life.advance(Input.STREAM_START)
-        elif kind == "read_json":
+        elif kind in ("read_json", "exact"):
             self.life.advance(Input.READ_BODY)
         elif kind == "done" or (kind == "unmeterable" and fail_open):
             self.life.advance(Input.END)
@@ -538,9 +538,19 @@ class Session:
         return self.life.close(how)
 
     def settlement(
-        self, now_ms: int, *, stream: StreamEnd | None = None, ending: Ending | None = None
+        self,
+        now_ms: int,
+        *,
+        stream: StreamEnd | None = None,
+        ending: Ending | None = None,
+        abandon_rate: int | None = None,
+        abandon_start_ms: int = 0,
     ) -> Settlement:
-        """The request's final figures (decided once): what the counters must hold, by kind."""
+        """The request's final figures (decided once): what the counters must hold, by kind.
+        ``abandon_rate``: tokens per second per sequence a request abandoned before a response
+        the gateway could meter is billed at (the model's learned decode rate,
+        :mod:`extproc.core.decode_rate`), from ``abandon_start_ms`` after admission (its learned
+        time to the first token); None: the model's configured one, from admission."""
         if self._settlement is not None:
             return self._settlement
         cost = self.cost
@@ -575,8 +585,8 @@ class Session:
                 output = abandoned_output(
                     cost,
                     req.sequences if req else 1,
-                    now_ms - adm.at_ms,
-                    adm.model.abandoned_tokens_per_second,
+                    now_ms - adm.at_ms - abandon_start_ms,
+                    adm.model.abandoned_tokens_per_second if abandon_rate is None else abandon_rate,
                 )
             else:
                 output = None  # a JSON response without usage: the reservation stands

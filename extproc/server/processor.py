@@ -30,6 +30,7 @@ from extproc.config.runtime import Model
 from extproc.core.admission import Cost
 from extproc.core.apis.openai import CHAT
 from extproc.core.apis.registry import api_for_path
+from extproc.core.exact import ExactResponse
 from extproc.core.keys import ledger_key
 from extproc.core.lifecycle import (
     Closed,
@@ -37,7 +38,7 @@ from extproc.core.lifecycle import (
     LifecycleError,
 )
 from extproc.core.policies import bound_excess_refund, fails_open
-from extproc.core.records import Identified, Reported, Requested
+from extproc.core.records import Identified, Reported, Requested, StreamEnd
 from extproc.core.session import Session
 from extproc.errors import (
     AuthenticationError,
@@ -76,6 +77,8 @@ class RequestProcessor:
         "_body_size",
         "_counting",
         "_exact",
+        "_exact_response",
+        "_first_chunk_ms",
         "_json",
         "_noting",
         "_settle_pending",
@@ -96,6 +99,8 @@ class RequestProcessor:
         self.started = time.perf_counter()
         self.driver: StreamDriver | None = None
         self._json: tuple[bytearray, Any] | None = None  # body read for usage, its decoder
+        self._exact_response: ExactResponse | None = None  # the exact path's kept stream
+        self._first_chunk_ms = 0  # when a stream's first body chunk came (the decode rate)
         self.write_lock = WriteLock()
         self.writer: Any = None  # the gRPC context, for a cut at shutdown
         # the exact input count of a request admitted on a bound, running after its answer
@@ -392,6 +397,15 @@ class RequestProcessor:
                 mode=wire.full_duplex_mode(),
                 metadata=access_metadata(s),
             )
+        if how.kind == "exact":  # a non-stream sent upstream as a stream: JSON rebuilt
+            self._exact_response = ExactResponse(s, how.decoder)
+            headers_out.append(("content-type", "application/json"))
+            return wire.continue_response_headers(
+                headers_out,
+                remove=("content-length", "content-encoding"),
+                mode=wire.full_duplex_mode(),
+                metadata=access_metadata(s),
+            )
         if how.kind == "read_json":
             self._json = (bytearray(), how.decoder)
             return wire.continue_response_headers(
@@ -419,12 +433,22 @@ class RequestProcessor:
         """Meter SSE (full duplex: we forward) or read a JSON body's usage (streamed)."""
         s = self.s
         driver = self.driver
+        if not self._first_chunk_ms:
+            self._first_chunk_ms = self.gw.clock.now_ms()
         if driver is not None:  # the stream takes the chunk (and moves the lifecycle with it)
             out = await driver.body(body.body, body.end_of_stream)
             if driver.ended:
                 self._settle_later()
             return out
         s.response_body()
+        exact = self._exact_response
+        if exact is not None:
+            if not s.reading:
+                return []
+            body_out = exact.chunk(body.body, body.end_of_stream)
+            if body_out is None:
+                return []  # kept: nothing goes back while the upstream generates
+            return [wire.streamed_body(body_out, True, await self._exact_done())]
         if self._json is not None and s.reading:
             buf, decoder = self._json
             if len(buf) < MAX_USAGE_BODY:
@@ -451,8 +475,26 @@ class RequestProcessor:
         self._settle_later()
         return access_metadata(s, output_tokens=s.output_decided)
 
+    async def _exact_done(self) -> dict[str, object]:
+        """The exact path's JSON is rebuilt (its usage reported): the figures, the end."""
+        s = self.s
+        if s.json_output() is not None:
+            await self._figures_ready()
+        s.response_read()
+        self._settle_later()
+        return access_metadata(s, output_tokens=s.output_decided)
+
     async def on_response_trailers(self) -> list[wire.ProcessingResponse]:
-        """Trailers pass; a metered stream first flushes what it holds."""
+        """Trailers pass; a metered stream first flushes what it holds (the exact path: its
+        JSON goes before them)."""
+        exact = self._exact_response
+        if exact is not None and self.s.reading:
+            body_out = exact.finish()
+            self.s.response_trailers()
+            return [
+                wire.streamed_body(body_out, False, await self._exact_done()),
+                wire.continue_response_trailers(),
+            ]
         self.s.response_trailers()
         out = await self.driver.trailers() if self.driver is not None else []
         out.append(wire.continue_response_trailers())
@@ -527,4 +569,11 @@ class RequestProcessor:
             # a charge not answered in time is counted once whether it ran (the settlement
             # takes it back) or not (a charge after the settlement charges nothing)
             await driver.settle_charge()
-        await settle(self.gw, self.cfg, s, driver.end() if driver is not None else None)
+        if driver is not None:
+            end: StreamEnd | None = driver.end()
+        elif self._exact_response is not None:
+            end = self._exact_response.end()  # None once its JSON was rebuilt: read as JSON
+        else:
+            end = None
+        read_by_chunk = driver is not None or self._exact_response is not None
+        await settle(self.gw, self.cfg, s, end, self._first_chunk_ms if read_by_chunk else 0)

@@ -29,6 +29,11 @@ from extproc.records.model import UsageRecord, record_id_for
 
 log = structlog.get_logger("extproc")
 
+#: Endings before any response the gateway could meter: billed by the abandon rule.
+_ABANDONED = frozenset(
+    (Ending.CLIENT_DISCONNECTED, Ending.UPSTREAM_RESET, Ending.SHUTDOWN, Ending.INTERNAL_ERROR)
+)
+
 
 def access_metadata(s: Session, *, output_tokens: int | None = None) -> dict[str, Any]:
     """The ``ai_quota`` dynamic metadata the access log prints."""
@@ -68,16 +73,62 @@ def log_disagreement(gw: Gateway, s: Session, kind: str, figure: Figure | int) -
     )
 
 
-async def settle(gw: Gateway, cfg: RuntimeConfig, s: Session, stream: StreamEnd | None) -> None:
-    """Settle; the caller calls this once per request (``Lifecycle.begin_settlement``)."""
+async def settle(
+    gw: Gateway,
+    cfg: RuntimeConfig,
+    s: Session,
+    stream: StreamEnd | None,
+    first_chunk_ms: int = 0,
+) -> None:
+    """Settle; the caller calls this once per request (``Lifecycle.begin_settlement``).
+    ``first_chunk_ms``: when the response's first body chunk arrived (0: none, or a response
+    not read chunk by chunk), for the model's learned decode rate."""
     ending = s.ending or Ending.COMPLETED
     gw.metrics.endings.labels(ending.value).inc()
     cost = s.cost
     if cost is None or s.tenant is None:
         return
     now = gw.clock.now_ms()
-    result = s.settlement(now, stream=stream, ending=ending)
+    model, adm, req = s.model, s.admitted, s.req
+    rate: int | None = None
+    start = 0
+    if model is not None and stream is None and ending in _ABANDONED:
+        # what the abandon rule bills at: the model's learned decode rate and time to start
+        rate, start = gw.decode_rates.abandon(model.name, model.abandoned_tokens_per_second)
+        log.info(
+            "abandon_rate",
+            request_id=s.request_id,
+            model=model.name,
+            tokens_per_second=rate,
+            start_ms=start,
+            learned_from=gw.decode_rates.samples(model.name),
+        )
+    result = s.settlement(
+        now, stream=stream, ending=ending, abandon_rate=rate, abandon_start_ms=start
+    )
     check = ""  # the usage record's input_check
+    if (
+        ending is Ending.COMPLETED
+        and result.output is not None
+        and model is not None
+        and adm is not None
+        and req is not None
+    ):
+        rates = gw.decode_rates
+        if first_chunk_ms > 0:
+            # read chunk by chunk: the model's decode rate (first chunk to end) and its time
+            # to start (admission to first chunk)
+            rates.observe(
+                model.name,
+                result.output,
+                req.sequences,
+                now - first_chunk_ms,
+                first_chunk_ms - adm.at_ms,
+            )
+        elif stream is None:
+            # a JSON response: its decode rate over admission to end less the time to start
+            decode_ms = now - adm.at_ms - rates.start_ms(model.name)
+            rates.observe(model.name, result.output, req.sequences, decode_ms, None)
     if s.count_failed:  # the bound it was admitted on stands: an over-count, never an under-count
         log.error("input_count_failed", request_id=s.request_id, kept="bound")
     if result.output is not None and result.total is not None and result.total > 0:

@@ -27,7 +27,7 @@ from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 from tokenizers import Tokenizer
 
 from extproc.bench.vllm import (
-    ABANDON_RATE,
+    EXACT_NAME,
     RUN_AHEAD_BOUND,
     SERVED_NAME,
     Engine,
@@ -130,13 +130,18 @@ IGNORE_EOS: dict[str, Any] = {"ignore_eos": True}
 # -- completed requests: every API, streams and not ----------------------------------------
 
 
-def test_chat_bill_equals_engine(engine: Engine, gateway: Stack, grds: redis.Redis) -> None:
-    """Chat completions, not streamed: the counters rise by the engine's prompt + generation."""
-    c = oai(gateway, "chat")
+@pytest.mark.parametrize(("model", "suffix"), [(SERVED_NAME, ""), (EXACT_NAME, "exact")])
+def test_chat_bill_equals_engine(
+    engine: Engine, gateway: Stack, grds: redis.Redis, model: str, suffix: str
+) -> None:
+    """Chat completions, not streamed (on the JSON path, and on the exact path: sent as a
+    stream, JSON rebuilt): the counters rise by the engine's prompt + generation."""
+    key = f"chat{suffix}"
+    c = oai(gateway, key)
 
     def run() -> list[tuple[int, int]]:
         r = c.chat.completions.create(
-            model=SERVED_NAME,
+            model=model,
             messages=MSG,
             max_tokens=60,
             extra_body=IGNORE_EOS,
@@ -144,7 +149,7 @@ def test_chat_bill_equals_engine(engine: Engine, gateway: Stack, grds: redis.Red
         assert r.usage is not None and r.choices[0].message.content
         return [(r.usage.prompt_tokens, r.usage.completion_tokens)]
 
-    check_exact(measure(engine, grds, "chat", run), gateway, "chat")
+    check_exact(measure(engine, grds, key, run), gateway, key)
 
 
 def test_chat_stream_bill_equals_engine(engine: Engine, gateway: Stack, grds: redis.Redis) -> None:
@@ -181,18 +186,23 @@ def test_chat_stream_bill_equals_engine(engine: Engine, gateway: Stack, grds: re
     check_exact(measure(engine, grds, "chatstream", run), gateway, "chatstream")
 
 
-def test_completions_bill_equals_engine(engine: Engine, gateway: Stack, grds: redis.Redis) -> None:
-    """Legacy completions, not streamed: the counters rise by the engine's count."""
-    c = oai(gateway, "completions")
+@pytest.mark.parametrize(("model", "suffix"), [(SERVED_NAME, ""), (EXACT_NAME, "exact")])
+def test_completions_bill_equals_engine(
+    engine: Engine, gateway: Stack, grds: redis.Redis, model: str, suffix: str
+) -> None:
+    """Legacy completions, not streamed (JSON path and exact path): the counters rise by the
+    engine's count."""
+    key = f"completions{suffix}"
+    c = oai(gateway, key)
 
     def run() -> list[tuple[int, int]]:
         r = c.completions.create(
-            model=SERVED_NAME, prompt="Once upon a time", max_tokens=80, extra_body=IGNORE_EOS
+            model=model, prompt="Once upon a time", max_tokens=80, extra_body=IGNORE_EOS
         )
         assert r.usage is not None
         return [(r.usage.prompt_tokens, r.usage.completion_tokens)]
 
-    check_exact(measure(engine, grds, "completions", run), gateway, "completions")
+    check_exact(measure(engine, grds, key, run), gateway, key)
 
 
 def test_completions_stream_bill_equals_engine(
@@ -219,18 +229,23 @@ def test_completions_stream_bill_equals_engine(
     check_exact(measure(engine, grds, "completionsstream", run), gateway, "completionsstream")
 
 
-def test_responses_bill_equals_engine(engine: Engine, gateway: Stack, grds: redis.Redis) -> None:
-    """The Responses API, not streamed: the counters rise by the engine's count."""
-    c = oai(gateway, "responses")
+@pytest.mark.parametrize(("model", "suffix"), [(SERVED_NAME, ""), (EXACT_NAME, "exact")])
+def test_responses_bill_equals_engine(
+    engine: Engine, gateway: Stack, grds: redis.Redis, model: str, suffix: str
+) -> None:
+    """The Responses API, not streamed (JSON path and exact path): the counters rise by the
+    engine's count."""
+    key = f"responses{suffix}"
+    c = oai(gateway, key)
 
     def run() -> list[tuple[int, int]]:
         r = c.responses.create(
-            model=SERVED_NAME, input="Tell me a story.", max_output_tokens=60, extra_body=IGNORE_EOS
+            model=model, input="Tell me a story.", max_output_tokens=60, extra_body=IGNORE_EOS
         )
         assert r.usage is not None
         return [(r.usage.input_tokens, r.usage.output_tokens)]
 
-    check_exact(measure(engine, grds, "responses", run), gateway, "responses")
+    check_exact(measure(engine, grds, key, run), gateway, key)
 
 
 def test_responses_stream_bill_equals_engine(
@@ -259,15 +274,20 @@ def test_responses_stream_bill_equals_engine(
     check_exact(measure(engine, grds, "responsesstream", run), gateway, "responsesstream")
 
 
-def test_messages_bill_equals_engine(engine: Engine, gateway: Stack, grds: redis.Redis) -> None:
-    """Anthropic Messages, not streamed: the counters rise by the engine's count."""
-    c = claude(gateway, "messages")
+@pytest.mark.parametrize(("model", "suffix"), [(SERVED_NAME, ""), (EXACT_NAME, "exact")])
+def test_messages_bill_equals_engine(
+    engine: Engine, gateway: Stack, grds: redis.Redis, model: str, suffix: str
+) -> None:
+    """Anthropic Messages, not streamed (JSON path and exact path): the counters rise by the
+    engine's count."""
+    key = f"messages{suffix}"
+    c = claude(gateway, key)
 
     def run() -> list[tuple[int, int]]:
-        r = c.messages.create(model=SERVED_NAME, max_tokens=60, messages=AMSG)
+        r = c.messages.create(model=model, max_tokens=60, messages=AMSG)
         return [(r.usage.input_tokens, r.usage.output_tokens)]
 
-    check_exact(measure(engine, grds, "messages", run), gateway, "messages")
+    check_exact(measure(engine, grds, key, run), gateway, key)
 
 
 def test_messages_stream_bill_equals_engine(
@@ -599,20 +619,28 @@ class Abandoned:
         )
 
 
-def abandon(engine: Engine, gateway: Stack, grds: redis.Redis, after_s: float) -> Abandoned:
+def abandon(
+    engine: Engine,
+    gateway: Stack,
+    grds: redis.Redis,
+    after_s: float,
+    *,
+    model: str = SERVED_NAME,
+    key: str = "abandoned",
+) -> Abandoned:
     """A chat non-stream asking for far more tokens than the engine makes in ``after_s``,
     whose client closes its connection at ``after_s`` (the SDK's timeout): Envoy resets the
     upstream request."""
-    tenant = "e-abandoned"
+    tenant = f"e-{key}"
     c = openai.OpenAI(
-        base_url=gateway.base_url, api_key="sk-abandoned", max_retries=0, timeout=after_s
+        base_url=gateway.base_url, api_key=f"sk-{key}", max_retries=0, timeout=after_s
     )
     before = wait_idle(engine.metrics_url)
     billed_before = tokens_billed(grds, tenant)
     try:
         with pytest.raises(openai.APITimeoutError):
             c.chat.completions.create(
-                model=SERVED_NAME, messages=MSG, max_tokens=1500, extra_body=IGNORE_EOS
+                model=model, messages=MSG, max_tokens=1500, extra_body=IGNORE_EOS
             )
     finally:
         c.close()
@@ -621,19 +649,107 @@ def abandon(engine: Engine, gateway: Stack, grds: redis.Redis, after_s: float) -
     return Abandoned(after_s, delta.prompt_tokens, delta.generation_tokens, billed)
 
 
-def test_an_abandoned_non_stream_bills_what_the_engine_generated(
-    engine: Engine, gateway: Stack, grds: redis.Redis
-) -> None:
-    """A client that hangs up on a non-stream after 1 and 1.5 s: vLLM aborts the request when
-    Envoy resets it (running back to 0, far short of max_tokens) having generated for as long
-    as it ran; the gateway, which saw no response, bills the input and the model's
-    ``abandoned_tokens_per_second`` (set at or above the engine's decode speed) for the time
-    it ran: never less than the engine generated, at most that rate's allowance."""
-    runs = [abandon(engine, gateway, grds, after) for after in (1.0, 1.5)]
-    info = "; ".join(str(r) for r in runs)
+#: How far an abandon on the JSON path may be billed from what the engine generated: the
+#: learned rate is the speed of the model's recent streams, and on this 2-core machine the
+#: CPU vLLM decodes a stream 10-17 % slower than a non-stream (its per-token SSE work shares
+#: the cores with the model: learned 335-347 tokens/s, non-streams decoded ~419), besides its
+#: speed moving ~10 % from one request to the next. Measured errors of the learned rate:
+#: -17 % to +2 % over 15 abandons (docs/engine-tests.md); a constant rate (the old 200
+#: default, or the 1,000 this test used to set) is off by 50 % or more. The issue's 2 % + 16
+#: is the exact path's bound (below).
+LEARNED_SHARE = 0.20
+EXACT_SHARE = 0.02
+
+
+def check_abandons(runs: list[Abandoned], share: float, extra: str = "") -> None:
+    """Each abandon billed the engine's prompt and what it generated, within ``share`` of
+    the generated tokens + 16."""
+    info = "; ".join(str(r) for r in runs) + (f"; {extra}" if extra else "")
     print(info)
     for r in runs:
         assert r.prompt > 0, info
         assert 0 < r.generated < 1500, info  # it ran, and stopped when the client left
-        assert r.generated <= r.billed_output, info
-        assert r.billed_output <= ABANDON_RATE * (r.after_s + 0.5), info
+        assert abs(r.billed - (r.prompt + r.generated)) <= share * r.generated + 16, info
+
+
+def test_an_abandoned_non_stream_bills_what_the_engine_generated(
+    engine: Engine, gateway: Stack, grds: redis.Redis
+) -> None:
+    """The default configuration (non-streams on the JSON path, no rate configured): the
+    model's traffic first, six completed streams of 400 tokens, over which the engine's own
+    decode speed is measured (its ``vllm:generation_tokens_total`` rise over their wall time)
+    and from which the gateway learns the model's decode rate (output per sequence over first
+    chunk to end) and time to start; then a client that hangs up on a non-stream after 0.5,
+    1 and 2 s (vLLM aborts it when Envoy resets it, running back to 0).  The gateway, which
+    saw no response, bills the input and the learned rate for the time it ran after the
+    learned start.  Asserted: the rate it billed at (its ``abandon_rate`` log line) is the
+    engine's measured speed within 15 %; each bill is that rate times the abandon's time
+    (after the start, up to 0.25 s of settlement delay); and the bill is within 20 % + 16
+    tokens of what the engine generated unless the engine's speed moved by more than that
+    between the teaching and the abandon (the exact path's test below holds 2 % + 16
+    whatever the engine does)."""
+    c = oai(gateway, "abandoned")
+    # the engine idle first, as for the abandons: the rate learned under another load (the
+    # run-ahead test's request still decoding) is that load's (measured: 40 % under)
+    before = wait_idle(engine.metrics_url)
+    t0 = time.monotonic()
+    for _ in range(6):
+        out = 0
+        for ch in c.chat.completions.create(
+            model=SERVED_NAME,
+            messages=MSG,
+            max_tokens=400,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=IGNORE_EOS,
+        ):
+            if ch.usage is not None:
+                out = ch.usage.completion_tokens
+        assert out == 400
+    taught_s = time.monotonic() - t0
+    taught = wait_idle(engine.metrics_url) - before
+    engine_rate = taught.generation_tokens / taught_s
+    wait_settled(grds, "e-abandoned")
+    runs = [abandon(engine, gateway, grds, after) for after in (0.5, 1.0, 2.0)]
+    lines = [
+        json.loads(line)
+        for path in gateway.workdir.glob("extproc*.log")
+        for line in path.read_text(errors="replace").splitlines()
+        if '"abandon_rate"' in line and '"e-abandoned"' in line
+    ][-3:]
+    info = (
+        "; ".join(str(r) for r in runs)
+        + f"; engine {engine_rate:.0f} tokens/s while teaching; billed at "
+        + str([(x["tokens_per_second"], x["start_ms"], x["learned_from"]) for x in lines])
+    )
+    print(info)
+    assert len(lines) == 3, info
+    for r, line in zip(runs, lines, strict=True):
+        rate, start_s = line["tokens_per_second"], line["start_ms"] / 1000
+        assert line["learned_from"] >= 5, info  # learned, not the configured default
+        assert abs(rate - engine_rate) <= 0.15 * engine_rate, info
+        assert r.prompt > 0 and 0 < r.generated < 1500, info
+        billed_out = r.billed - r.prompt
+        assert rate * (r.after_s - start_s) - 1 <= billed_out <= rate * (r.after_s + 0.25) + 1, info
+        # the engine's own speed during the abandon, against the one it was learned at
+        steady = abs(r.generated / max(r.after_s - start_s, 0.01) - engine_rate) <= (
+            LEARNED_SHARE * engine_rate
+        )
+        if steady:
+            assert abs(billed_out - r.generated) <= LEARNED_SHARE * r.generated + 16, info
+
+
+def test_an_abandoned_exact_non_stream_bills_what_the_engine_generated(
+    engine: Engine, gateway: Stack, grds: redis.Redis
+) -> None:
+    """The exact path (``non_streams: exact``: the gateway sends the non-stream upstream as a
+    stream with usage and keeps what passes): a client that hangs up after 0.5, 1 and 2 s is
+    billed the engine's prompt and what it generated until then, within 2 % + 16 tokens (what
+    was still on its way from the engine to the processor), with no rate involved."""
+    check_abandons(
+        [
+            abandon(engine, gateway, grds, after, model=EXACT_NAME, key="abandonedexact")
+            for after in (0.5, 1.0, 2.0)
+        ],
+        EXACT_SHARE,
+    )

@@ -14,6 +14,7 @@ from extproc.bench.scenarios import (
     door,
     engine,
     failover,
+    non_streams,
     profile,
     rls,
     rolling,
@@ -28,6 +29,7 @@ from extproc.bench.scenarios.base import Scenario
 
 SCENARIOS: tuple[Scenario, ...] = (
     admission.SCENARIO,
+    non_streams.SCENARIO,
     streaming.SCENARIO,
     round_trips.SCENARIO,
     tokenizer.SCENARIO,

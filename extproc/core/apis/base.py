@@ -55,6 +55,19 @@ class StreamReader(Protocol):
         ...
 
 
+class Reassembler(Protocol):
+    """Rebuilds a non-streaming response's JSON from the stream the upstream sent instead
+    (the exact path): fed the SSE bytes that passed the meter, in order."""
+
+    def feed(self, data: bytes) -> None:
+        """Take the next bytes of the stream."""
+        ...
+
+    def body(self) -> bytes:
+        """The API's JSON response body for what was fed (at the stream's end)."""
+        ...
+
+
 class ApiFormat(Protocol):
     """One client-facing API."""
 
@@ -78,6 +91,7 @@ class ApiFormat(Protocol):
         force_usage: bool,
         model: str | None,
         continuous_usage: bool = False,
+        upstream_stream: bool = False,
     ) -> bytes | None:
         """The body to forward, or None when unchanged.
 
@@ -91,6 +105,15 @@ class ApiFormat(Protocol):
 
     def stream_reader(self) -> StreamReader:
         """A fresh reader for one response stream."""
+        ...
+
+    def reassembles(self, req: ParsedRequest) -> bool:
+        """Whether this non-streaming request can be sent upstream as a stream and its JSON
+        rebuilt for the client (the exact path; embeddings never)."""
+        ...
+
+    def reassembler(self) -> Reassembler:
+        """A fresh reassembler for one response (only asked when :meth:`reassembles`)."""
         ...
 
     def json_usage(self, body: bytes) -> Usage | None:

@@ -125,12 +125,18 @@ def int_field(
     return value
 
 
-def rewrite_fields(req: ParsedRequest, *, budget: int | None, model: str | None) -> bytes | None:
+def rewrite_fields(
+    req: ParsedRequest, *, budget: int | None, model: str | None, upstream_stream: bool = False
+) -> bytes | None:
     """The body to forward with the canonical ``model`` and the output ``budget`` applied to
-    ``req.budget_fields`` (lowered when larger; the first one added when none is set), or None
-    when nothing changed."""
+    ``req.budget_fields`` (lowered when larger; the first one added when none is set), and
+    ``stream: true`` for a non-stream sent upstream as a stream (``upstream_stream``: its JSON
+    is reassembled for the client), or None when nothing changed."""
     body = req.body
     changed = bool(req.notes.get(NORMALISED))
+    if upstream_stream and body.get("stream") is not True:
+        body["stream"] = True
+        changed = True
     if model is not None and body.get("model") != model:
         body["model"] = model
         changed = True

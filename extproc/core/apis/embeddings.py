@@ -25,6 +25,7 @@ from typing import Any
 from extproc.core.apis.base import ApiName, ParsedRequest, RequestLimits
 from extproc.core.apis.common import json_object, require_model, rewrite_fields, usage_of_json
 from extproc.core.apis.errors import error_body, error_headers, sse_error_event
+from extproc.core.apis.reassembly import BufferedStream
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
 from extproc.core.tokens import PromptShapeError, TokenCounter, TokenizerSpec
 from extproc.core.values import is_int
@@ -139,9 +140,18 @@ class EmbeddingsFormat:
         force_usage: bool,
         model: str | None,
         continuous_usage: bool = False,
+        upstream_stream: bool = False,
     ) -> bytes | None:
         """Only the canonical model: there is no output budget to write."""
         return rewrite_fields(req, budget=None, model=model)
+
+    def reassembles(self, req: ParsedRequest) -> bool:
+        """Never: an embedding generates nothing, its usage is its input."""
+        return False
+
+    def reassembler(self) -> BufferedStream:
+        """Not asked (:meth:`reassembles` is False)."""
+        raise TypeError("embeddings are never sent upstream as a stream")
 
     def stream_reader(self) -> _NoStream:
         """A reader refusing every event (never used: embeddings do not stream)."""

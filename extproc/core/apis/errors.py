@@ -252,3 +252,14 @@ def _anthropic_ratelimit_headers(err: QuotaExceeded, now_ms: int | None) -> list
             if now_ms is not None:
                 out.append((f"{prefix}-reset", rfc3339(now_ms / 1000 + (reset_s or 0.0))))
     return out
+
+
+def passed_error(err: object) -> dict[str, object]:
+    """An upstream's own error object, found in a stream the gateway reassembles (the exact
+    path), as the OpenAI-shaped body a non-streaming upstream would have answered."""
+    return {"error": err}
+
+
+def passed_anthropic_error(err: object) -> dict[str, object]:
+    """The same for the Messages API: ``{"type": "error", "error": ...}``."""
+    return {"type": "error", "error": err}

@@ -65,7 +65,9 @@ from extproc.core.apis.errors import (
     anthropic_error_body,
     anthropic_error_headers,
     anthropic_error_type,
+    passed_anthropic_error,
 )
+from extproc.core.apis.reassembly import BufferedStream, Event, concat
 from extproc.core.chat_template import count_with_template
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
 from extproc.core.tokens import PromptShapeError, TokenCounter, TokenizerSpec, require_text
@@ -336,14 +338,23 @@ class MessagesFormat:
         force_usage: bool,
         model: str | None,
         continuous_usage: bool = False,
+        upstream_stream: bool = False,
     ) -> bytes | None:
         """Canonical model and ``max_tokens`` lowered to the budget.  ``force_usage`` is moot:
         ``message_start``/``message_delta`` always carry usage."""
-        return rewrite_fields(req, budget=budget, model=model)
+        return rewrite_fields(req, budget=budget, model=model, upstream_stream=upstream_stream)
 
     def stream_reader(self) -> MessagesReader:
         """A fresh reader (it keeps the ``message_start`` input figures)."""
         return MessagesReader()
+
+    def reassembles(self, req: ParsedRequest) -> bool:
+        """Always (:func:`assemble_message`)."""
+        return True
+
+    def reassembler(self) -> BufferedStream:
+        """A fresh reassembler (:func:`assemble_message`)."""
+        return BufferedStream(assemble_message)
 
     def json_usage(self, body: bytes) -> Usage | None:
         """``usage`` of a non-streaming message object."""
@@ -367,6 +378,63 @@ class MessagesFormat:
         """``event: error`` with the Anthropic error object; the SDKs raise on it.  Nothing
         follows (no ``message_stop``, no ``[DONE]``)."""
         return anthropic_cut_event(err)
+
+
+def _block_delta(
+    block: dict[str, Any], delta: dict[str, Any], partial: dict[int, list[str]], i: int
+) -> None:
+    kind = delta.get("type")
+    if kind == "text_delta":
+        concat(block, "text", delta.get("text"))
+    elif kind == "input_json_delta":
+        if isinstance(delta.get("partial_json"), str):
+            partial.setdefault(i, []).append(delta["partial_json"])
+    elif kind == "thinking_delta":
+        concat(block, "thinking", delta.get("thinking"))
+    elif kind == "signature_delta":
+        concat(block, "signature", delta.get("signature"))
+    elif kind == "citations_delta" and isinstance(delta.get("citation"), dict):
+        block.setdefault("citations", []).append(delta["citation"])
+
+
+def assemble_message(events: list[Event]) -> dict[str, Any]:
+    """The ``message`` of a Messages stream (the exact path): ``message_start``'s message, its
+    content blocks by ``index`` (text and thinking deltas concatenated, a tool's
+    ``input_json_delta`` pieces joined and parsed as its ``input``, signatures and citations
+    kept), ``message_delta``'s stop reason and sequence, and its usage over the start's; the
+    stream's ``error`` event becomes the error body."""
+    msg: dict[str, Any] = {"type": "message", "role": "assistant", "content": []}
+    blocks: dict[int, dict[str, Any]] = {}
+    partial: dict[int, list[str]] = {}
+    for _, obj in events:
+        kind = obj.get("type")
+        if kind == "error":
+            return passed_anthropic_error(obj.get("error"))
+        index = obj.get("index")
+        i = index if isinstance(index, int) and is_int(index) else 0
+        if kind == "message_start" and isinstance(obj.get("message"), dict):
+            msg = dict(obj["message"])
+        elif kind == "content_block_start" and isinstance(obj.get("content_block"), dict):
+            blocks[i] = dict(obj["content_block"])
+        elif kind == "content_block_delta" and isinstance(obj.get("delta"), dict):
+            _block_delta(blocks.setdefault(i, {}), obj["delta"], partial, i)
+        elif kind == "message_delta":
+            delta = obj.get("delta")
+            if isinstance(delta, dict):
+                msg.update(delta)
+            usage = obj.get("usage")
+            if isinstance(usage, dict):
+                old = msg.get("usage")
+                have: dict[str, Any] = old if isinstance(old, dict) else {}
+                msg["usage"] = have | {k: v for k, v in usage.items() if v is not None}
+    for i, pieces in partial.items():
+        text = "".join(pieces)
+        try:
+            blocks[i]["input"] = orjson.loads(text) if text else {}
+        except orjson.JSONDecodeError:  # a tool input cut short: its text, unparsed
+            blocks[i]["input"] = {}
+    msg["content"] = [blocks[k] for k in sorted(blocks)]
+    return msg
 
 
 MESSAGES = MessagesFormat()

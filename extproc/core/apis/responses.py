@@ -63,7 +63,13 @@ from extproc.core.apis.common import (
     rewrite_fields,
     usage_of_json,
 )
-from extproc.core.apis.errors import error_body, error_headers, responses_cut_event
+from extproc.core.apis.errors import (
+    error_body,
+    error_headers,
+    passed_error,
+    responses_cut_event,
+)
+from extproc.core.apis.reassembly import BufferedStream, Event
 from extproc.core.chat_template import count_with_template
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage, detail
 from extproc.core.tokens import PromptShapeError, TokenCounter, TokenizerSpec, require_text
@@ -336,14 +342,23 @@ class ResponsesFormat:
         force_usage: bool,
         model: str | None,
         continuous_usage: bool = False,
+        upstream_stream: bool = False,
     ) -> bytes | None:
         """Canonical model and ``max_output_tokens`` = budget when absent or larger.
         ``force_usage`` is moot: the terminal event always carries usage."""
-        return rewrite_fields(req, budget=budget, model=model)
+        return rewrite_fields(req, budget=budget, model=model, upstream_stream=upstream_stream)
 
     def stream_reader(self) -> ResponsesReader:
         """A fresh reader (it remembers the sequence number)."""
         return ResponsesReader()
+
+    def reassembles(self, req: ParsedRequest) -> bool:
+        """Always: the stream's terminal event carries the whole response object."""
+        return True
+
+    def reassembler(self) -> BufferedStream:
+        """A fresh reassembler (:func:`assemble_response`)."""
+        return BufferedStream(assemble_response)
 
     def json_usage(self, body: bytes) -> Usage | None:
         """``usage`` of a non-streaming response object."""
@@ -368,6 +383,24 @@ class ResponsesFormat:
         ``data: [DONE]``: the Responses API never sends one and the SDK needs none.  Rendered by
         :func:`~extproc.core.apis.errors.responses_cut_event`."""
         return responses_cut_event(err, sequence_number=sequence_number)
+
+
+def assemble_response(events: list[Event]) -> dict[str, Any]:
+    """The response object of a Responses stream (the exact path): the last event carrying one
+    (``response.completed``, ``response.incomplete`` or ``response.failed``: the whole object;
+    before those, ``response.created``/``in_progress``), or the stream's ``error`` event as an
+    error body."""
+    found: dict[str, Any] | None = None
+    for _, obj in events:
+        if obj.get("type") == "error":
+            err = obj.get("error")
+            if not isinstance(err, dict):
+                err = {k: obj.get(k) for k in ("message", "code", "param")} | {"type": "error"}
+            return passed_error(err)
+        response = obj.get("response")
+        if isinstance(response, dict):
+            found = response
+    return found if found is not None else {}
 
 
 RESPONSES = ResponsesFormat()

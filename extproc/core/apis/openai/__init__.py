@@ -12,8 +12,10 @@ import orjson
 from extproc.core.apis.base import ApiName, ParsedRequest, RequestLimits
 from extproc.core.apis.errors import error_body, error_headers, openai_cut_event
 from extproc.core.apis.openai.counting import count_chat_request, count_completion_prompt
+from extproc.core.apis.openai.reassemble import chat_reassembler, completion_reassembler
 from extproc.core.apis.openai.request import parse_request, rewrite_body
 from extproc.core.apis.openai.stream import parse_event_data
+from extproc.core.apis.reassembly import BufferedStream
 from extproc.core.chat_template import count_with_template
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
 from extproc.core.tokens import TokenCounter, TokenizerSpec
@@ -65,6 +67,7 @@ class OpenAICompletionsFormat:
         force_usage: bool,
         model: str | None,
         continuous_usage: bool = False,
+        upstream_stream: bool = False,
     ) -> bytes | None:
         return rewrite_body(
             req,
@@ -72,10 +75,19 @@ class OpenAICompletionsFormat:
             force_include_usage=force_usage,
             canonical_model=model,
             continuous_usage=continuous_usage,
+            upstream_stream=upstream_stream,
         )
 
     def stream_reader(self) -> _Reader:
         return _READER
+
+    def reassembles(self, req: ParsedRequest) -> bool:
+        """Every request but a completions ``best_of`` above 1 (which cannot stream)."""
+        best_of = req.body.get("best_of") if self.name == "completions" else None
+        return not (isinstance(best_of, int) and best_of > 1)
+
+    def reassembler(self) -> BufferedStream:
+        return chat_reassembler() if self.name == "chat" else completion_reassembler()
 
     def json_usage(self, body: bytes) -> Usage | None:
         try:

@@ -133,6 +133,7 @@ def rewrite_body(
     force_include_usage: bool,
     canonical_model: str | None = None,
     continuous_usage: bool = False,
+    upstream_stream: bool = False,
 ) -> bytes | None:
     """The mutated body to send upstream, or None when nothing needs to change.
 
@@ -143,6 +144,8 @@ def rewrite_body(
     usage chunk; ``canonical_model`` replaces an alias with the model's real name;
     ``continuous_usage`` asks an engine that can (vLLM, SGLang) for the running usage in every
     chunk (``stream_options.continuous_usage_stats``), which the meter then charges by.
+    ``upstream_stream``: a non-stream sent upstream as a stream with usage (the exact path:
+    the gateway reassembles its JSON for the client).
     """
     changed = bool(req.notes.get("normalised"))
     body = req.body
@@ -158,10 +161,15 @@ def rewrite_body(
         if not present and req.budget_fields:
             body[req.budget_fields[0]] = budget
             changed = True
-    if req.stream and ((force_include_usage and not req.client_include_usage) or continuous_usage):
+    if upstream_stream and body.get("stream") is not True:
+        body["stream"] = True
+        changed = True
+    if upstream_stream or (
+        req.stream and ((force_include_usage and not req.client_include_usage) or continuous_usage)
+    ):
         so = body.get("stream_options")
         so = dict(so) if isinstance(so, dict) else {}
-        if force_include_usage or continuous_usage:
+        if force_include_usage or continuous_usage or upstream_stream:
             so["include_usage"] = True
         if continuous_usage:
             so["continuous_usage_stats"] = True
