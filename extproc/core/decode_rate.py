@@ -7,9 +7,11 @@ An observation is one completed response.  One the gateway saw arrive chunk by c
 stream, or a non-stream on the exact path) gives its time to the first chunk (admission to
 first body chunk: queueing, prefill, the network) and its decode rate (output tokens per
 sequence over first chunk to end); a JSON response gives a decode rate only, over admission
-to end less the model's learned time to start (a model whose traffic is all JSON learns too).  Each model keeps its last :data:`WINDOW` of each; a figure is their median
-once :data:`MIN_SAMPLES` were made (one outlier moves it by nothing; the short window follows
-the engine's speed as its load changes).  An abandon ``t`` ms after admission is billed
+to end less the model's learned time to start (a model whose traffic is all JSON learns too).
+Each model keeps its last :data:`WINDOW` of each; once :data:`MIN_SAMPLES` were made the rate
+is their median (one outlier moves it by nothing; the short window follows the engine's speed
+as its load changes) and the start their shortest (:meth:`RateWindow.start_ms`: a start is
+the caller's to lengthen, never to shorten).  An abandon ``t`` ms after admission is billed
 ``rate * (t - start)`` per sequence (:meth:`DecodeRates.abandon`): measured with vLLM, a
 rate over the whole time (admission to end) billed 8-11 % under what the engine generated
 after 2 s and 28 % over after 0.5 s, the start being ~0.1 s.  Before a model has enough
@@ -76,10 +78,14 @@ class RateWindow:
         return max(1, -int(-_median(self._rates) // 1))
 
     def start_ms(self) -> int:
-        """The median time to the first chunk, rounded down (0 before :data:`MIN_SAMPLES`)."""
+        """The shortest time to the first chunk kept, rounded down (0 before
+        :data:`MIN_SAMPLES`): not the median, because a caller decides how long a start takes
+        (a long prompt's prefill) — a tenant sending a few long-prompt streams would otherwise
+        raise the start every abandon is billed after, and abandon short-prompt non-streams
+        unbilled; nobody can make a start shorter than the engine makes it."""
         if len(self._starts) < MIN_SAMPLES:
             return 0
-        return int(_median(self._starts))
+        return int(min(self._starts))
 
 
 class DecodeRates:

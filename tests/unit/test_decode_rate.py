@@ -1,5 +1,5 @@
 """The learned decode rate (pure arithmetic): per model the median of its last WINDOW
-observed rates and times to start once MIN_SAMPLES were made, the configured rate with no
+observed rates and the shortest of its times to start once MIN_SAMPLES were made, the configured rate with no
 start before; short responses say nothing; memory stays bounded whatever is observed; an
 abandon is billed the rate times the time after the start, never more than reserved."""
 
@@ -53,7 +53,7 @@ obs_st = st.lists(
 
 @settings(max_examples=200, deadline=None)
 @given(obs=obs_st)
-def test_the_figures_are_the_medians_of_the_last_window(
+def test_the_rate_is_the_median_and_the_start_the_shortest_of_the_last_window(
     obs: list[tuple[int, int, int, int]],
 ) -> None:
     rates = DecodeRates()
@@ -68,7 +68,7 @@ def test_the_figures_are_the_medians_of_the_last_window(
     else:
         med = statistics.median(r for r, _ in window)
         assert med <= rate < med + 1  # rounded up
-        assert start == int(statistics.median(s for _, s in window))
+        assert start == int(min(s for _, s in window))
 
 
 @settings(max_examples=50, deadline=None)
@@ -134,3 +134,14 @@ def test_json_responses_teach_a_rate_but_no_start() -> None:
         rates.observe("m", 300, 1, 1000, 80)
     assert rates.abandon("m", 200) == (300, 80)
     assert rates.start_ms("m") == 80 and rates.start_ms("other") == 0
+
+
+def test_long_prompts_cannot_lengthen_the_start_abandons_are_billed_after() -> None:
+    """A tenant's few long-prompt streams (a 3 s prefill) among the model's traffic do not
+    move the start an abandon is billed after: the shortest start kept stands."""
+    rates = DecodeRates()
+    for _ in range(dr.MIN_SAMPLES):
+        rates.observe("m", 400, 1, 1000, 100)
+    for _ in range(dr.WINDOW - 1):
+        rates.observe("m", 400, 1, 1000, 3000)
+    assert rates.abandon("m", 200) == (400, 100)
