@@ -5,7 +5,9 @@ replicas, node timeout 2 s); the replicas' links cut 0.3 s before the primary is
 it dies holding acknowledged writes no replica has.  No request is ever sent again by the
 driver.  Truth is the simulator's own records (prompt tokens plus the tokens it sent, for 2xx
 answers), compared with the tenant's TPM counter on the new primary once every ledger is
-settled (extproc/bench/failover_drill.py, also ``scripts/bench --only failover``)."""
+settled (extproc/bench/failover_drill.py, also ``scripts/bench --only failover``).  Also: the
+master frozen instead of killed, the processor SIGKILLed during the failover (a bound), and a
+single Redis restarted from its AOF."""
 
 from __future__ import annotations
 
