@@ -242,8 +242,21 @@ class Failover:
     async def _recover_slot(self, slot: int, entries: list[Entry]) -> bool:
         """Cluster: ask the master of ``slot`` its run id and replay the slot's entries it
         did not acknowledge; whether it is a new master."""
-        node = self._client.nodes_manager.get_node_from_slot(slot)
-        rid = await self._run_id(node)
+        manager = self._client.nodes_manager
+        node = manager.get_node_from_slot(slot)
+        try:
+            rid = await self._run_id(node)
+        except _UNREACHABLE:
+            # The slot map may name a dead primary whose replica was promoted since: refresh
+            # it now (redis-py's own refresh after an error waits its minimum interval and
+            # needs a command of that slot, which waits on this recovery) and ask the primary
+            # it names, if another.
+            await manager.initialize(last_failed_node_name=node.name)
+            fresh = manager.get_node_from_slot(slot)
+            if fresh.name == node.name:
+                raise
+            node = fresh
+            rid = await self._run_id(node)
         known = self._run_ids.get(node.name)
         stale = [e for e in entries if e.owner != rid]
         new_master = (known is not None and known != rid) or any(e.owner for e in stale)

@@ -41,10 +41,10 @@ def _rows(b: Bench, name: str, report: DrillReport) -> None:
             note="the detection window: Redis's own settings",
         )
     )
-    for what, value in (
-        ("requests failed", report.failed),
-        ("streams cut", report.cut_streams),
-        ("probes failed", report.probes_failed),
+    for what, value, of in (
+        ("requests failed", report.failed, f"of {report.requests}, probes included"),
+        ("streams cut", report.cut_streams, ""),
+        ("probes failed", report.probes_failed, f"of {report.probes}"),
     ):
         t.add(
             Row(
@@ -53,7 +53,7 @@ def _rows(b: Bench, name: str, report: DrillReport) -> None:
                 "requests",
                 float(value),
                 goal=Target("value", "<=", 0, "requests"),
-                note=f"of {report.requests} ({report.probes} probes)",
+                note=of,
             )
         )
     t.add(
