@@ -32,7 +32,7 @@ import orjson
 import redis
 import yaml
 
-from extproc.bench.redis_ha import HaCluster, SentinelGroup
+from extproc.bench.redis_ha import HaCluster, SentinelGroup, spawn
 from extproc.stack import Stack, StackPorts, free_port, port_in_use
 
 TENANT = "t-ha"
@@ -336,12 +336,20 @@ def sentinel_kill_drill(
     extra: list[str] | None = None,
     lag_s: float = 0.3,
     during: Callable[[Stack, SentinelGroup, int], None] | None = None,
+    lease_s: int | None = None,
 ) -> DrillReport:
     """The Sentinel drill: a master and two replicas, three sentinels (down-after 1 s); the
     master SIGKILLed (``fault="kill"``) or frozen until a replica is promoted
     (``fault="freeze"``: SIGSTOP, then SIGCONT) ``fault_at_s`` into the load.  With ``lag_s``
     the replicas' links are cut that long just before (DEBUG SLEEP): the master dies holding
-    acknowledged writes no replica has, which only the processor's journal can give back."""
+    acknowledged writes no replica has, which only the processor's journal can give back.
+    ``during(stack, group, old master's port)`` runs (in a thread) right after the fault, before
+    the promotion is awaited; ``lease_s``: the reservation lease (a dead processor's requests
+    are reclaimed that long after their last renewal).  Notes ``cut_wall`` and ``fault_wall``:
+    when the links were cut and the fault made (unix seconds, the simulator's clock)."""
+    rules = drill_rules(strict=strict)
+    if lease_s is not None:
+        rules["failure"] = {"reservation_lease_seconds": lease_s}
     group = SentinelGroup(
         workdir / "sentinel",
         replicas=2,
@@ -349,7 +357,7 @@ def sentinel_kill_drill(
         extra=[*(extra or []), "--enable-debug-command", "local"],
     )
     try:
-        stack = start_stack(workdir / "stack", group.url(), drill_rules(strict=strict), env)
+        stack = start_stack(workdir / "stack", group.url(), rules, env)
     except BaseException:
         group.stop()
         raise
@@ -372,12 +380,14 @@ def sentinel_kill_drill(
             )
             await asyncio.sleep(fault_at_s)
             old = group.master_port()
+            report.notes["cut_wall"] = time.time()
             if lag_s > 0:
                 for port in group.ports:
                     if port != old:
                         group.cut_replication(port, lag_s)
                 await asyncio.sleep(lag_s * 0.8)
             fault_at = time.monotonic()
+            report.notes["fault_wall"] = time.time()
             if fault == "kill":
                 group.kill(old)
             else:
@@ -477,4 +487,105 @@ def cluster_kill_drill(
         with contextlib.suppress(Exception):
             stack.stop()
         cluster.stop()
+    return report
+
+
+def _redis_argv(port: int, workdir: Path, fsync: str) -> list[str]:
+    return [
+        "redis-server",
+        *("--port", str(port), "--bind", "127.0.0.1", "--save", ""),
+        *("--appendonly", "yes", "--appendfsync", fsync, "--dir", str(workdir)),
+    ]
+
+
+def _wait_ping(port: int, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            with redis.Redis(port=port, socket_timeout=0.5) as r:
+                if r.ping():
+                    return
+        except redis.RedisError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.02)
+
+
+def restart_drill(
+    workdir: Path,
+    *,
+    fsync: str = "everysec",
+    down_s: float = 0.5,
+    clients: int = 12,
+    stream_share: float = 0.7,
+    fault_at_s: float = 6.0,
+    after_s: float = 4.0,
+    env: dict[str, str] | None = None,
+) -> DrillReport:
+    """One Redis with ``appendonly yes`` (``appendfsync`` ``fsync``) SIGKILLed ``fault_at_s``
+    into the load and started again from its AOF ``down_s`` later, on the same port and
+    directory; the processor sees a new run id and replays its journal.  Its
+    ``fault_to_promotion_s`` is the time until the restarted server answered."""
+    rdir = workdir / "redis"
+    rdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    argv = _redis_argv(port, rdir, fsync)
+    log = rdir / "redis.log"
+    proc = spawn(argv, log)
+    procs = [proc]
+    try:
+        _wait_ping(port, 20.0)
+        stack = start_stack(workdir / "stack", f"redis://127.0.0.1:{port}", drill_rules(), env)
+    except BaseException:
+        proc.kill()
+        raise
+    report = DrillReport("single-aof", f"restart-{fsync}")
+    try:
+        outs: list[Outcome] = []
+
+        async def run() -> tuple[float, float]:
+            stop = asyncio.Event()
+            load = asyncio.ensure_future(
+                _load(
+                    stack.base_url,
+                    clients=clients,
+                    stream_share=stream_share,
+                    stop=stop,
+                    out=outs,
+                    probe_every_s=0.1,
+                    seed=7,
+                )
+            )
+            await asyncio.sleep(fault_at_s)
+            fault_at = time.monotonic()
+            proc.send_signal(signal.SIGKILL)
+            await asyncio.to_thread(proc.wait, 10)
+            await asyncio.sleep(down_s)
+            again = await asyncio.to_thread(spawn, argv, log)
+            procs.append(again)
+            await asyncio.to_thread(_wait_ping, port, 20.0)
+            if again.poll() is not None:
+                raise RuntimeError("the restarted redis-server exited (its port taken?)")
+            answered = time.monotonic()
+            await asyncio.sleep(after_s)
+            stop.set()
+            await load
+            return fault_at, answered
+
+        fault_at, answered = asyncio.run(run())
+        measure(report, outs, fault_at, answered)
+        with redis.Redis(port=port) as m:
+            report.counter, ledgers = counter_of(m, TENANT)
+        report.truth, records = truth_of(stack.sim_url, TENANT)
+        report.notes["ledgers"] = ledgers
+        report.notes["records"] = records
+        report.notes["replayed"] = replayed_of(stack)
+        _dump(workdir, stack, port)
+    finally:
+        with contextlib.suppress(Exception):
+            stack.stop()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
     return report

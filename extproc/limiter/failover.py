@@ -7,8 +7,13 @@ call fails (a connection refused or reset, a timeout, READONLY, a redirection to
 While suspect, the next call first runs a *recovery* (one at a time, shared by every caller
 and shielded from their timeouts): ask the master of each slot the journal holds for its run
 id; where it is not the one that acknowledged an entry, replay those entries to it in order
-(:mod:`extproc.limiter.journal`: each replay is idempotent).  Only then does the call go on, so
-no new charge of a ledger lands on a new master before the ledger's lost history.  A watch
+(:mod:`extproc.limiter.journal`).  Only then does the call go on.  That alone does not keep
+a new master from getting a ledger's later calls before its lost history (connections opened
+after the promotion reach the new master before the processor sees the switch, e.g. while the
+old master is frozen), so each replayed call applies once in any order: an admission, a stream
+charge and a settlement are each idempotent by a mark of their own in the ledger (admit.lua,
+charge.lua, settle_lib.lua), never by the ledger's existence.  Behind Sentinel the run id is
+asked of the master the sentinels name (see :meth:`Failover._run_id`).  A watch
 task does the same every ``watch_s`` while suspect (so an open breaker closes as soon as the
 new master answers, and an idle replica still replays) and every ``idle_check_s`` while the
 journal holds entries (a failover nobody's call noticed).
@@ -25,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import redis.exceptions
 import structlog
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import SentinelConnectionPool
 
 from extproc.limiter.journal import Entry, Journal
 
@@ -52,6 +58,7 @@ class Failover:
         metrics: Metrics | None = None,
         watch_s: float = 0.2,
         idle_check_s: float = 1.0,
+        check_timeout_s: float = 1.0,
         on_recovered: Callable[[bool], None] | None = None,
     ) -> None:
         self._client = client
@@ -61,6 +68,8 @@ class Failover:
         self.metrics = metrics
         self.watch_s = watch_s
         self.idle_check_s = idle_check_s
+        #: how long asking a master its run id may take (a frozen master never answers)
+        self.check_timeout_s = check_timeout_s
         self._on_recovered = on_recovered
         self.suspect = True  # nothing is known about the master yet
         # Cluster: slots whose master could not be asked (its node down): their calls fail
@@ -68,6 +77,7 @@ class Failover:
         self.pending: set[int] = set()
         self._checked: set[int] = set()
         self._run_ids: dict[str, str] = {}  # node name ("" single server) -> run id
+        self._master_addr: Any = None  # Sentinel: the master's address last named
         self._recovery: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
         self.failovers = 0
@@ -139,11 +149,30 @@ class Failover:
             )
 
     async def _run_id(self, node: Any) -> str:
-        if node is None:
+        """The run id of the master (of ``node`` on a Cluster), within
+        :attr:`check_timeout_s`.  Behind Sentinel, the master the sentinels name now is asked:
+        the pool first learns its address (when it changed, every connection is closed), so the
+        answer never comes from a stale master that runs again on an old connection (a
+        frozen master that wakes up still answers with its run id until it is demoted), and
+        no later call is acknowledged there."""
+
+        async def ask() -> str:
+            if node is not None:
+                info = await self._client.info("server", target_nodes=node)
+                return str(info["run_id"])
+            pool = getattr(self._client, "connection_pool", None)
+            if isinstance(pool, SentinelConnectionPool) and pool.is_master:
+                addr = await pool.get_master_address()  # type: ignore[no-untyped-call]
+                if self._master_addr is not None and addr != self._master_addr:
+                    # a connection in use now may still reach the old master, and redis-py
+                    # takes it back into the pool: close every one (a call in flight fails
+                    # and is sent again, idempotent), so none acknowledges there any more
+                    await pool.disconnect(inuse_connections=True)
+                self._master_addr = addr
             info = await self._client.info("server")
-        else:
-            info = await self._client.info("server", target_nodes=node)
-        return str(info["run_id"])
+            return str(info["run_id"])
+
+        return await asyncio.wait_for(ask(), self.check_timeout_s)
 
     async def _recover(self) -> None:
         started = time.perf_counter()
@@ -213,8 +242,21 @@ class Failover:
     async def _recover_slot(self, slot: int, entries: list[Entry]) -> bool:
         """Cluster: ask the master of ``slot`` its run id and replay the slot's entries it
         did not acknowledge; whether it is a new master."""
-        node = self._client.nodes_manager.get_node_from_slot(slot)
-        rid = await self._run_id(node)
+        manager = self._client.nodes_manager
+        node = manager.get_node_from_slot(slot)
+        try:
+            rid = await self._run_id(node)
+        except _UNREACHABLE:
+            # The slot map may name a dead primary whose replica was promoted since: refresh
+            # it now (redis-py's own refresh after an error waits its minimum interval and
+            # needs a command of that slot, which waits on this recovery) and ask the primary
+            # it names, if another.
+            await manager.initialize(last_failed_node_name=node.name)
+            fresh = manager.get_node_from_slot(slot)
+            if fresh.name == node.name:
+                raise
+            node = fresh
+            rid = await self._run_id(node)
         known = self._run_ids.get(node.name)
         stale = [e for e in entries if e.owner != rid]
         new_master = (known is not None and known != rid) or any(e.owner for e in stale)

@@ -8,8 +8,8 @@ same idempotency key (the ledger and sequence number of admissions, stream charg
 settlements; the call id of an RLS check) and nothing that could refuse it (an admission's
 buckets as shadow buckets, a strict lease as the lazy charge of what was granted, an RLS check
 with every counter in shadow mode).  When the master changes, the limiter sends the journal to
-the new master in order, before any new call: a charge the new master already has is a no-op,
-a lost one is applied once (:mod:`extproc.limiter.failover`).
+the new master: a call the new master already has is a no-op, a lost one is applied once,
+whatever the new master got first (:mod:`extproc.limiter.failover`).
 
 Bounded: entries older than ``window_s`` are dropped while Redis is answering with the same
 master (they were replicated long ago), never while it is not (the journal must outlive the

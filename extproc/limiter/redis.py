@@ -499,14 +499,17 @@ class RedisLimiter:
         flat = res[2] if len(res) > 2 else []
         settled = res[3] if len(res) > 3 else []
         if self.failover is not None:
-            if status == 1:  # replayed with every bucket shadow: counted, never refused
+            # Journalled whether this answer applied it or found it applied: a duplicate (2)
+            # or an already settled rider is this call's own earlier attempt, one that timed
+            # out and ran all the same, perhaps on a master about to be replaced.  Replays are
+            # idempotent, so a true duplicate costs nothing.
+            if status in (1, 2):  # replayed with every bucket shadow: counted, never refused
                 replay = list(args)
                 for i in range(len(buckets)):
                     replay[first_bucket + 8 * i + 5] = 1
                 self._journal("admit", keys, replay, ledger_ttl_ms, where)
             elif settlements:
-                done = [c for c, v in zip(settlements, settled, strict=False) if int(v)]
-                self._journal_settlements(done, where)
+                self._journal_settlements(settlements, where)
         return AdmitResult(
             admitted=status == 1,
             duplicate=status == 2,
@@ -569,7 +572,9 @@ class RedisLimiter:
     def _journal_charge(
         self, call: ChargeCall, result: ChargeResult, where: tuple[int, str]
     ) -> None:
-        """Journal a stream charge that added tokens, as the lazy charge of what was granted."""
+        """Journal a stream charge that added tokens, as the lazy charge of what was granted,
+        marked a replay ("r": it still applies on a new master that got the request's
+        settlement first, charge.lua)."""
         if self.failover is None or result.granted <= 0:
             return
         keys: list[str] = []
@@ -581,6 +586,7 @@ class RedisLimiter:
                 call.ledger, call.seq, call.buckets, result.granted, False, call.ledger_ttl_ms
             ),
         )
+        args[3] = "r"  # [m, seq, amount, strict, ...]
         self._journal("charge", keys, args, call.ledger_ttl_ms, where)
 
     async def charge_many(self, items: list[ChargeCall]) -> list[ChargeResult | None]:
@@ -632,8 +638,9 @@ class RedisLimiter:
             "settlement", "settle", lambda: self._settle(keys=keys, args=args), slot=where[0]
         )
         applied = bool(int(res[0]))
-        if applied:
-            self._journal("settle", keys, args, ledger_ttl_ms, where)
+        # journalled even when found settled: that may be this settlement's own earlier
+        # attempt, which timed out and ran (see :meth:`admit`)
+        self._journal("settle", keys, args, ledger_ttl_ms, where)
         return applied
 
     async def settle_many(self, items: list[SettleCall]) -> list[bool | None]:
@@ -660,10 +667,8 @@ class RedisLimiter:
                 return False
             for i, v in zip(idx, res, strict=True):
                 out[i] = bool(int(v))
-            if self.failover is not None:
-                self._journal_settlements(
-                    [items[i] for i, v in zip(idx, res, strict=True) if int(v)], where
-                )
+            if self.failover is not None:  # every one, applied now or before (see settle)
+                self._journal_settlements([items[i] for i in idx], where)
             return True
 
         await self._per_slot([s.ledger for s in items], one)

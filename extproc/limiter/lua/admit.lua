@@ -5,7 +5,12 @@
 --                slices (settle_lib.lua): they are applied first, so what they refund is
 --                room this admission may use.  Below, KEYS[k] means KEYS[K0 + k] and ARGV[a]
 --                ARGV[A0 + a], the first indexes after the riders' slices.
--- KEYS[1]        the request's ledger (hash); its existence makes a replayed request id a no-op
+-- KEYS[1]        the request's ledger (hash); its "adm" field (or a state "admitted",
+--                "reclaimed" or "cancelled") makes a replayed request id a no-op.  A ledger a
+--                stream charge or a settlement created first (a journal replay on a new master
+--                after a failover: later calls of the request landed there before its lost
+--                admission was replayed) takes the admission: its counters are charged once;
+--                a settled one opens no reservation nor concurrency slot.
 -- KEYS[2..n+1]   bucket counters, all sharing one hash tag: a string counter per window for
 --                requests ("r") and per-token units ("t": tokens, money, weighted tokens), or a
 --                sorted set of leased requests for a concurrency limit ("c")
@@ -110,9 +115,14 @@ for i = 1, n do
     vals[i] = tonumber(redis.call('GET', KEYS[K0 + i + 1]) or '0') + prev[i]
   end
 end
-if redis.call('EXISTS', KEYS[K0 + 1]) == 1 then
+local ledger = KEYS[K0 + 1]
+local found = redis.call('HGET', ledger, 'state')
+if redis.call('HEXISTS', ledger, 'adm') == 1 or found == 'admitted' or found == 'reclaimed'
+    or found == 'cancelled' then
   return {2, vals, reclaimed, riders, alw}
 end
+-- settled before this admission ran (only a journal replay does that): count, open nothing
+local closed = found == 'settled'
 local ok = true
 for i = 1, n do
   local base = 4 + (i - 1) * W
@@ -123,34 +133,49 @@ for i = 1, n do
   end
 end
 if ok then
-  redis.call('HSET', KEYS[K0 + 1], 'state', 'admitted', 'seq', 0, 'charged', ARGV[A0 + 3])
+  if not closed then
+    redis.call('HSET', ledger, 'state', 'admitted')
+  end
+  redis.call('HSET', ledger, 'adm', 1)
+  redis.call('HSETNX', ledger, 'seq', 0)
+  redis.call('HINCRBY', ledger, 'charged', ARGV[A0 + 3])
   for i = 1, n do
     local base = 4 + (i - 1) * W
     local kind = ARGV[A0 + base]
     local amount = tonumber(ARGV[A0 + base + 1])
     local key = KEYS[K0 + i + 1]
     if kind == 'c' then
-      redis.call('ZADD', key, lease_until, KEYS[K0 + 1])
-      redis.call('PEXPIREAT', key, ARGV[A0 + base + 3])
-      redis.call('HSET', KEYS[K0 + 1], 'c:' .. key, 1)
-      vals[i] = vals[i] + 1
+      if not closed then -- a settled request holds no slot
+        redis.call('ZADD', key, lease_until, ledger)
+        redis.call('PEXPIREAT', key, ARGV[A0 + base + 3])
+        redis.call('HSET', ledger, 'c:' .. key, 1)
+        vals[i] = vals[i] + 1
+      end
     elseif amount > 0 then
+      if closed then -- what the settlement could not refund yet (settle_lib.lua) is not added
+        local owed = tonumber(redis.call('HGET', ledger, 'o:' .. key) or '0')
+        local d = math.min(owed, amount)
+        if d > 0 then
+          redis.call('HINCRBY', ledger, 'o:' .. key, -d)
+          amount = amount - d
+        end
+      end
       vals[i] = redis.call('INCRBY', key, amount) + prev[i]
       redis.call('PEXPIREAT', key, ARGV[A0 + base + 3])
       local refundable = tonumber(ARGV[A0 + base + 4])
-      if lease_until > 0 and kind == 't' and refundable > 0 then
-        redis.call('HSET', KEYS[K0 + 1], 'r:' .. key, refundable)
+      if lease_until > 0 and kind == 't' and refundable > 0 and not closed then
+        redis.call('HSET', ledger, 'r:' .. key, refundable)
       end
     end
   end
-  if lease_until > 0 then
-    redis.call('ZADD', open, lease_until, KEYS[K0 + 1])
+  if lease_until > 0 and not closed then
+    redis.call('ZADD', open, lease_until, ledger)
     redis.call('PEXPIRE', open, ARGV[A0 + 1])
     if draft ~= '' then
-      redis.call('HSET', KEYS[K0 + 1], 'rec', draft)
+      redis.call('HSET', ledger, 'rec', draft)
     end
   end
-  redis.call('PEXPIRE', KEYS[K0 + 1], ARGV[A0 + 1])
+  redis.call('PEXPIRE', ledger, ARGV[A0 + 1])
   return {1, vals, reclaimed, riders, alw}
 end
 if ARGV[A0 + 2] == '1' then

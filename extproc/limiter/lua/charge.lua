@@ -6,9 +6,13 @@
 -- then per charge, in order, its KEYS and ARGV slices:
 --   KEYS: the request's ledger, n per-token counters of the current windows (tokens, money,
 --         weighted tokens), then p previous windows' counters of sliding limits
---   ARGV: sequence number of this charge (1, 2, ...; a replayed number charges nothing),
+--   ARGV: sequence number of this charge (1, 2, ...; a number applied before charges
+--         nothing: the ledger keeps the highest one applied ("seq") and, below it, the
+--         numbers skipped ("g:<n>" fields), which a charge arriving late may still take: a
+--         journal replay on a new master that got later charges of the stream first),
 --         output tokens asked for,
---         "1" strict: grant at most what every bucket still has; "0" lazy: charge all,
+--         "1" strict: grant at most what every bucket still has; "0" lazy: charge all;
+--         "r" a journal replay of an acknowledged charge (lazy, see "settled" below),
 --         ledger TTL in ms, n, p,
 --         per bucket, 6 values: limit, expire-at (unix ms), rate (units per 1e6 tokens: a
 --         bucket gets ceil(granted * rate / 1e6)), shadow ("1": counted, never limits the
@@ -59,16 +63,27 @@ local function charge(k, a, n)
     vals[i] = tonumber(redis.call('GET', KEYS[k + i]) or '0') + prev[i]
   end
   local state = redis.call('HGET', ledger, 'state')
-  if state == 'settled' or state == 'cancelled' then
+  if state == 'cancelled' then
     return {0, 0, vals}
   end
   local last = tonumber(redis.call('HGET', ledger, 'seq') or '0')
-  if seq <= last then
+  -- a number below the highest one applied is new only if it was skipped (a gap)
+  local gap = seq < last and redis.call('HEXISTS', ledger, 'g:' .. seq) == 1
+  if seq <= last and not gap then
     local g = 0
     if seq == last then
       g = tonumber(redis.call('HGET', ledger, 'last_grant') or '0')
     end
     return {g, 0, vals}
+  end
+  if state == 'settled' then
+    -- Only a journal replay ("r") of a charge the settlement counted (acknowledged before it:
+    -- below its unconfirmed number "su", or any when it had none) still applies: a new
+    -- master got the settlement first.  A settlement of an older script has no "su".
+    local su = tonumber(redis.call('HGET', ledger, 'su') or '-1')
+    if ARGV[a + 2] ~= 'r' or su < 0 or (su > 0 and seq >= su) then
+      return {0, 0, vals}
+    end
   end
   local grant = asked
   if strict then
@@ -97,7 +112,16 @@ local function charge(k, a, n)
     local limit = tonumber(ARGV[base])
     local rate = tonumber(ARGV[base + 2])
     if grant > 0 and rate > 0 then
-      vals[i] = redis.call('INCRBY', KEYS[k + i], ceil_div(grant * rate, SCALE)) + prev[i]
+      local units = ceil_div(grant * rate, SCALE)
+      if state == 'settled' then -- a refund the settlement owes this counter (settle_lib.lua)
+        local owed = tonumber(redis.call('HGET', ledger, 'o:' .. KEYS[k + i]) or '0')
+        local d = math.min(owed, units)
+        if d > 0 then
+          redis.call('HINCRBY', ledger, 'o:' .. KEYS[k + i], -d)
+          units = units - d
+        end
+      end
+      vals[i] = redis.call('INCRBY', KEYS[k + i], units) + prev[i]
       redis.call('PEXPIREAT', KEYS[k + i], ARGV[base + 1])
     end
     if ARGV[base + 3] ~= '1' and rate > 0 then
@@ -106,7 +130,14 @@ local function charge(k, a, n)
       end
     end
   end
-  redis.call('HSET', ledger, 'seq', seq, 'last_grant', grant)
+  if gap then
+    redis.call('HDEL', ledger, 'g:' .. seq)
+  else
+    for j = last + 1, seq - 1 do -- skipped numbers: their charges may still come (replays)
+      redis.call('HSET', ledger, 'g:' .. j, 1)
+    end
+    redis.call('HSET', ledger, 'seq', seq, 'last_grant', grant)
+  end
   redis.call('HINCRBY', ledger, 'charged', grant)
   redis.call('PEXPIRE', ledger, ARGV[a + 3])
   return {grant, over, vals}

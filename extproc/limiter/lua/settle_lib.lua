@@ -1,6 +1,10 @@
 -- Settlement, shared by settle.lua and admit.lua (the limiter puts this text in front of
 -- each; every script is still registered once).  Each request is settled exactly once: state
 -- "settled" (or "cancelled") in its ledger makes any later settlement a no-op.
+-- A settlement may come before the request's admission or some of its stream charges (a
+-- journal replay on a new master after a failover): those still apply, once each (admit.lua,
+-- charge.lua), and the counters end where they would have in order: its corrections are
+-- signed amounts (a refund is clamped at zero, a counter whose window ended is not touched).
 --
 -- A request's KEYS and ARGV slices, as settle_all reads them:
 --   KEYS: the ledger (hash; state "settled" makes every later settlement a no-op), the
@@ -21,13 +25,17 @@
 -- takes it below zero.  The request's concurrency slots (the ledger's "c:" fields) are freed,
 -- and its usage-record draft is dropped (the settling processor writes the record).
 
--- Take ``amount`` from a counter that still exists, never below zero.
+-- Take ``amount`` from a counter that still exists, never below zero; what was taken.
 local function take(key, amount)
   if amount > 0 and redis.call('EXISTS', key) == 1 then
-    if redis.call('DECRBY', key, amount) < 0 then
+    local left = redis.call('DECRBY', key, amount)
+    if left < 0 then
       redis.call('SET', key, 0, 'KEEPTTL')
+      return amount + left
     end
+    return amount
   end
+  return 0
 end
 
 -- k: index of the request's ledger in KEYS; a: index of its TTL in ARGV
@@ -62,7 +70,8 @@ local function settle(k, a, n, u)
     end
   end
   local useq = tonumber(ARGV[a + 2])
-  if useq > 0 and tonumber(redis.call('HGET', ledger, 'seq') or '0') >= useq then
+  if useq > 0 and tonumber(redis.call('HGET', ledger, 'seq') or '0') >= useq
+      and redis.call('HEXISTS', ledger, 'g:' .. useq) == 0 then
     local grant = tonumber(redis.call('HGET', ledger, 'last_grant') or '0')
     for i = 1, u do
       local units = grant * tonumber(ARGV[a + 4 + 2 * n + i])
@@ -73,6 +82,10 @@ local function settle(k, a, n, u)
       take(KEYS[k + 1 + n + i], q)
     end
   end
+  -- before the admission (a replay on a new master): a refund the counter cannot take yet
+  -- is owed ("o:<key>"), and taken from what the admission or a replayed charge adds later
+  local early = state ~= 'admitted' and state ~= 'reclaimed'
+    and redis.call('HEXISTS', ledger, 'adm') == 0
   for i = 1, n do
     local amount = tonumber(ARGV[a + 3 + 2 * i])
     local key = KEYS[k + 1 + i]
@@ -80,10 +93,15 @@ local function settle(k, a, n, u)
       redis.call('INCRBY', key, amount)
       redis.call('PEXPIREAT', key, ARGV[a + 4 + 2 * i])
     elseif amount < 0 then
-      take(key, -amount)
+      local got = take(key, -amount)
+      if early and got < -amount then
+        redis.call('HINCRBY', ledger, 'o:' .. key, -amount - got)
+      end
     end
   end
-  redis.call('HSET', ledger, 'state', 'settled')
+  -- "su": a stream charge below this number (any, when 0) that arrives later was counted by
+  -- these corrections and still applies (charge.lua); the unconfirmed one never does
+  redis.call('HSET', ledger, 'state', 'settled', 'su', useq)
   redis.call('PEXPIRE', ledger, ttl)
   return 1
 end
