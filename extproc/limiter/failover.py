@@ -33,6 +33,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import SentinelConnectionPool
 
 from extproc.limiter.journal import Entry, Journal
+from extproc.limiter.starvation import LoopLag, fair_wait
 
 if TYPE_CHECKING:
     from extproc.metrics import Metrics
@@ -60,6 +61,7 @@ class Failover:
         idle_check_s: float = 1.0,
         check_timeout_s: float = 1.0,
         on_recovered: Callable[[bool], None] | None = None,
+        lag: LoopLag | None = None,
     ) -> None:
         self._client = client
         self._cluster = isinstance(client, RedisCluster)
@@ -70,6 +72,10 @@ class Failover:
         self.idle_check_s = idle_check_s
         #: how long asking a master its run id may take (a frozen master never answers)
         self.check_timeout_s = check_timeout_s
+        #: the limiter's measure of the event loop's lateness: the check's timeout is of the
+        #: processor's running time, as a call's is (a starved processor is slower, not
+        #: failed: extproc.limiter.starvation)
+        self._lag = lag if lag is not None else LoopLag()
         self._on_recovered = on_recovered
         self.suspect = True  # nothing is known about the master yet
         # Cluster: slots whose master could not be asked (its node down): their calls fail
@@ -172,7 +178,8 @@ class Failover:
             info = await self._client.info("server")
             return str(info["run_id"])
 
-        return await asyncio.wait_for(ask(), self.check_timeout_s)
+        budget = self.check_timeout_s
+        return await fair_wait(ask(), budget, self._lag, max(20 * budget, 10.0))
 
     async def _recover(self) -> None:
         started = time.perf_counter()

@@ -208,6 +208,7 @@ class RedisLimiter:
                 Journal(window_s=journal_s),
                 metrics=metrics,
                 on_recovered=self._recovered,
+                lag=self.lag,
             )
 
     @classmethod
