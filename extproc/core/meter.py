@@ -1,10 +1,13 @@
 """The per-stream meter: SSE bytes in, bytes to forward and charges to make out.
 
-Sans-IO.  The servicer feeds each upstream body chunk to :meth:`StreamMeter.feed` and acts on
-the returned :class:`Step`: forward ``step.forward`` to the client, ask the limiter for
-``step.charge`` tokens when it is non-zero, and report the answer with
-:meth:`StreamMeter.on_charge`.  When the limiter says the quota is gone the servicer calls
-:meth:`StreamMeter.cut`, which returns the error event and ``[DONE]`` that end the stream.
+Sans-IO.  The metered stream (:mod:`extproc.core.streaming`) feeds each upstream body chunk to
+:meth:`StreamMeter.feed` and acts on the returned :class:`Step`: forward ``step.forward`` to the
+client, ask the limiter for ``step.charge`` tokens when it is non-zero, and report the answer
+with :meth:`StreamMeter.on_charge`.  When the stream is cut (the quota gone, the processor
+shutting down, ...) it calls :meth:`StreamMeter.cut` with the API's cut event, which the meter
+returns as the stream's last bytes: one error event and nothing after it (no ``[DONE]``, no
+``message_stop``; :mod:`extproc.core.apis.errors`), after which the server aborts the
+response.
 
 Tokens are the engine's own running count when it reports one in every chunk
 (``engine_counts``: vLLM's ``continuous_usage_stats``), otherwise the recount of each delta.
@@ -543,7 +546,8 @@ class StreamMeter:
         return Step(forward=prefix, cut_reason=reason)
 
     def cut(self, final_events: bytes) -> bytes:
-        """Finish the stream with ``final_events`` (the API's error event and terminator)."""
+        """Finish the stream with ``final_events`` (the API's cut event: an error event, no
+        terminator after it)."""
         self.phase = self.phase.move(StreamInput.CUT)
         self._held.clear()
         return final_events

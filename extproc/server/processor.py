@@ -2,10 +2,12 @@
 
 The servicer creates one :class:`RequestProcessor` per gRPC stream (one per HTTP request) and
 calls :meth:`RequestProcessor.handle` per ProcessingRequest.  Every fact about the request is a
-phase record of the session; every decision is a function of the core (:mod:`extproc.core.session`,
-:mod:`extproc.core.policies`, :mod:`extproc.core.classify`, :mod:`extproc.core.figures`).  This
-module only turns them into Envoy messages, limiter calls, metrics and log lines; it still moves
-the request's lifecycle itself (a stream's moves are the core's :mod:`extproc.core.streaming`).
+phase record of the session; most decisions are functions of the core (:mod:`extproc.core.session`,
+:mod:`extproc.core.policies`, :mod:`extproc.core.classify`, :mod:`extproc.core.figures`), which
+this module turns into Envoy messages, limiter calls, metrics and log lines.  It still moves
+the request's lifecycle itself (a stream's moves are the core's :mod:`extproc.core.streaming`)
+and keeps one rule of its own: when a prompt admitted on a bound is counted (the audit, the
+:data:`NOTE_AFTER_S` ledger note and whether a note refunds anything).
 
 * request headers → :mod:`extproc.server.identity` (caller, path policy)
 * request body → :mod:`extproc.server.admit` (executes the core's :mod:`extproc.core.admitting`)
