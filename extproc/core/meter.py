@@ -516,11 +516,6 @@ class StreamMeter:
         """Fail closed: stop forwarding; the caller ends the stream with :meth:`cut`."""
         return self._cut_step(reason)
 
-    @property
-    def charge_in_flight(self) -> bool:
-        """A charge was asked for and not yet answered."""
-        return self._charge_in_flight != 0
-
     def _release(self, allowance: int | None, precharged: int) -> bytes:
         """Deliver held events, in order, while their tokens fit ``allowance`` (None: all of
         them; the rest is dropped by the cut that follows); the first ``precharged`` of them
@@ -551,8 +546,3 @@ class StreamMeter:
         self.phase = self.phase.move(StreamInput.CUT)
         self._held.clear()
         return final_events
-
-    @property
-    def unused_lease(self) -> int:
-        """Leased tokens not delivered (refunded at settlement)."""
-        return max(0, self.stats.leased_total - self.delivered)

@@ -221,11 +221,6 @@ class StreamDriver:
             )
         )
 
-    @property
-    def charge_pending(self) -> bool:
-        """A charge was started and its answer not yet applied."""
-        return self._task is not None
-
     def _answer(self, *, late: bool = False) -> ChargeAnswered | ChargeFailed:
         """The finished charge task's answer, as the stream's event."""
         task = self._task
