@@ -15,7 +15,7 @@ from extproc.core.chunks import Usage
 from extproc.core.lifecycle import CutReason
 from extproc.core.meter import (
     EMPTY,
-    Charging,
+    Enforcement,
     MeterPhase,
     Step,
     StreamInput,
@@ -568,8 +568,8 @@ def _check_flags(m: StreamMeter, before: MeterPhase) -> None:
     assert m.finished == (ph.stream in (StreamPhase.FINISHED, StreamPhase.CUT))
     assert m.upstream_done == (ph.stream is not StreamPhase.OPEN)
     assert m.complete == ph.terminal_sent
-    assert m.exhausted == (ph.charging is Charging.EXHAUSTED)
-    assert m.enforce == (ph.charging is not Charging.UNENFORCED)
+    assert m.exhausted == (ph.enforcement is Enforcement.EXHAUSTED)
+    assert m.enforce == (ph.enforcement is not Enforcement.UNENFORCED)
     assert m.cut_reason is ph.cut_reason
     if ph.stream is StreamPhase.CUT:
         assert ph.cut_reason is not None
@@ -584,10 +584,10 @@ def _check_flags(m: StreamMeter, before: MeterPhase) -> None:
         assert ph.terminal_sent
     if before.cut_reason is not None:
         assert ph.cut_reason is before.cut_reason
-    if before.charging is Charging.UNENFORCED:
-        assert ph.charging is Charging.UNENFORCED
-    if before.charging is Charging.EXHAUSTED:
-        assert ph.charging is not Charging.ENFORCED
+    if before.enforcement is Enforcement.UNENFORCED:
+        assert ph.enforcement is Enforcement.UNENFORCED
+    if before.enforcement is Enforcement.EXHAUSTED:
+        assert ph.enforcement is not Enforcement.ENFORCED
 
 
 @settings(max_examples=400, deadline=None)
@@ -708,6 +708,6 @@ def test_meter_phase_moves() -> None:
     pending = open_.move(StreamInput.UPSTREAM_END).decide_cut(CutReason.EVENT_TOO_LARGE)
     assert pending.move(StreamInput.RELEASED) is pending  # it ends by the cut decided
     off = open_.exhaust().unenforce()
-    assert off.charging is Charging.UNENFORCED and off.exhaust() is off
-    assert open_.unenforce().exhaust().charging is Charging.UNENFORCED
+    assert off.enforcement is Enforcement.UNENFORCED and off.exhaust() is off
+    assert open_.unenforce().exhaust().enforcement is Enforcement.UNENFORCED
     assert open_.terminal().terminal_sent and not open_.terminal_sent
