@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Callable, Iterable
 from typing import Final
 
-from extproc.core import admission
+from extproc.core import admission_plan
 from extproc.core.actions import (
     AwaitCharge,
     ChargeError,
@@ -48,7 +48,7 @@ from extproc.core.events import (
 from extproc.core.keys import WindowedBucket
 from extproc.core.lifecycle import CutReason, Ending, Input
 from extproc.core.meter import Step, StreamMeter
-from extproc.core.records import Reported, StreamEnd
+from extproc.core.phase_records import Reported, StreamEnd
 from extproc.core.rules import RATE_SCALE, UnconfirmedCharge
 from extproc.core.session import Session
 
@@ -371,7 +371,7 @@ class MeteredStream:
         return StartCharge(
             self._seq,
             self._charge_buckets,
-            admission.token_charges(list(self._charge_buckets), amount),
+            admission_plan.token_charges(list(self._charge_buckets), amount),
             amount,
             self.meter.strict,
         )
@@ -395,7 +395,7 @@ class MeteredStream:
             if b.limit.shadow and v > b.limit.limit and b.key not in self._shadowed:
                 # a shadow limit taken past its limit: counted and logged once, never cut
                 self._shadowed.add(b.key)
-                side.append(ShadowExceeded(b.metric, admission.describe(b.limit), v))
+                side.append(ShadowExceeded(b.metric, admission_plan.describe(b.limit), v))
         return side, meter.on_charge(ev.granted, ev.exhausted, room_after(buckets, ev.values))
 
     # -- cutting ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ and keeps one rule of its own: when a prompt admitted on a bound is counted (the
 :data:`NOTE_AFTER_S` ledger note and whether a note refunds anything).
 
 * request headers → :mod:`extproc.server.identity` (caller, path policy)
-* request body → :mod:`extproc.server.admit` (executes the core's :mod:`extproc.core.admitting`)
+* request body → :mod:`extproc.server.admit` (executes the core's :mod:`extproc.core.admission_flow`)
 * response headers → :func:`extproc.core.classify.classify`; then :mod:`extproc.server.stream`
   executes the core's metered stream, or a JSON body's usage is read
 * the end, whatever it is → :mod:`extproc.server.settle`, in the background, after the last
@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 
 from extproc.config.runtime import Model
-from extproc.core.admission import Cost
+from extproc.core.admission_plan import Cost
 from extproc.core.apis.openai import CHAT
 from extproc.core.apis.registry import api_for_path
 from extproc.core.exact import ExactResponse
@@ -39,8 +39,8 @@ from extproc.core.lifecycle import (
     CutReason,
     LifecycleError,
 )
+from extproc.core.phase_records import Identified, Reported, Requested, StreamEnd
 from extproc.core.policies import bound_excess_refund, fails_open
-from extproc.core.records import Identified, Reported, Requested, StreamEnd
 from extproc.core.session import Session
 from extproc.errors import (
     AuthenticationError,

@@ -41,8 +41,8 @@ from extproc.core.events import (
 )
 from extproc.core.lifecycle import CutReason
 from extproc.core.meter import StreamMeter
+from extproc.core.phase_records import StreamEnd
 from extproc.core.policies import fails_open
-from extproc.core.records import StreamEnd
 from extproc.core.session import Session
 from extproc.core.streaming import CHARGE_WAIT_SECONDS, MeteredStream
 from extproc.errors import LimiterUnavailable
