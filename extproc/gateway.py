@@ -23,7 +23,7 @@ import structlog
 
 from extproc.clock import Clock
 from extproc.config.runtime import RuntimeConfig
-from extproc.core.admission import RoomHints
+from extproc.core.admission_plan import RoomHints
 from extproc.core.apis.base import ApiFormat
 from extproc.core.audits import InputAudits
 from extproc.core.decode_rate import DecodeRates

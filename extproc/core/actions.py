@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from extproc.core.keys import WindowedBucket
 from extproc.core.lifecycle import CutReason
-from extproc.core.records import AdmitModel
+from extproc.core.phase_records import AdmitModel
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.errors import GatewayError, StreamCut
 
@@ -97,7 +97,7 @@ StreamAction = (
 )
 
 
-# -- admission: what :class:`~extproc.core.admitting.Admission` asks the server to do ---------
+# -- admission: what :class:`~extproc.core.admission_flow.Admission` asks the server to do ---------
 # The server executes them in order; :class:`CountExact` and :class:`CallAdmit` are always
 # last: their answer is the next event (:mod:`extproc.core.events`).  Those every request
 # makes are plain (not frozen) dataclasses: cheaper to build, and nothing changes them.

@@ -6,7 +6,7 @@ from __future__ import annotations
 from extproc.core.apis.base import ApiFormat
 from extproc.core.encoding import UnsupportedEncoding, decoder_for, is_json, media_type
 from extproc.core.lifecycle import State
-from extproc.core.records import Admitted, Metering, Parsed
+from extproc.core.phase_records import Admitted, Metering, Parsed
 
 # Media types that are streams but not SSE: the meter cannot read them.
 UNMETERABLE_STREAMS = ("application/x-ndjson", "application/jsonl", "application/json-seq")

@@ -48,11 +48,6 @@ def media_type(content_type: str) -> str:
     return content_type.split(";", 1)[0].strip().lower()
 
 
-def is_event_stream(content_type: str) -> bool:
-    """Whether the media type is SSE (case- and parameter-insensitive)."""
-    return media_type(content_type) == "text/event-stream"
-
-
 def is_json(content_type: str) -> bool:
     """``application/json`` or any ``+json`` type."""
     mt = media_type(content_type)

@@ -76,7 +76,7 @@ StreamEvent = (
 )
 
 
-# -- admission: what the server saw while :class:`~extproc.core.admitting.Admission` waited ----
+# -- admission: what the server saw while :class:`~extproc.core.admission_flow.Admission` waited ----
 
 
 @dataclass(frozen=True, slots=True)

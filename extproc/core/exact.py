@@ -1,5 +1,5 @@
 """The exact path's response, sans-IO: a non-streaming request the gateway sent upstream as a
-stream with usage (:attr:`extproc.core.admission.Cost.upstream_stream`).
+stream with usage (:attr:`extproc.core.admission_plan.Cost.upstream_stream`).
 
 Its bytes are kept as they pass (one append per chunk: nothing is parsed, counted or sent
 back while the upstream generates, so a chunk costs the processor one ext_proc message and
@@ -17,7 +17,7 @@ import zlib
 from extproc.core.apis.base import Reassembler
 from extproc.core.encoding import BodyDecoder
 from extproc.core.meter import StreamMeter
-from extproc.core.records import Reported, StreamEnd
+from extproc.core.phase_records import Reported, StreamEnd
 from extproc.core.session import Session
 
 

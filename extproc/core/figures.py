@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from extproc.core.admission import Cost
+from extproc.core.admission_plan import Cost
 from extproc.core.keys import WindowedBucket
 from extproc.core.rules import RATE_SCALE
 

@@ -1,10 +1,13 @@
 """The per-stream meter: SSE bytes in, bytes to forward and charges to make out.
 
-Sans-IO.  The servicer feeds each upstream body chunk to :meth:`StreamMeter.feed` and acts on
-the returned :class:`Step`: forward ``step.forward`` to the client, ask the limiter for
-``step.charge`` tokens when it is non-zero, and report the answer with
-:meth:`StreamMeter.on_charge`.  When the limiter says the quota is gone the servicer calls
-:meth:`StreamMeter.cut`, which returns the error event and ``[DONE]`` that end the stream.
+Sans-IO.  The metered stream (:mod:`extproc.core.streaming`) feeds each upstream body chunk to
+:meth:`StreamMeter.feed` and acts on the returned :class:`Step`: forward ``step.forward`` to the
+client, ask the limiter for ``step.charge`` tokens when it is non-zero, and report the answer
+with :meth:`StreamMeter.on_charge`.  When the stream is cut (the quota gone, the processor
+shutting down, ...) it calls :meth:`StreamMeter.cut` with the API's cut event, which the meter
+returns as the stream's last bytes: one error event and nothing after it (no ``[DONE]``, no
+``message_stop``; :mod:`extproc.core.apis.errors`), after which the server aborts the
+response.
 
 Tokens are the engine's own running count when it reports one in every chunk
 (``engine_counts``: vLLM's ``continuous_usage_stats``), otherwise the recount of each delta.
@@ -111,7 +114,7 @@ STREAM_TRANSITIONS: dict[tuple[StreamPhase, StreamInput], StreamPhase] = {
 }
 
 
-class Charging(Enum):
+class Enforcement(Enum):
     """What the meter's charges still do (the quota's side of its phase)."""
 
     ENFORCED = "enforced"  # charges are asked as tokens pass; events may be held for them
@@ -124,8 +127,9 @@ class Charging(Enum):
 @dataclass(frozen=True, slots=True)
 class MeterPhase:
     """The meter's whole phase, one immutable value replaced at each move: where the stream
-    is, what charging still does, whether the API's terminal event reached the client, and
-    the cut's reason once one is decided.  Every flag the meter shows is read from it.
+    is, what its charges still enforce (:class:`Enforcement`), whether the API's terminal
+    event reached the client, and the cut's reason once one is decided.  Every flag the meter
+    shows is read from it.
 
     Invariants (the moves keep them; a test checks them over event orders): an ended stream
     stays ended; ``CUT`` carries its reason; a stream that ``FINISHED`` was never cut; the
@@ -133,7 +137,7 @@ class MeterPhase:
     for it."""
 
     stream: StreamPhase = StreamPhase.OPEN
-    charging: Charging = Charging.ENFORCED
+    enforcement: Enforcement = Enforcement.ENFORCED
     terminal_sent: bool = False
     cut_reason: CutReason | None = None
 
@@ -163,15 +167,15 @@ class MeterPhase:
 
     def exhaust(self) -> MeterPhase:
         """A charge found the quota gone (meaningless once unenforced)."""
-        if self.charging is Charging.ENFORCED:
-            return replace(self, charging=Charging.EXHAUSTED)
+        if self.enforcement is Enforcement.ENFORCED:
+            return replace(self, enforcement=Enforcement.EXHAUSTED)
         return self
 
     def unenforce(self) -> MeterPhase:
         """Meter without charging from now on (fail-open)."""
-        if self.charging is Charging.UNENFORCED:
+        if self.enforcement is Enforcement.UNENFORCED:
             return self
-        return replace(self, charging=Charging.UNENFORCED)
+        return replace(self, enforcement=Enforcement.UNENFORCED)
 
     def terminal(self) -> MeterPhase:
         """The API's terminal event reached the client."""
@@ -191,9 +195,9 @@ class StreamStats:
 
 
 _OPEN: Final = StreamPhase.OPEN
-_ENFORCED: Final = Charging.ENFORCED
-_EXHAUSTED: Final = Charging.EXHAUSTED
-_UNENFORCED: Final = Charging.UNENFORCED
+_ENFORCED: Final = Enforcement.ENFORCED
+_EXHAUSTED: Final = Enforcement.EXHAUSTED
+_UNENFORCED: Final = Enforcement.UNENFORCED
 
 
 class StreamMeter:
@@ -254,7 +258,7 @@ class StreamMeter:
         # at the end of a window's budget).
         self.batch = every
         # state
-        self.phase = MeterPhase(charging=_ENFORCED if enforce else _UNENFORCED)
+        self.phase = MeterPhase(enforcement=_ENFORCED if enforce else _UNENFORCED)
         self.lease = initial_lease
         self.uncharged = 0
         self.charged = 0
@@ -286,12 +290,12 @@ class StreamMeter:
     @property
     def exhausted(self) -> bool:
         """A charge found the quota gone (while enforcing)."""
-        return self.phase.charging is _EXHAUSTED
+        return self.phase.enforcement is _EXHAUSTED
 
     @property
     def enforce(self) -> bool:
         """Charges are asked and events held for them (not metering only)."""
-        return self.phase.charging is not _UNENFORCED
+        return self.phase.enforcement is not _UNENFORCED
 
     @property
     def cut_reason(self) -> CutReason | None:
@@ -350,8 +354,8 @@ class StreamMeter:
         phase = self.phase
         if phase.stream is not _OPEN and phase.ended:
             return EMPTY
-        charging = phase.charging
-        if charging is _EXHAUSTED and not self.strict and not phase.terminal_sent:
+        enforcement = phase.enforcement
+        if enforcement is _EXHAUSTED and not self.strict and not phase.terminal_sent:
             return self._cut_step(CutReason.QUOTA_EXHAUSTED)
         try:
             events = self._decoder.feed(chunk) if chunk else []
@@ -360,7 +364,7 @@ class StreamMeter:
         except SSEEventTooLarge:
             return self._cut_step(CutReason.EVENT_TOO_LARGE)
         out: list[bytes] = []
-        enforce, strict = charging is not _UNENFORCED, self.strict
+        enforce, strict = enforcement is not _UNENFORCED, self.strict
         new_charge = 0
         held = self._held
         for ev in events:
@@ -402,8 +406,8 @@ class StreamMeter:
         charge = 0
         blocked = False
         phase = self.phase
-        charging = phase.charging
-        if charging is not _UNENFORCED and self.strict:
+        enforcement = phase.enforcement
+        if enforcement is not _UNENFORCED and self.strict:
             blocked = bool(self._held)
             if self._charge_in_flight == 0:
                 if blocked:
@@ -411,10 +415,10 @@ class StreamMeter:
                 elif (
                     phase.stream is _OPEN
                     and self.lease * 2 < self.every
-                    and charging is not _EXHAUSTED
+                    and enforcement is not _EXHAUSTED
                 ):
                     charge = self.every
-        elif charging is not _UNENFORCED:
+        elif enforcement is not _UNENFORCED:
             blocked = bool(self._held)
             if blocked and self._charge_in_flight == 0:
                 # Charge what passed and the held events before they go out.
@@ -513,11 +517,6 @@ class StreamMeter:
         """Fail closed: stop forwarding; the caller ends the stream with :meth:`cut`."""
         return self._cut_step(reason)
 
-    @property
-    def charge_in_flight(self) -> bool:
-        """A charge was asked for and not yet answered."""
-        return self._charge_in_flight != 0
-
     def _release(self, allowance: int | None, precharged: int) -> bytes:
         """Deliver held events, in order, while their tokens fit ``allowance`` (None: all of
         them; the rest is dropped by the cut that follows); the first ``precharged`` of them
@@ -543,12 +542,8 @@ class StreamMeter:
         return Step(forward=prefix, cut_reason=reason)
 
     def cut(self, final_events: bytes) -> bytes:
-        """Finish the stream with ``final_events`` (the API's error event and terminator)."""
+        """Finish the stream with ``final_events`` (the API's cut event: an error event, no
+        terminator after it)."""
         self.phase = self.phase.move(StreamInput.CUT)
         self._held.clear()
         return final_events
-
-    @property
-    def unused_lease(self) -> int:
-        """Leased tokens not delivered (refunded at settlement)."""
-        return max(0, self.stats.leased_total - self.delivered)

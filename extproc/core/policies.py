@@ -4,7 +4,7 @@ Whoever changes how a request is admitted or billed finds the rule here with its
 (``tests/unit/test_core_policies.py``): when admission may decide on a bound of the input, how
 long an admission is leased, whether a refusal counts, what a limiter failure or a full
 settlement backlog does, the fallback model, the shadow report, and the billing record's
-figures.  The admission flow that applies them is :mod:`extproc.core.admitting`; the
+figures.  The admission flow that applies them is :mod:`extproc.core.admission_flow`; the
 stream's own rules (room after a charge, the unconfirmed charge, the wait for a charge at
 settlement) are in :mod:`extproc.core.streaming`.
 """
@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from decimal import Decimal
 
-from extproc.core import admission
-from extproc.core.admission import Cost
+from extproc.core import admission_plan
+from extproc.core.admission_plan import Cost
 from extproc.core.keys import WindowedBucket
-from extproc.core.records import ModelInfo, TenantInfo
+from extproc.core.phase_records import ModelInfo, TenantInfo
 from extproc.core.rules import Rates, Usage
 
 
@@ -84,7 +84,10 @@ def bound_excess_refund(
         return ()
     counted = replace(bound, input_tokens=exact)
     return tuple(
-        (b.key, admission.admission_amount(b, bound) - admission.admission_amount(b, counted))
+        (
+            b.key,
+            admission_plan.admission_amount(b, bound) - admission_plan.admission_amount(b, counted),
+        )
         for b in buckets
         if b.kind == "tpm"
     )
@@ -170,7 +173,7 @@ def fallback_for(
     on_model = any(
         b.limit.model == model.name
         and not b.limit.shadow
-        and admission.would_refuse(b, v, admission.admission_amount(b, cost))
+        and admission_plan.would_refuse(b, v, admission_plan.admission_amount(b, cost))
         for b, v in zip(buckets, values, strict=True)
     )
     return name if on_model else None
@@ -203,8 +206,8 @@ def shadow_outcome(
             kinds.add(b.metric)
             continue
         # values are after charging: over the limit means this admission would have been refused
-        if v > b.limit.limit and admission.admission_amount(b, cost) > 0:
-            exceeded.append(admission.describe(b.limit))
+        if v > b.limit.limit and admission_plan.admission_amount(b, cost) > 0:
+            exceeded.append(admission_plan.describe(b.limit))
             decisions.append((b.metric, "shadow_refused"))
         else:
             decisions.append((b.metric, "shadow_allowed"))

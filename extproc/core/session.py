@@ -1,4 +1,4 @@
-"""One request as a sans-IO session: its phase records (:mod:`extproc.core.records`, each set
+"""One request as a sans-IO session: its phase records (:mod:`extproc.core.phase_records`, each set
 once), its lifecycle and the decisions that read them.
 
 Besides the records the session keeps two accumulators of limiter answers, changed only by its
@@ -11,7 +11,7 @@ request could have generated in :mod:`extproc.core.figures`, how a response is m
 :mod:`extproc.core.classify`, the per-request policies (the fallback model, the shadow-limit
 report, fail-open, the bound, the lease, billing) in :mod:`extproc.core.policies`; what
 settlement charges is :meth:`Session.settlement`; the admission flow that sets the parsed and
-admitted records is :mod:`extproc.core.admitting`.  The server layer executes what they decide
+admitted records is :mod:`extproc.core.admission_flow`.  The server layer executes what they decide
 and holds no policy of its own.
 """
 
@@ -21,15 +21,15 @@ import itertools
 from collections.abc import Callable
 from dataclasses import replace
 
-from extproc.core import admission
+from extproc.core import admission_plan
 from extproc.core.account import RequestAccount
-from extproc.core.admission import Cost
+from extproc.core.admission_plan import Cost
 from extproc.core.apis.base import ApiFormat, ParsedRequest
 from extproc.core.classify import classify, parse_status
 from extproc.core.figures import Figure, abandoned_output, bounded_input, bounded_output
 from extproc.core.keys import WindowedBucket
 from extproc.core.lifecycle import Closed, Ending, Input, Lifecycle, State
-from extproc.core.records import (
+from extproc.core.phase_records import (
     Admitted,
     Identified,
     KeyInfo,
@@ -457,7 +457,7 @@ class Session:
         model = model or self.model
         assert tenant is not None and key is not None and model is not None
         model_key = model.name if model.known else (req.model if req else "*")
-        return admission.buckets_for(
+        return admission_plan.buckets_for(
             prefix=prefix,
             tenant=tenant.id,
             key_name=key.name,

@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Callable, Iterable
 from typing import Final
 
-from extproc.core import admission
+from extproc.core import admission_plan
 from extproc.core.actions import (
     AwaitCharge,
     ChargeError,
@@ -48,7 +48,7 @@ from extproc.core.events import (
 from extproc.core.keys import WindowedBucket
 from extproc.core.lifecycle import CutReason, Ending, Input
 from extproc.core.meter import Step, StreamMeter
-from extproc.core.records import Reported, StreamEnd
+from extproc.core.phase_records import Reported, StreamEnd
 from extproc.core.rules import RATE_SCALE, UnconfirmedCharge
 from extproc.core.session import Session
 
@@ -57,11 +57,6 @@ from extproc.core.session import Session
 CHARGE_WAIT_SECONDS: Final = 1.0
 
 _Then = Callable[[], list[StreamAction]]
-_NOTHING: Final[list[StreamAction]] = []
-
-
-def _nothing() -> list[StreamAction]:
-    return []
 
 
 def room_after(buckets: Iterable[WindowedBucket], values: Iterable[int]) -> int | None:
@@ -190,7 +185,7 @@ class MeteredStream:
             cont, self._on_answer = self._on_answer, None
             if cont is not None:
                 return side + cont(step)
-            return side + self._apply(step, _nothing)
+            return side + self._apply(step, list)
         if t is CountDone:
             resume, self._resume = self._resume, None
             return resume() if resume is not None else []
@@ -215,7 +210,7 @@ class MeteredStream:
         life.advance(Input.RESPONSE_BODY)
         if answer is None and self._decoder is None:
             if life.ended:
-                return _NOTHING
+                return []
             meter = self.meter
             step = meter.feed(data, end)
             if (
@@ -224,7 +219,7 @@ class MeteredStream:
                 and (not meter.complete or self._final_sent)
             ):
                 # The common case: forward what completed, no charge, no wait.
-                return [Forward(step.forward)] if step.forward else _NOTHING
+                return [Forward(step.forward)] if step.forward else []
             return self._stepped(step)
         return self._chunk(data, end, answer)
 
@@ -233,7 +228,7 @@ class MeteredStream:
     ) -> list[StreamAction]:
         if self.s.life.ended:
             # the answer still counts (its units are in Redis): bookkeeping only
-            return self._take(answer)[0] if answer is not None else _NOTHING
+            return self._take(answer)[0] if answer is not None else []
         if self._decoder is not None:
             try:
                 data = self._decoder.feed(data) + (self._decoder.flush() if end else b"")
@@ -259,7 +254,7 @@ class MeteredStream:
                 or answered.end_stream
             ):
                 return side + self._apply(
-                    answered, lambda: _NOTHING if self.s.life.ended else self._feed(data, end)
+                    answered, lambda: [] if self.s.life.ended else self._feed(data, end)
                 )
             return side + self._feed(data, end)
         return self._feed(data, end)
@@ -279,14 +274,14 @@ class MeteredStream:
                     fwd = step.forward
                     return self._after_count(
                         lambda: (
-                            _NOTHING
+                            []
                             if self.s.life.ended  # cut meanwhile (shutdown): it said it all
                             else [Forward(fwd, False, self._terminal_output())]
                         )
                     )
                 return [Forward(step.forward)]
-            return _NOTHING
-        return self._apply(step, _nothing)
+            return []
+        return self._apply(step, list)
 
     def _trailers(self) -> list[StreamAction]:
         if self.s.life.ended:
@@ -314,7 +309,7 @@ class MeteredStream:
         if step.cut_reason is not None or step.end_stream or meter.complete:
             return self._after_count(
                 lambda: (
-                    _NOTHING  # cut meanwhile (shutdown): that cut has said it all
+                    []  # cut meanwhile (shutdown): that cut has said it all
                     if self.s.life.ended
                     else self._apply_counted(step, then)
                 )
@@ -376,7 +371,7 @@ class MeteredStream:
         return StartCharge(
             self._seq,
             self._charge_buckets,
-            admission.token_charges(list(self._charge_buckets), amount),
+            admission_plan.token_charges(list(self._charge_buckets), amount),
             amount,
             self.meter.strict,
         )
@@ -400,7 +395,7 @@ class MeteredStream:
             if b.limit.shadow and v > b.limit.limit and b.key not in self._shadowed:
                 # a shadow limit taken past its limit: counted and logged once, never cut
                 self._shadowed.add(b.key)
-                side.append(ShadowExceeded(b.metric, admission.describe(b.limit), v))
+                side.append(ShadowExceeded(b.metric, admission_plan.describe(b.limit), v))
         return side, meter.on_charge(ev.granted, ev.exhausted, room_after(buckets, ev.values))
 
     # -- cutting ---------------------------------------------------------------------------

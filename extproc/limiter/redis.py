@@ -288,11 +288,6 @@ class RedisLimiter:
 
     # -- state -------------------------------------------------------------------------------
 
-    @property
-    def breaker_open(self) -> bool:
-        """True while calls fail fast (open, or half-open with every probe slot taken)."""
-        return self.breaker.state is BreakerState.OPEN
-
     def pool_in_use(self) -> int:
         """Connections checked out of the single-server pool now (0 for Cluster)."""
         pool = getattr(self._client, "connection_pool", None)

@@ -1,4 +1,4 @@
-"""Admission, executed: the core's :class:`~extproc.core.admitting.Admission` decides, this
+"""Admission, executed: the core's :class:`~extproc.core.admission_flow.Admission` decides, this
 module runs what it asks for.
 
 The loop starts the admission on the request body (or on an ``rpm_only`` path), executes its
@@ -39,7 +39,7 @@ from extproc.core.actions import (
     Reject,
     ShadowRefused,
 )
-from extproc.core.admitting import Admission
+from extproc.core.admission_flow import Admission
 from extproc.core.events import (
     AdmissionEvent,
     AdmitAnswered,

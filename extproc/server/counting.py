@@ -4,7 +4,7 @@ so a burst of huge prompts queues instead of slowing every other tenant's chunks
 
 The cheap alternative admission may decide on, the same walk of the request with the model's
 upper-bound counter (no tokenizer run), is the core's
-:func:`extproc.core.admitting.bound_input`."""
+:func:`extproc.core.admission_flow.bound_input`."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 
 from extproc.config.runtime import RuntimeConfig
-from extproc.core.admitting import client_errors
+from extproc.core.admission_flow import client_errors
 from extproc.core.apis.base import ApiFormat, ParsedRequest
-from extproc.core.records import AdmitModel
+from extproc.core.phase_records import AdmitModel
 from extproc.errors import GatewayBusy
 from extproc.gateway import Gateway
 

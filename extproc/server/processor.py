@@ -2,13 +2,15 @@
 
 The servicer creates one :class:`RequestProcessor` per gRPC stream (one per HTTP request) and
 calls :meth:`RequestProcessor.handle` per ProcessingRequest.  Every fact about the request is a
-phase record of the session; every decision is a function of the core (:mod:`extproc.core.session`,
-:mod:`extproc.core.policies`, :mod:`extproc.core.classify`, :mod:`extproc.core.figures`).  This
-module only turns them into Envoy messages, limiter calls, metrics and log lines; it still moves
-the request's lifecycle itself (a stream's moves are the core's :mod:`extproc.core.streaming`).
+phase record of the session; most decisions are functions of the core (:mod:`extproc.core.session`,
+:mod:`extproc.core.policies`, :mod:`extproc.core.classify`, :mod:`extproc.core.figures`), which
+this module turns into Envoy messages, limiter calls, metrics and log lines.  It still moves
+the request's lifecycle itself (a stream's moves are the core's :mod:`extproc.core.streaming`)
+and keeps one rule of its own: when a prompt admitted on a bound is counted (the audit, the
+:data:`NOTE_AFTER_S` ledger note and whether a note refunds anything).
 
 * request headers → :mod:`extproc.server.identity` (caller, path policy)
-* request body → :mod:`extproc.server.admit` (executes the core's :mod:`extproc.core.admitting`)
+* request body → :mod:`extproc.server.admit` (executes the core's :mod:`extproc.core.admission_flow`)
 * response headers → :func:`extproc.core.classify.classify`; then :mod:`extproc.server.stream`
   executes the core's metered stream, or a JSON body's usage is read
 * the end, whatever it is → :mod:`extproc.server.settle`, in the background, after the last
@@ -27,7 +29,7 @@ from typing import Any
 import structlog
 
 from extproc.config.runtime import Model
-from extproc.core.admission import Cost
+from extproc.core.admission_plan import Cost
 from extproc.core.apis.openai import CHAT
 from extproc.core.apis.registry import api_for_path
 from extproc.core.exact import ExactResponse
@@ -37,8 +39,8 @@ from extproc.core.lifecycle import (
     CutReason,
     LifecycleError,
 )
+from extproc.core.phase_records import Identified, Reported, Requested, StreamEnd
 from extproc.core.policies import bound_excess_refund, fails_open
-from extproc.core.records import Identified, Reported, Requested, StreamEnd
 from extproc.core.session import Session
 from extproc.errors import (
     AuthenticationError,

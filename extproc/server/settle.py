@@ -17,8 +17,8 @@ import structlog
 from extproc.config.runtime import Model, RuntimeConfig
 from extproc.core.figures import Figure
 from extproc.core.lifecycle import Ending
+from extproc.core.phase_records import Settlement, StreamEnd
 from extproc.core.policies import billed
-from extproc.core.records import Settlement, StreamEnd
 from extproc.core.rules import Adjustment
 from extproc.core.session import Session
 from extproc.errors import LimiterUnavailable

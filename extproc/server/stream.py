@@ -41,8 +41,8 @@ from extproc.core.events import (
 )
 from extproc.core.lifecycle import CutReason
 from extproc.core.meter import StreamMeter
+from extproc.core.phase_records import StreamEnd
 from extproc.core.policies import fails_open
-from extproc.core.records import StreamEnd
 from extproc.core.session import Session
 from extproc.core.streaming import CHARGE_WAIT_SECONDS, MeteredStream
 from extproc.errors import LimiterUnavailable
@@ -220,11 +220,6 @@ class StreamDriver:
                 ledger_ttl_ms=self.cfg.ledger_ttl_seconds * 1000,
             )
         )
-
-    @property
-    def charge_pending(self) -> bool:
-        """A charge was started and its answer not yet applied."""
-        return self._task is not None
 
     def _answer(self, *, late: bool = False) -> ChargeAnswered | ChargeFailed:
         """The finished charge task's answer, as the stream's event."""

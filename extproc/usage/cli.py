@@ -9,7 +9,7 @@ import grpc
 import orjson
 
 from extproc._gen.aiquota.v1 import usage_pb2, usage_pb2_grpc
-from extproc.core.admission import human_duration
+from extproc.core.admission_plan import human_duration
 from extproc.usage.discover import note, port_credentials, usage_address
 from extproc.usage.records_cli import add_subcommands
 

@@ -9,7 +9,7 @@ import grpc
 from extproc._gen.aiquota.v1 import usage_pb2, usage_pb2_grpc
 from extproc.access import USAGE_SERVICE, PortGuard
 from extproc.config.load import key_digest
-from extproc.core.admission import format_amount
+from extproc.core.admission_plan import format_amount
 from extproc.core.keys import SLIDING_SCALE, WindowedBucket, windowed
 from extproc.errors import LimiterUnavailable
 from extproc.gateway import Gateway

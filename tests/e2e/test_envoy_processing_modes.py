@@ -1,4 +1,4 @@
-"""What Envoy 1.40 lets an ext_proc processor skip (docs/performance.md, issue 17): a
+"""What Envoy 1.40 lets an ext_proc processor skip (docs/bench/JOURNAL.md, issue 17): a
 ``mode_override`` in the request-headers answer drops the response phases, one in the
 request-body answer is ignored, ``response_attributes`` bring the status code with the first
 response body message.  Real Envoy (the renderer's config), a recording grpc.aio processor."""
@@ -248,7 +248,7 @@ async def test_request_headers_override_drops_the_response_phases(rig: Rig) -> N
 
 async def test_request_body_override_is_ignored(rig: Rig) -> None:
     """Envoy 1.40 ignores an override in the request-body answer: the response headers still
-    come (when this fails, Envoy started honouring it: revisit docs/performance.md)."""
+    come (when this fails, Envoy started honouring it: revisit docs/bench/JOURNAL.md)."""
     status, st = await rig.send("body:skip-all")
     assert status == 200
     assert st.kinds == ["request_headers", "request_body", "response_headers"]

@@ -101,7 +101,7 @@ async def test_a_charge_slower_than_the_end_wait_is_counted_once(own_redis: Redi
     stall = stall_in_thread(own_redis.port, ["DEBUG", "SLEEP", "1.6"], 0.0)
     await stalled(own_redis.port)
     await feed(proc, event(" w") + event(" w"))  # a charge starts, into the stalled Redis
-    assert proc.driver is not None and proc.driver.charge_pending
+    assert proc.driver is not None and proc.driver._task is not None
     await feed(proc, b"data: [DONE]\n\n", end=True)
     assert proc.s.life.ended
     started = time.monotonic()

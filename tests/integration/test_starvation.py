@@ -14,6 +14,7 @@ import pytest
 
 from extproc.core.rules import BucketCharge
 from extproc.errors import LimiterUnavailable
+from extproc.limiter.breaker import BreakerState
 from extproc.limiter.redis import RedisLimiter
 from extproc.limiter.starvation import LoopLag, fair_wait
 from tests.helpers import RedisServer
@@ -87,7 +88,7 @@ async def test_throttled_processor_admits_against_a_healthy_redis(
                 ledger_ttl_ms=60_000,
             )
             assert res.admitted
-        assert not lim.breaker_open
+        assert lim.breaker.state is not BreakerState.OPEN
     finally:
         throttle.cancel()
         await lim.close()

@@ -11,9 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extproc.config.load import ConfigError, load_config_text
-from extproc.core import admission
+from extproc.core import admission_plan
 from extproc.core.account import RequestAccount
-from extproc.core.admission import compute_cost
+from extproc.core.admission_plan import compute_cost
 from extproc.core.keys import window_bounds, windowed
 from extproc.core.rules import Charging, Limit, Rates, Usage, ceil_div
 
@@ -129,7 +129,7 @@ def test_admission_amounts_per_kind() -> None:
     """RPM 1, a concurrency slot 1, TPM the tokens, a budget the price of input + reserved."""
     rpm = Limit("rpm", 10, 60, "*", "tenant")
     bs = windowed("aiq", "t", "k", [rpm, TPM, BUDGET, CONC], 0, prices=PRICES, lease_ms=15_000)
-    charges = admission.admission_charges(bs, cost(1_000, 100))
+    charges = admission_plan.admission_charges(bs, cost(1_000, 100))
     amounts = {c.kind + (":cost" if "cost" in c.key else ""): c.amount for c in charges}
     assert amounts == {"rpm": 1, "tpm": 1_100, "tpm:cost": 3_000 + 1_500, "concurrency": 1}
     by_key = {c.key: c for c in charges}
@@ -141,7 +141,7 @@ def test_budget_refusal_names_the_budget_and_its_reset() -> None:
     """A budget refusal says which budget, how much was used, and when it resets."""
     now = ms(2026, 12, 31, 23, 0)
     bs = windowed("aiq", "acme", "k", [BUDGET], now, prices=PRICES)
-    err = admission.refusal(bs, (49_999_000,), cost(100, 100), now, tenant="acme", model="m")
+    err = admission_plan.refusal(bs, (49_999_000,), cost(100, 100), now, tenant="acme", model="m")
     assert err.code == "budget_exceeded" and err.status == 429
     assert "budget of 50.00 USD per month" in str(err) and "used 49.999" in str(err)
     assert err.retry_after_s == pytest.approx(3600)
@@ -154,7 +154,7 @@ def test_budget_refusal_names_the_budget_and_its_reset() -> None:
 def test_concurrency_refusal_code() -> None:
     """A full concurrency limit is a 429 with its own code and headers."""
     bs = windowed("aiq", "acme", "k", [CONC], 0, lease_ms=15_000)
-    err = admission.refusal(bs, (2,), cost(10, 10), 0, tenant="acme", model="m")
+    err = admission_plan.refusal(bs, (2,), cost(10, 10), 0, tenant="acme", model="m")
     assert err.code == "concurrency_limit_exceeded"
     assert "2 of 2 requests are already running" in str(err)
     pairs = dict(err.headers.as_pairs())
@@ -166,9 +166,9 @@ def test_shadow_limits_never_refuse_nor_bind_headers() -> None:
     """A shadow bucket past its limit is not the refusing one, and sets no header."""
     shadow = Limit("tpm", 10, 60, "*", "tenant", shadow=True)
     bs = windowed("aiq", "acme", "k", [shadow, TPM], 0)
-    err = admission.refusal(bs, (500, 99_990), cost(100, 100), 0, tenant="acme", model="m")
+    err = admission_plan.refusal(bs, (500, 99_990), cost(100, 100), 0, tenant="acme", model="m")
     assert "limit 100000" in str(err)
-    h = admission.rate_limit_headers(bs, (500, 10), 0)
+    h = admission_plan.rate_limit_headers(bs, (500, 10), 0)
     assert h.limit_tokens == 100_000
 
 
@@ -180,7 +180,7 @@ def test_settlement_refunds_cached_input_and_unused_reservation_per_limit() -> N
     bs = windowed("aiq", "t", "k", [TPM, BUDGET], 0, prices=PRICES)
     acc = RequestAccount()
     c = cost(1_000, 500)
-    acc.record(bs, admission.admission_usage(c))  # 1,500 tokens; 3,000 + 7,500 micro-dollars
+    acc.record(bs, admission_plan.admission_usage(c))  # 1,500 tokens; 3,000 + 7,500 micro-dollars
     final = Usage(input=1_000, cached_input=800, output=200, requests=1)
     adj = {a.key: a.amount for a in acc.adjustments(final, bs)}
     assert adj[bs[0].key] == 1_200 - 1_500
@@ -329,11 +329,11 @@ def test_fallback_names_configured_models() -> None:
 
 def test_budget_messages_give_long_resets_in_days() -> None:
     """A month's reset reads as days and hours, not millions of seconds."""
-    assert admission.human_duration(41) == "41s"
-    assert admission.human_duration(361) == "6m 1s"
-    assert admission.human_duration(3 * 3600 + 120) == "3h 2m"
-    assert admission.human_duration(28 * 86400 + 16 * 3600 + 5) == "28d 16h"
+    assert admission_plan.human_duration(41) == "41s"
+    assert admission_plan.human_duration(361) == "6m 1s"
+    assert admission_plan.human_duration(3 * 3600 + 120) == "3h 2m"
+    assert admission_plan.human_duration(28 * 86400 + 16 * 3600 + 5) == "28d 16h"
     now = ms(2026, 12, 3, 7, 39)
     bs = windowed("aiq", "acme", "k", [BUDGET], now, prices=PRICES)
-    err = admission.refusal(bs, (50_000_000,), cost(100, 100), now, tenant="acme", model="m")
+    err = admission_plan.refusal(bs, (50_000_000,), cost(100, 100), now, tenant="acme", model="m")
     assert "It resets in 28d 16h." in str(err)

@@ -15,7 +15,7 @@ from extproc.core.chunks import Usage
 from extproc.core.lifecycle import CutReason
 from extproc.core.meter import (
     EMPTY,
-    Charging,
+    Enforcement,
     MeterPhase,
     Step,
     StreamInput,
@@ -91,12 +91,12 @@ def test_lazy_charges_once_every_passed_and_not_while_in_flight() -> None:
     step = m.feed(ev("d e f"), end=False)
     assert step.charge == 6
     assert step.forward == ev("d e f")
-    assert m.charge_in_flight
+    assert m._charge_in_flight
     step = m.feed(ev("g h i j"), end=False)
     assert step.charge == 0
     assert step.forward == ev("g h i j")
     assert m.on_charge(6, exhausted=False) == Step()
-    assert not m.charge_in_flight
+    assert not m._charge_in_flight
     assert (m.charged, m.uncharged) == (6, 4)
     assert m.feed(ev("k"), end=False).charge == 5
 
@@ -154,7 +154,7 @@ def test_lazy_final_chunk_past_the_cap_is_charged_before_it_passes() -> None:
     with no charge in flight and the driver had to stop enforcing)."""
     m = lazy(every=2)
     step = m.feed(ev("a b") + ev("c d") + ev("e f") + DONE, end=True)
-    assert step.blocked and step.charge == 2 and m.charge_in_flight
+    assert step.blocked and step.charge == 2 and m._charge_in_flight
     assert step.forward == ev("a b") + ev("c d") and not step.end_stream
     done = m.on_charge(2, exhausted=False)
     assert done.forward == ev("e f") + DONE and done.end_stream
@@ -277,7 +277,7 @@ def test_strict_cuts_when_renewal_grants_zero_with_events_held() -> None:
     assert step.cut_reason == CutReason.QUOTA_EXHAUSTED
     assert step.forward == b""
     assert m.delivered == 0
-    assert m.unused_lease == 1
+    assert m.stats.leased_total - m.delivered == 1
 
 
 def test_strict_held_behind_early_renewal_cut_on_zero_grant() -> None:
@@ -291,7 +291,7 @@ def test_strict_held_behind_early_renewal_cut_on_zero_grant() -> None:
     assert step.cut_reason == CutReason.QUOTA_EXHAUSTED
     assert step.forward == b""
     assert m.delivered == 6
-    assert m.unused_lease == 4
+    assert m.stats.leased_total - m.delivered == 4
 
 
 def test_strict_zero_grant_without_held_does_not_cut() -> None:
@@ -341,7 +341,7 @@ def test_strict_end_without_held_ends_and_no_renewal() -> None:
     step = m.feed(ev("a b c d e f g h i") + DONE, end=True)
     assert step.end_stream is True
     assert step.charge == 0
-    assert m.unused_lease == 1
+    assert m.stats.leased_total - m.delivered == 1
 
 
 def test_on_charge_after_finish_records_grant_only() -> None:
@@ -358,7 +358,7 @@ def test_on_charge_failed_clears_in_flight() -> None:
     m = lazy(every=2)
     assert m.feed(ev("a b"), end=False).charge == 2
     m.on_charge_failed()
-    assert not m.charge_in_flight
+    assert not m._charge_in_flight
     assert m.feed(ev("c"), end=False).charge == 3
 
 
@@ -535,16 +535,16 @@ def test_lazy_never_blocks_without_a_charge_and_keeps_the_cap(
                 pending.append(step.charge)
             if not step.blocked:
                 return
-            assert m.charge_in_flight and pending, "held events with no charge in flight"
+            assert m._charge_in_flight and pending, "held events with no charge in flight"
             step = m.on_charge(pending.pop(), exhausted=False)
 
     start = 0
     for p in points:
         apply(m.feed(body[start:p], end=p == len(body)))
-        if not answer_late and pending and m.charge_in_flight:
+        if not answer_late and pending and m._charge_in_flight:
             apply(m.on_charge(pending.pop(), exhausted=False))
         start = p
-    while pending and m.charge_in_flight:
+    while pending and m._charge_in_flight:
         apply(m.on_charge(pending.pop(), exhausted=False))
     assert delivered == len(sizes) and m.finished
 
@@ -568,8 +568,8 @@ def _check_flags(m: StreamMeter, before: MeterPhase) -> None:
     assert m.finished == (ph.stream in (StreamPhase.FINISHED, StreamPhase.CUT))
     assert m.upstream_done == (ph.stream is not StreamPhase.OPEN)
     assert m.complete == ph.terminal_sent
-    assert m.exhausted == (ph.charging is Charging.EXHAUSTED)
-    assert m.enforce == (ph.charging is not Charging.UNENFORCED)
+    assert m.exhausted == (ph.enforcement is Enforcement.EXHAUSTED)
+    assert m.enforce == (ph.enforcement is not Enforcement.UNENFORCED)
     assert m.cut_reason is ph.cut_reason
     if ph.stream is StreamPhase.CUT:
         assert ph.cut_reason is not None
@@ -584,10 +584,10 @@ def _check_flags(m: StreamMeter, before: MeterPhase) -> None:
         assert ph.terminal_sent
     if before.cut_reason is not None:
         assert ph.cut_reason is before.cut_reason
-    if before.charging is Charging.UNENFORCED:
-        assert ph.charging is Charging.UNENFORCED
-    if before.charging is Charging.EXHAUSTED:
-        assert ph.charging is not Charging.ENFORCED
+    if before.enforcement is Enforcement.UNENFORCED:
+        assert ph.enforcement is Enforcement.UNENFORCED
+    if before.enforcement is Enforcement.EXHAUSTED:
+        assert ph.enforcement is not Enforcement.ENFORCED
 
 
 @settings(max_examples=400, deadline=None)
@@ -671,7 +671,7 @@ def test_derived_flags_agree_with_the_phase_and_the_bytes(
         take(m.feed(body[start:p], end=p == len(body)))
         observe(before)
         start = p
-        while m.charge_in_flight and data.draw(st.booleans()):
+        while m._charge_in_flight and data.draw(st.booleans()):
             answer()
         if m.cut_reason is not None and not m.finished:
             before = m.phase
@@ -682,7 +682,7 @@ def test_derived_flags_agree_with_the_phase_and_the_bytes(
             take(m.fail(CutReason.SHUTDOWN))
             m.cut(DONE)
             observe(before)
-    while m.charge_in_flight:
+    while m._charge_in_flight:
         answer()
         if m.cut_reason is not None and not m.finished:
             before = m.phase
@@ -708,6 +708,6 @@ def test_meter_phase_moves() -> None:
     pending = open_.move(StreamInput.UPSTREAM_END).decide_cut(CutReason.EVENT_TOO_LARGE)
     assert pending.move(StreamInput.RELEASED) is pending  # it ends by the cut decided
     off = open_.exhaust().unenforce()
-    assert off.charging is Charging.UNENFORCED and off.exhaust() is off
-    assert open_.unenforce().exhaust().charging is Charging.UNENFORCED
+    assert off.enforcement is Enforcement.UNENFORCED and off.exhaust() is off
+    assert open_.unenforce().exhaust().enforcement is Enforcement.UNENFORCED
     assert open_.terminal().terminal_sent and not open_.terminal_sent

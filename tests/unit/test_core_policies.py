@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extproc.core import policies
-from extproc.core.admission import Cost
+from extproc.core.admission_plan import Cost
 from extproc.core.keys import windowed
 from extproc.core.rules import RATE_SCALE, Limit, Rates, Usage
 

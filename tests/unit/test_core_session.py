@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 
 from extproc.config import load_config_text
 from extproc.config.runtime import Model, RuntimeConfig
-from extproc.core import admission
-from extproc.core.admission import Cost
+from extproc.core import admission_plan
+from extproc.core.admission_plan import Cost
 from extproc.core.apis.base import ApiFormat, ParsedRequest
 from extproc.core.apis.openai import CHAT
 from extproc.core.figures import ABANDONED_TOKENS_PER_SECOND, Figure, bounded_input, bounded_output
 from extproc.core.lifecycle import Closed, Ending, Input, LifecycleError, State
-from extproc.core.records import (
+from extproc.core.phase_records import (
     Admitted,
     Identified,
     Metering,
@@ -70,7 +70,7 @@ def admitted_session(
         api="chat", model=model, stream=stream, sequences=1, declared_max_output=500, body={}
     )
     s.parse(Parsed(req, m))
-    plan = admission.plan_admission(
+    plan = admission_plan.plan_admission(
         declared_max_output=500,
         sequences=1,
         stream=stream,
@@ -83,7 +83,7 @@ def admitted_session(
         charging=Charging(streaming="strict" if strict else "lazy"),
     )
     buckets = tuple(s.buckets_at("aiq", 0, 15_000))
-    s.admit(Admitted(m, plan.cost, buckets, 0, ()), admission.admission_usage(plan.cost))
+    s.admit(Admitted(m, plan.cost, buckets, 0, ()), admission_plan.admission_usage(plan.cost))
     s.life.advance(Input.REQUEST_BODY)
     s.life.advance(Input.ADMITTED)
     return s

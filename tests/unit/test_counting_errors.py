@@ -1,11 +1,11 @@
 """What a body's walk raises becomes the client's error, whichever counter walked it
-(``extproc.core.admitting``'s context manager, a class since issue 27)."""
+(``extproc.core.admission_flow``'s context manager, a class since issue 27)."""
 
 from __future__ import annotations
 
 import pytest
 
-from extproc.core.admitting import client_errors as _client_errors
+from extproc.core.admission_flow import client_errors as _client_errors
 from extproc.core.tokens import PromptShapeError, PromptTooLarge
 from extproc.errors import BadRequest, RequestTooLarge
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.core import decode_rate as dr
-from extproc.core.admission import Cost
+from extproc.core.admission_plan import Cost
 from extproc.core.decode_rate import DecodeRates, RateWindow, observed_rate
 from extproc.core.figures import abandoned_output
 

@@ -118,6 +118,8 @@ STATED: list[tuple[str, str, float]] = [
     ("docs/tokenizers.md", "file_tokens", TokenizerSpec.file_tokens),
     ("docs/performance.md", "MAX_RIDERS", MAX_RIDERS),
     ("docs/performance.md", "max_batch", DEFAULT_MAX_BATCH),
+    ("docs/bench/JOURNAL.md", "MAX_RIDERS", MAX_RIDERS),
+    ("docs/bench/JOURNAL.md", "max_batch", DEFAULT_MAX_BATCH),
     ("docs/engine-tests.md", "RUN_AHEAD_BOUND", RUN_AHEAD_BOUND),
 ]
 

@@ -13,7 +13,7 @@ from typing import Any, Final
 
 import orjson
 
-from extproc.core.admission import (
+from extproc.core.admission_plan import (
     describe,
     format_amount,
     human_duration,

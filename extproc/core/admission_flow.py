@@ -7,7 +7,7 @@ The server starts an :class:`Admission` on the request body (:meth:`Admission.bo
 call (answered, failed, cancelled, or not made for the settlement backlog).  Every decision is
 taken here, in the order the flow reads:
 
-1. the body's size, its parse (once: :class:`~extproc.core.records.Parsed`), the model it
+1. the body's size, its parse (once: :class:`~extproc.core.phase_records.Parsed`), the model it
    asks for (an unknown one rejected or estimated);
 2. an attempt as that model: on an upper bound of the input when the model's tokenizer has a
    proven one, the plan on it settles to actual figures and the counters were last seen with
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, Literal, Protocol, TypeVar
 
-from extproc.core import admission, policies
+from extproc.core import admission_plan, policies
 from extproc.core.actions import (
     AdmissionAction,
     AdmitError,
@@ -54,7 +54,7 @@ from extproc.core.actions import (
     Reject,
     ShadowRefused,
 )
-from extproc.core.admission import AdmissionPlan, Cost, RoomHints
+from extproc.core.admission_plan import AdmissionPlan, Cost, RoomHints
 from extproc.core.apis.base import ApiFormat, ParsedRequest, RequestLimits
 from extproc.core.counters import UTF8BoundCounter
 from extproc.core.events import (
@@ -67,7 +67,7 @@ from extproc.core.events import (
 )
 from extproc.core.figures import run_ahead_budget
 from extproc.core.keys import WindowedBucket
-from extproc.core.records import AdmitModel, Admitted, Parsed, PhaseError
+from extproc.core.phase_records import AdmitModel, Admitted, Parsed, PhaseError
 from extproc.core.rules import Adjustment, BucketCharge, Charging
 from extproc.core.session import Session
 from extproc.core.tokens import PromptShapeError, PromptTooLarge
@@ -324,7 +324,7 @@ class Admission:
                 sequences=req.sequences,
             )
             headers += tuple(
-                admission.rate_limit_headers(
+                admission_plan.rate_limit_headers(
                     list(attempt.buckets), res.values, attempt.now
                 ).as_pairs()
             )
@@ -346,7 +346,7 @@ class Admission:
                 input_bound=attempt.on_bound,
                 input_floor=floor,
             ),
-            admission.admission_usage(cost) if cost is not None else None,
+            admission_plan.admission_usage(cost) if cost is not None else None,
         )
         self._out.append(
             Decided(
@@ -427,7 +427,7 @@ class Admission:
         s = self.s
         req, api = s.req, s.api
         assert req is not None and api is not None
-        return admission.plan_admission(
+        return admission_plan.plan_admission(
             declared_max_output=req.declared_max_output,
             sequences=req.sequences,
             stream=req.stream and api.can_stream,
@@ -472,7 +472,7 @@ class Admission:
         buckets = s.buckets_at(self._prefix, now, rules.reservation_lease_ms, model)
         cost = plan.cost
         later = policies.output_room_needed(buckets, cost)
-        charges = admission.admission_charges(buckets, cost)
+        charges = admission_plan.admission_charges(buckets, cost)
         if not self._room.ample(charges, rules.bound_headroom, later, share=rules.bound_below):
             return None
         return plan, now, buckets, charges
@@ -531,7 +531,7 @@ class Admission:
         res = self._answer(call, (yield call))
         out = _Attempt(plan, charging, buckets, now, res, on_bound=on_bound)
         if res is not None and not res.admitted and not res.duplicate:
-            err = admission.refusal(
+            err = admission_plan.refusal(
                 list(buckets), res.values, cost, now, tenant=tenant.id, model=model.name
             )
             if not on_bound:
@@ -552,7 +552,7 @@ class Admission:
         assert tenant is not None and key is not None
         now = self._now_ms()
         limits = tuple(lim for lim in tenant.limits if lim.metric == "rpm" and lim.model == "*")
-        buckets = admission.buckets_for(
+        buckets = admission_plan.buckets_for(
             prefix=self._prefix,
             tenant=tenant.id,
             key_name=key.name,
@@ -564,15 +564,15 @@ class Admission:
             return
         call = self._ask(
             buckets,
-            admission.RPM_ONLY,
+            admission_plan.RPM_ONLY,
             count_refused=policies.counts_refusal(
                 on_bound=False, configured=self.rules.count_refused_requests
             ),
         )
         res = self._answer(call, (yield call))
         if res is not None and not res.admitted and not res.duplicate:
-            raise admission.refusal(
-                buckets, res.values, admission.RPM_ONLY, now, tenant=tenant.id, model="*"
+            raise admission_plan.refusal(
+                buckets, res.values, admission_plan.RPM_ONLY, now, tenant=tenant.id, model="*"
             )
 
     def _ask(
@@ -590,7 +590,7 @@ class Admission:
         ``charges``: their admission charges of ``cost`` when already made)."""
         return CallAdmit(
             tuple(buckets),
-            admission.admission_charges(buckets, cost) if charges is None else charges,
+            admission_plan.admission_charges(buckets, cost) if charges is None else charges,
             cost.tpm_amount,
             count_refused,
             self.rules.ledger_ttl_seconds * 1000,

@@ -1,4 +1,4 @@
-"""The admission flow of extproc.core.admitting, driven by events alone (no server, no limiter):
+"""The admission flow of extproc.core.admission_flow, driven by events alone (no server, no limiter):
 Hypothesis over the limiter's answers (admitted, refused by a limit on the model or by a
 tenant-wide one, duplicate, failed with or without ``maybe_ran``, cancelled, pushed back by
 the settlement backlog), a bound eligible or not, a fallback configured or not, the plan
@@ -30,8 +30,8 @@ from extproc.core.actions import (
     PushedBack,
     Reject,
 )
-from extproc.core.admission import RoomHints
-from extproc.core.admitting import Admission, bound_input
+from extproc.core.admission_flow import Admission, bound_input
+from extproc.core.admission_plan import RoomHints
 from extproc.core.apis.openai import CHAT
 from extproc.core.counters import UTF8BoundCounter
 from extproc.core.events import (
@@ -43,7 +43,7 @@ from extproc.core.events import (
     InputCounted,
 )
 from extproc.core.lifecycle import Input
-from extproc.core.records import Identified, PhaseError
+from extproc.core.phase_records import Identified, PhaseError
 from extproc.core.rules import BucketCharge, Charging
 from extproc.core.session import Session
 from extproc.errors import LimiterUnavailable, QuotaExceeded, RequestTooLarge, UnknownModel

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from extproc.core.admission import Cost
+from extproc.core.admission_plan import Cost
 from extproc.core.apis.base import ApiFormat, ParsedRequest
 from extproc.core.chunks import Usage as UpstreamUsage
 from extproc.core.keys import WindowedBucket

@@ -1,4 +1,4 @@
-"""Unit tests for admission arithmetic: costs, rate-limit headers and 429s (extproc.core.admission)."""
+"""Unit tests for admission arithmetic: costs, rate-limit headers and 429s (extproc.core.admission_plan)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from extproc.core import admission
-from extproc.core.admission import Cost, compute_cost, rate_limit_headers, refusal
+from extproc.core import admission_plan
+from extproc.core.admission_plan import Cost, compute_cost, rate_limit_headers, refusal
 from extproc.core.keys import WindowedBucket
 from extproc.core.rules import Charging, Limit
 from extproc.errors import QuotaExceeded
@@ -38,7 +38,7 @@ def cost_of(mode: str, *, stream: bool, strict: bool, per_choice: int = 100, n: 
 
 def buckets(*limits: Limit, now_ms: int = NOW_MS) -> list[WindowedBucket]:
     """Windowed buckets for tenant 'acme' / key 'k1' / model 'm'."""
-    return admission.buckets_for(
+    return admission_plan.buckets_for(
         prefix="aq", tenant="acme", key_name="k1", model="m", limits=limits, now_ms=now_ms
     )
 
@@ -130,7 +130,7 @@ def test_admission_charges_amounts() -> None:
     """Admission adds 1 to each RPM bucket and the TPM amount to each TPM bucket."""
     bs = buckets(RPM_MIN, TPM_MIN, TPM_HOUR)
     c = cost_of("reserve_max", stream=False, strict=False)
-    charges = admission.admission_charges(bs, c)
+    charges = admission_plan.admission_charges(bs, c)
     assert [(ch.kind, ch.amount, ch.limit) for ch in charges] == [
         ("rpm", 1, 10),
         ("tpm", 250, 1000),
@@ -143,7 +143,7 @@ def test_admission_charges_amounts() -> None:
 def test_tpm_charges_skip_rpm() -> None:
     """A stream charge touches only TPM buckets."""
     bs = buckets(RPM_MIN, TPM_MIN, TPM_HOUR)
-    charges = admission.token_charges(bs, 64)
+    charges = admission_plan.token_charges(bs, 64)
     assert [(ch.kind, ch.amount, ch.key) for ch in charges] == [
         ("tpm", 64, bs[1].key),
         ("tpm", 64, bs[2].key),
