@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
 import signal
 import statistics
@@ -44,10 +45,12 @@ PROMPT = [{"role": "user", "content": "Tell me a story about quotas and failover
 
 
 def drill_rules(*, strict: bool = False, tpm: int = 10_000_000) -> dict[str, Any]:
-    """Rules of the drills: the busy tenant and the prober's tenant, daily windows."""
+    """Rules of the drills: the busy tenant (plan ``drill``: ``tpm`` tokens a day, strict
+    streams with ``strict``) and the prober's tenant (plan ``probe``: no limit it can reach)."""
     plan: dict[str, Any] = {"limits": [{"model": "*", "per": "day", "rpm": 10_000_000, "tpm": tpm}]}
     if strict:
         plan["charging"] = {"streaming": "strict"}
+    probe = {"limits": [{"model": "*", "per": "day", "rpm": 10_000_000, "tpm": 10_000_000}]}
     return {
         "version": 1,
         "charging": {"mode": "stream_incremental", "streaming": "lazy", "charge_every_tokens": 16},
@@ -58,10 +61,10 @@ def drill_rules(*, strict: bool = False, tpm: int = 10_000_000) -> dict[str, Any
                 "max_output_tokens": 1024,
             }
         },
-        "plans": {"drill": plan},
+        "plans": {"drill": plan, "probe": probe},
         "tenants": {
             TENANT: {"plan": "drill", "keys": [{"name": "ha", "plaintext": KEY}]},
-            PROBE_TENANT: {"plan": "drill", "keys": [{"name": "probe", "plaintext": PROBE_KEY}]},
+            PROBE_TENANT: {"plan": "probe", "keys": [{"name": "probe", "plaintext": PROBE_KEY}]},
         },
     }
 
@@ -109,6 +112,8 @@ class Outcome:
     cut: bool = False  # a 200 stream that ended without its [DONE]
     error: str = ""
     probe: bool = False
+    tokens: int = 0  # output tokens the client received (a stream's content events)
+    rid: str = ""  # its x-client-request-id, as the simulator records it
 
 
 @dataclass
@@ -175,17 +180,18 @@ async def _one(
         "max_tokens": tokens,
         "stream": stream,
     }
-    headers = {"authorization": f"Bearer {key}", "x-sim-itl-ms": "10"}
+    rid = f"r{next(_RIDS)}"
+    headers = {"authorization": f"Bearer {key}", "x-sim-itl-ms": "10", "x-client-request-id": rid}
     started = time.monotonic()
     status = 0
     cut = False
     error = ""
+    data = b""
     try:
         async with c.stream(
             "POST", f"{url}/chat/completions", headers=headers, content=orjson.dumps(body)
         ) as r:
             status = r.status_code
-            data = b""
             async for chunk in r.aiter_bytes():
                 data += chunk if (stream or status >= 300) else b""
             if status >= 300:
@@ -194,9 +200,27 @@ async def _one(
                 cut = True
                 error = _error_code(data) or "no [DONE]"
     except httpx.HTTPError as exc:
-        error = type(exc).__name__
         cut = stream and status == 200
-    return Outcome(started, time.monotonic(), status, stream, cut, error, probe)
+        # a cut stream's own error event names its reason, the broken connection after it not
+        error = (_error_code(data) if b"event: error" in data else "") or type(exc).__name__
+    got = _content_events(data) if stream and status == 200 else 0
+    return Outcome(started, time.monotonic(), status, stream, cut, error, probe, got, rid)
+
+
+_RIDS = itertools.count(1)
+
+
+def _content_events(data: bytes) -> int:
+    """The SSE events of ``data`` that carry output text (one token each from the simulator)."""
+    n = 0
+    for line in data.split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        with contextlib.suppress(orjson.JSONDecodeError):
+            for choice in orjson.loads(line[6:]).get("choices") or ():
+                if (choice.get("delta") or {}).get("content"):
+                    n += 1
+    return n
 
 
 def _error_code(data: bytes) -> str:
@@ -248,6 +272,41 @@ def truth_of(sim_url: str, tenant: str) -> tuple[int, int]:
         for r in mine
     )
     return total, len(mine)
+
+
+def limit_figures(
+    report: DrillReport, outs: list[Outcome], sim_url: str, limit: int, fault_at: float
+) -> None:
+    """A limited tenant's figures, in ``report.notes``: ``used_upstream``, what the simulator's
+    records say the tenant used (each 2xx answer's prompt plus the tokens the simulator sent,
+    cut streams included), ``over_upstream`` = that - ``limit``; ``used_client`` and
+    ``over_client``: the same with a stream's output as its client received it (the simulator
+    also counts tokens it sent that the gateway held back at the cut); ``refused`` (429),
+    ``cut_at_limit``, ``cut_backend`` (streams cut for ``quota_backend_unavailable``),
+    ``exhausted_after_fault_s``: when the first request was refused, from the fault."""
+    recs = httpx.get(f"{sim_url}/sim/requests", timeout=30).json()["requests"]
+    by_rid = {r["client_request_id"]: r for r in recs if r["tenant"] == TENANT}
+    used_upstream = used_client = 0
+    for o in outs:
+        r = by_rid.get(o.rid)
+        if o.probe or r is None or not 200 <= (r["status"] or 0) < 300:
+            continue
+        used_upstream += r["prompt_tokens"] + r["tokens_sent"]
+        used_client += r["prompt_tokens"] + (o.tokens if o.stream else r["tokens_sent"])
+    refused = [o for o in outs if not o.probe and o.status == 429]
+    report.notes.update(
+        limit=limit,
+        used_upstream=used_upstream,
+        over_upstream=used_upstream - limit,
+        used_client=used_client,
+        over_client=used_client - limit,
+        refused=len(refused),
+        cut_at_limit=sum(1 for o in outs if o.cut and o.error != "quota_backend_unavailable"),
+        cut_backend=sum(1 for o in outs if o.cut and o.error == "quota_backend_unavailable"),
+        exhausted_after_fault_s=round(min(o.started for o in refused) - fault_at, 2)
+        if refused
+        else None,
+    )
 
 
 def counter_of(client: redis.Redis, tenant: str, within_s: float = 30.0) -> tuple[int, int]:
@@ -337,6 +396,7 @@ def sentinel_kill_drill(
     lag_s: float = 0.3,
     during: Callable[[Stack, SentinelGroup, int], None] | None = None,
     lease_s: int | None = None,
+    tpm: int | None = None,
 ) -> DrillReport:
     """The Sentinel drill: a master and two replicas, three sentinels (down-after 1 s); the
     master SIGKILLed (``fault="kill"``) or frozen until a replica is promoted
@@ -346,8 +406,10 @@ def sentinel_kill_drill(
     ``during(stack, group, old master's port)`` runs (in a thread) right after the fault, before
     the promotion is awaited; ``lease_s``: the reservation lease (a dead processor's requests
     are reclaimed that long after their last renewal).  Notes ``cut_wall`` and ``fault_wall``:
-    when the links were cut and the fault made (unix seconds, the simulator's clock)."""
-    rules = drill_rules(strict=strict)
+    when the links were cut and the fault made (unix seconds, the simulator's clock).
+    ``tpm``: the busy tenant's daily token limit (with ``strict``, its streams strict), and
+    :func:`limit_figures` in the notes."""
+    rules = drill_rules(strict=strict) if tpm is None else drill_rules(strict=strict, tpm=tpm)
     if lease_s is not None:
         rules["failure"] = {"reservation_lease_seconds": lease_s}
     group = SentinelGroup(
@@ -411,6 +473,8 @@ def sentinel_kill_drill(
         report.notes["ledgers"] = ledgers
         report.notes["records"] = records
         report.notes["replayed"] = replayed_of(stack)
+        if tpm is not None:
+            limit_figures(report, outs, stack.sim_url, tpm, fault_at)
         _dump(workdir, stack, new)
     finally:
         with contextlib.suppress(Exception):
@@ -428,10 +492,15 @@ def cluster_kill_drill(
     after_s: float = 4.0,
     env: dict[str, str] | None = None,
     lag_s: float = 0.3,
+    fault: str = "kill",
 ) -> DrillReport:
     """The Cluster drill: 3 primaries + 3 replicas (node timeout 2 s); the primary of the
     tenant's slot SIGKILLed ``fault_at_s`` into the load (its replica's link cut ``lag_s``
-    just before, as in :func:`sentinel_kill_drill`)."""
+    just before, as in :func:`sentinel_kill_drill`).  ``fault="failover"``: a graceful
+    failover instead, ``CLUSTER FAILOVER`` sent to that primary's replica (no link cut: the
+    replica takes over once it has everything; the old primary becomes its replica)."""
+    if fault not in ("kill", "failover"):
+        raise ValueError(f"unknown fault {fault!r}")
     cluster = HaCluster(
         workdir / "cluster",
         primaries=3,
@@ -443,7 +512,7 @@ def cluster_kill_drill(
     except BaseException:
         cluster.stop()
         raise
-    report = DrillReport("cluster", "kill")
+    report = DrillReport("cluster", fault)
     probe_key = f"aiq:{{{TENANT}}}:x"
     try:
         outs: list[Outcome] = []
@@ -463,11 +532,15 @@ def cluster_kill_drill(
             )
             await asyncio.sleep(fault_at_s)
             old = cluster.primary_of(probe_key)
-            if lag_s > 0:
+            if fault == "kill" and lag_s > 0:
                 cluster.cut_replication(cluster.replica_of(old), lag_s)
                 await asyncio.sleep(lag_s * 0.8)
+            replica = cluster.replica_of(old)
             fault_at = time.monotonic()
-            cluster.kill(old)
+            if fault == "kill":
+                cluster.kill(old)
+            else:
+                await asyncio.to_thread(cluster.failover, replica)
             _, promoted = await asyncio.to_thread(cluster.wait_new_primary, probe_key, old, 30.0)
             await asyncio.sleep(after_s)
             stop.set()

@@ -6,8 +6,9 @@ it dies holding acknowledged writes no replica has.  No request is ever sent aga
 driver.  Truth is the simulator's own records (prompt tokens plus the tokens it sent, for 2xx
 answers), compared with the tenant's TPM counter on the new primary once every ledger is
 settled (extproc/bench/failover_drill.py, also ``scripts/bench --only failover``).  Also: the
-master frozen instead of killed, the processor SIGKILLed during the failover (a bound), and a
-single Redis restarted from its AOF."""
+master frozen instead of killed, a Cluster graceful failover (``CLUSTER FAILOVER``), strict
+streams against a limit through a Sentinel kill (0 over), the processor SIGKILLed during the
+failover (a bound), and a single Redis restarted from its AOF."""
 
 from __future__ import annotations
 
@@ -63,6 +64,49 @@ def test_cluster_primary_sigkill_fails_nothing_and_bills_the_upstreams_records(
     assert (report.failed, report.cut_streams, report.probes_failed) == (0, 0, 0), s
     assert (report.lost, report.doubled) == (0, 0), s
     assert report.added_p99_s <= report.fault_to_promotion_s + 0.5, s
+
+
+def test_cluster_graceful_failover_fails_nothing_and_bills_the_upstreams_records(
+    tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
+    """``CLUSTER FAILOVER`` sent to the replica of the tenant's slot's primary under the same
+    load (a planned switch: the replica takes over once it has every write; the old primary
+    becomes its replica and answers MOVED): 0 failed, 0 cut, 0 lost, 0 doubled; the added p99
+    is reported and held to the same target as a kill (promotion + 0.5 s)."""
+    report = cluster_kill_drill(tmp_path, fault="failover")
+    s = _check(report, record_property)
+    assert (report.failed, report.cut_streams, report.probes_failed) == (0, 0, 0), s
+    assert (report.lost, report.doubled) == (0, 0), s
+    assert report.added_p99_s <= report.fault_to_promotion_s + 0.5, s
+
+
+#: The busy tenant's daily token limit in the strict drill: reached about 3 s after the
+#: master's kill (0.7 s after the promotion) at the drill's pace on the development machine.
+STRICT_TPM = 10_000
+
+
+def test_strict_streams_through_a_sentinel_failover_never_go_over_the_limit(
+    tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
+    """Issue 32's target "strict mode through a failover: 0 over the limit": the busy tenant's
+    streams strict (``charging.streaming: strict``) against a limit of 10,000 tokens a day it
+    exhausts during the run, the Sentinel master SIGKILLed (replicas' links cut 0.3 s before)
+    while they run.  Over the limit, by the simulator's records: each 2xx answer's prompt plus
+    every token the simulator sent (cut streams included, so also the token the gateway held
+    back at a cut) minus the limit, <= 0; and with a stream's output as its client received
+    it, <= 0.  The counter equals the simulator's records (0 lost, 0 doubled: a cut stream is
+    billed the gateway's count of its prompt, one token above the simulator's, which leaves out
+    the role tokens, and the tokens delivered, one below what the simulator sent).  Requests
+    refused at the limit (429) and streams cut at it are expected, and reported; none may fail
+    or be cut for ``quota_backend_unavailable``, and every probe (another tenant) answers 200."""
+    report = sentinel_kill_drill(tmp_path, strict=True, tpm=STRICT_TPM)
+    s = _check(report, record_property)
+    assert report.notes["refused"] > 0, s  # the limit was reached during the run
+    assert report.notes["over_upstream"] <= 0 and report.notes["over_client"] <= 0, s
+    assert (report.lost, report.doubled) == (0, 0), s
+    assert report.notes["cut_backend"] == 0 and report.probes_failed == 0, s
+    # every failure a refusal at the limit, every cut a cut at the limit
+    assert set(report.errors) <= {"429:tpm_limit_exceeded", "200:tpm_limit_exceeded"}, s
 
 
 def test_sentinel_frozen_master_loses_nothing(
