@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from extproc.bench.failover_drill import (
+    STRICT_TPM,
     DrillReport,
     cluster_kill_drill,
     restart_drill,
@@ -78,11 +79,6 @@ def test_cluster_graceful_failover_fails_nothing_and_bills_the_upstreams_records
     assert (report.failed, report.cut_streams, report.probes_failed) == (0, 0, 0), s
     assert (report.lost, report.doubled) == (0, 0), s
     assert report.added_p99_s <= report.fault_to_promotion_s + 0.5, s
-
-
-#: The busy tenant's daily token limit in the strict drill: reached about 3 s after the
-#: master's kill (0.7 s after the promotion) at the drill's pace on the development machine.
-STRICT_TPM = 10_000
 
 
 def test_strict_streams_through_a_sentinel_failover_never_go_over_the_limit(
