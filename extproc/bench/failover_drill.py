@@ -278,29 +278,53 @@ def truth_of(sim_url: str, tenant: str) -> tuple[int, int]:
 
 
 def limit_figures(
-    report: DrillReport, outs: list[Outcome], sim_url: str, limit: int, fault_at: float
+    report: DrillReport,
+    outs: list[Outcome],
+    sim_url: str,
+    limit: int,
+    fault_at: float,
+    *,
+    config: Path,
 ) -> None:
-    """A limited tenant's figures, in ``report.notes``: ``used_upstream``, what the simulator's
-    records say the tenant used (each 2xx answer's prompt plus the tokens the simulator sent,
-    cut streams included), ``over_upstream`` = that - ``limit``; ``used_client`` and
-    ``over_client``: the same with a stream's output as its client received it (the simulator
-    also counts tokens it sent that the gateway held back at the cut); ``refused`` (429),
-    ``cut_at_limit``, ``cut_backend`` (streams cut for ``quota_backend_unavailable``),
-    ``exhausted_after_fault_s``: when the first request was refused, from the fault."""
+    """A limited tenant's figures, in ``report.notes``, each request matched with the
+    simulator's record of it by its client request id.
+
+    ``used_upstream``: each 2xx answer's prompt plus every token the simulator sent, cut streams
+    included (``over_upstream`` = that - ``limit``): an upper bound, since it also counts the
+    tokens the simulator sent that the gateway held back at a cut (``held_back``: the
+    simulator's count minus what the client received, over the cut streams).
+    ``used_client``: what the tenant was delivered, as it is billed: a complete answer its
+    prompt and output by the simulator's records, a cut stream the tokens its client received
+    and its prompt as the gateway counts it (the upstream's usage never came; the simulator's
+    figure leaves out the role tokens); ``over_client`` = that - ``limit``.  This is also the
+    drill's truth (``report.truth``) for lost and doubled.  ``refused`` (429),
+    ``cut_at_limit``, ``cut_backend`` (cut for ``quota_backend_unavailable``),
+    ``exhausted_after_fault_s``: when the first refused request started, from the fault."""
+    from extproc.config import load_config
+    from extproc.core.apis.openai.counting import count_chat_request
+
+    model = load_config(str(config)).models["sim-small"]
+    counted = count_chat_request({"messages": PROMPT}, model.counter, model.tokenizer)
     recs = httpx.get(f"{sim_url}/sim/requests", timeout=30).json()["requests"]
     by_rid = {r["client_request_id"]: r for r in recs if r["tenant"] == TENANT}
-    used_upstream = used_client = 0
+    used_upstream = used_client = held_back = 0
     for o in outs:
         r = by_rid.get(o.rid)
         if o.probe or r is None or not 200 <= (r["status"] or 0) < 300:
             continue
         used_upstream += r["prompt_tokens"] + r["tokens_sent"]
-        used_client += r["prompt_tokens"] + (o.tokens if o.stream else r["tokens_sent"])
+        if o.cut:
+            used_client += counted + o.tokens
+            held_back += r["tokens_sent"] - o.tokens
+        else:
+            used_client += r["prompt_tokens"] + r["tokens_sent"]
     refused = [o for o in outs if not o.probe and o.status == 429]
+    report.truth = used_client
     report.notes.update(
         limit=limit,
         used_upstream=used_upstream,
         over_upstream=used_upstream - limit,
+        held_back=held_back,
         used_client=used_client,
         over_client=used_client - limit,
         refused=len(refused),
@@ -477,7 +501,9 @@ def sentinel_kill_drill(
         report.notes["records"] = records
         report.notes["replayed"] = replayed_of(stack)
         if tpm is not None:
-            limit_figures(report, outs, stack.sim_url, tpm, fault_at)
+            limit_figures(
+                report, outs, stack.sim_url, tpm, fault_at, config=workdir / "stack" / "rules.yaml"
+            )
         _dump(workdir, stack, new)
     finally:
         with contextlib.suppress(Exception):
