@@ -117,6 +117,7 @@ class Outcome:
     probe: bool = False
     tokens: int = 0  # output tokens the client received (a stream's content events)
     rid: str = ""  # its x-client-request-id, as the simulator records it
+    tail: str = ""  # a cut stream's last bytes (its error event), for the dump
 
 
 @dataclass
@@ -207,7 +208,8 @@ async def _one(
         # a cut stream's own error event names its reason, the broken connection after it not
         error = (_error_code(data) if b"event: error" in data else "") or type(exc).__name__
     got = _content_events(data) if stream and status == 200 else 0
-    return Outcome(started, time.monotonic(), status, stream, cut, error, probe, got, rid)
+    tail = data[-400:].decode(errors="replace") if cut else ""
+    return Outcome(started, time.monotonic(), status, stream, cut, error, probe, got, rid, tail)
 
 
 _RIDS = itertools.count(1)
@@ -397,15 +399,22 @@ def replayed_of(stack: Stack) -> int:
     return total
 
 
-def _dump(workdir: Path, stack: Stack, port: int) -> None:
-    """Keep the ledgers and the simulator's records of the tenant for a post-mortem."""
+def _dump(workdir: Path, stack: Stack, port: int, outs: list[Outcome] | None = None) -> None:
+    """Keep the ledgers, the simulator's records of the tenant and what its clients saw
+    (``outs``) for a post-mortem."""
     recs = httpx.get(f"{stack.sim_url}/sim/requests", timeout=30).json()["requests"]
     with redis.Redis(port=port, decode_responses=True) as m:
         ledgers = {
             k: m.hgetall(k) for k in m.scan_iter(f"aiq:{{{TENANT}}}:req:*") if m.type(k) == "hash"
         }
     (workdir / "dump.json").write_bytes(
-        orjson.dumps({"records": [r for r in recs if r["tenant"] == TENANT], "ledgers": ledgers})
+        orjson.dumps(
+            {
+                "records": [r for r in recs if r["tenant"] == TENANT],
+                "ledgers": ledgers,
+                "outcomes": [o for o in outs or () if not o.probe],
+            }
+        )
     )
 
 
@@ -450,7 +459,7 @@ def sentinel_kill_drill(
     except BaseException:
         group.stop()
         raise
-    report = DrillReport("sentinel", fault)
+    report = DrillReport("sentinel", f"{fault}-strict" if strict else fault)
     try:
         outs: list[Outcome] = []
 
@@ -504,7 +513,7 @@ def sentinel_kill_drill(
             limit_figures(
                 report, outs, stack.sim_url, tpm, fault_at, config=workdir / "stack" / "rules.yaml"
             )
-        _dump(workdir, stack, new)
+        _dump(workdir, stack, new, outs)
     finally:
         with contextlib.suppress(Exception):
             stack.stop()

@@ -102,6 +102,7 @@ def test_strict_streams_through_a_sentinel_failover_never_go_over_the_limit(
     assert report.notes["over_client"] <= 0, s
     assert (report.lost, report.doubled) == (0, 0), s
     assert report.notes["cut_backend"] == 0 and report.probes_failed == 0, s
+    assert report.added_p99_s <= report.fault_to_promotion_s + 0.5, s
     # every failure a refusal at the limit, every cut a cut at the limit
     assert set(report.errors) <= {"429:tpm_limit_exceeded", "200:tpm_limit_exceeded"}, s
 
