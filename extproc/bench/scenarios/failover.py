@@ -131,18 +131,29 @@ def _strict_rows(b: Bench, name: str, report: DrillReport) -> None:
             f"the fault; {s['refused']} refused (429), {s['cut_at_limit']} streams cut at it",
         )
     )
+    t.add(
+        Row(
+            LABEL,
+            f"{name}: tokens over the limit, every token the simulator sent",
+            "tokens",
+            float(s["over_upstream"]),
+            note=f"an upper bound: includes {s['held_back']} tokens the gateway held back at "
+            "the cuts (never delivered)",
+        )
+    )
     for what, value, unit, note in (
         (
-            "tokens over the limit (simulator's records)",
-            s["over_upstream"],
-            "tokens",
-            f"prompts + tokens the simulator sent, 2xx answers: {s['used_upstream']}",
-        ),
-        (
-            "tokens over the limit (as clients received them)",
+            "tokens over the limit, as delivered",
             s["over_client"],
             "tokens",
-            f"{s['used_client']}",
+            f"{s['used_client']} delivered: complete answers by the simulator's records, cut "
+            "streams as their clients received them",
+        ),
+        (
+            "requests failed, not refused at the limit",
+            report.failed - s["refused"],
+            "requests",
+            f"{s['refused']} refused (429) at the limit",
         ),
         ("streams cut for quota_backend_unavailable", s["cut_backend"], "requests", ""),
         ("probes failed", s["probes_failed"], "requests", f"of {s['probes']}"),
