@@ -570,10 +570,10 @@ def cluster_kill_drill(
             )
             await asyncio.sleep(fault_at_s)
             old = cluster.primary_of(probe_key)
+            replica = cluster.replica_of(old)  # asked before its link is cut
             if fault == "kill" and lag_s > 0:
-                cluster.cut_replication(cluster.replica_of(old), lag_s)
+                cluster.cut_replication(replica, lag_s)
                 await asyncio.sleep(lag_s * 0.8)
-            replica = cluster.replica_of(old)
             fault_at = time.monotonic()
             if fault == "kill":
                 cluster.kill(old)
