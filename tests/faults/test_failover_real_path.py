@@ -95,7 +95,9 @@ def test_strict_streams_through_a_sentinel_failover_never_go_over_the_limit(
     which also counts what it generated past the cut that the gateway held back
     (``held_back``).  Requests refused at the limit (429) and streams cut at it are expected;
     none may fail or be cut for ``quota_backend_unavailable``, every probe (another tenant)
-    answers 200."""
+    answers 200.  Measured (docs/operations.md "Redis HA"): 0 over in 44 of 44 runs; two runs
+    failed this test, one on 1 token "lost" (cause not found) and one on the added p99 (the
+    Sentinel failover's end, not its promotion, let the processor switch)."""
     report = sentinel_kill_drill(tmp_path, strict=True, tpm=STRICT_TPM)
     s = _check(report, record_property)
     assert report.notes["refused"] > 0, s  # the limit was reached during the run
