@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
 import signal
 import statistics
@@ -40,14 +41,19 @@ KEY = "sk-ha"
 PROBE_TENANT = "t-probe"
 PROBE_KEY = "sk-probe"
 SIM_ARGS = ["--ttft-ms", "5", "--itl-ms", "2"]
+#: The busy tenant's daily token limit in the strict drill: reached about 3 s after the
+#: master's kill (0.7 s after the promotion) at the drill's pace on the development machine.
+STRICT_TPM = 10_000
 PROMPT = [{"role": "user", "content": "Tell me a story about quotas and failovers."}]
 
 
 def drill_rules(*, strict: bool = False, tpm: int = 10_000_000) -> dict[str, Any]:
-    """Rules of the drills: the busy tenant and the prober's tenant, daily windows."""
+    """Rules of the drills: the busy tenant (plan ``drill``: ``tpm`` tokens a day, strict
+    streams with ``strict``) and the prober's tenant (plan ``probe``: no limit it can reach)."""
     plan: dict[str, Any] = {"limits": [{"model": "*", "per": "day", "rpm": 10_000_000, "tpm": tpm}]}
     if strict:
         plan["charging"] = {"streaming": "strict"}
+    probe = {"limits": [{"model": "*", "per": "day", "rpm": 10_000_000, "tpm": 10_000_000}]}
     return {
         "version": 1,
         "charging": {"mode": "stream_incremental", "streaming": "lazy", "charge_every_tokens": 16},
@@ -58,10 +64,10 @@ def drill_rules(*, strict: bool = False, tpm: int = 10_000_000) -> dict[str, Any
                 "max_output_tokens": 1024,
             }
         },
-        "plans": {"drill": plan},
+        "plans": {"drill": plan, "probe": probe},
         "tenants": {
             TENANT: {"plan": "drill", "keys": [{"name": "ha", "plaintext": KEY}]},
-            PROBE_TENANT: {"plan": "drill", "keys": [{"name": "probe", "plaintext": PROBE_KEY}]},
+            PROBE_TENANT: {"plan": "probe", "keys": [{"name": "probe", "plaintext": PROBE_KEY}]},
         },
     }
 
@@ -109,6 +115,9 @@ class Outcome:
     cut: bool = False  # a 200 stream that ended without its [DONE]
     error: str = ""
     probe: bool = False
+    tokens: int = 0  # output tokens the client received (a stream's content events)
+    rid: str = ""  # its x-client-request-id, as the simulator records it
+    tail: str = ""  # a cut stream's last bytes (its error event), for the dump
 
 
 @dataclass
@@ -175,17 +184,18 @@ async def _one(
         "max_tokens": tokens,
         "stream": stream,
     }
-    headers = {"authorization": f"Bearer {key}", "x-sim-itl-ms": "10"}
+    rid = f"r{next(_RIDS)}"
+    headers = {"authorization": f"Bearer {key}", "x-sim-itl-ms": "10", "x-client-request-id": rid}
     started = time.monotonic()
     status = 0
     cut = False
     error = ""
+    data = b""
     try:
         async with c.stream(
             "POST", f"{url}/chat/completions", headers=headers, content=orjson.dumps(body)
         ) as r:
             status = r.status_code
-            data = b""
             async for chunk in r.aiter_bytes():
                 data += chunk if (stream or status >= 300) else b""
             if status >= 300:
@@ -194,9 +204,28 @@ async def _one(
                 cut = True
                 error = _error_code(data) or "no [DONE]"
     except httpx.HTTPError as exc:
-        error = type(exc).__name__
         cut = stream and status == 200
-    return Outcome(started, time.monotonic(), status, stream, cut, error, probe)
+        # a cut stream's own error event names its reason, the broken connection after it not
+        error = (_error_code(data) if b"event: error" in data else "") or type(exc).__name__
+    got = _content_events(data) if stream and status == 200 else 0
+    tail = data[-400:].decode(errors="replace") if cut else ""
+    return Outcome(started, time.monotonic(), status, stream, cut, error, probe, got, rid, tail)
+
+
+_RIDS = itertools.count(1)
+
+
+def _content_events(data: bytes) -> int:
+    """The SSE events of ``data`` that carry output text (one token each from the simulator)."""
+    n = 0
+    for line in data.split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        with contextlib.suppress(orjson.JSONDecodeError):
+            for choice in orjson.loads(line[6:]).get("choices") or ():
+                if (choice.get("delta") or {}).get("content"):
+                    n += 1
+    return n
 
 
 def _error_code(data: bytes) -> str:
@@ -248,6 +277,65 @@ def truth_of(sim_url: str, tenant: str) -> tuple[int, int]:
         for r in mine
     )
     return total, len(mine)
+
+
+def limit_figures(
+    report: DrillReport,
+    outs: list[Outcome],
+    sim_url: str,
+    limit: int,
+    fault_at: float,
+    *,
+    config: Path,
+) -> None:
+    """A limited tenant's figures, in ``report.notes``, each request matched with the
+    simulator's record of it by its client request id.
+
+    ``used_upstream``: each 2xx answer's prompt plus every token the simulator sent, cut streams
+    included (``over_upstream`` = that - ``limit``): an upper bound, since it also counts the
+    tokens the simulator sent that the gateway held back at a cut (``held_back``: the
+    simulator's count minus what the client received, over the cut streams).
+    ``used_client``: what the tenant was delivered, as it is billed: a complete answer its
+    prompt and output by the simulator's records, a cut stream the tokens its client received
+    and its prompt as the gateway counts it (the upstream's usage never came; the simulator's
+    figure leaves out the role tokens); ``over_client`` = that - ``limit``.  This is also the
+    drill's truth (``report.truth``) for lost and doubled.  ``refused`` (429),
+    ``cut_at_limit``, ``cut_backend`` (cut for ``quota_backend_unavailable``),
+    ``exhausted_after_fault_s``: when the first refused request started, from the fault."""
+    from extproc.config import load_config
+    from extproc.core.apis.openai.counting import count_chat_request
+
+    model = load_config(str(config)).models["sim-small"]
+    counted = count_chat_request({"messages": PROMPT}, model.counter, model.tokenizer)
+    recs = httpx.get(f"{sim_url}/sim/requests", timeout=30).json()["requests"]
+    by_rid = {r["client_request_id"]: r for r in recs if r["tenant"] == TENANT}
+    used_upstream = used_client = held_back = 0
+    for o in outs:
+        r = by_rid.get(o.rid)
+        if o.probe or r is None or not 200 <= (r["status"] or 0) < 300:
+            continue
+        used_upstream += r["prompt_tokens"] + r["tokens_sent"]
+        if o.cut:
+            used_client += counted + o.tokens
+            held_back += r["tokens_sent"] - o.tokens
+        else:
+            used_client += r["prompt_tokens"] + r["tokens_sent"]
+    refused = [o for o in outs if not o.probe and o.status == 429]
+    report.truth = used_client
+    report.notes.update(
+        limit=limit,
+        used_upstream=used_upstream,
+        over_upstream=used_upstream - limit,
+        held_back=held_back,
+        used_client=used_client,
+        over_client=used_client - limit,
+        refused=len(refused),
+        cut_at_limit=sum(1 for o in outs if o.cut and o.error != "quota_backend_unavailable"),
+        cut_backend=sum(1 for o in outs if o.cut and o.error == "quota_backend_unavailable"),
+        exhausted_after_fault_s=round(min(o.started for o in refused) - fault_at, 2)
+        if refused
+        else None,
+    )
 
 
 def counter_of(client: redis.Redis, tenant: str, within_s: float = 30.0) -> tuple[int, int]:
@@ -311,15 +399,22 @@ def replayed_of(stack: Stack) -> int:
     return total
 
 
-def _dump(workdir: Path, stack: Stack, port: int) -> None:
-    """Keep the ledgers and the simulator's records of the tenant for a post-mortem."""
+def _dump(workdir: Path, stack: Stack, port: int, outs: list[Outcome] | None = None) -> None:
+    """Keep the ledgers, the simulator's records of the tenant and what its clients saw
+    (``outs``) for a post-mortem."""
     recs = httpx.get(f"{stack.sim_url}/sim/requests", timeout=30).json()["requests"]
     with redis.Redis(port=port, decode_responses=True) as m:
         ledgers = {
             k: m.hgetall(k) for k in m.scan_iter(f"aiq:{{{TENANT}}}:req:*") if m.type(k) == "hash"
         }
     (workdir / "dump.json").write_bytes(
-        orjson.dumps({"records": [r for r in recs if r["tenant"] == TENANT], "ledgers": ledgers})
+        orjson.dumps(
+            {
+                "records": [r for r in recs if r["tenant"] == TENANT],
+                "ledgers": ledgers,
+                "outcomes": [o for o in outs or () if not o.probe],
+            }
+        )
     )
 
 
@@ -337,6 +432,7 @@ def sentinel_kill_drill(
     lag_s: float = 0.3,
     during: Callable[[Stack, SentinelGroup, int], None] | None = None,
     lease_s: int | None = None,
+    tpm: int | None = None,
 ) -> DrillReport:
     """The Sentinel drill: a master and two replicas, three sentinels (down-after 1 s); the
     master SIGKILLed (``fault="kill"``) or frozen until a replica is promoted
@@ -346,8 +442,10 @@ def sentinel_kill_drill(
     ``during(stack, group, old master's port)`` runs (in a thread) right after the fault, before
     the promotion is awaited; ``lease_s``: the reservation lease (a dead processor's requests
     are reclaimed that long after their last renewal).  Notes ``cut_wall`` and ``fault_wall``:
-    when the links were cut and the fault made (unix seconds, the simulator's clock)."""
-    rules = drill_rules(strict=strict)
+    when the links were cut and the fault made (unix seconds, the simulator's clock).
+    ``tpm``: the busy tenant's daily token limit (with ``strict``, its streams strict), and
+    :func:`limit_figures` in the notes."""
+    rules = drill_rules(strict=strict) if tpm is None else drill_rules(strict=strict, tpm=tpm)
     if lease_s is not None:
         rules["failure"] = {"reservation_lease_seconds": lease_s}
     group = SentinelGroup(
@@ -361,7 +459,7 @@ def sentinel_kill_drill(
     except BaseException:
         group.stop()
         raise
-    report = DrillReport("sentinel", fault)
+    report = DrillReport("sentinel", f"{fault}-strict" if strict else fault)
     try:
         outs: list[Outcome] = []
 
@@ -411,7 +509,11 @@ def sentinel_kill_drill(
         report.notes["ledgers"] = ledgers
         report.notes["records"] = records
         report.notes["replayed"] = replayed_of(stack)
-        _dump(workdir, stack, new)
+        if tpm is not None:
+            limit_figures(
+                report, outs, stack.sim_url, tpm, fault_at, config=workdir / "stack" / "rules.yaml"
+            )
+        _dump(workdir, stack, new, outs)
     finally:
         with contextlib.suppress(Exception):
             stack.stop()
@@ -428,10 +530,15 @@ def cluster_kill_drill(
     after_s: float = 4.0,
     env: dict[str, str] | None = None,
     lag_s: float = 0.3,
+    fault: str = "kill",
 ) -> DrillReport:
     """The Cluster drill: 3 primaries + 3 replicas (node timeout 2 s); the primary of the
     tenant's slot SIGKILLed ``fault_at_s`` into the load (its replica's link cut ``lag_s``
-    just before, as in :func:`sentinel_kill_drill`)."""
+    just before, as in :func:`sentinel_kill_drill`).  ``fault="failover"``: a graceful
+    failover instead, ``CLUSTER FAILOVER`` sent to that primary's replica (no link cut: the
+    replica takes over once it has everything; the old primary becomes its replica)."""
+    if fault not in ("kill", "failover"):
+        raise ValueError(f"unknown fault {fault!r}")
     cluster = HaCluster(
         workdir / "cluster",
         primaries=3,
@@ -443,7 +550,7 @@ def cluster_kill_drill(
     except BaseException:
         cluster.stop()
         raise
-    report = DrillReport("cluster", "kill")
+    report = DrillReport("cluster", fault)
     probe_key = f"aiq:{{{TENANT}}}:x"
     try:
         outs: list[Outcome] = []
@@ -463,11 +570,15 @@ def cluster_kill_drill(
             )
             await asyncio.sleep(fault_at_s)
             old = cluster.primary_of(probe_key)
-            if lag_s > 0:
-                cluster.cut_replication(cluster.replica_of(old), lag_s)
+            replica = cluster.replica_of(old)  # asked before its link is cut
+            if fault == "kill" and lag_s > 0:
+                cluster.cut_replication(replica, lag_s)
                 await asyncio.sleep(lag_s * 0.8)
             fault_at = time.monotonic()
-            cluster.kill(old)
+            if fault == "kill":
+                cluster.kill(old)
+            else:
+                await asyncio.to_thread(cluster.failover, replica)
             _, promoted = await asyncio.to_thread(cluster.wait_new_primary, probe_key, old, 30.0)
             await asyncio.sleep(after_s)
             stop.set()

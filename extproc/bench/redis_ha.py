@@ -387,6 +387,11 @@ class HaCluster:
         os.kill(self.procs[port].pid, signal.SIGKILL)
         self.procs[port].wait(10)
 
+    def failover(self, replica: int) -> None:
+        """A graceful failover: ``CLUSTER FAILOVER`` (no option) sent to ``replica``."""
+        with redis.Redis(port=replica, socket_timeout=5) as c:
+            c.execute_command("CLUSTER", "FAILOVER")
+
     def wait_new_primary(self, key: str, old: int, within_s: float = 30.0) -> tuple[int, float]:
         """(port of the new primary of ``key``'s slot, monotonic time it answered as one)."""
         deadline = time.monotonic() + within_s
