@@ -23,7 +23,7 @@ import signal
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -418,6 +418,63 @@ def _dump(workdir: Path, stack: Stack, port: int, outs: list[Outcome] | None = N
     )
 
 
+def _under_load(
+    stack: Stack,
+    outs: list[Outcome],
+    fault: Callable[[], Awaitable[tuple[float, float]]],
+    *,
+    clients: int,
+    stream_share: float,
+    fault_at_s: float,
+    after_s: float,
+) -> tuple[float, float]:
+    """The drills' skeleton: the closed-loop load and its prober through ``stack`` (outcomes
+    into ``outs``), ``fault()`` awaited ``fault_at_s`` in (it returns when the fault was made
+    and when Redis took calls again, monotonic), the load stopped ``after_s`` after that;
+    those two times."""
+
+    async def run() -> tuple[float, float]:
+        stop = asyncio.Event()
+        load = asyncio.ensure_future(
+            _load(
+                stack.base_url,
+                clients=clients,
+                stream_share=stream_share,
+                stop=stop,
+                out=outs,
+                probe_every_s=0.1,
+                seed=7,
+            )
+        )
+        await asyncio.sleep(fault_at_s)
+        times = await fault()
+        await asyncio.sleep(after_s)
+        stop.set()
+        await load
+        return times
+
+    return asyncio.run(run())
+
+
+def _account(
+    report: DrillReport,
+    stack: Stack,
+    outs: list[Outcome],
+    times: tuple[float, float],
+    primary: int,
+) -> None:
+    """What the clients saw around the fault (``times``: when it was made, when Redis took
+    calls again), and the tenant's counter on ``primary`` (the port of the Redis serving its
+    slot now) against the simulator's records."""
+    measure(report, outs, *times)
+    with redis.Redis(port=primary) as m:
+        report.counter, ledgers = counter_of(m, TENANT)
+    report.truth, records = truth_of(stack.sim_url, TENANT)
+    report.notes["ledgers"] = ledgers
+    report.notes["records"] = records
+    report.notes["replayed"] = replayed_of(stack)
+
+
 def sentinel_kill_drill(
     workdir: Path,
     *,
@@ -463,20 +520,7 @@ def sentinel_kill_drill(
     try:
         outs: list[Outcome] = []
 
-        async def run() -> tuple[float, float]:
-            stop = asyncio.Event()
-            load = asyncio.ensure_future(
-                _load(
-                    stack.base_url,
-                    clients=clients,
-                    stream_share=stream_share,
-                    stop=stop,
-                    out=outs,
-                    probe_every_s=0.1,
-                    seed=7,
-                )
-            )
-            await asyncio.sleep(fault_at_s)
+        async def make_fault() -> tuple[float, float]:
             old = group.master_port()
             report.notes["cut_wall"] = time.time()
             if lag_s > 0:
@@ -495,20 +539,20 @@ def sentinel_kill_drill(
             _, promoted = await asyncio.to_thread(group.wait_new_master, old, 30.0)
             if fault == "freeze":
                 group.procs[old].send_signal(signal.SIGCONT)
-            await asyncio.sleep(after_s)
-            stop.set()
-            await load
             return fault_at, promoted
 
-        fault_at, promoted = asyncio.run(run())
-        measure(report, outs, fault_at, promoted)
+        times = _under_load(
+            stack,
+            outs,
+            make_fault,
+            clients=clients,
+            stream_share=stream_share,
+            fault_at_s=fault_at_s,
+            after_s=after_s,
+        )
+        fault_at = times[0]
         new = group.master_port()
-        with redis.Redis(port=new) as m:
-            report.counter, ledgers = counter_of(m, TENANT)
-        report.truth, records = truth_of(stack.sim_url, TENANT)
-        report.notes["ledgers"] = ledgers
-        report.notes["records"] = records
-        report.notes["replayed"] = replayed_of(stack)
+        _account(report, stack, outs, times, new)
         if tpm is not None:
             limit_figures(
                 report, outs, stack.sim_url, tpm, fault_at, config=workdir / "stack" / "rules.yaml"
@@ -555,20 +599,7 @@ def cluster_kill_drill(
     try:
         outs: list[Outcome] = []
 
-        async def run() -> tuple[float, float]:
-            stop = asyncio.Event()
-            load = asyncio.ensure_future(
-                _load(
-                    stack.base_url,
-                    clients=clients,
-                    stream_share=stream_share,
-                    stop=stop,
-                    out=outs,
-                    probe_every_s=0.1,
-                    seed=7,
-                )
-            )
-            await asyncio.sleep(fault_at_s)
+        async def make_fault() -> tuple[float, float]:
             old = cluster.primary_of(probe_key)
             replica = cluster.replica_of(old)  # asked before its link is cut
             if fault == "kill" and lag_s > 0:
@@ -580,20 +611,18 @@ def cluster_kill_drill(
             else:
                 await asyncio.to_thread(cluster.failover, replica)
             _, promoted = await asyncio.to_thread(cluster.wait_new_primary, probe_key, old, 30.0)
-            await asyncio.sleep(after_s)
-            stop.set()
-            await load
             return fault_at, promoted
 
-        fault_at, promoted = asyncio.run(run())
-        measure(report, outs, fault_at, promoted)
-        new = cluster.primary_of(probe_key)
-        with redis.Redis(port=new) as m:
-            report.counter, ledgers = counter_of(m, TENANT)
-        report.truth, records = truth_of(stack.sim_url, TENANT)
-        report.notes["ledgers"] = ledgers
-        report.notes["records"] = records
-        report.notes["replayed"] = replayed_of(stack)
+        times = _under_load(
+            stack,
+            outs,
+            make_fault,
+            clients=clients,
+            stream_share=stream_share,
+            fault_at_s=fault_at_s,
+            after_s=after_s,
+        )
+        _account(report, stack, outs, times, cluster.primary_of(probe_key))
     finally:
         with contextlib.suppress(Exception):
             stack.stop()
@@ -654,20 +683,7 @@ def restart_drill(
     try:
         outs: list[Outcome] = []
 
-        async def run() -> tuple[float, float]:
-            stop = asyncio.Event()
-            load = asyncio.ensure_future(
-                _load(
-                    stack.base_url,
-                    clients=clients,
-                    stream_share=stream_share,
-                    stop=stop,
-                    out=outs,
-                    probe_every_s=0.1,
-                    seed=7,
-                )
-            )
-            await asyncio.sleep(fault_at_s)
+        async def make_fault() -> tuple[float, float]:
             fault_at = time.monotonic()
             proc.send_signal(signal.SIGKILL)
             await asyncio.to_thread(proc.wait, 10)
@@ -677,20 +693,18 @@ def restart_drill(
             await asyncio.to_thread(_wait_ping, port, 20.0)
             if again.poll() is not None:
                 raise RuntimeError("the restarted redis-server exited (its port taken?)")
-            answered = time.monotonic()
-            await asyncio.sleep(after_s)
-            stop.set()
-            await load
-            return fault_at, answered
+            return fault_at, time.monotonic()
 
-        fault_at, answered = asyncio.run(run())
-        measure(report, outs, fault_at, answered)
-        with redis.Redis(port=port) as m:
-            report.counter, ledgers = counter_of(m, TENANT)
-        report.truth, records = truth_of(stack.sim_url, TENANT)
-        report.notes["ledgers"] = ledgers
-        report.notes["records"] = records
-        report.notes["replayed"] = replayed_of(stack)
+        times = _under_load(
+            stack,
+            outs,
+            make_fault,
+            clients=clients,
+            stream_share=stream_share,
+            fault_at_s=fault_at_s,
+            after_s=after_s,
+        )
+        _account(report, stack, outs, times, port)
         _dump(workdir, stack, port)
     finally:
         with contextlib.suppress(Exception):

@@ -13,6 +13,7 @@ Completions: ``text`` concatenated per choice, the four ``logprobs`` lists joine
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Final
 
 from extproc.core.apis.reassembly import BufferedStream, Event, concat, error_of
@@ -20,6 +21,7 @@ from extproc.core.values import is_int
 
 _TOP: Final = ("id", "created", "model", "system_fingerprint", "service_tier")
 _MESSAGE_TEXT: Final = ("content", "refusal", "reasoning_content", "reasoning")
+_CHAT_LOGPROBS: Final = ("content", "refusal")
 _COMPLETION_LOGPROBS: Final = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
 
@@ -36,6 +38,42 @@ def _top(out: dict[str, Any], chunk: dict[str, Any]) -> None:
     usage = chunk.get("usage")
     if isinstance(usage, dict):
         out["usage"] = usage
+
+
+def _choices(out: dict[str, Any], events: list[Event]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Each chunk's top-level fields into ``out``; its well-formed choices with their index."""
+    for _, chunk in events:
+        _top(out, chunk)
+        raw = chunk.get("choices")
+        if not isinstance(raw, list):
+            continue
+        for choice in raw:
+            if isinstance(choice, dict):
+                yield _index(choice), choice
+
+
+def _join_logprobs(st: dict[str, Any], lp: object, keys: tuple[str, ...]) -> None:
+    """A chunk's ``logprobs`` lists appended to the choice's (in place: linear in the
+    stream's length)."""
+    if not isinstance(lp, dict):
+        return
+    have = st["logprobs"] if isinstance(st["logprobs"], dict) else {}
+    for key in keys:
+        part = lp.get(key)
+        if isinstance(part, list):
+            cur = have.get(key)
+            if isinstance(cur, list):
+                cur.extend(part)
+            else:
+                have[key] = list(part)
+    st["logprobs"] = have
+
+
+def _ending(st: dict[str, Any], choice: dict[str, Any]) -> None:
+    if choice.get("finish_reason") is not None:
+        st["finish_reason"] = choice["finish_reason"]
+    if "stop_reason" in choice:
+        st["stop_reason"] = choice["stop_reason"]
 
 
 def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
@@ -66,53 +104,35 @@ def assemble_chat(events: list[Event]) -> dict[str, Any]:
     out: dict[str, Any] = {"id": "", "object": "chat.completion", "created": 0, "model": ""}
     choices: dict[int, dict[str, Any]] = {}
     tools: dict[int, dict[int, dict[str, Any]]] = {}
-    for _, chunk in events:
-        _top(out, chunk)
-        raw = chunk.get("choices")
-        if not isinstance(raw, list):
-            continue
-        for choice in raw:
-            if not isinstance(choice, dict):
-                continue
-            i = _index(choice)
-            st = choices.get(i)
-            if st is None:
-                st = choices[i] = {
-                    "index": i,
-                    "message": {"role": "assistant", "content": None},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            msg = st["message"]
-            delta = choice.get("delta")
-            if isinstance(delta, dict):
-                if isinstance(delta.get("role"), str):
-                    msg["role"] = delta["role"]
-                for key in _MESSAGE_TEXT:
-                    concat(msg, key, delta.get(key))
-                calls = delta.get("tool_calls")
-                if isinstance(calls, list):
-                    merged = tools.setdefault(i, {})
-                    for call in calls:
-                        if isinstance(call, dict):
-                            _merge_tool_call(merged, call)
-                fc = delta.get("function_call")
-                if isinstance(fc, dict):
-                    legacy = msg.setdefault("function_call", {"name": "", "arguments": ""})
-                    concat(legacy, "name", fc.get("name"))
-                    concat(legacy, "arguments", fc.get("arguments"))
-            lp = choice.get("logprobs")
-            if isinstance(lp, dict):
-                have = st["logprobs"] if isinstance(st["logprobs"], dict) else {}
-                for key in ("content", "refusal"):
-                    part = lp.get(key)
-                    if isinstance(part, list):
-                        have[key] = (have.get(key) or []) + part
-                st["logprobs"] = have
-            if choice.get("finish_reason") is not None:
-                st["finish_reason"] = choice["finish_reason"]
-            if "stop_reason" in choice:
-                st["stop_reason"] = choice["stop_reason"]
+    for i, choice in _choices(out, events):
+        st = choices.get(i)
+        if st is None:
+            st = choices[i] = {
+                "index": i,
+                "message": {"role": "assistant", "content": None},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        msg = st["message"]
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            if isinstance(delta.get("role"), str):
+                msg["role"] = delta["role"]
+            for key in _MESSAGE_TEXT:
+                concat(msg, key, delta.get(key))
+            calls = delta.get("tool_calls")
+            if isinstance(calls, list):
+                merged = tools.setdefault(i, {})
+                for call in calls:
+                    if isinstance(call, dict):
+                        _merge_tool_call(merged, call)
+            fc = delta.get("function_call")
+            if isinstance(fc, dict):
+                legacy = msg.setdefault("function_call", {"name": "", "arguments": ""})
+                concat(legacy, "name", fc.get("name"))
+                concat(legacy, "arguments", fc.get("arguments"))
+        _join_logprobs(st, choice.get("logprobs"), _CHAT_LOGPROBS)
+        _ending(st, choice)
     for i, merged in tools.items():
         choices[i]["message"]["tool_calls"] = [merged[k] for k in sorted(merged)]
     out["choices"] = [choices[k] for k in sorted(choices)]
@@ -126,31 +146,13 @@ def assemble_completion(events: list[Event]) -> dict[str, Any]:
         return err
     out: dict[str, Any] = {"id": "", "object": "text_completion", "created": 0, "model": ""}
     choices: dict[int, dict[str, Any]] = {}
-    for _, chunk in events:
-        _top(out, chunk)
-        raw = chunk.get("choices")
-        if not isinstance(raw, list):
-            continue
-        for choice in raw:
-            if not isinstance(choice, dict):
-                continue
-            i = _index(choice)
-            st = choices.get(i)
-            if st is None:
-                st = choices[i] = {"index": i, "text": "", "logprobs": None, "finish_reason": None}
-            concat(st, "text", choice.get("text"))
-            lp = choice.get("logprobs")
-            if isinstance(lp, dict):
-                have = st["logprobs"] if isinstance(st["logprobs"], dict) else {}
-                for key in _COMPLETION_LOGPROBS:
-                    part = lp.get(key)
-                    if isinstance(part, list):
-                        have[key] = (have.get(key) or []) + part
-                st["logprobs"] = have
-            if choice.get("finish_reason") is not None:
-                st["finish_reason"] = choice["finish_reason"]
-            if "stop_reason" in choice:
-                st["stop_reason"] = choice["stop_reason"]
+    for i, choice in _choices(out, events):
+        st = choices.get(i)
+        if st is None:
+            st = choices[i] = {"index": i, "text": "", "logprobs": None, "finish_reason": None}
+        concat(st, "text", choice.get("text"))
+        _join_logprobs(st, choice.get("logprobs"), _COMPLETION_LOGPROBS)
+        _ending(st, choice)
     out["choices"] = [choices[k] for k in sorted(choices)]
     return out
 
