@@ -27,7 +27,7 @@ from extproc.envoy_config import EnvoyPorts, GrpcClientAuth, render_yaml
 from extproc.stack import Stack, find_binary, free_port
 from tests.e2e.conftest import caller_metadata, grpc_channel, make_stack
 from tests.e2e.test_rls import get, start_envoys
-from tests.helpers import e2e_rules
+from tests.helpers import e2e_rules, settled
 from tests.rls_support import OK, SEED_DIR, request
 
 pytestmark = pytest.mark.e2e
@@ -131,8 +131,12 @@ def tls_without_credential(stack: Stack) -> Any:
 
 
 def counters(stack: Stack, tenant: str) -> dict[Any, Any]:
+    """The tenant's counters once every request of it has settled (a settlement lands just
+    after the client has its answer: read before it, a counter moves by the difference
+    between the charge and the bill)."""
     rds = redis.Redis(port=stack.ports.redis)
     try:
+        settled(rds, tenant)
         return {
             k: rds.get(k) for k in rds.scan_iter(f"aiq:{{{tenant}}}:*") if rds.type(k) == b"string"
         }
