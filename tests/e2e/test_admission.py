@@ -254,7 +254,8 @@ def test_upstream_error_refunds_tokens_but_counts_the_request(
     """An upstream 500 costs no tokens; the request still counts toward RPM (judged against
     the tenant's counters before it: another module's test uses the same tenant)."""
     c = client(stack, "sk-uperr")
-    tokens, requests = tpm_used(rds, "t-uperr"), tpm_used(rds, "t-uperr", "rpm")
+    tokens = settled(rds, "t-uperr", expect=0)
+    requests = tpm_used(rds, "t-uperr", "rpm")
     with pytest.raises(openai.InternalServerError):
         c.chat.completions.create(
             model="sim-small", messages=MSG, max_tokens=200, extra_headers={"x-sim-status": "500"}

@@ -66,7 +66,7 @@ def test_client_giving_up_on_a_non_stream_is_not_charged_the_reservation(fstack:
     is charged its input and what the upstream could have made in that time (200 tokens a
     second), not the 1,000 reserved."""
     rds = redis.Redis(port=fstack.ports.redis, decode_responses=True)
-    before = tpm_used(rds, "t-std")
+    before = settled(rds, "t-std", expect=0)
     c = openai.OpenAI(base_url=fstack.base_url, api_key="sk-std", max_retries=0, timeout=1.0)
     t0 = time.monotonic()
     with pytest.raises(openai.APITimeoutError):

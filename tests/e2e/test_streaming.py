@@ -19,7 +19,7 @@ from extproc.sim.prompt_tokens import chat_prompt_tokens
 from extproc.stack import Stack
 from extproc.tokenizers import load_counter
 from tests.e2e.conftest import client
-from tests.helpers import settled, tpm_used
+from tests.helpers import settled
 
 pytestmark = pytest.mark.e2e
 
@@ -286,7 +286,7 @@ def test_upstream_error_status_on_a_stream_is_passed_and_refunded(
 ) -> None:
     """A streaming request the upstream refuses (503) reaches the client as that error, costs no TPM."""
     c = client(stack, "sk-uperr")
-    before = tpm_used(rds, "t-uperr")
+    before = settled(rds, "t-uperr", expect=0)
     with pytest.raises(openai.InternalServerError):
         list(
             c.chat.completions.create(
