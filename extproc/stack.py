@@ -43,7 +43,7 @@ from typing import IO, Any
 
 from extproc import devcerts
 from extproc.devcerts import DevCredentials
-from extproc.envoy_config import EnvoyPorts, GrpcClientAuth, JwtAuth, render_yaml
+from extproc.envoy_config import EnvoyPorts, EnvoyTracing, GrpcClientAuth, JwtAuth, render_yaml
 
 STACK_FILE = "stack.json"
 #: The workdir ``ai-quota up`` uses unless ``--workdir`` is given (relative to its cwd).
@@ -369,6 +369,8 @@ class Stack:
                     jwt=self.envoy_jwt,
                     identity_filters=self.envoy_identity_filters,
                     extproc_auth=self.envoy_auth(),
+                    # the OTEL_* variables the processors get: Envoy traces to the same collector
+                    tracing=EnvoyTracing.from_env({**os.environ, **self.extproc_env}),
                 )
                 path = self.workdir / f"envoy{i}.yaml"
                 path.write_text(render_yaml(cfg))

@@ -363,3 +363,32 @@ async def test_a_cut_carries_its_reason_and_limit() -> None:
     no_key_text(span)
     [(cut, point)] = tel.metrics()["ai_quota.stream.cuts"][1]
     assert cut["ai_quota.cut.reason"] == "quota_exhausted" and point.value == 1
+
+
+# -- Envoy's tracer ---------------------------------------------------------------------------
+
+
+def test_envoy_config_renders_the_tracer_only_with_an_endpoint() -> None:
+    from extproc.envoy_config import OTEL_CLUSTER, EnvoyPorts, EnvoyTracing, render
+
+    assert EnvoyTracing.from_env({}) is None
+    plain = render(EnvoyPorts())
+    assert "tracing" not in str(plain)
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel-collector:4317",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0.01",
+    }
+    tracing = EnvoyTracing.from_env(env)
+    assert tracing is not None and tracing.sampling_percent == 1.0
+    boot = render(EnvoyPorts(tracing=tracing))
+    [gateway] = boot["static_resources"]["listeners"]
+    hcm = gateway["filter_chains"][0]["filters"][0]["typed_config"]
+    provider = hcm["tracing"]["provider"]
+    assert provider["name"] == "envoy.tracers.opentelemetry"
+    assert provider["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] == OTEL_CLUSTER
+    assert hcm["tracing"]["random_sampling"] == {"value": 1.0}
+    [cluster] = [c for c in boot["static_resources"]["clusters"] if c["name"] == OTEL_CLUSTER]
+    assert cluster["type"] == "STRICT_DNS"  # a host name
+    ep = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert ep["address"]["socket_address"] == {"address": "otel-collector", "port_value": 4317}
