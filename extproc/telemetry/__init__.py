@@ -22,8 +22,20 @@ __all__ = [
     "OtelSettings",
     "RequestTrace",
     "Telemetry",
+    "check_env",
     "from_env",
 ]
+
+
+def check_env(env: Mapping[str, str] | None = None) -> OtelSettings:
+    """Read the OTEL_* variables and, when something is exported, check that the exporters can
+    load (:class:`OtelConfigError` naming what is wrong): at start, before anything runs."""
+    settings = OtelSettings.from_env(os.environ if env is None else env)
+    if settings.enabled:
+        from extproc.telemetry.otel import check_proto_modules
+
+        check_proto_modules()
+    return settings
 
 
 def from_env(env: Mapping[str, str] | None = None) -> Telemetry:

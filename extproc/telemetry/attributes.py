@@ -198,7 +198,6 @@ def span_attrs(s: Session, seen: Observed, b: Bill | None) -> Attrs:
     err = seen.error
     if err is not None:
         out["error.type"] = err.code
-        out["ai_quota.error.code"] = err.code
         if isinstance(err, QuotaExceeded):
             out["ai_quota.refused.metric"] = err.metric
             if err.limit is not None:

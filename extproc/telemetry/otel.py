@@ -21,7 +21,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.metrics import Counter, Histogram, MeterProvider
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -30,7 +29,8 @@ from extproc.core.session import Session
 from extproc.errors import GatewayError
 from extproc.telemetry import attributes as attrs
 from extproc.telemetry.base import RequestTrace, Telemetry
-from extproc.telemetry.settings import OtelSettings
+from extproc.telemetry.metrics import AttrKey, LocalMetrics
+from extproc.telemetry.settings import OtelConfigError, OtelSettings
 
 log = logging.getLogger("extproc.telemetry")
 
@@ -47,43 +47,42 @@ _TRACE_KEYS = ("traceparent", "tracestate")
 
 
 class Instruments:
-    """The metrics one process records."""
+    """The metrics one process records (aggregated here: :mod:`extproc.telemetry.metrics`)."""
 
-    def __init__(self, provider: MeterProvider) -> None:
-        meter = provider.get_meter(SCOPE)
-        self.token_usage: Histogram = meter.create_histogram(
+    def __init__(self, m: LocalMetrics) -> None:
+        self.token_usage = m.histogram(
             "gen_ai.client.token.usage",
-            unit="{token}",
-            description="Tokens billed per request, by gen_ai.token.type (input, output)",
-            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS,
+            "{token}",
+            "Tokens billed per request, by gen_ai.token.type (input, output)",
+            TOKEN_BUCKETS,
         )
-        self.duration: Histogram = meter.create_histogram(
+        self.duration = m.histogram(
             "gen_ai.server.request.duration",
-            unit="s",
-            description="From the ext_proc stream's opening to the response's end",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+            "s",
+            "From the ext_proc stream's opening to the response's end",
+            DURATION_BUCKETS,
         )
-        self.ttft: Histogram = meter.create_histogram(
+        self.ttft = m.histogram(
             "gen_ai.server.time_to_first_token",
-            unit="s",
-            description="From the request's arrival to the stream's first response chunk",
-            explicit_bucket_boundaries_advisory=TTFT_BUCKETS,
+            "s",
+            "From the request's arrival to the stream's first response chunk",
+            TTFT_BUCKETS,
         )
-        self.tpot: Histogram = meter.create_histogram(
+        self.tpot = m.histogram(
             "gen_ai.server.time_per_output_token",
-            unit="s",
-            description="A stream's time after its first chunk per further output token",
-            explicit_bucket_boundaries_advisory=TPOT_BUCKETS,
+            "s",
+            "A stream's time after its first chunk per further output token",
+            TPOT_BUCKETS,
         )
-        self.decisions: Counter = meter.create_counter(
+        self.decisions = m.counter(
             "ai_quota.decisions",
-            unit="{request}",
-            description="Requests by the gateway's decision (and the limit that refused)",
+            "{request}",
+            "Requests by the gateway's decision (and the limit that refused)",
         )
-        self.cuts: Counter = meter.create_counter(
+        self.cuts = m.counter(
             "ai_quota.stream.cuts",
-            unit="{stream}",
-            description="Streams the gateway cut, by reason (and the limit that ran out)",
+            "{stream}",
+            "Streams the gateway cut, by reason (and the limit that ran out)",
         )
 
 
@@ -95,14 +94,15 @@ class OtelTelemetry(Telemetry):
     def __init__(
         self,
         tracer_provider: TracerProvider | None,
-        meter_provider: MeterProvider | None,
+        metrics: LocalMetrics | None,
         *,
         shutdown: Sequence[Any] = (),
     ) -> None:
         self.tracer: Tracer | None = (
             tracer_provider.get_tracer(SCOPE) if tracer_provider is not None else None
         )
-        self.instruments = Instruments(meter_provider) if meter_provider is not None else None
+        self.metrics = metrics
+        self.instruments = Instruments(metrics) if metrics is not None else None
         self._shutdown = list(shutdown)
 
     @classmethod
@@ -113,7 +113,8 @@ class OtelTelemetry(Telemetry):
 
         check_proto_modules()
         resource = Resource.create({SERVICE_NAME: settings.service_name})
-        tracer_provider = meter_provider = None
+        tracer_provider = None
+        metrics = None
         if settings.traces:
             from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -123,16 +124,16 @@ class OtelTelemetry(Telemetry):
                 BatchSpanProcessor(_span_exporter(settings.traces_protocol))
             )
         if settings.metrics:
-            from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
-            from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-
-            # the interval: OTEL_METRIC_EXPORT_INTERVAL (ms, default 60 s)
-            reader = PeriodicExportingMetricReader(_metric_exporter(settings.metrics_protocol))
-            meter_provider = SdkMeterProvider(resource=resource, metric_readers=[reader])
+            metrics = LocalMetrics(resource, SCOPE)
+            metrics.start(
+                _metric_exporter(settings.metrics_protocol),
+                settings.metric_interval_ms,
+                settings.metric_timeout_ms,
+            )
         return cls(
             tracer_provider,
-            meter_provider,
-            shutdown=[p for p in (tracer_provider, meter_provider) if p is not None],
+            metrics,
+            shutdown=[tracer_provider] if tracer_provider is not None else [],
         )
 
     def open(self, call: Any = None) -> RequestTrace:
@@ -148,6 +149,12 @@ class OtelTelemetry(Telemetry):
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Flush the spans and metrics still buffered; stop the exporters."""
+        if self.metrics is not None:
+            try:
+                self.metrics.close(timeout_s)
+            except Exception:
+                log.exception("telemetry_shutdown_failed")
+            self.metrics = None
         for provider in self._shutdown:
             try:
                 provider.force_flush(int(timeout_s * 1000))
@@ -181,7 +188,7 @@ def _metric_exporter(protocol: str) -> Any:
     return HttpMetricExporter()
 
 
-class ProtoModulesBroken(RuntimeError):
+class ProtoModulesBroken(OtelConfigError):
     """opentelemetry-proto's modules are an older copy (another package overwrote them)."""
 
 
@@ -306,39 +313,33 @@ class OtelRequestTrace(RequestTrace):
 def _record_metrics(
     ins: Instruments, s: Session, seen: attrs.Observed, bill: attrs.Bill | None, now: int
 ) -> None:
-    base = attrs.model_attrs(s)
+    base: AttrKey = tuple(attrs.model_attrs(s).items())
     decision = attrs.decision(s, seen)
-    dec: dict[str, Any] = {"ai_quota.decision": decision}
+    dec: list[tuple[str, Any]] = [("ai_quota.decision", decision)]
     err = seen.error
     if err is not None:
-        dec["error.type"] = err.code
+        dec.append(("error.type", err.code))
         limit = getattr(err, "limit", None)
         if limit is not None:
-            dec["ai_quota.limit.metric"] = limit.metric
-            dec["ai_quota.limit.scope"] = limit.scope
-    if "gen_ai.request.model" in base:
-        dec["gen_ai.request.model"] = base["gen_ai.request.model"]
-    ins.decisions.add(1, dec)
+            dec += [("ai_quota.limit.metric", limit.metric), ("ai_quota.limit.scope", limit.scope)]
+    dec += [kv for kv in base if kv[0] == "gen_ai.request.model"]
+    ins.decisions.add(1, tuple(dec))
     if seen.cut_reason:
-        cut: dict[str, Any] = {"ai_quota.cut.reason": seen.cut_reason}
+        cut: list[tuple[str, Any]] = [("ai_quota.cut.reason", seen.cut_reason)]
         limit = seen.cut_error.limit if seen.cut_error is not None else None
         if limit is not None:
-            cut["ai_quota.limit.metric"] = limit.metric
-            cut["ai_quota.limit.scope"] = limit.scope
-        ins.cuts.add(1, cut)
+            cut += [("ai_quota.limit.metric", limit.metric), ("ai_quota.limit.scope", limit.scope)]
+        ins.cuts.add(1, tuple(cut))
     if decision == "passthrough" or s.api is None:
         return
     marks = seen.marks
     t0 = marks["open"]
     end = marks.get("response_end", now)
-    timing = dict(base)
     code = err.code if err is not None else (seen.cut_error.code if seen.cut_error else "")
-    if code:
-        timing["error.type"] = code
-    ins.duration.record((end - t0) / 1e9, timing)
+    ins.duration.record((end - t0) / 1e9, (*base, ("error.type", code)) if code else base)
     if bill is not None:
-        ins.token_usage.record(bill.input, {**base, "gen_ai.token.type": "input"})
-        ins.token_usage.record(bill.output, {**base, "gen_ai.token.type": "output"})
+        ins.token_usage.record(bill.input, (*base, ("gen_ai.token.type", "input")))
+        ins.token_usage.record(bill.output, (*base, ("gen_ai.token.type", "output")))
     first = marks.get("first_chunk")
     parsed = s.parsed
     if first is None or parsed is None or not parsed.req.stream:

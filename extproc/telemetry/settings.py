@@ -44,6 +44,9 @@ class OtelSettings:
     # the traces endpoint as configured (Envoy's tracer is pointed at it too)
     traces_endpoint: str = ""
     service_name: str = DEFAULT_SERVICE_NAME
+    # OTEL_METRIC_EXPORT_INTERVAL / _TIMEOUT (milliseconds)
+    metric_interval_ms: float = 60_000.0
+    metric_timeout_ms: float = 30_000.0
 
     @property
     def enabled(self) -> bool:
@@ -70,6 +73,8 @@ class OtelSettings:
             metrics_protocol=_protocol(env, "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", protocol),
             traces_endpoint=traces_ep,
             service_name=env.get("OTEL_SERVICE_NAME", "").strip() or DEFAULT_SERVICE_NAME,
+            metric_interval_ms=_millis(env, "OTEL_METRIC_EXPORT_INTERVAL", 60_000.0),
+            metric_timeout_ms=_millis(env, "OTEL_METRIC_EXPORT_TIMEOUT", 30_000.0),
         )
 
 
@@ -82,6 +87,19 @@ def _protocol(env: Mapping[str, str], name: str, default: str) -> str:
         raise OtelConfigError(
             f"{name}={value!r}: the gateway exports OTLP over 'grpc' or 'http/protobuf'"
         )
+    return value
+
+
+def _millis(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise OtelConfigError(f"{name}={raw!r}: expected a positive number of milliseconds")
     return value
 
 

@@ -15,8 +15,7 @@ from typing import Any
 import orjson
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -31,6 +30,7 @@ from extproc.metrics import Metrics
 from extproc.server.processor import RequestProcessor
 from extproc.telemetry import NOOP, NOOP_TRACE, OtelConfigError, OtelSettings, from_env
 from extproc.telemetry.attributes import limit_label
+from extproc.telemetry.metrics import LocalMetrics
 from extproc.telemetry.otel import OtelTelemetry, check_proto_modules
 from extproc.telemetry.settings import CollectorAddress, collector_for_envoy
 from tests.unit.test_processor_flow import event, feed, forwarded, headers
@@ -147,23 +147,23 @@ def test_the_otlp_modules_are_the_current_ones() -> None:
 
 
 class Telemetry:
-    """The real SDK with in-memory export (every span sampled)."""
+    """The real SDK with in-memory span export (every span sampled); the metrics as collected
+    for the OTLP exporter."""
 
     def __init__(self) -> None:
         self.spans = InMemorySpanExporter()
         tp = TracerProvider()
         tp.add_span_processor(SimpleSpanProcessor(self.spans))
-        self.reader = InMemoryMetricReader()
-        self.otel = OtelTelemetry(tp, MeterProvider(metric_readers=[self.reader]))
+        self.local = LocalMetrics(Resource.create(), "test")
+        self.otel = OtelTelemetry(tp, self.local)
 
     def finished(self) -> list[ReadableSpan]:
         return list(self.spans.get_finished_spans())
 
     def metrics(self) -> dict[str, Any]:
         """name -> (unit, [(attributes, data point)])."""
-        data = self.reader.get_metrics_data()
+        data = self.local.collect()
         out: dict[str, Any] = {}
-        assert data is not None
         for rm in data.resource_metrics:
             for sm in rm.scope_metrics:
                 for m in sm.metrics:
@@ -392,3 +392,35 @@ def test_envoy_config_renders_the_tracer_only_with_an_endpoint() -> None:
     assert cluster["type"] == "STRICT_DNS"  # a host name
     ep = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
     assert ep["address"]["socket_address"] == {"address": "otel-collector", "port_value": 4317}
+
+
+async def test_the_docs_name_every_attribute_and_metric() -> None:
+    """Each attribute a span or metric point carries (a stream, a refusal, a cut) and each
+    metric is listed in docs/observability.md."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "observability.md").read_text()
+    keys: set[str] = set()
+    metrics: set[str] = set()
+    for kw in ({}, {"tpm": 5}, {"streaming": "strict", "tpm": 200, "seed_used": 196, "words": 20}):
+        tel = Telemetry()
+        await run(tel, **kw)
+        for span in tel.finished():
+            keys |= set(span.attributes or {})
+            for ev in span.events:
+                keys.add(ev.name)
+                keys |= set(ev.attributes or {})
+        for name, (_, points) in tel.metrics().items():
+            metrics.add(name)
+            for attrs, _ in points:
+                keys |= set(attrs)
+
+    def documented(key: str) -> bool:
+        if f"`{key}`" in doc:
+            return True
+        prefix, _, last = key.rpartition(".")
+        return f"`{prefix}.*`" in doc or (f"`{prefix}." in doc and f"`.{last}`" in doc)
+
+    assert len(metrics) == 6
+    missing = sorted(k for k in keys | metrics if not documented(k))
+    assert not missing, missing
