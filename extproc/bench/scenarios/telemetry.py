@@ -163,7 +163,7 @@ async def _measure(b: Bench, stacks: Stacks, sink: OtlpSink) -> None:
     off_req = us(off["cpu_per_req"])
     b.table.add(
         Row(
-            "telemetry",
+            "14 telemetry",
             "no-op hooks per request, tracing off (base = CPU per request, off)",
             "µs",
             hook_req,
@@ -176,7 +176,7 @@ async def _measure(b: Bench, stacks: Stacks, sink: OtlpSink) -> None:
         goal = Target("ratio", "<=", SAMPLED_1PCT_RATIO) if arm == "on_1pct" else None
         b.table.add(
             Row(
-                "telemetry",
+                "14 telemetry",
                 f"processor CPU per request, tracing {label} (base = off)",
                 "µs",
                 us(med[arm]["cpu_per_req"]),
@@ -187,7 +187,7 @@ async def _measure(b: Bench, stacks: Stacks, sink: OtlpSink) -> None:
         )
         b.table.add(
             Row(
-                "telemetry",
+                "14 telemetry",
                 f"processor CPU per chunk, tracing {label} (base = off)",
                 "µs",
                 us(med[arm]["per_chunk"]),
@@ -196,7 +196,7 @@ async def _measure(b: Bench, stacks: Stacks, sink: OtlpSink) -> None:
         )
     b.table.add(
         Row(
-            "telemetry",
+            "14 telemetry",
             "spans the OTLP sink received",
             "spans",
             float(sink.spans),
