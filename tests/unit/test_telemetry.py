@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from typing import Any
 
 import orjson
@@ -33,6 +34,7 @@ from extproc.telemetry.attributes import limit_label
 from extproc.telemetry.metrics import LocalMetrics
 from extproc.telemetry.otel import OtelTelemetry, check_proto_modules
 from extproc.telemetry.settings import CollectorAddress, collector_for_envoy
+from tests.limiters import RecordingLimiter
 from tests.unit.test_processor_flow import event, feed, forwarded, headers
 
 pytestmark = pytest.mark.unit
@@ -42,7 +44,7 @@ models:
   m: {tokenizer: {kind: tiktoken, encoding: cl100k_base}, max_output_tokens: 50}
 charging: {charge_every_tokens: 4, streaming: %s}
 plans:
-  p: {limits: [{model: "*", per: hour, rpm: 100, tpm: %d}]}
+  p: {limits: [{model: "*", per: hour, rpm: 100, tpm: %d}], failure_mode: %s}
 tenants:
   t: {plan: p, keys: [{name: k1, plaintext: sk-secret-text-t}]}
 """
@@ -193,10 +195,13 @@ async def run(
     call: Any = None,
     words: int = 6,
     seed_used: int | None = None,
+    redis_down: bool = False,
 ) -> tuple[RequestProcessor, list[Any], Any]:
-    cfg = load_config_text(RULES % (streaming, tpm))
-    lim = MemoryLimiter(FakeClock())
-    gw = Gateway(config=cfg, limiter=lim, clock=lim.clock, metrics=Metrics(), telemetry=tel.otel)
+    cfg = load_config_text(RULES % (streaming, tpm, "open" if redis_down else "closed"))
+    mem = MemoryLimiter(FakeClock())
+    lim = RecordingLimiter(mem)
+    lim.down = redis_down  # every call fails, as an unreachable Redis does
+    gw = Gateway(config=cfg, limiter=lim, clock=mem.clock, metrics=Metrics(), telemetry=tel.otel)
     proc = RequestProcessor(gw, call)
     h = {":path": "/v1/chat/completions", ":method": "POST", "authorization": f"Bearer {KEY}"}
     if client_traceparent:
@@ -220,7 +225,7 @@ async def run(
         return proc, [resp], first
     if seed_used is not None:
         [b] = [b for b in proc.s.buckets if b.kind == "tpm"]
-        lim.seed_counter(b.key, seed_used)
+        mem.seed_counter(b.key, seed_used)
     await proc.handle(
         pb.ProcessingRequest(
             response_headers=headers({":status": "200", "content-type": "text/event-stream"})
@@ -424,3 +429,83 @@ async def test_the_docs_name_every_attribute_and_metric() -> None:
     assert len(metrics) == 6
     missing = sorted(k for k in keys | metrics if not documented(k))
     assert not missing, missing
+
+
+async def test_fail_open_is_a_decision_of_its_own() -> None:
+    """Redis down and a plan that fails open: admitted unmetered, nothing billed."""
+    tel = Telemetry()
+    await run(tel, redis_down=True)
+    [span] = tel.finished()
+    a = dict(span.attributes or {})
+    assert a["ai_quota.decision"] == "fail_open"
+    assert "gen_ai.usage.input_tokens" not in a
+    [(dec, _)] = tel.metrics()["ai_quota.decisions"][1]
+    assert dec["ai_quota.decision"] == "fail_open"
+
+
+async def test_an_unmetered_path_is_a_passthrough_span() -> None:
+    tel = Telemetry()
+    cfg = load_config_text(RULES % ("lazy", 1000, "closed"))
+    mem = MemoryLimiter(FakeClock())
+    gw = Gateway(config=cfg, limiter=mem, clock=mem.clock, metrics=Metrics(), telemetry=tel.otel)
+    proc = RequestProcessor(gw)
+    h = {":path": "/v1/models", ":method": "GET", "authorization": f"Bearer {KEY}"}
+    [resp] = await proc.handle(pb.ProcessingRequest(request_headers=headers(h, eos=True)))
+    assert resp.WhichOneof("response") == "request_headers"
+    proc.close(Closed.EOF)
+    await asyncio.gather(*gw.pending)
+    [span] = tel.finished()
+    assert span.name == "ai_quota passthrough"
+    assert dict(span.attributes or {})["ai_quota.decision"] == "passthrough"
+    no_key_text(span)
+
+
+class _Exporter:
+    """The OTLP exporter's interface, keeping what it is given."""
+
+    def __init__(self) -> None:
+        self.exports: list[Any] = []
+        self.shut = False
+
+    def export(self, data: Any, timeout_millis: float = 0) -> None:
+        self.exports.append(data)
+
+    def shutdown(self, timeout_millis: float = 0) -> None:
+        self.shut = True
+
+
+def test_local_metrics_export_on_their_interval_and_at_close() -> None:
+    m = LocalMetrics(Resource.create(), "t")
+    h = m.histogram("h", "s", "", (1.0, 2.0))
+    c = m.counter("c", "{x}", "")
+    exp = _Exporter()
+    m.start(exp, interval_ms=20, timeout_ms=1000)
+    h.record(0.5, (("a", "x"),))
+    h.record(1.5, (("a", "x"),))
+    h.record(9.0, (("a", "y"),))
+    c.add(2, (("k", "v"),))
+    deadline = time.monotonic() + 5
+    while not exp.exports and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert exp.exports, "no periodic export"
+    m.close(1.0)
+    assert exp.shut
+    last = exp.exports[-1].resource_metrics[0].scope_metrics[0].metrics
+    by_name = {x.name: x for x in last}
+    points = {p.attributes["a"]: p for p in by_name["h"].data.data_points}
+    assert points["x"].bucket_counts == [1, 1, 0] and points["x"].count == 2
+    assert points["x"].sum == 2.0 and (points["x"].min, points["x"].max) == (0.5, 1.5)
+    assert points["y"].bucket_counts == [0, 0, 1]
+    assert [p.value for p in by_name["c"].data.data_points] == [2]
+    assert by_name["c"].data.is_monotonic
+
+
+def test_local_metrics_bound_their_attribute_sets() -> None:
+    from extproc.telemetry.metrics import MAX_POINTS
+
+    m = LocalMetrics(Resource.create(), "t")
+    c = m.counter("c", "1", "")
+    for i in range(MAX_POINTS + 10):
+        c.add(1, (("i", i),))
+    assert len(c.points) == MAX_POINTS + 1
+    assert c.points[(("otel.metric.overflow", True),)] == 10
