@@ -112,7 +112,10 @@ class OtelTelemetry(Telemetry):
         from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 
         check_proto_modules()
-        resource = Resource.create({SERVICE_NAME: settings.service_name})
+        # service.instance.id: the SDK's, one per process (the workers of `serve --workers N`
+        # report apart); OTEL_RESOURCE_ATTRIBUTES are read by the SDK
+        name = settings.service_name
+        resource = Resource.create({SERVICE_NAME: name} if name else {})
         tracer_provider = None
         metrics = None
         if settings.traces:

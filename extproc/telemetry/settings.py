@@ -72,7 +72,7 @@ class OtelSettings:
             traces_protocol=_protocol(env, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol),
             metrics_protocol=_protocol(env, "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", protocol),
             traces_endpoint=traces_ep,
-            service_name=env.get("OTEL_SERVICE_NAME", "").strip() or DEFAULT_SERVICE_NAME,
+            service_name=_service_name(env),
             metric_interval_ms=_millis(env, "OTEL_METRIC_EXPORT_INTERVAL", 60_000.0),
             metric_timeout_ms=_millis(env, "OTEL_METRIC_EXPORT_TIMEOUT", 30_000.0),
         )
@@ -88,6 +88,18 @@ def _protocol(env: Mapping[str, str], name: str, default: str) -> str:
             f"{name}={value!r}: the gateway exports OTLP over 'grpc' or 'http/protobuf'"
         )
     return value
+
+
+def _service_name(env: Mapping[str, str]) -> str:
+    """``OTEL_SERVICE_NAME``; else empty when ``OTEL_RESOURCE_ATTRIBUTES`` names the service
+    (the SDK takes it from there); else :data:`DEFAULT_SERVICE_NAME`."""
+    name = env.get("OTEL_SERVICE_NAME", "").strip()
+    if name:
+        return name
+    attrs = env.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    if any(kv.split("=", 1)[0].strip() == "service.name" for kv in attrs.split(",")):
+        return ""
+    return DEFAULT_SERVICE_NAME
 
 
 def _millis(env: Mapping[str, str], name: str, default: float) -> float:

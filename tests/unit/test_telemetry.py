@@ -101,6 +101,8 @@ def test_settings_follow_the_standard_variables() -> None:
     only_traces = OtelSettings.from_env({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4317"})
     assert (only_traces.traces, only_traces.metrics) == (True, False)
     assert only_traces.service_name == "ai-quota"
+    named = {"OTEL_EXPORTER_OTLP_ENDPOINT": "x", "OTEL_RESOURCE_ATTRIBUTES": "a=1, service.name=eu"}
+    assert OtelSettings.from_env(named).service_name == ""  # the SDK reads it from there
     with pytest.raises(OtelConfigError, match="grpc"):
         OtelSettings.from_env(
             {"OTEL_EXPORTER_OTLP_ENDPOINT": "x", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}
