@@ -377,13 +377,15 @@ def refusal(
             f"Rate limit reached for requests per {per} on tenant {tenant} ({scope}): "
             f"limit {b.limit.limit}, used {used}. Try again in {retry_seconds(retry)}s."
         )
-        return QuotaExceeded(msg, metric="rpm", retry_after_s=retry, headers=headers)
+        return QuotaExceeded(msg, metric="rpm", retry_after_s=retry, headers=headers, limit=b.limit)
     if b.metric == "concurrency":
         msg = (
             f"Concurrency limit reached on tenant {tenant} ({scope}, {b.limit.scope} scope): "
             f"{used} of {b.limit.limit} requests are already running. Retry when one ends."
         )
-        return QuotaExceeded(msg, metric="concurrency", retry_after_s=1.0, headers=headers)
+        return QuotaExceeded(
+            msg, metric="concurrency", retry_after_s=1.0, headers=headers, limit=b.limit
+        )
     amount = admission_amount(b, cost)
     too_large = [
         fb
@@ -402,20 +404,24 @@ def refusal(
             f"({cost.input_tokens} input + {cost.reserved_output} reserved output) but the "
             f"limit is {cap}. Shorten the prompt or lower max_tokens."
         )
-        return QuotaExceeded(msg, metric=b.metric, retry_after_s=None, headers=headers)
+        return QuotaExceeded(
+            msg, metric=b.metric, retry_after_s=None, headers=headers, limit=b.limit
+        )
     if b.metric == "cost":
         msg = (
             f"Budget exhausted on tenant {tenant} ({scope}): {describe(b.limit)}, used "
             f"{format_amount(b.limit, used)}, this request needs up to "
             f"{format_amount(b.limit, amount)}. It resets in {human_duration(retry)}."
         )
-        return QuotaExceeded(msg, metric="cost", retry_after_s=retry, headers=headers)
+        return QuotaExceeded(
+            msg, metric="cost", retry_after_s=retry, headers=headers, limit=b.limit
+        )
     msg = (
         f"Rate limit reached for tokens per {per} on tenant {tenant} ({scope}): limit "
         f"{b.limit.limit}, used {used}, requested {cost.tpm_amount}. Try again in {retry_seconds(retry)}s."
     )
     _ = model
-    return QuotaExceeded(msg, metric="tpm", retry_after_s=retry, headers=headers)
+    return QuotaExceeded(msg, metric="tpm", retry_after_s=retry, headers=headers, limit=b.limit)
 
 
 def scope_label(limit: Limit) -> str:

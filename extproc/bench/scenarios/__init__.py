@@ -22,6 +22,7 @@ from extproc.bench.scenarios import (
     scale,
     soak,
     streaming,
+    telemetry,
     tokenizer,
     workers,
 )
@@ -44,6 +45,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     admin.SCENARIO,
     failover.SCENARIO,
     engine.SCENARIO,
+    telemetry.SCENARIO,
 )
 
 #: The section names, as ``--only`` and ``--skip`` take them.
