@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.config import load_config_text
+from extproc.config.load import ConfigError
 from extproc.core.apis.messages import MESSAGES, assemble_message
 from extproc.core.apis.openai import CHAT, COMPLETIONS
 from extproc.core.apis.openai.reassemble import assemble_chat
@@ -386,5 +387,110 @@ def test_an_upstream_that_answers_json_to_a_stream_is_read_as_json() -> None:
         )
         await asyncio.sleep(0.05)
         assert proc.s.ending is Ending.COMPLETED and proc.s.output_decided == 5
+
+    asyncio.run(run())
+
+
+def test_an_exact_stream_interval_asks_the_engine_for_that_many_tokens_per_chunk() -> None:
+    """``exact_stream_interval``: the non-stream goes upstream with vLLM's ``stream_interval``
+    (one chunk, so one ext_proc message, per that many tokens); a chunk of several tokens is
+    rebuilt and, abandoned, counted as one of one token is."""
+
+    async def run() -> None:
+        proc, resp = await admitted(limiter(), EXACT + ", exact_stream_interval: 8")
+        sent = orjson.loads(resp.request_body.response.body_mutation.body)
+        assert sent["stream"] is True and sent["stream_interval"] == 8
+        await proc.handle(
+            pb.ProcessingRequest(
+                response_headers=headers({":status": "200", "content-type": "text/event-stream"})
+            )
+        )
+        for w in (" one", " two three four five six seven eight nine"):
+            await proc.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk(w))))
+        proc.close(Closed.CANCELLED)
+        await asyncio.sleep(0.05)
+        assert proc.s.ending is Ending.CLIENT_DISCONNECTED
+        assert proc.s.output_decided == 9  # every token of both chunks
+
+    asyncio.run(run())
+
+
+def test_a_client_stream_is_never_asked_for_a_stream_interval() -> None:
+    """The interval is the exact path's: a client's own stream keeps one chunk per token."""
+
+    async def run() -> None:
+        cfg = load_config_text(RULES % (EXACT + ", exact_stream_interval: 8"))
+        lim = limiter()
+        gw = Gateway(config=cfg, limiter=lim, clock=lim.inner.clock, metrics=Metrics())
+        proc = RequestProcessor(gw)
+        await proc.handle(
+            pb.ProcessingRequest(
+                request_headers=headers(
+                    {
+                        ":path": "/v1/chat/completions",
+                        ":method": "POST",
+                        "authorization": "Bearer sk-t",
+                    }
+                )
+            )
+        )
+        body = orjson.dumps(
+            {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        )
+        [resp] = await proc.handle(
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+        )
+        mutated = resp.request_body.response.body_mutation.body
+        assert not mutated or "stream_interval" not in orjson.loads(mutated)
+
+    asyncio.run(run())
+
+
+def test_an_exact_stream_interval_needs_the_exact_path() -> None:
+    with pytest.raises(ConfigError, match="exact_stream_interval"):
+        load_config_text(RULES % ", exact_stream_interval: 8")
+    with pytest.raises(ConfigError):  # more than 16 unsent tokens could go unbilled
+        load_config_text(RULES % (EXACT + ", exact_stream_interval: 17"))
+
+
+@pytest.mark.parametrize(
+    ("extra", "sent"), [(EXACT, None), (EXACT + ", exact_stream_interval: 4", 4)]
+)
+def test_a_clients_stream_interval_never_reaches_the_exact_paths_stream(
+    extra: str, sent: int | None
+) -> None:
+    """vLLM ignores ``stream_interval`` on a non-stream, but the exact path makes it a stream:
+    a client's 100,000 would leave every abandoned token but the first unseen (billed as not
+    generated).  Upstream, the gateway's interval or none."""
+
+    async def run() -> None:
+        cfg = load_config_text(RULES % extra)
+        lim = limiter()
+        gw = Gateway(config=cfg, limiter=lim, clock=lim.inner.clock, metrics=Metrics())
+        proc = RequestProcessor(gw)
+        await proc.handle(
+            pb.ProcessingRequest(
+                request_headers=headers(
+                    {
+                        ":path": "/v1/chat/completions",
+                        ":method": "POST",
+                        "authorization": "Bearer sk-t",
+                    }
+                )
+            )
+        )
+        body = orjson.dumps(
+            {
+                "model": "m",
+                "stream_interval": 100_000,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+        )
+        [resp] = await proc.handle(
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+        )
+        upstream = orjson.loads(resp.request_body.response.body_mutation.body)
+        assert upstream["stream"] is True
+        assert upstream.get("stream_interval") == sent
 
     asyncio.run(run())
