@@ -27,6 +27,7 @@ from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 from tokenizers import Tokenizer
 
 from extproc.bench.vllm import (
+    EXACT16_NAME,
     EXACT_NAME,
     RUN_AHEAD_BOUND,
     SERVED_NAME,
@@ -130,7 +131,10 @@ IGNORE_EOS: dict[str, Any] = {"ignore_eos": True}
 # -- completed requests: every API, streams and not ----------------------------------------
 
 
-@pytest.mark.parametrize(("model", "suffix"), [(SERVED_NAME, ""), (EXACT_NAME, "exact")])
+@pytest.mark.parametrize(
+    ("model", "suffix"),
+    [(SERVED_NAME, ""), (EXACT_NAME, "exact"), (EXACT16_NAME, "exact16")],
+)
 def test_chat_bill_equals_engine(
     engine: Engine, gateway: Stack, grds: redis.Redis, model: str, suffix: str
 ) -> None:
@@ -186,7 +190,10 @@ def test_chat_stream_bill_equals_engine(engine: Engine, gateway: Stack, grds: re
     check_exact(measure(engine, grds, "chatstream", run), gateway, "chatstream")
 
 
-@pytest.mark.parametrize(("model", "suffix"), [(SERVED_NAME, ""), (EXACT_NAME, "exact")])
+@pytest.mark.parametrize(
+    ("model", "suffix"),
+    [(SERVED_NAME, ""), (EXACT_NAME, "exact"), (EXACT16_NAME, "exact16")],
+)
 def test_completions_bill_equals_engine(
     engine: Engine, gateway: Stack, grds: redis.Redis, model: str, suffix: str
 ) -> None:
@@ -749,6 +756,22 @@ def test_an_abandoned_exact_non_stream_bills_what_the_engine_generated(
     check_abandons(
         [
             abandon(engine, gateway, grds, after, model=EXACT_NAME, key="abandonedexact")
+            for after in (0.5, 1.0, 2.0)
+        ],
+        EXACT_SHARE,
+    )
+
+
+def test_an_abandoned_exact_non_stream_with_a_stream_interval_bills_what_the_engine_generated(
+    engine: Engine, gateway: Stack, grds: redis.Redis
+) -> None:
+    """The exact path asking the engine for 16 tokens per chunk (``exact_stream_interval``:
+    one ext_proc message per 16 tokens): an abandon at 0.5, 1 and 2 s leaves at most the 15
+    tokens the engine generated but had not sent yet unseen, so the bill is still within 2 %
+    + 16 tokens of the engine's prompt and generation."""
+    check_abandons(
+        [
+            abandon(engine, gateway, grds, after, model=EXACT16_NAME, key="abandonedexact16")
             for after in (0.5, 1.0, 2.0)
         ],
         EXACT_SHARE,

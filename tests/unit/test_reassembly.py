@@ -22,7 +22,7 @@ from extproc.config.load import ConfigError
 from extproc.core.apis.messages import MESSAGES, assemble_message
 from extproc.core.apis.openai import CHAT, COMPLETIONS
 from extproc.core.apis.openai.reassemble import assemble_chat
-from extproc.core.apis.reassembly import BufferedStream, stream_events
+from extproc.core.apis.reassembly import BufferedStream, decoded_events, stream_events
 from extproc.core.apis.responses import RESPONSES
 from extproc.core.lifecycle import Closed, Ending
 from extproc.gateway import Gateway
@@ -494,3 +494,40 @@ def test_a_clients_stream_interval_never_reaches_the_exact_paths_stream(
         assert upstream.get("stream_interval") == sent
 
     asyncio.run(run())
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+payloads = st.one_of(
+    st.dictionaries(st.text(max_size=6), json_values, max_size=4).map(orjson.dumps),
+    st.sampled_from(
+        [b"[DONE]", b"", b"{", b"}", b'{"a":1},{"b":2}', b'{"a":[1', b"2]}", b"[1]", b"7"]
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    events=st.lists(payloads, max_size=12),
+    odd=st.sampled_from([b"", b": comment\n\n", b"event: x\n", b"\r\n", b"data:{}\n\n"]),
+    at=st.integers(min_value=0, max_value=12),
+    ended=st.booleans(),
+)
+def test_the_one_call_parse_reads_what_the_decoder_reads(
+    events: list[bytes], odd: bytes, at: int, ended: bool
+) -> None:
+    """The usual stream's events parsed in one call are the SSE decoder's, payload by
+    payload, whatever the payloads (malformed ones skipped, two objects in one event not
+    read as two) and whatever else the stream holds (comments, names, CRs, an unended
+    event)."""
+    blocks = [b"data: " + e + b"\n\n" for e in events]
+    blocks.insert(min(at, len(blocks)), odd)
+    raw = b"".join(blocks)
+    if not ended and raw.endswith(b"\n\n"):
+        raw = raw[:-1]
+    assert stream_events(raw) == decoded_events(raw)
