@@ -716,10 +716,10 @@ def test_an_abandoned_non_stream_bills_what_the_engine_generated(
     before = wait_idle(engine.metrics_url)
     t0 = time.monotonic()
     for _ in range(6):
-        r = c.chat.completions.create(
+        taught_by = c.chat.completions.create(
             model=SERVED_NAME, messages=MSG, max_tokens=400, extra_body=IGNORE_EOS
         )
-        assert r.usage is not None and r.usage.completion_tokens == 400
+        assert taught_by.usage is not None and taught_by.usage.completion_tokens == 400
     taught_s = time.monotonic() - t0
     taught = wait_idle(engine.metrics_url) - before
     engine_rate = taught.generation_tokens / taught_s
