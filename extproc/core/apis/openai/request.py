@@ -134,6 +134,7 @@ def rewrite_body(
     canonical_model: str | None = None,
     continuous_usage: bool = False,
     upstream_stream: bool = False,
+    stream_interval: int | None = None,
 ) -> bytes | None:
     """The mutated body to send upstream, or None when nothing needs to change.
 
@@ -145,7 +146,10 @@ def rewrite_body(
     ``continuous_usage`` asks an engine that can (vLLM, SGLang) for the running usage in every
     chunk (``stream_options.continuous_usage_stats``), which the meter then charges by.
     ``upstream_stream``: a non-stream sent upstream as a stream with usage (the exact path:
-    the gateway reassembles its JSON for the client).
+    the gateway reassembles its JSON for the client); with ``stream_interval``, the engine is
+    asked for that many tokens per chunk (vLLM's per-request ``stream_interval``: fewer
+    chunks, each one ext_proc message); a client's own ``stream_interval`` never goes
+    upstream on the exact path (it would choose what an abandon leaves unseen).
     """
     changed = bool(req.notes.get("normalised"))
     body = req.body
@@ -163,6 +167,14 @@ def rewrite_body(
             changed = True
     if upstream_stream and body.get("stream") is not True:
         body["stream"] = True
+        changed = True
+    if upstream_stream and body.get("stream_interval") != stream_interval:
+        # the gateway's alone: a client's (which vLLM ignores for the non-stream it sent)
+        # would choose how many generated tokens an abandon leaves unseen
+        if stream_interval is None:
+            del body["stream_interval"]
+        else:
+            body["stream_interval"] = stream_interval
         changed = True
     if upstream_stream or (
         req.stream and ((force_include_usage and not req.client_include_usage) or continuous_usage)
