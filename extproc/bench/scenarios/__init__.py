@@ -15,6 +15,7 @@ from extproc.bench.scenarios import (
     engine,
     failover,
     non_streams,
+    peer,
     profile,
     rls,
     rolling,
@@ -44,6 +45,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     admin.SCENARIO,
     failover.SCENARIO,
     engine.SCENARIO,
+    peer.SCENARIO,
 )
 
 #: The section names, as ``--only`` and ``--skip`` take them.
