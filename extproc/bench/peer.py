@@ -264,11 +264,18 @@ def served_tokens(records: Iterable[Mapping[str, Any]]) -> int:
     return sum(int(r.get("prompt_tokens", 0)) + int(r.get("tokens_sent", 0)) for r in records)
 
 
-def enforcement(served: int, limit: int) -> dict[str, float]:
-    """``served`` against ``limit``: the share of the limit used (%) and the tokens over it."""
-    return {
+def enforcement(served: int, limit: int, delivered: int | None = None) -> dict[str, float]:
+    """``served`` (what the upstream spent) against ``limit``: the share of the limit used (%)
+    and the tokens over it; with ``delivered`` (prompts plus the output tokens that reached
+    the clients: less than served when a proxy cuts streams, by the tokens in flight at the
+    cut), the tokens over the limit that reached clients too."""
+    out = {
         "served": float(served),
         "limit": float(limit),
         "used_pct": 100.0 * served / limit,
         "over": float(max(0, served - limit)),
     }
+    if delivered is not None:
+        out["delivered"] = float(delivered)
+        out["over_delivered"] = float(max(0, delivered - limit))
+    return out

@@ -63,7 +63,7 @@ async def test_floor_exchanges_the_gateways_messages_per_non_stream(tmp_path: Pa
 async def test_peer_section_against_litellm(tmp_path: Path) -> None:
     """The peer section end to end (quick) when LiteLLM's venv is already made (this test does
     not install it: ``scripts/bench --only peer`` does): every request of the CPU batches
-    succeeds through both proxies, both deliver every chunk, the gateway's strict run serves
+    succeeds through both proxies, both deliver every chunk, the gateway's strict run delivers
     no token over the limit, and the simulator saw every enforcement run's streams."""
     from extproc.bench import peer
 
@@ -79,7 +79,7 @@ async def test_peer_section_against_litellm(tmp_path: Path) -> None:
             if kind == "streams":
                 assert all(r["chunks"] == 200 * r["requests"] for r in rounds), arm
     runs = raw["enforcement"]
-    assert runs["gateway-strict"]["figures"]["over"] == 0
+    assert runs["gateway-strict"]["figures"]["over_delivered"] == 0
     assert all(r["upstream_requests"] >= 1 for r in runs.values())
     assert {r.name.split(":")[0] for r in bench.table.rows} >= {
         "proxy CPU per non-streaming request, c=1",

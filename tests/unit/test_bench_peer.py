@@ -79,6 +79,9 @@ def test_served_tokens_and_enforcement_figures() -> None:
         "over": 205.0,
     }
     assert peer.enforcement(1000, 2000)["over"] == 0.0
+    assert "delivered" not in peer.enforcement(1000, 2000)
+    cut = peer.enforcement(2012, 2000, delivered=2000)
+    assert (cut["over"], cut["delivered"], cut["over_delivered"]) == (12.0, 2000.0, 0.0)
     assert peer.enforcement(1000, 2000)["used_pct"] == 50.0
 
 
@@ -145,33 +148,38 @@ def test_latency_rows_compare_added_p50s() -> None:
 
 
 def test_enforcement_rows_hold_the_gateway_to_its_guarantees() -> None:
-    def run(served: int) -> dict[str, Any]:
-        return {"figures": peer.enforcement(served, 2000), "admitted": 4, "refused": 9, "cut": 4}
+    def run(served: int, delivered: int) -> dict[str, Any]:
+        figures = peer.enforcement(served, 2000, delivered)
+        return {"figures": figures, "admitted": 4, "refused": 9, "cut": 4}
 
     rows = section.enforcement_rows(
         {
-            "gateway-strict": run(1990),
-            "gateway-lazy": run(2200),
-            "litellm-reserve": run(1105),
-            "litellm-noreserve": run(5525),
+            "gateway-strict": run(2010, 2000),  # 10 tokens in flight at the cuts
+            "gateway-lazy": run(2230, 2200),
+            "litellm-reserve": run(1105, 1105),
+            "litellm-noreserve": run(5525, 5525),
         },
         every=64,
         clients=4,
     )
-    by = {r.name: r for r in rows}
-    strict_used = by["TPM 2,000/min, tokens served / limit: gateway strict"]
-    assert strict_used.value == pytest.approx(99.5) and strict_used.met is True
-    assert by["TPM 2,000/min, tokens served over the limit: gateway strict"].met is True
-    lazy_over = by["TPM 2,000/min, tokens served over the limit: gateway lazy (N = 64)"]
+    by = {r.name.split(", ", 1)[1]: r for r in rows}
+    assert len(rows) == 12
+    strict_used = by["tokens the upstream served / limit: gateway strict"]
+    assert strict_used.value == pytest.approx(100.5) and strict_used.met is True
+    assert by["tokens over it, upstream: gateway strict"].value == 10.0
+    assert by["tokens over it, upstream: gateway strict"].met is None  # reported
+    assert by["tokens over it, delivered to clients: gateway strict"].met is True
+    lazy_over = by["tokens over it, delivered to clients: gateway lazy (N = 64)"]
     assert lazy_over.value == 200.0 and lazy_over.target == "<= 256 tokens"
     assert lazy_over.met is True
-    theirs = by["TPM 2,000/min, tokens served over the limit: LiteLLM (token reservation off)"]
+    theirs = by["tokens over it, upstream: LiteLLM (token reservation off)"]
     assert theirs.value == 3525.0 and theirs.met is None  # reported, not judged
-    assert "served 5,525 of 2,000" in (
-        by["TPM 2,000/min, tokens served / limit: LiteLLM (token reservation off)"].note
-    )
-    over = section.enforcement_rows({"gateway-strict": run(2001)}, every=64, clients=4)
-    assert [r.met for r in over] == [True, False]
+    used = by["tokens the upstream served / limit: LiteLLM (token reservation off)"]
+    assert "served 5,525 of 2,000" in used.note and used.met is None
+    over = section.enforcement_rows({"gateway-strict": run(1980, 2001)}, every=64, clients=4)
+    assert [r.met for r in over] == [True, None, False]
+    short = section.enforcement_rows({"gateway-strict": run(1970, 1970)}, every=64, clients=4)
+    assert [r.met for r in short] == [False, None, True]  # 98.5 % used
 
 
 def test_a_venv_that_cannot_be_made_raises_and_leaves_nothing(tmp_path: Path) -> None:
