@@ -104,6 +104,7 @@ def _round(per_req: float, envoy: float, chunks: int = 0, requests: int = 10) ->
             },
         },
         "p50_ms": None,
+        "ext_proc_msgs": chunks // 2,
     }
 
 
@@ -127,7 +128,7 @@ def test_cpu_rows_judge_litellm_over_gateway() -> None:
     assert (chunk.value, chunk.base) == (1250.0, 300.0)
     assert chunk.ratio == pytest.approx(250000 / 60000)
     assert chunk.target == ">= 5x" and chunk.met is False
-    assert "ours: Envoy 100 + processor 200 µs" in chunk.note
+    assert "ours: Envoy 100 + processor 200 µs, 2.00 chunks per ext_proc message" in chunk.note
 
 
 def test_latency_rows_compare_added_p50s() -> None:

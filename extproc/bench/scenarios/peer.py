@@ -78,6 +78,8 @@ class Arm:
     key: str
     meters: dict[str, system.CpuMeter]
     peer_model: bool = False
+    #: Envoy's admin port (the gateway): its ext_proc messages are counted per batch
+    envoy_admin: int = 0
 
     def shape(self, shape: Shape) -> Shape:
         """``shape`` as this arm sends it."""
@@ -87,11 +89,14 @@ class Arm:
 async def cpu_batch(arm: Arm, shape: Shape, count: int, concurrency: int) -> dict[str, Any]:
     """One batch: each meter's CPU over it and SETTLE_S after it, per request and per content
     chunk received; the p50 latency; failures."""
+    before = system.envoy_counters(arm.envoy_admin) if arm.envoy_admin else {}
     for m in arm.meters.values():
         m.start()
     rs = await batch(arm.url, arm.key, arm.shape(shape), count=count, concurrency=concurrency)
     await asyncio.sleep(SETTLE_S)
     cpu = {name: m.stop() for name, m in arm.meters.items()}
+    after = system.envoy_counters(arm.envoy_admin) if arm.envoy_admin else {}
+    msgs = sum(v - before.get(k, 0) for k, v in after.items() if k.endswith("stream_msgs_sent"))
     total = sum(cpu.values())
     chunks = sum(r.tokens for r in rs)
     return {
@@ -109,6 +114,7 @@ async def cpu_batch(arm: Arm, shape: Shape, count: int, concurrency: int) -> dic
             for k, v in cpu.items()
         },
         "p50_ms": pct_ms(rs, 50),
+        "ext_proc_msgs": msgs,
     }
 
 
@@ -151,6 +157,12 @@ def cpu_rows(rounds: dict[str, dict[str, list[dict[str, Any]]]]) -> list[Row]:
             for p in ("envoy", "processor")
         }
         note = f"ours: Envoy {split['envoy'] or 0:.0f} + processor {split['processor'] or 0:.0f} µs"
+        if fig == "cpu_per_chunk_us":  # Envoy may read several chunks at once: say how many
+            per_msg = med_rounds(
+                [r["chunks"] / r["ext_proc_msgs"] for r in per["gateway"] if r["ext_proc_msgs"]]
+            )
+            if per_msg is not None:
+                note += f", {per_msg:.2f} chunks per ext_proc message"
         failed = {arm: sum(r["failed"] for r in rs) for arm, rs in per.items()}
         parts = [note, ratio_note(theirs, ours)]
         if any(failed.values()):
@@ -385,6 +397,7 @@ async def _compare(b: Bench, stack: Stack, litellm: peer.Peer, raw: dict[str, An
         stack.base_url,
         KEY,
         {"envoy": system.CpuMeter(envoy), "processor": system.CpuMeter(processor)},
+        envoy_admin=stack.ports.envoy_admin,
     )
     theirs = Arm(litellm.base_url, KEY, {"litellm": system.CpuMeter([litellm.pid])}, True)
     direct = Arm(f"{stack.sim_url}/v1", KEY, {})
