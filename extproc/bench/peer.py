@@ -7,9 +7,9 @@ once it exists.  The project's own dependencies never include LiteLLM.
 
 How it is configured (:func:`render_config`, :data:`AUTH_MODULE`), honestly:
 
-* ``model_list``: ``sim-small`` (and ``sim-small-itl1``, the same model with the simulator's
-  ``x-sim-itl-ms: 1`` header added through ``extra_headers``, because LiteLLM does not forward a
-  client's ``x-sim-*`` headers) as ``openai/sim-small`` at the simulator the gateway's Envoy
+* ``model_list``: ``sim-small`` (and ``sim-small-itl<N>`` for N in :data:`ITLS`, the same model
+  with the simulator's ``x-sim-itl-ms: N`` header added through ``extra_headers``, because
+  LiteLLM does not forward a client's ``x-sim-*`` headers) as ``openai/sim-small`` at the simulator the gateway's Envoy
   routes to;
 * its limits: LiteLLM's per-key TPM/RPM limits, enforced by its default limiter (the v3
   "parallel request limiter", Lua scripts on Redis) on the **same redis-server** the gateway
@@ -66,8 +66,16 @@ LIMITED_RPM = PEER_RPM
 UNLIMITED_TPM = 10**12
 UNLIMITED_RPM = 10**12
 
-#: The model LiteLLM serves with the simulator's 1 ms inter-token delay (streams).
-ITL1_MODEL = "sim-small-itl1"
+#: The simulator's inter-token delays (ms) LiteLLM serves a model name for (streams).
+ITLS = (1, 10)
+
+
+def itl_model(itl_ms: float) -> str:
+    """The name LiteLLM serves the simulator's model under with ``itl_ms`` between tokens."""
+    if itl_ms not in ITLS:
+        raise ValueError(f"no LiteLLM model with {itl_ms} ms between tokens (have {ITLS})")
+    return f"sim-small-itl{itl_ms:g}"
+
 
 #: The ``custom_auth`` module written next to the config (see the module docstring).
 AUTH_MODULE = f'''"""Written by ai-quota's bench (extproc/bench/peer.py): every bearer token is a key;
@@ -150,10 +158,13 @@ def render_config(sim_port: int, redis_port: int, master_key: str) -> dict[str, 
     return {
         "model_list": [
             {"model_name": "sim-small", "litellm_params": dict(base)},
-            {
-                "model_name": ITL1_MODEL,
-                "litellm_params": {**base, "extra_headers": {"x-sim-itl-ms": "1"}},
-            },
+            *(
+                {
+                    "model_name": itl_model(ms),
+                    "litellm_params": {**base, "extra_headers": {"x-sim-itl-ms": f"{ms:g}"}},
+                }
+                for ms in ITLS
+            ),
         ],
         "general_settings": {
             "master_key": master_key,

@@ -38,7 +38,7 @@ class BenchPlan:
     #: 200-token streams per arm and round at c=16, the enforcement runs' clients and seconds
     peer_c1: int = 200
     peer_c16: int = 640
-    peer_streams: int = 48
+    peer_streams: int = 32
     peer_clients: int = 4
     peer_enforce_s: float = 12.0
 

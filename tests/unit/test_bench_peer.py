@@ -27,12 +27,16 @@ def test_the_pin_is_exact() -> None:
 def test_config_routes_both_models_to_the_simulator_and_limits_through_its_redis() -> None:
     cfg = peer.render_config(sim_port=18123, redis_port=16400, master_key="sk-m")
     models = {m["model_name"]: m["litellm_params"] for m in cfg["model_list"]}
-    assert set(models) == {"sim-small", peer.ITL1_MODEL}
+    assert set(models) == {"sim-small", "sim-small-itl1", "sim-small-itl10"}
     for params in models.values():
         assert params["model"] == "openai/sim-small"
         assert params["api_base"] == "http://127.0.0.1:18123/v1"
     assert "extra_headers" not in models["sim-small"]
-    assert models[peer.ITL1_MODEL]["extra_headers"] == {"x-sim-itl-ms": "1"}
+    assert models["sim-small-itl1"]["extra_headers"] == {"x-sim-itl-ms": "1"}
+    assert models["sim-small-itl10"]["extra_headers"] == {"x-sim-itl-ms": "10"}
+    assert peer.itl_model(10) == "sim-small-itl10"
+    with pytest.raises(ValueError, match="no LiteLLM model"):
+        peer.itl_model(3)
     general = cfg["general_settings"]
     assert general["coordination_redis"] == {"host": "127.0.0.1", "port": 16400}
     assert general["custom_auth"] == "peer_auth.user_api_key_auth"
@@ -118,8 +122,14 @@ def test_cpu_rows_judge_litellm_over_gateway() -> None:
             "gateway": [_round(60000, 20000, chunks=2000)] * 3,
             "litellm": [_round(250000, 0, chunks=2000)] * 3,
         },
+        "streams_itl1": {
+            "gateway": [_round(20000, 5000, chunks=2000)] * 3,
+            "litellm": [_round(200000, 0, chunks=2000)] * 3,
+        },
     }
-    c1, chunk = section.cpu_rows(rounds)
+    c1, chunk, chunk_itl1 = section.cpu_rows(rounds)
+    assert "10 ms apart" in chunk.name and "1 ms apart" in chunk_itl1.name
+    assert chunk_itl1.ratio == 10.0 and chunk_itl1.met is None  # reported, not judged
     assert (c1.value, c1.base) == (30000, 5000)
     assert c1.ratio == 6.0 and c1.target == ">= 6x" and c1.met is True
     assert "ours: Envoy 1400 + processor 3600 µs" in c1.note
