@@ -39,7 +39,7 @@ import orjson
 
 from extproc.bench import peer, system
 from extproc.bench.client import Result, Shape, connector, send
-from extproc.bench.drivers import KEY, US, batch, interleave, med_rounds, ok_count, pct_ms
+from extproc.bench.drivers import KEY, US, batch, interleave, med_rounds, pct_ms
 from extproc.bench.plan import Bench
 from extproc.bench.report import Row, Target, diff
 from extproc.bench.scenarios.base import Scenario, Stacks
@@ -70,8 +70,8 @@ PAUSE_S = 0.25
 
 
 def via_peer(shape: Shape) -> Shape:
-    """The shape as sent to LiteLLM: the ITL1 model when the simulator must space tokens
-    (LiteLLM does not forward the client's ``x-sim-*`` headers)."""
+    """The shape as sent to LiteLLM: the model name that adds the simulator's pacing header when
+    the shape paces tokens (LiteLLM does not forward the client's ``x-sim-*`` headers)."""
     return dataclasses.replace(shape, model=peer.itl_model(shape.itl_ms)) if shape.itl_ms else shape
 
 
@@ -106,7 +106,7 @@ async def cpu_batch(arm: Arm, shape: Shape, count: int, concurrency: int) -> dic
     chunks = sum(r.tokens for r in rs)
     return {
         "requests": len(rs),
-        "failed": len(rs) - ok_count(rs) + sum(1 for r in rs if shape.stream and not r.done),
+        "failed": sum(1 for r in rs if r.status != 200 or r.error or (shape.stream and not r.done)),
         "chunks": chunks,
         "cpu_s": cpu,
         "cpu_per_req_us": total / max(1, len(rs)) * US,
