@@ -15,6 +15,7 @@ from extproc.bench.scenarios import (
     engine,
     failover,
     non_streams,
+    peer,
     profile,
     rls,
     rolling,
@@ -46,6 +47,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     failover.SCENARIO,
     engine.SCENARIO,
     telemetry.SCENARIO,
+    peer.SCENARIO,
 )
 
 #: The section names, as ``--only`` and ``--skip`` take them.
