@@ -87,7 +87,13 @@ class UsageServicer(usage_pb2_grpc.UsageServicer):
         if tenant is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown tenant {tenant_id!r}")
         assert tenant is not None
-        limits = tenant.limits
+        # the tenant's, its key's and its levels' (organisation, team); an end user's are read
+        # per end user, none here
+        limits = tuple(
+            lim
+            for lim in tenant.limits_for(key_name)
+            if lim.scope != "user" and lim.metric != "users"
+        )
         if request.model:
             model = cfg.resolve_model(request.model)
             if model is None:
@@ -95,9 +101,9 @@ class UsageServicer(usage_pb2_grpc.UsageServicer):
             assert model is not None
             limits = tuple(lim for lim in limits if lim.applies_to(model.name))
         if not key_name:
-            limits = tuple(lim for lim in limits if lim.scope == "tenant")
+            limits = tuple(lim for lim in limits if lim.scope != "key")
         now = self.gw.clock.now_ms()
-        buckets = windowed(self.gw.key_prefix, tenant.id, key_name, limits, now)
+        buckets = windowed(self.gw.key_prefix, tenant.slot, key_name, limits, now)
         try:
             values = await self._values(buckets, now)
         except LimiterUnavailable as exc:

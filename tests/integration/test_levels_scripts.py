@@ -1,0 +1,107 @@
+"""Levels on every backend (the in-memory limiter, Redis, a three-node Redis Cluster): one
+admission call over the organisation, team, tenant and end-user counters of the example rules
+(one Cluster slot: the call would fail with CROSSSLOT otherwise), all or nothing, and a team's
+cap on distinct end users (a set: a known end user passes, a new one beyond the cap is
+refused, nothing charged)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from extproc.config.load import load_config
+from extproc.core.admission_plan import admission_charges, compute_cost, refusal
+from extproc.core.keys import ledger_key, windowed
+from extproc.core.rules import Charging
+from tests.limiters import Backend
+
+pytestmark = pytest.mark.integration
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "config" / "examples" / "hierarchy.yaml"
+
+
+async def test_levels_admit_in_one_call_and_cap_end_users(backend: Backend) -> None:
+    cfg = load_config(EXAMPLE)
+    acme = cfg.tenants["acme"]
+    prefix = f"lv{uuid.uuid4().hex[:6]}"  # fresh counters on a shared server
+    now = int(time.time() * 1000)
+    lim = backend.limiter
+
+    async def ask(key: str, user: str, tokens: int) -> tuple[list, object]:  # type: ignore[type-arg]
+        bs = windowed(prefix, acme.slot, key, acme.limits_for(key), now, user=user)
+        cost = compute_cost(
+            input_tokens=tokens, per_choice_max=0, n=1, stream=False, charging=Charging()
+        )
+        led = ledger_key(prefix, acme.slot, uuid.uuid4().hex)
+        res = await lim.admit(
+            led,
+            admission_charges(bs, cost),
+            tpm_charged=tokens,
+            count_refused=False,
+            ledger_ttl_ms=60_000,
+        )
+        if not res.admitted:
+            err = refusal(bs, res.values, cost, now, tenant="acme", model="sim-small")
+            return bs, err
+        return bs, res
+
+    # u1 of research: 1,500 per minute
+    _, r = await ask("research", "u1", 1400)
+    assert getattr(r, "admitted", False)
+    _, r = await ask("research", "u1", 200)
+    assert getattr(r, "level", "") == "user=research/u1", r
+    # u2 goes on; then research's 4,000 is what refuses
+    for user in ("u2", "u3"):
+        _, r = await ask("research", user, 1300)
+        assert getattr(r, "admitted", False), r
+    _, r = await ask("research", "u4", 200)  # research holds 4,000
+    assert getattr(r, "level", "") == "team=research", r
+    # product: only what the organisation has left (6,000 - 4,000)
+    _, r = await ask("product", "", 1900)
+    assert getattr(r, "admitted", False), r
+    bs, r = await ask("product", "", 200)
+    assert getattr(r, "level", "") == "organisation=acme", r
+    assert "organisation acme" in getattr(r, "message", "")
+    org = next(b for b in bs if b.limit.scope == "organisation")
+    assert await backend.probe.counter(org.key) == 5900  # all or nothing: the refusals added 0
+
+
+async def test_a_team_caps_its_distinct_end_users(backend: Backend) -> None:
+    cfg = load_config(EXAMPLE)
+    acme = cfg.tenants["acme"]
+    # the example's cap is 1,000 a minute: a copy of its research team's limits with cap 2
+    import dataclasses
+
+    limits = tuple(
+        dataclasses.replace(x, limit=2) if x.metric == "users" else x
+        for x in acme.limits_for("research")
+    )
+    prefix = f"lu{uuid.uuid4().hex[:6]}"
+    now = int(time.time() * 1000)
+    cost = compute_cost(input_tokens=1, per_choice_max=0, n=1, stream=False, charging=Charging())
+
+    async def ask(user: str) -> bool:
+        bs = windowed(prefix, acme.slot, "research", limits, now, user=user)
+        res = await backend.limiter.admit(
+            ledger_key(prefix, acme.slot, uuid.uuid4().hex),
+            admission_charges(bs, cost),
+            tpm_charged=1,
+            count_refused=False,
+            ledger_ttl_ms=60_000,
+        )
+        if not res.admitted:
+            err = refusal(bs, res.values, cost, now, tenant="acme", model="sim-small")
+            assert err.metric == "users" and err.level == "team=research", err.message
+        return res.admitted
+
+    assert [await ask(u) for u in ("a", "b", "a", "b", "c", "a")] == [
+        True,
+        True,
+        True,
+        True,
+        False,
+        True,
+    ]
