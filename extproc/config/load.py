@@ -475,6 +475,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         identity=cfg.identity,
         end_users=cfg.end_users,
         organisations=lv.teams(),
+        level_limits=dict(lv.own),
         ledger_ttl_seconds=cfg.ledger_ttl_seconds,
         plaintext_keys=plaintext,
         plan_failure_modes={n: p.failure_mode for n, p in cfg.plans.items() if p.failure_mode},

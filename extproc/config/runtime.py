@@ -153,6 +153,16 @@ class RuntimeConfig:
     end_users: EndUserPolicy = field(default_factory=EndUserPolicy)
     # organisation -> its teams (docs/semantics.md, "Levels"), for usage and the admin API
     organisations: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # ("organisation" | "team", id) -> the level's own limits (a team's: per end user too)
+    level_limits: dict[tuple[str, str], tuple[Limit, ...]] = field(default_factory=dict)
+
+    def organisation_of_team(self, team: str) -> str | None:
+        """The organisation team ``team`` is in (None: no such team)."""
+        for org, teams in self.organisations.items():
+            if team in teams:
+                return org
+        return None
+
     plaintext_keys: int = 0
     plan_failure_modes: dict[str, Literal["closed", "open"]] = field(default_factory=dict)
     # plan -> requested model -> fallback model (canonical names)

@@ -9,6 +9,8 @@ simulator's own records of what it generated."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,12 +19,14 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 import redis
 import yaml
 
+from extproc.records.model import UsageRecord
 from extproc.stack import Stack
-from tests.e2e.conftest import make_stack
+from tests.e2e.conftest import make_stack, usage_flags
 from tests.e2e.test_streaming import MSG
 
 pytestmark = pytest.mark.e2e
@@ -147,7 +151,9 @@ def test_example_levels_hold_and_name_themselves(hstack: Stack, rds: redis.Redis
     ids["product"].add(rid)
     assert cut is not None, "the stream must be cut when the organisation runs out"
     assert "organisation acme" in str(cut), cut
-    assert got < 6000 - team  # only what the organisation had left, not product's 4,000
+    # only what the organisation had left (lazy: up to one charge batch past it), far from
+    # product's own 4,000
+    assert got <= 6000 - team + EVERY
     all_settled(rds, len(ids["research"]) + 1)
     org = counter(rds, "o")
     assert 6000 - EVERY < org <= 6000 + EVERY  # lazy: at most one charge batch over
@@ -159,6 +165,64 @@ def test_example_levels_hold_and_name_themselves(hstack: Stack, rds: redis.Redis
     assert err is not None and "organisation acme" in str(err), err
     assert err.response.headers["x-aiquota-limit-level"] == "organisation=acme"
     assert err.response.headers["x-ratelimit-level-tokens"] == "organisation=acme"
+
+    # ai-quota usage: a key reads its own levels (its end user's too), the admin any level
+    mine = usage(hstack, "--key", "sk-acme-research", "--end-user", "u1")
+    levels = {b["level"]: b["used"] for b in mine["buckets"] if b["metric"] == "tpm"}
+    assert levels["organisation=acme"] == counter(rds, "o")
+    assert levels["team=research"] == counter(rds, "g.research")
+    assert levels["user=research/u1"] == counter(rds, "u.research.u1")
+    assert (mine["organisation"], mine["team"]) == ("acme", "research")
+    whole = usage(hstack, "--organisation", "acme", admin=True)
+    levels = {b["level"]: b["used"] for b in whole["buckets"]}
+    assert levels == {
+        "organisation=acme": counter(rds, "o"),
+        "team=research": counter(rds, "g.research"),
+        "team=product": counter(rds, "g.product"),
+    }
+    denied = usage(hstack, "--key", "sk-acme-product", "--team", "research", check=False)
+    assert "PERMISSION_DENIED" in denied["error"]
+
+    # usage records carry the level ids
+    want = ids["research"] | ids["product"]
+    deadline = time.monotonic() + 15  # the recorder writes in the background, in batches
+    recs: dict[str, UsageRecord] = {}
+    while len(recs) < len(want):
+        assert time.monotonic() < deadline, f"records: {len(recs)} of {len(want)}"
+        for _, f in rds.xrange("aiq:usage") or []:
+            rec = UsageRecord.from_fields(f or {})
+            if rec.request_id in want:
+                recs[rec.request_id] = rec
+        time.sleep(0.05)
+    assert {(r.organisation, r.team) for r in recs.values()} == {
+        ("acme", "research"),
+        ("acme", "product"),
+    }
+    assert {r.end_user for r in recs.values() if r.team == "research"} >= {"u1", "u2", "u3"}
+    assert sum(r.input_tokens + r.output_tokens for r in recs.values()) == counter(rds, "o")
+
+
+def usage(stack: Stack, *flags: str, admin: bool = False, check: bool = True) -> dict[str, Any]:
+    """``ai-quota usage ... --json`` against the stack (``error``: its stderr when it fails)."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "extproc",
+            "usage",
+            *flags,
+            "--json",
+            *usage_flags(stack, admin=admin),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    if out.returncode != 0:
+        assert not check, out.stderr
+        return {"error": out.stderr}
+    return dict(orjson.loads(out.stdout))
 
 
 # -- money budgets at two levels ------------------------------------------------------------
