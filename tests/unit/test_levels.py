@@ -321,3 +321,59 @@ def test_admission_plan_keeps_its_buckets_for_signature() -> None:
         user="zed",
     )
     assert any(":u.research.zed:" in b.key for b in bs)
+
+
+# -- RLS descriptors naming a level ---------------------------------------------------------
+
+RLS_LEVELS = (
+    "domain: d\ndescriptors:\n"
+    "  - key: org\n    ai_quota: {bucket: tpm, organisation: org}\n"
+    "    rate_limit: {unit: minute, requests_per_unit: 6000}\n"
+    "  - key: team\n    ai_quota: {bucket: tpm, team: team}\n"
+    "    rate_limit: {unit: minute, requests_per_unit: 4000}\n"
+    "  - key: tenant\n    ai_quota: {bucket: tpm, tenant: tenant}\n"
+    "    rate_limit: {unit: minute, requests_per_unit: 100000}\n"
+)
+
+
+def test_rls_descriptors_naming_a_level_share_the_gateways_counters() -> None:
+    """``ai_quota: {organisation: org}`` (or ``team:``) counts in the very counter the gateway's
+    admissions charge for that level; a tenant inside an organisation is linked in its
+    organisation's slot; an unknown organisation is counted on the rule's own key."""
+    from extproc.rls.load import compile_domains
+    from extproc.rls.match import Descriptor, plan
+    from extproc.rls.parse import parse_text
+
+    cfg = load_config(EXAMPLE)
+    acme = cfg.tenants["acme"]
+    gateway = {
+        (b.limit.scope, b.limit.owner): b.key
+        for b in windowed("aiq", acme.slot, "research", acme.limits_for("research"), NOW)
+        if b.metric == "tpm"
+    }
+    rls = compile_domains([parse_text(RLS_LEVELS, "levels.yaml")])
+
+    def key(entry: str, value: str) -> str:
+        p = plan(
+            rls,
+            "d",
+            [Descriptor(((entry, value),))],
+            1,
+            NOW,
+            tenants=cfg.tenants,
+            models=cfg.models,
+            organisations=cfg.organisations,
+        )
+        return p.counted[0].key
+
+    assert key("org", "acme") == gateway[("organisation", "acme")]
+    assert key("team", "research") == gateway[("team", "research")]
+    assert key("tenant", "acme") == gateway[("tenant", "")]
+    assert key("org", "nope").startswith("aiq:{nope}:rls:d:")
+    with pytest.raises(Exception, match="one of tenant, organisation or team"):
+        parse_text(
+            RLS_LEVELS.replace(
+                "{bucket: tpm, team: team}", "{bucket: tpm, team: team, tenant: team}"
+            ),
+            "x.yaml",
+        )
