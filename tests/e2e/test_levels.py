@@ -321,3 +321,101 @@ def test_money_budgets_at_two_levels_hold_strictly(mstack: Stack) -> None:
     assert "organisation money" in str(info.value)
     assert info.value.response.headers["x-aiquota-limit-level"] == "organisation=money"
     rds.close()
+
+
+# -- strict: never over at any level, 64 streams at once ------------------------------------
+
+
+def strict_rules() -> dict[str, Any]:
+    return {
+        "version": 1,
+        "charging": {"charge_every_tokens": 16},
+        "models": {
+            "sim-small": {
+                "tokenizer": {"kind": "tiktoken", "encoding": "cl100k_base"},
+                "max_output_tokens": 4096,
+            }
+        },
+        "plans": {"big": {"limits": [{"per": "day", "rpm": 100000, "tpm": 4500}]}},
+        "organisations": {
+            "so": {
+                "limits": [{"per": "day", "tpm": 5000}],
+                "charging": {"streaming": "strict"},
+            }
+        },
+        "teams": {
+            f"st{i}": {
+                "organisation": "so",
+                "limits": [{"per": "day", "tpm": 3000}],
+                "end_users": {"limits": [{"per": "day", "tpm": 1200}], "per": "day"},
+            }
+            for i in (1, 2)
+        },
+        "tenants": {
+            "s": {
+                "plan": "big",
+                "keys": [
+                    {"name": f"k{i}", "plaintext": f"sk-strict-{i}", "team": f"st{i}"}
+                    for i in (1, 2)
+                ],
+            }
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def sstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = make_stack(Path(tmp_path_factory.mktemp("strict-levels")), rules=strict_rules())
+    yield s
+    s.stop()
+
+
+def test_strict_levels_are_never_over_with_64_concurrent_streams(sstack: Stack) -> None:
+    """64 streams at once, over two teams and four end users (two per team), each asking far
+    more than any level allows: once all are settled, no counter of any level (the
+    organisation, each team, each end user, the tenant) is over its limit, and the tokens the
+    clients received fit in each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rds = redis.Redis(port=sstack.ports.redis, decode_responses=True)
+    got: dict[tuple[int, str], int] = {}
+
+    def one(i: int) -> tuple[tuple[int, str], int]:
+        team, user = 1 + i % 2, f"u{(i // 2) % 2}"
+        c = oai(sstack, f"sk-strict-{team}")
+        n = 0
+        try:
+            for ch in c.chat.completions.create(
+                model="sim-small", messages=MSG, max_tokens=400, stream=True, user=user
+            ):
+                if ch.choices and ch.choices[0].delta.content:
+                    n += 1
+        except openai.APIError:
+            pass  # refused or cut: what it received still counts below
+        return (team, user), n
+
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        for who, n in pool.map(one, range(64)):
+            got[who] = got.get(who, 0) + n
+    deadline = time.monotonic() + 30
+    while any(
+        rds.hget(k, "state") not in ("settled", "reclaimed")
+        for k in rds.scan_iter("aiq:{@o.so}:req:*")
+    ):
+        assert time.monotonic() < deadline, "settlements not applied"
+        time.sleep(0.05)
+
+    def used(scope: str) -> int:
+        return sum(int(rds.get(k) or 0) for k in rds.scan_iter(f"aiq:{{@o.so}}:tpm:{scope}:*"))
+
+    limits = {"o": 5000, "t.s": 4500, "g.st1": 3000, "g.st2": 3000}
+    limits |= {f"u.st{t}.u{u}": 1200 for t in (1, 2) for u in (0, 1)}
+    over = {scope: used(scope) - cap for scope, cap in limits.items() if used(scope) > cap}
+    assert over == {}, f"over their limits: {over}"
+    assert used("o") > 5000 - 64 * 16  # the organisation was used up (the streams were cut)
+    assert sum(got.values()) <= 5000
+    for t in (1, 2):
+        assert got.get((t, "u0"), 0) + got.get((t, "u1"), 0) <= 3000
+        for u in ("u0", "u1"):
+            assert got.get((t, u), 0) <= 1200
+    rds.close()
