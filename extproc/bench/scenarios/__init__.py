@@ -14,6 +14,7 @@ from extproc.bench.scenarios import (
     door,
     engine,
     failover,
+    levels,
     non_streams,
     profile,
     rls,
@@ -44,6 +45,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     admin.SCENARIO,
     failover.SCENARIO,
     engine.SCENARIO,
+    levels.SCENARIO,
 )
 
 #: The section names, as ``--only`` and ``--skip`` take them.
