@@ -312,6 +312,7 @@ class KeyView:
     key_id: str = ""
     created_at: float = 0.0
     expires_at: float = 0.0
+    team: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,6 +324,8 @@ class TenantView:
     source: str
     limits: tuple[schema.LimitEntry, ...]
     keys: tuple[KeyView, ...]
+    organisation: str = ""
+    team: str = ""
 
 
 def tenant_ids(state: StoreState, rules: FileRules) -> list[str]:
@@ -351,7 +354,7 @@ def tenant_view(state: StoreState, rules: FileRules, tid: str, now: float) -> Te
     limits = store_t.limits if store_t else tuple(file_t.limits) if file_t else ()
     keys: list[KeyView] = []
     if file_t is not None:
-        keys.extend(KeyView(name=fk.name, source="file") for fk in file_t.keys)
+        keys.extend(KeyView(name=fk.name, source="file", team=fk.team or "") for fk in file_t.keys)
     for k in sorted(state.keys.values(), key=lambda k: (k.created_at, k.id)):
         if k.tenant == tid and k.active(now):
             keys.append(
@@ -361,6 +364,17 @@ def tenant_view(state: StoreState, rules: FileRules, tid: str, now: float) -> Te
                     key_id=k.id,
                     created_at=k.created_at,
                     expires_at=k.expires_at or 0.0,
+                    team=k.team,
                 )
             )
-    return TenantView(tenant=tid, plan=plan, source=source, limits=limits, keys=tuple(keys))
+    org = store_t.organisation if store_t else (file_t.organisation or "") if file_t else ""
+    team = store_t.team if store_t else (file_t.team or "") if file_t else ""
+    return TenantView(
+        tenant=tid,
+        plan=plan,
+        source=source,
+        limits=limits,
+        keys=tuple(keys),
+        organisation=org,
+        team=team,
+    )

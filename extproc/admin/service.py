@@ -102,12 +102,18 @@ def _rpc(
 
 def _tenant_message(view: TenantView) -> Any:
     """A tenant view as an ``admin_pb2.Tenant``."""
-    msg = admin_pb2.Tenant(tenant=view.tenant, plan=view.plan, source=view.source)
+    msg = admin_pb2.Tenant(
+        tenant=view.tenant,
+        plan=view.plan,
+        source=view.source,
+        organisation=view.organisation,
+        team=view.team,
+    )
     for lim in view.limits:
         msg.limits.append(limit_to_message(lim, admin_pb2.Limit))
     for k in view.keys:
         if k.source == "file":
-            msg.keys.append(admin_pb2.KeyInfo(name=k.name, source=k.source))
+            msg.keys.append(admin_pb2.KeyInfo(name=k.name, source=k.source, team=k.team))
         else:
             msg.keys.append(
                 admin_pb2.KeyInfo(
@@ -116,6 +122,7 @@ def _tenant_message(view: TenantView) -> Any:
                     source=k.source,
                     created_at=k.created_at,
                     expires_at=k.expires_at,
+                    team=k.team,
                 )
             )
     return msg

@@ -167,6 +167,9 @@ def test_levels_set_at_run_time_hold_and_are_named(admin_stack: tuple[Stack, int
         port, token, "create-key", "--tenant", "t-org", "--name", "k1", "--team", "tm-run"
     )
     other = admin(port, token, "create-key", "--tenant", "t-org", "--name", "k2")
+    view = admin(port, token, "get", "--tenant", "t-org")
+    assert view["organisation"] == "o-run" and view["team"] == ""
+    assert {k["name"]: k["team"] for k in view["keys"]} == {"k1": "tm-run", "k2": ""}
     levels = admin(port, token, "levels")["levels"]
     assert {(lv["kind"], lv["name"], lv["source"]) for lv in levels} >= {
         ("organisation", "o-run", "store"),
