@@ -105,3 +105,69 @@ async def test_a_team_caps_its_distinct_end_users(backend: Backend) -> None:
         False,
         True,
     ]
+
+
+async def test_concurrency_weighted_and_shadow_limits_at_levels(backend: Backend) -> None:
+    """Any limit kind at a level: an organisation's concurrency slot and a team's weighted
+    tokens refuse naming their level; a shadow limit at a level counts and never refuses."""
+    import yaml
+
+    from extproc.config.load import load_config_text
+
+    doc = {
+        "version": 1,
+        "models": {"m": {"tokenizer": {"kind": "estimate"}, "max_output_tokens": 100}},
+        "plans": {"p": {"limits": [{"per": "minute", "tpm": 10**9}]}},
+        "organisations": {
+            "o": {"limits": [{"concurrency": 1}, {"per": "minute", "tpm": 5, "shadow": True}]}
+        },
+        "teams": {
+            "t": {
+                "organisation": "o",
+                "limits": [
+                    {"per": "day", "weighted_tokens": 100, "weights": {"input": 2, "output": 1}}
+                ],
+            }
+        },
+        "tenants": {
+            "x": {"plan": "p", "team": "t", "keys": [{"name": "k", "plaintext": "sk-lv-x"}]}
+        },
+    }
+    cfg = load_config_text(yaml.safe_dump(doc))
+    x = cfg.tenants["x"]
+    prefix = f"lk{uuid.uuid4().hex[:6]}"
+    now = int(time.time() * 1000)
+
+    async def ask(tokens: int, lease: bool) -> object:
+        bs = windowed(prefix, x.slot, "k", x.limits_for("k"), now, lease_ms=30_000)
+        cost = compute_cost(
+            input_tokens=tokens, per_choice_max=0, n=1, stream=False, charging=Charging()
+        )
+        res = await backend.limiter.admit(
+            ledger_key(prefix, x.slot, uuid.uuid4().hex),
+            admission_charges(bs, cost),
+            tpm_charged=tokens,
+            count_refused=False,
+            ledger_ttl_ms=60_000,
+            now_ms=now,
+            lease_until_ms=now + 30_000 if lease else 0,
+        )
+        if res.admitted:
+            return res
+        return refusal(bs, res.values, cost, now, tenant="x", model="m")
+
+    first = await ask(10, True)  # 20 weighted of 100; over the shadow 5 tokens: still admitted
+    assert getattr(first, "admitted", False), first
+    err = await ask(10, True)  # the organisation's one slot is taken
+    assert getattr(err, "level", "") == "organisation=o" and getattr(err, "metric", "") == (
+        "concurrency"
+    ), err
+    assert "organisation o" in getattr(err, "message", "")
+    doc["organisations"]["o"]["limits"] = [{"per": "minute", "tpm": 5, "shadow": True}]
+    cfg = load_config_text(yaml.safe_dump(doc))
+    x = cfg.tenants["x"]
+    for _ in range(4):  # 20 more weighted each: 100 reached by the 4th
+        assert getattr(await ask(10, False), "admitted", False)
+    err = await ask(10, False)
+    assert getattr(err, "level", "") == "team=t" and getattr(err, "metric", "") == "cost", err
+    assert "weighted tokens per day" in getattr(err, "message", "")
