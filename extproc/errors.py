@@ -23,6 +23,7 @@ one place per API format: ``extproc.core.apis`` (OpenAI shapes in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class GatewayError(Exception):
@@ -174,10 +175,13 @@ class QuotaExceeded(ClientError):
         retry_after_s: float | None,
         headers: RateLimitHeaders,
         level: str = "",
+        limit: Any = None,
     ) -> None:
         super().__init__(message)
         self.metric = metric
         self.level = level  # the level that refused: ``organisation=acme`` ("" none named)
+        # the rule that refused (an ``extproc.core.rules.Limit``: traces name it), when known
+        self.limit = limit
         self.error_type, self.code = _REFUSALS.get(metric, ("requests", "rpm_limit_exceeded"))
         self.retry_after_s = retry_after_s
         self.headers = headers
@@ -271,8 +275,18 @@ class StreamCut(GatewayError):
     (429 for an exhausted quota, 503 when the backend is unavailable or the server stops).
     """
 
-    def __init__(self, message: str, *, status: int, error_type: str, code: str) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int,
+        error_type: str,
+        code: str,
+        limit: Any = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.error_type = error_type
         self.code = code
+        # the rule that ran out (a quota cut: an ``extproc.core.rules.Limit``; traces name it)
+        self.limit = limit

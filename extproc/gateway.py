@@ -41,6 +41,8 @@ from extproc.limiter.base import (
 from extproc.limiter.batch import SETTLEMENT_RIDE_S, BatchSettings, Outcome, SettlementBatcher
 from extproc.limiter.kept import SettlementQueue
 from extproc.metrics import Metrics
+from extproc.telemetry.base import NOOP as NO_TELEMETRY
+from extproc.telemetry.base import Telemetry
 
 if TYPE_CHECKING:
     from extproc.records.writer import UsageRecorder
@@ -124,6 +126,8 @@ class Gateway:
     recorder: UsageRecorder | None = None
     # Hash of the effective rules in force (file and admin store): metrics, the usage API.
     config_version: str = ""
+    # OpenTelemetry traces and metrics (extproc/telemetry/); a no-op unless OTEL_* configure it
+    telemetry: Telemetry = NO_TELEMETRY
 
     def install(self, config: RuntimeConfig, version: str) -> None:
         """Swap the rules in (requests in flight keep the ones they started with) and publish

@@ -315,6 +315,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
             continuous_usage=m.stream_usage == "continuous",
             abandoned_tokens_per_second=m.abandoned_tokens_per_second,
             exact_non_streams=m.non_streams == "exact",
+            exact_stream_interval=m.exact_stream_interval,
         )
     assert fallback_counter is not None
     unknown = Model(

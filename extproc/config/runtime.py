@@ -39,6 +39,8 @@ class Model:
     abandoned_tokens_per_second: int = ABANDONED_TOKENS_PER_SECOND
     # non-streaming requests are sent upstream as streams and their JSON rebuilt (exact path)
     exact_non_streams: bool = False
+    # tokens per upstream chunk the exact path asks the engine for (vLLM's stream_interval)
+    exact_stream_interval: int | None = None
 
     @property
     def exact_count(self) -> bool:

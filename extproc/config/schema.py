@@ -163,9 +163,22 @@ class ModelEntry(Strict):
     # (learned from its completed responses, this figure until then) times the time it ran.
     # "exact" sends it as a stream with usage, keeps what passes and gives the client the
     # API's JSON rebuilt from it: an abandon settles on what the engine generated, at the
-    # CPU of one ext_proc message per SSE chunk (docs/performance.md: 1.4-2.9x the JSON
+    # CPU of one ext_proc message per SSE chunk (docs/performance.md: 1.3-2.5x the JSON
     # path's processor CPU from 64 output tokens up). Embeddings never stream.
     non_streams: Literal["exact", "json"] = "json"
+    # On the exact path, ask the engine to send this many tokens per stream chunk (vLLM's
+    # per-request "stream_interval", chat and completions; an upstream that does not know the
+    # field may refuse it): one ext_proc message per chunk instead of per token, and an
+    # abandon misses at most this many tokens less one (generated, not yet sent). None: not
+    # asked (docs/semantics.md, docs/performance.md "Exact non-streams": 1.1-1.3x the JSON
+    # path's processor CPU with 16).
+    exact_stream_interval: int | None = Field(default=None, ge=2, le=16)
+
+    @model_validator(mode="after")
+    def _check_exact(self) -> ModelEntry:
+        if self.exact_stream_interval is not None and self.non_streams != "exact":
+            raise ValueError("'exact_stream_interval' applies to 'non_streams: exact' only")
+        return self
 
 
 class LimitEntry(Strict):

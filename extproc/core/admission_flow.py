@@ -374,6 +374,7 @@ class Admission:
                     # admitted unmetered (fail-open): nothing meters the response, so it
                     # goes as the client sent it
                     upstream_stream=plan.cost.upstream_stream and res is not None,
+                    stream_interval=served.exact_stream_interval,
                 )
             )
         )

@@ -404,14 +404,21 @@ def refusal(
             f"Rate limit reached for requests per {per} on {on} ({scope}): "
             f"limit {b.limit.limit}, used {used}. Try again in {retry_seconds(retry)}s."
         )
-        return QuotaExceeded(msg, metric="rpm", retry_after_s=retry, headers=headers, level=level)
+        return QuotaExceeded(
+            msg, metric="rpm", retry_after_s=retry, headers=headers, level=level, limit=b.limit
+        )
     if b.metric == "concurrency":
         msg = (
             f"Concurrency limit reached on {on} ({scope}, {b.limit.scope} scope): "
             f"{used} of {b.limit.limit} requests are already running. Retry when one ends."
         )
         return QuotaExceeded(
-            msg, metric="concurrency", retry_after_s=1.0, headers=headers, level=level
+            msg,
+            metric="concurrency",
+            retry_after_s=1.0,
+            headers=headers,
+            level=level,
+            limit=b.limit,
         )
     if b.metric == "users":
         msg = (
@@ -420,7 +427,12 @@ def refusal(
             f"{retry_seconds(b.reset_s(now_ms))}s."
         )
         return QuotaExceeded(
-            msg, metric="users", retry_after_s=b.reset_s(now_ms), headers=headers, level=level
+            msg,
+            metric="users",
+            retry_after_s=b.reset_s(now_ms),
+            headers=headers,
+            level=level,
+            limit=b.limit,
         )
     amount = admission_amount(b, cost)
     too_large = [
@@ -446,6 +458,7 @@ def refusal(
             retry_after_s=None,
             headers=headers,
             level=level_header(b, tenant),
+            limit=b.limit,
         )
     if b.metric == "cost":
         msg = (
@@ -453,13 +466,17 @@ def refusal(
             f"{format_amount(b.limit, used)}, this request needs up to "
             f"{format_amount(b.limit, amount)}. It resets in {human_duration(retry)}."
         )
-        return QuotaExceeded(msg, metric="cost", retry_after_s=retry, headers=headers, level=level)
+        return QuotaExceeded(
+            msg, metric="cost", retry_after_s=retry, headers=headers, level=level, limit=b.limit
+        )
     msg = (
         f"Rate limit reached for tokens per {per} on {on} ({scope}): limit "
         f"{b.limit.limit}, used {used}, requested {cost.tpm_amount}. Try again in {retry_seconds(retry)}s."
     )
     _ = model
-    return QuotaExceeded(msg, metric="tpm", retry_after_s=retry, headers=headers, level=level)
+    return QuotaExceeded(
+        msg, metric="tpm", retry_after_s=retry, headers=headers, level=level, limit=b.limit
+    )
 
 
 def scope_label(limit: Limit) -> str:

@@ -335,6 +335,11 @@ class Session:
         self.report_seq = next(_REPORTS)
 
     @property
+    def settled(self) -> Settlement | None:
+        """The settlement's figures once decided (:meth:`settlement`), else None."""
+        return self._settlement
+
+    @property
     def identified(self) -> Identified | None:
         """Set at the request headers."""
         return self._identified

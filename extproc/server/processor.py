@@ -97,12 +97,14 @@ class RequestProcessor:
         "gw",
         "s",
         "started",
+        "trace",
         "write_lock",
         "writer",
     )
 
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Gateway, call: Any = None) -> None:
         self.gw = gw
+        self.trace = gw.telemetry.open(call)  # the request's span (a no-op with tracing off)
         self.cfg = gw.config  # the rules this request started with (a reload does not move it)
         self.s = Session()
         self.started = time.perf_counter()
@@ -170,6 +172,7 @@ class RequestProcessor:
         """The single mapping from a gateway error to the client's HTTP response."""
         s = self.s
         refused = err.status == 429
+        self.trace.refused(err)
         decision = "refused" if refused else "error"
         self.gw.metrics.decisions.labels(decision, err.code).inc()
         log.info(
@@ -200,6 +203,7 @@ class RequestProcessor:
         s, cfg, gw = self.s, self.cfg, self.gw
         s.request_headers()
         h = wire.headers_of(hh)
+        up = self.trace.start(h)  # the traceparent to send upstream (none with tracing off)
         request_id = h.get("x-request-id", "") or f"gen-{id(self):x}-{time.time_ns()}"
         path = h.get(":path", "")
         found = api_for_path(path)
@@ -220,7 +224,7 @@ class RequestProcessor:
             if presented_key(h) or not public_path(cfg, path, method):
                 raise
             s.pass_through()
-            return wire.continue_request_headers([], IDENTITY_HEADERS, mode=wire.passthrough_mode())
+            return wire.continue_request_headers(up, IDENTITY_HEADERS, mode=wire.passthrough_mode())
         kind, api = route(cfg, path, method)
         metered_api = gw.bind(api) if api else None
         ledger = ledger_key(gw.key_prefix, caller.tenant.slot, gw.ledger_id(request_id))
@@ -242,7 +246,7 @@ class RequestProcessor:
                 await admit_rpm_only(gw, cfg, s)
             s.pass_through()
             return wire.continue_request_headers(
-                caller.headers(), IDENTITY_HEADERS, mode=wire.passthrough_mode()
+                [*caller.headers(), *up], IDENTITY_HEADERS, mode=wire.passthrough_mode()
             )
         encoding = h.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
@@ -254,7 +258,7 @@ class RequestProcessor:
             raise BadRequest("the request has no body; expected a JSON object")
         # The upstream answers in identity encoding: the gateway must read what it meters.
         return wire.continue_request_headers(
-            caller.headers(), (*IDENTITY_HEADERS, "accept-encoding")
+            [*caller.headers(), *up], (*IDENTITY_HEADERS, "accept-encoding")
         )
 
     async def on_request_body(self, body: Any) -> wire.ProcessingResponse:
@@ -262,6 +266,7 @@ class RequestProcessor:
         self.s.request_body()
         new_body = await admit_body(self.gw, self.cfg, self.s, body.body, self.started)
         self.s.admission_done()
+        self.trace.mark("admitted")
         s = self.s
         self._body_size = len(body.body)
         if s.input_pending and s.cost is not None:  # admitted unmetered (fail-open): no count
@@ -404,7 +409,12 @@ class RequestProcessor:
             self._counting = asyncio.ensure_future(self._count_exact(self._body_size))
         if how.kind == "stream":  # SSE, or SSE under a missing/odd content type
             self.driver = StreamDriver(
-                self.gw, self.cfg, s, how.decoder, figures_ready=self._figures_ready
+                self.gw,
+                self.cfg,
+                s,
+                how.decoder,
+                figures_ready=self._figures_ready,
+                trace=self.trace,
             )
             self.gw.metrics.active_streams.inc()
             return wire.continue_response_headers(
@@ -451,6 +461,7 @@ class RequestProcessor:
         driver = self.driver
         if not self._first_chunk_ms:
             self._first_chunk_ms = self.gw.clock.now_ms()
+            self.trace.mark("first_chunk")
         if driver is not None:  # the stream takes the chunk (and moves the lifecycle with it)
             out = await driver.body(body.body, body.end_of_stream)
             if driver.ended:
@@ -565,9 +576,11 @@ class RequestProcessor:
             self.gw.track(asyncio.ensure_future(self._settle()))
 
     async def _settle(self) -> None:
+        self.trace.mark("response_end")
         try:
             await self._settle_figures()
         finally:
+            self.trace.finish(self.s)  # the request's span and metrics, from its records
             model = self.s.model
             if self._uncounted_ok and isinstance(model, Model):
                 # billed at the upstream's figure (then a bill holds the room) or counted

@@ -94,14 +94,19 @@ async def settle(
     start = 0
     if model is not None and stream is None and ending in _ABANDONED:
         # what the abandon rule bills at: the model's learned decode rate and time to start
-        rate, start = gw.decode_rates.abandon(model.name, model.abandoned_tokens_per_second)
+        # a non-stream forwarded as sent decodes at the model's JSON speed; a stream (the
+        # client's, or the exact path's) at its streams'
+        json = not ((req is not None and req.stream) or cost.upstream_stream)
+        rates = gw.decode_rates
+        rate, start = rates.abandon(model.name, model.abandoned_tokens_per_second, json=json)
         log.info(
             "abandon_rate",
             request_id=s.request_id,
             model=model.name,
             tokens_per_second=rate,
             start_ms=start,
-            learned_from=gw.decode_rates.samples(model.name),
+            learned_from=rates.samples(model.name, json=json),
+            json=json,
         )
     result = s.settlement(
         now, stream=stream, ending=ending, abandon_rate=rate, abandon_start_ms=start

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -114,7 +115,7 @@ async def test_concurrency_weighted_and_shadow_limits_at_levels(backend: Backend
 
     from extproc.config.load import load_config_text
 
-    doc = {
+    doc: dict[str, Any] = {
         "version": 1,
         "models": {"m": {"tokenizer": {"kind": "estimate"}, "max_output_tokens": 100}},
         "plans": {"p": {"limits": [{"per": "minute", "tpm": 10**9}]}},

@@ -23,6 +23,7 @@ from extproc.bench.scenarios import (
     scale,
     soak,
     streaming,
+    telemetry,
     tokenizer,
     workers,
 )
@@ -45,6 +46,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     admin.SCENARIO,
     failover.SCENARIO,
     engine.SCENARIO,
+    telemetry.SCENARIO,
     levels.SCENARIO,
 )
 

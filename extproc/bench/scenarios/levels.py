@@ -35,7 +35,7 @@ async def measure(b: Bench, stacks: Stacks) -> None:
     ):
         b.table.add(
             Row(
-                "levels",
+                "15 levels",
                 f"{label}, 4 levels (base = 1 level)",
                 unit,
                 med("4 levels", fig),
@@ -48,7 +48,7 @@ async def measure(b: Bench, stacks: Stacks) -> None:
         )
     b.table.add(
         Row(
-            "levels",
+            "15 levels",
             "limiter calls per request with allowances, 3 levels (base = 1 level)",
             "calls",
             med("3 levels (no end users), allowances", "calls_per_request"),
@@ -57,7 +57,7 @@ async def measure(b: Bench, stacks: Stacks) -> None:
     )
     b.table.add(
         Row(
-            "levels",
+            "15 levels",
             "limiter calls per request with allowances, 4 levels (base = 1 level)",
             "calls",
             med("4 levels, allowances", "calls_per_request"),

@@ -22,6 +22,7 @@ from extproc.core.admission_plan import (
 )
 from extproc.core.keys import WindowedBucket
 from extproc.core.levels import level_label
+from extproc.core.rules import Limit
 from extproc.errors import ErrorBody, GatewayError, QuotaExceeded, StreamCut
 
 
@@ -125,14 +126,15 @@ def quota_cut(
     admitted: list[WindowedBucket],
     delivered: int,
     now_ms: int,
-) -> tuple[str, bool]:
+) -> tuple[str, bool, Limit | None]:
     """The cut's message naming the limit that ran out (the per-token bucket furthest past its
-    limit in the last charge's answer, else the admitted ones), and whether it is a budget."""
+    limit in the last charge's answer, else the admitted ones), whether it is a budget, and
+    that limit (None: none is known)."""
     live = [(b, v) for b, v in charged if b.kind == "tpm" and not b.limit.shadow]
     if not live:
         live = [(b, 0) for b in admitted if b.kind == "tpm" and not b.limit.shadow]
     if not live:
-        return "Rate limit reached for tokens; the stream was stopped.", False
+        return "Rate limit reached for tokens; the stream was stopped.", False, None
     b, v = max(live, key=lambda bv: (bv[1] - bv[0].limit.limit) / max(1, bv[0].limit.limit))
     used = v if v else b.limit.limit
     budget = b.metric == "cost"
@@ -147,10 +149,16 @@ def quota_cut(
         what=describe(b.limit) if budget else "",
         on=level_label(b, tenant),
     )
-    return message, budget
+    return message, budget, b.limit
 
 
-def cut_error(reason: str, message: str | None = None, *, budget: bool = False) -> StreamCut:
+def cut_error(
+    reason: str,
+    message: str | None = None,
+    *,
+    budget: bool = False,
+    limit: Limit | None = None,
+) -> StreamCut:
     """The error a stream cut for ``reason`` (a ``CutReason`` value) carries to the client;
     ``budget``: the quota that ran out is a money or weighted-token budget."""
     if reason == "quota_exhausted":
@@ -159,6 +167,7 @@ def cut_error(reason: str, message: str | None = None, *, budget: bool = False) 
             status=429,
             error_type="budget" if budget else "tokens",
             code="budget_exceeded" if budget else "tpm_limit_exceeded",
+            limit=limit,
         )
     if reason == "quota_backend_unavailable":
         text = "The quota backend is unavailable; the stream was stopped. Retry shortly."
