@@ -425,7 +425,15 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
             errors.append(
                 f"{source}: identity.jwt.tenant_map.{claim_value}: unknown tenant {tid!r}"
             )
-    longest = max((lim.window_s for t in tenants.values() for lim in t.limits), default=60)
+    longest = max(
+        (
+            lim.window_s
+            for t in tenants.values()
+            for lims in (t.limits, *(m.limits for m in t.members.values()))
+            for lim in lims
+        ),
+        default=60,
+    )
     if cfg.ledger_ttl_seconds < ledger_ttl_minimum(longest):
         errors.append(
             f"{source}: ledger_ttl_seconds: {cfg.ledger_ttl_seconds} is below the safe minimum "

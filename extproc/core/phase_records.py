@@ -128,7 +128,7 @@ class Identified:
     # the end user the headers or token name (extproc.core.end_users), and whether the body's
     # is asked first
     end_user: str = ""
-    end_user_body: bool = False
+    end_user_body: bool = True
 
 
 @dataclass(frozen=True, slots=True)
