@@ -172,3 +172,86 @@ async def test_concurrency_weighted_and_shadow_limits_at_levels(backend: Backend
     err = await ask(10, False)
     assert getattr(err, "level", "") == "team=t" and getattr(err, "metric", "") == "cost", err
     assert "weighted tokens per day" in getattr(err, "message", "")
+
+
+async def test_random_hierarchies_never_over_and_refusals_name_a_level_out(
+    backend: Backend,
+) -> None:
+    """The Hypothesis property of tests/unit/test_levels.py on the real scripts: random
+    hierarchies (1-3 teams, end-user limits or not, random limits) and random requests
+    (seeded: reproducible); whole charges at admission; no counter of any level ends over its
+    limit and every refusal names a level whose counter plus the charge is over."""
+    import random
+
+    import yaml
+
+    from extproc.config.load import load_config_text
+    from extproc.core.levels import level_of
+
+    for seed in range(12):
+        rnd = random.Random(seed)
+        teams = rnd.randint(1, 3)
+        doc: dict[str, Any] = {
+            "version": 1,
+            "models": {"m": {"tokenizer": {"kind": "estimate"}, "max_output_tokens": 10}},
+            "plans": {"p": {"limits": [{"per": "minute", "tpm": rnd.randint(50, 2000)}]}},
+            "organisations": {"o": {"limits": [{"per": "minute", "tpm": rnd.randint(50, 2000)}]}},
+            "teams": {
+                f"t{i}": {
+                    "organisation": "o",
+                    "limits": [{"per": "minute", "tpm": rnd.randint(50, 2000)}],
+                    **(
+                        {"end_users": {"limits": [{"per": "minute", "tpm": rnd.randint(50, 900)}]}}
+                        if rnd.random() < 0.5
+                        else {}
+                    ),
+                }
+                for i in range(teams)
+            },
+            "tenants": {
+                "x": {
+                    "plan": "p",
+                    "keys": [
+                        {"name": f"k{i}", "plaintext": f"sk-{i}", "team": f"t{i}"}
+                        for i in range(teams)
+                    ],
+                }
+            },
+        }
+        x = load_config_text(yaml.safe_dump(doc)).tenants["x"]
+        prefix = f"lr{uuid.uuid4().hex[:6]}"
+        if time.time() % 60 > 55:  # the counters of a seed live in one minute's window
+            time.sleep(60 - time.time() % 60 + 0.1)
+        now = int(time.time() * 1000)
+        totals: dict[str, int] = {}
+        limits: dict[str, int] = {}
+        for n in range(30):
+            key, user, tokens = f"k{rnd.randrange(teams)}", rnd.choice("abc"), rnd.randint(1, 600)
+            bs = windowed(prefix, x.slot, key, x.limits_for(key), now, user=user)
+            cost = compute_cost(
+                input_tokens=tokens, per_choice_max=0, n=1, stream=False, charging=Charging()
+            )
+            res = await backend.limiter.admit(
+                ledger_key(prefix, x.slot, f"r{n}"),
+                admission_charges(bs, cost),
+                tpm_charged=tokens,
+                count_refused=False,
+                ledger_ttl_ms=60_000,
+            )
+            for b in bs:
+                limits[b.key] = b.limit.limit
+            if res.admitted:
+                for b in bs:
+                    if b.kind == "tpm":
+                        totals[b.key] = totals.get(b.key, 0) + tokens
+                continue
+            err = refusal(bs, res.values, cost, now, tenant="x", model="m")
+            out = [
+                level_of(b, "x")
+                for b, v in zip(bs, res.values, strict=True)
+                if b.kind == "tpm" and v + tokens > b.limit.limit
+            ]
+            assert tuple(err.level.split("=", 1)) in out, (seed, err.message)
+        for k, total in totals.items():
+            assert total <= limits[k], (seed, k)
+            assert await backend.probe.counter(k) == total, (seed, k)
