@@ -428,8 +428,12 @@ def _start_rls(
             ),
             detailed_metric_series=settings.rls_detailed_metric_series,
         ),
-        # an ai_quota link charges only the tenants and models of the running rules
-        known=lambda: (gateway.config.tenants, gateway.config.models),
+        # an ai_quota link charges only the tenants, models and levels of the running rules
+        known=lambda: (
+            gateway.config.tenants,
+            gateway.config.models,
+            gateway.config.organisations,
+        ),
     )
     if not settings.rls_address:
         add_rls_service(server, rls)

@@ -110,6 +110,9 @@ class RateLimitHeaders:
     budget_unit: str | None = None
     limit_concurrency: int | None = None
     remaining_concurrency: int | None = None
+    # (family, level) where the binding bucket of a family is a level's: ("tokens",
+    # "organisation=acme") -> x-ratelimit-level-tokens: organisation=acme
+    levels: tuple[tuple[str, str], ...] = ()
 
     def as_pairs(self) -> list[tuple[str, str]]:
         """The headers to send, in OpenAI's names; absent buckets are omitted."""
@@ -136,6 +139,8 @@ class RateLimitHeaders:
             out.append(
                 ("x-ratelimit-remaining-concurrency", str(max(0, self.remaining_concurrency or 0)))
             )
+        for family, level in self.levels:
+            out.append((f"x-ratelimit-level-{family}", level))
         return out
 
 
@@ -169,10 +174,12 @@ class QuotaExceeded(ClientError):
         metric: str,
         retry_after_s: float | None,
         headers: RateLimitHeaders,
+        level: str = "",
         limit: Any = None,
     ) -> None:
         super().__init__(message)
         self.metric = metric
+        self.level = level  # the level that refused: ``organisation=acme`` ("" none named)
         # the rule that refused (an ``extproc.core.rules.Limit``: traces name it), when known
         self.limit = limit
         self.error_type, self.code = _REFUSALS.get(metric, ("requests", "rpm_limit_exceeded"))
@@ -186,6 +193,7 @@ _REFUSALS = {
     "tpm": ("tokens", "tpm_limit_exceeded"),
     "cost": ("budget", "budget_exceeded"),
     "concurrency": ("requests", "concurrency_limit_exceeded"),
+    "users": ("requests", "end_users_limit_exceeded"),
 }
 
 

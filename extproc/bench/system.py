@@ -181,6 +181,18 @@ def bench_rules(every: int = 64, tpm_limit: int = 20_000) -> dict[str, Any]:
             "peer-lazy": {"limits": peer},
             "peer-strict": {"limits": peer, "charging": {"streaming": "strict"}},
         },
+        "organisations": {"bench-org": {"limits": [{"per": hour, "tpm": 1_000_000_000}]}},
+        "teams": {
+            "bench-team": {
+                "organisation": "bench-org",
+                "limits": [{"per": hour, "tpm": 1_000_000_000}],
+                "end_users": {
+                    "limits": [{"per": hour, "tpm": 1_000_000_000}],
+                    "max_users": 1_000_000,
+                    "per": hour,
+                },
+            }
+        },
         "tenants": {
             f"t-{name}": {"plan": name, "keys": [{"name": name, "plaintext": f"sk-{name}"}]}
             for name in (
@@ -191,6 +203,12 @@ def bench_rules(every: int = 64, tpm_limit: int = 20_000) -> dict[str, Any]:
         | {
             f"t-{name}": {"plan": plan, "keys": [{"name": name, "plaintext": f"sk-{name}"}]}
             for name, plan in (("bench", "big"), ("soak", "soak"))
+        }
+        | {  # the levels section's: a key counted at 4 levels (docs/semantics.md, "Levels")
+            "t-levels": {
+                "plan": "big",
+                "keys": [{"name": "levels", "plaintext": "sk-levels", "team": "bench-team"}],
+            }
         }
         | {  # the scale section's 64 tenants
             f"t-scale{i}": {

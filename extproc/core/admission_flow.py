@@ -30,7 +30,7 @@ shape, at its one error boundary).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Final, Literal, Protocol, TypeVar
 
@@ -405,6 +405,9 @@ class Admission:
         assert tenant is not None
         self._out.append(Attempting(tenant.id, model.name))
         charging = self.rules.charging_for(tenant.plan, model.name)
+        key = self.s.key
+        if key is not None and tenant.strict_for(key.name) and charging.streaming != "strict":
+            charging = replace(charging, streaming="strict")  # a level asks for it
         bound = self._on_bound(model, charging)
         if bound is not None:
             plan, now, buckets, charges = bound
@@ -552,10 +555,13 @@ class Admission:
         tenant, key = s.tenant, s.key
         assert tenant is not None and key is not None
         now = self._now_ms()
-        limits = tuple(lim for lim in tenant.limits if lim.metric == "rpm" and lim.model == "*")
+        limits = tuple(
+            lim for lim in tenant.limits_for(key.name) if lim.metric == "rpm" and lim.model == "*"
+        )
         buckets = admission_plan.buckets_for(
             prefix=self._prefix,
-            tenant=tenant.id,
+            tenant=tenant.slot,
+            user=s.end_user,
             key_name=key.name,
             model="*",
             limits=limits,

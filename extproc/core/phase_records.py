@@ -85,6 +85,13 @@ class TenantInfo(Protocol):
     def plan(self) -> str: ...
     @property
     def limits(self) -> tuple[Limit, ...]: ...
+    @property
+    def slot(self) -> str: ...
+    def limits_for(self, key_name: str) -> tuple[Limit, ...]: ...
+    def strict_for(self, key_name: str) -> bool: ...
+    def team_of(self, key_name: str) -> str: ...
+    @property
+    def organisation(self) -> str: ...
 
 
 class KeyInfo(Protocol):
@@ -118,6 +125,10 @@ class Identified:
     key: KeyInfo | None = None
     tenant: TenantInfo | None = None
     ledger: str = ""
+    # the end user the headers or token name (extproc.core.end_users), and whether the body's
+    # is asked first
+    end_user: str = ""
+    end_user_body: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,7 +55,14 @@ from extproc.limiter.base import InputNote
 from extproc.server import wire
 from extproc.server.admit import admit_body, admit_rpm_only
 from extproc.server.counting import OFFLOAD_BYTES, count_input
-from extproc.server.identity import IDENTITY_HEADERS, identify, presented_key, public_path, route
+from extproc.server.identity import (
+    IDENTITY_HEADERS,
+    end_user_hint,
+    identify,
+    presented_key,
+    public_path,
+    route,
+)
 from extproc.server.settle import access_metadata, settle
 from extproc.server.stream import StreamDriver
 from extproc.server.writelock import WriteLock
@@ -203,7 +210,11 @@ class RequestProcessor:
         # errors speak the API's own shape, even the caller's identification errors
         s.request(Requested(request_id, path, gw.bind(found) if found else None))
         structlog.contextvars.bind_contextvars(request_id=request_id)
-        meta = wire.metadata_of(req) if cfg.identity.sources != ["api_key"] else None
+        meta = (
+            wire.metadata_of(req)
+            if cfg.identity.sources != ["api_key"] or "jwt" in cfg.end_users.sources
+            else None
+        )
         method = h.get(":method", "POST")
         try:
             caller = identify(cfg, h, meta)
@@ -216,7 +227,8 @@ class RequestProcessor:
             return wire.continue_request_headers(up, IDENTITY_HEADERS, mode=wire.passthrough_mode())
         kind, api = route(cfg, path, method)
         metered_api = gw.bind(api) if api else None
-        ledger = ledger_key(gw.key_prefix, caller.tenant.id, gw.ledger_id(request_id))
+        ledger = ledger_key(gw.key_prefix, caller.tenant.slot, gw.ledger_id(request_id))
+        end_user, body_first = end_user_hint(cfg, h, meta)
         s.identify(
             Identified(
                 request_id,
@@ -225,6 +237,8 @@ class RequestProcessor:
                 caller.key,
                 caller.tenant,
                 ledger,
+                end_user=end_user,
+                end_user_body=body_first,
             )
         )
         if kind != "metered":

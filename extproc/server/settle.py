@@ -307,6 +307,9 @@ def _record(gw: Gateway, s: Session, result: Settlement, now_ms: int, check: str
             record_id=record_id_for(s.ledger) if s.ledger else "",
             input_check=check,
             input_reported=rep.input if check and rep is not None else None,
+            organisation=tenant.organisation,
+            team=tenant.team_of(s.key.name) if s.key else "",
+            end_user=s.end_user,
         )
     )
 

@@ -53,6 +53,8 @@ def limit_attrs(prefix: str, limit: Limit) -> Attrs:
     }
     if limit.metric != "concurrency":
         out[f"{prefix}.window"] = limit.period_name
+    if limit.owner:  # a level's limit: its organisation or team (docs/semantics.md, "Levels")
+        out[f"{prefix}.owner"] = limit.owner
     return out
 
 
@@ -176,6 +178,11 @@ def span_attrs(s: Session, seen: Observed, b: Bill | None) -> Attrs:
         out["ai_quota.plan"] = s.tenant.plan
     if s.key is not None:
         out["ai_quota.key.name"] = s.key.name  # the key's name: its text is never kept
+    if s.tenant is not None and s.tenant.organisation:  # its levels (config ids, never users)
+        out["ai_quota.organisation"] = s.tenant.organisation
+        team = s.tenant.team_of(s.key.name if s.key is not None else "")
+        if team:
+            out["ai_quota.team"] = team
     if s.api is not None:
         out["ai_quota.api"] = s.api.name
     parsed = s.parsed

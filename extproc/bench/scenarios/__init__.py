@@ -14,6 +14,7 @@ from extproc.bench.scenarios import (
     door,
     engine,
     failover,
+    levels,
     non_streams,
     peer,
     profile,
@@ -48,6 +49,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     engine.SCENARIO,
     telemetry.SCENARIO,
     peer.SCENARIO,
+    levels.SCENARIO,
 )
 
 #: The section names, as ``--only`` and ``--skip`` take them.

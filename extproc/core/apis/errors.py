@@ -21,6 +21,7 @@ from extproc.core.admission_plan import (
     scope_label,
 )
 from extproc.core.keys import WindowedBucket
+from extproc.core.levels import level_label
 from extproc.core.rules import Limit
 from extproc.errors import ErrorBody, GatewayError, QuotaExceeded, StreamCut
 
@@ -38,6 +39,8 @@ def error_headers(err: GatewayError) -> list[tuple[str, str]]:
             out.append(("retry-after", str(retry_seconds(err.retry_after_s))))
             out.append(("retry-after-ms", str(max(1, math.ceil(err.retry_after_s * 1000)))))
         out += err.headers.as_pairs()
+        if err.level:
+            out.append(("x-aiquota-limit-level", err.level))
     elif err.status == 503:
         out.append(("retry-after", "1"))
     return out
@@ -98,13 +101,16 @@ def quota_cut_message(
     delivered: int,
     reset_s: float,
     what: str = "",
+    on: str = "",
 ) -> str:
     """What a client reads when its stream is cut because a quota ran out (``what`` names a
-    budget: ``budget of 50.00 USD per month``; empty: tokens per ``per``)."""
+    budget: ``budget of 50.00 USD per month``; empty: tokens per ``per``; ``on`` the level
+    that ran out, ``organisation acme``: by default the tenant)."""
+    on = on or f"tenant {tenant}"
     head = (
-        f"Budget exhausted on tenant {tenant} ({scope}): {what}"
+        f"Budget exhausted on {on} ({scope}): {what}"
         if what
-        else f"Rate limit reached for tokens per {per} on tenant {tenant} ({scope})"
+        else f"Rate limit reached for tokens per {per} on {on} ({scope})"
     )
     resets = human_duration(reset_s) if what else f"{retry_seconds(reset_s)}s"
     return (
@@ -141,6 +147,7 @@ def quota_cut(
         delivered=delivered,
         reset_s=b.reset_s(now_ms),
         what=describe(b.limit) if budget else "",
+        on=level_label(b, tenant),
     )
     return message, budget, b.limit
 
@@ -234,6 +241,8 @@ def anthropic_error_headers(err: GatewayError, *, now_ms: int | None) -> list[tu
         if err.retry_after_s is not None:
             out.append(("retry-after", str(retry_seconds(err.retry_after_s))))
         out += _anthropic_ratelimit_headers(err, now_ms)
+        if err.level:
+            out.append(("x-aiquota-limit-level", err.level))
     elif err.status == 503:
         out.append(("retry-after", "1"))
     return out
