@@ -32,6 +32,7 @@ from extproc.limiter.allowance import sizing
 from extproc.limiter.base import (
     RLS_ENFORCED,
     RLS_QUOTA,
+    AdmitCall,
     AdmitResult,
     AllowanceGrant,
     AllowanceLease,
@@ -177,23 +178,13 @@ class MemoryLimiter:
 
     # -- the protocol ------------------------------------------------------------------------
 
-    async def admit(
-        self,
-        ledger: str,
-        buckets: list[BucketCharge],
-        *,
-        tpm_charged: int,
-        count_refused: bool,
-        ledger_ttl_ms: int,
-        now_ms: int = 0,
-        lease_until_ms: int = 0,
-        record_draft: str = "",
-        settlements: Sequence[SettleCall] = (),
-    ) -> AdmitResult:
+    async def admit(self, call: AdmitCall) -> AdmitResult:
         """admit.lua: settle the riders, reclaim the tenant's dead reservations, then charge
         all buckets or none."""
+        ledger, buckets, now_ms = call.ledger, call.buckets, call.now_ms
+        lease_until_ms, ledger_ttl_ms = call.lease_until_ms, call.ledger_ttl_ms
         self.round_trips += 1
-        settled = tuple(self._settle_one(c) for c in settlements)
+        settled = tuple(self._settle_one(c) for c in call.settlements)
         now = self.clock.now_ms()
         open_set = open_key(ledger)
         alw = [0]
@@ -218,7 +209,7 @@ class MemoryLimiter:
         )
         if ok:
             led = self._ledger(ledger, now)
-            led.state, led.seq, led.charged = "admitted", 0, tpm_charged
+            led.state, led.seq, led.charged = "admitted", 0, call.tpm_charged
             for i, b in enumerate(buckets):
                 if b.kind == "concurrency":
                     self._zadd(b.key, ledger, lease_until_ms, now)
@@ -233,11 +224,11 @@ class MemoryLimiter:
             if lease_until_ms > 0:
                 self._zadd(open_set, ledger, lease_until_ms, now)
                 self._expire_at(open_set, now + ledger_ttl_ms, now)
-                if record_draft:
-                    led.draft = record_draft
+                if call.record_draft:
+                    led.draft = call.record_draft
             self._expire_at(ledger, now + ledger_ttl_ms, now)
             return AdmitResult(True, False, tuple(vals), tuple(reclaimed), settled, alw[0])
-        if count_refused:
+        if call.count_refused:
             for i, b in enumerate(buckets):
                 if b.kind == "rpm":
                     vals[i] = self._incr(b.key, 1, now) + prev[i]
