@@ -65,7 +65,7 @@ def _add_auth_flags(e: argparse.ArgumentParser) -> None:
 
 def auth_from(args: argparse.Namespace) -> GrpcClientAuth | None:
     """The :class:`GrpcClientAuth` the flags describe (None: plaintext, no credential)."""
-    from extproc.access import parse_tokens
+    from extproc.caller_tokens import parse_tokens
     from extproc.envoy_config import GrpcClientAuth
 
     token = ""

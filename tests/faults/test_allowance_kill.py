@@ -40,7 +40,7 @@ REPLICA = """
 import asyncio, sys, orjson
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.limiter.allowance import AllowanceLimiter, AllowanceSettings
-from extproc.limiter.base import SettleCall
+from extproc.limiter.base import AdmitCall, SettleCall
 from extproc.limiter.redis import RedisLimiter
 
 async def main(url, tag, key, expire, limit, share, lease_ms):

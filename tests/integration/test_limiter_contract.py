@@ -29,8 +29,9 @@ from extproc.limiter.memory import MemoryLimiter
 from extproc.limiter.redis import RedisLimiter
 from extproc.limiter.rls_counter import rls_counter
 from extproc.rls.load import compile_domains
-from extproc.rls.match import Descriptor, plan
+from extproc.rls.match import plan
 from extproc.rls.parse import parse_text
+from extproc.rls.request import Descriptor
 from tests.limiters import Backend
 
 pytestmark = pytest.mark.integration

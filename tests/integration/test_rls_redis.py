@@ -19,8 +19,9 @@ from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from extproc.limiter.redis import RedisLimiter
 from extproc.limiter.rls_counter import RedisRlsCounter
 from extproc.rls.load import compile_domains
-from extproc.rls.match import Descriptor, plan
+from extproc.rls.match import plan
 from extproc.rls.parse import parse_text
+from extproc.rls.request import Descriptor
 from extproc.stack import free_port
 from tests.helpers import RedisServer, far_ms, spawn
 from tests.rls_support import ROOT, request
