@@ -68,13 +68,13 @@ class SettleCall:
     unconfirmed: UnconfirmedCharge | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class AdmitCall:
+class AdmitCall(NamedTuple):
     """One request's admission, as :meth:`Limiter.admit` takes it: its ledger, its buckets,
     the TPM tokens it charges (recorded in the ledger), whether a refused request still counts
     in its RPM buckets, the ledger's TTL; with a lease (``lease_until_ms``), the reservation
     stays open until settled and ``record_draft`` is kept in the ledger meanwhile (``now_ms``:
-    the time a reclaim judges leases by); ``settlements`` ride on the call."""
+    the time a reclaim judges leases by); ``settlements`` ride on the call.  (A named tuple:
+    one is made per request, at a fifth of a frozen dataclass's cost.)"""
 
     ledger: str
     buckets: list[BucketCharge]

@@ -304,12 +304,12 @@ class RedisCaller:
             self.export_state()
             return result
 
-    async def run(self, what: str, name: str, packed: Packed, where: Where) -> Any:
+    def run(self, what: str, name: str, packed: Packed, where: Where) -> Awaitable[Any]:
         """Run registered script ``name`` with ``packed`` in ``where``'s slot (:meth:`call`:
-        the call must be idempotent)."""
+        the call must be idempotent); awaited by the caller (no coroutine of its own)."""
         script = self.scripts[name]
         keys, args = packed.keys, packed.args
-        return await self.call(what, name, lambda: script(keys=keys, args=args), slot=where[0])
+        return self.call(what, name, lambda: script(keys=keys, args=args), slot=where[0])
 
     async def _wait(self, first: float, waited: int) -> bool:
         """Pause before sending a call again that found Redis unavailable, when its

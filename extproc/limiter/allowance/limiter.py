@@ -178,7 +178,9 @@ class AllowanceLimiter:
         if back is not None:
             riders.append(back)
         try:
-            res = await self.inner.admit(dataclasses.replace(call, settlements=riders))
+            res = await self.inner.admit(
+                call if back is None else call._replace(settlements=riders)
+            )
         except BaseException:
             if back is not None:
                 self.book.returns.append(back)  # idempotent by its ledger: sent again later
