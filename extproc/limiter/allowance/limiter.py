@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -349,7 +349,7 @@ class AllowanceLimiter:
             for lease in leases:
                 lease.renewed_ms = now
 
-    async def settle(
+    def settle(
         self,
         ledger: str,
         adjustments: list[Adjustment],
@@ -357,16 +357,16 @@ class AllowanceLimiter:
         ledger_ttl_ms: int,
         cancel: bool = False,
         unconfirmed: UnconfirmedCharge | None = None,
-    ) -> bool:
+    ) -> Coroutine[Any, Any, bool]:
         """Settle a locally admitted request into the allowances (what does not fit goes to
         Redis); any other with the wrapped limiter (:class:`.settling.Settler`)."""
-        return await self.settler.settle(
+        return self.settler.settle(
             ledger, adjustments, ledger_ttl_ms=ledger_ttl_ms, cancel=cancel, unconfirmed=unconfirmed
         )
 
-    async def settle_many(self, items: list[SettleCall]) -> list[bool | None]:
+    def settle_many(self, items: list[SettleCall]) -> Coroutine[Any, Any, list[bool | None]]:
         """:meth:`settle` for many; the Redis parts in the wrapped limiter's batch calls."""
-        return await self.settler.settle_many(items)
+        return self.settler.settle_many(items)
 
     def sweep(self) -> None:
         """Give back what allowances past their time hold (:meth:`.returns.Returns.sweep`)."""
