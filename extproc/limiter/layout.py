@@ -81,26 +81,30 @@ def _previous(keys: list[str], b: BucketCharge) -> list[int]:
 
 def add_settlement(p: Packed, s: SettleCall) -> None:
     """Append one request's KEYS and ARGV slices (settle_lib.lua's ``settle_all``)."""
-    unconfirmed = s.unconfirmed.rates if s.unconfirmed else ()
-    p.keys += [s.ledger, open_key(s.ledger)]
-    p.args += [
+    keys, args = p.keys, p.args
+    u = s.unconfirmed
+    unconfirmed = u.rates if u else ()
+    keys.append(s.ledger)
+    keys.append(open_key(s.ledger))
+    args += (
         s.ledger_ttl_ms,
         "1" if s.cancel else "0",
-        s.unconfirmed.seq if s.unconfirmed else 0,
+        u.seq if u else 0,
         len(s.adjustments),
         len(unconfirmed),
-    ]
+    )
     for a in s.adjustments:
-        p.keys.append(a.key)
-        p.args += [a.amount, a.expire_at_ms]
+        keys.append(a.key)
+        args.append(a.amount)
+        args.append(a.expire_at_ms)
     for key, rate in unconfirmed:
-        p.keys.append(key)
-        p.args.append(rate)
+        keys.append(key)
+        args.append(rate)
 
 
 def settlements(items: Sequence[SettleCall]) -> Packed:
     """A ``settle.lua`` call settling ``items`` in order (its replay form is itself)."""
-    p = Packed(args=[len(items)])
+    p = Packed([], [len(items)])
     for s in items:
         add_settlement(p, s)
     return p
@@ -127,7 +131,7 @@ class PackedAdmission(Packed):
 
 def admission(call: AdmitCall) -> PackedAdmission:
     """An ``admit.lua`` call: the riding settlements, then the request and its buckets."""
-    p = PackedAdmission(args=[len(call.settlements)])
+    p = PackedAdmission([], [len(call.settlements)])
     for s in call.settlements:
         add_settlement(p, s)
     p.args += [call.ledger_ttl_ms, "1" if call.count_refused else "0", call.tpm_charged]
@@ -182,7 +186,7 @@ def add_charge(p: Packed, c: ChargeCall, *, replay: bool = False) -> None:
 
 def charges(items: Sequence[ChargeCall]) -> Packed:
     """A ``charge.lua`` call of ``items``, in order."""
-    p = Packed(args=[len(items)])
+    p = Packed([], [len(items)])
     for c in items:
         add_charge(p, c)
     return p
@@ -191,7 +195,7 @@ def charges(items: Sequence[ChargeCall]) -> Packed:
 def charge_replay(c: ChargeCall, granted: int) -> Packed:
     """The journal's form of an acknowledged stream charge: the lazy charge of what was
     granted, marked a replay."""
-    p = Packed(args=[1])
+    p = Packed([], [1])
     lazy = ChargeCall(c.ledger, c.seq, c.buckets, granted, False, c.ledger_ttl_ms)
     add_charge(p, lazy, replay=True)
     return p
@@ -209,7 +213,7 @@ def charge_result(v: Any) -> ChargeResult:
 
 def notes(items: Sequence[InputNote]) -> Packed:
     """A ``note.lua`` call of ``items``."""
-    p = Packed(args=[len(items)])
+    p = Packed([], [len(items)])
     for note in items:
         p.keys.append(note.ledger)
         p.args += [note.input_tokens, len(note.refund)]
