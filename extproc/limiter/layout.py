@@ -131,16 +131,24 @@ class PackedAdmission(Packed):
 
 def admission(call: AdmitCall) -> PackedAdmission:
     """An ``admit.lua`` call: the riding settlements, then the request and its buckets."""
-    p = PackedAdmission([], [len(call.settlements)])
-    for s in call.settlements:
+    ledger, buckets, riders = call.ledger, call.buckets, call.settlements
+    p = PackedAdmission([], [len(riders)], 0, len(buckets))
+    for s in riders:
         add_settlement(p, s)
-    p.args += [call.ledger_ttl_ms, "1" if call.count_refused else "0", call.tpm_charged]
-    p.keys += [call.ledger] + [b.key for b in call.buckets] + [open_key(call.ledger)]
-    p.first_bucket, p.buckets = len(p.args), len(call.buckets)
-    for b in call.buckets:
-        p.args += [_KIND[b.kind], b.amount, b.limit, b.expire_at_ms, b.refundable, int(b.shadow)]
-        p.args += _previous(p.keys, b)
-    p.args += [call.now_ms, call.lease_until_ms, call.record_draft]
+    keys, args = p.keys, p.args
+    args += (call.ledger_ttl_ms, "1" if call.count_refused else "0", call.tpm_charged)
+    keys.append(ledger)
+    keys += [b.key for b in buckets]
+    keys.append(open_key(ledger))
+    p.first_bucket = len(args)
+    for b in buckets:
+        args += (_KIND[b.kind], b.amount, b.limit, b.expire_at_ms, b.refundable, int(b.shadow))
+        if b.prev_key:
+            keys.append(b.prev_key)
+            args += (len(keys), b.prev_weight)
+        else:
+            args += (0, 0)
+    args += (call.now_ms, call.lease_until_ms, call.record_draft)
     return p
 
 
