@@ -11,9 +11,8 @@ One boundary for the whole port, :class:`PortGuard`:
   <token>`` metadata, which Envoy sends as its ``grpc_service``'s ``initial_metadata``) or a
   client certificate signed by the configured CA whose SAN is on the allowed list (mutual TLS).
 
-The token file holds one token per line (blank lines and ``#`` comments ignored), so two tokens
-are valid at once during a rotation; it is checked with one ``stat`` per call and read again
-when it changed.  A refused call is answered ``UNAUTHENTICATED`` (no or a wrong credential) or
+The token file (:mod:`extproc.caller_tokens`) holds one token per line, so two tokens are
+valid at once during a rotation; it is read again when it changed.  A refused call is answered ``UNAUTHENTICATED`` (no or a wrong credential) or
 ``PERMISSION_DENIED`` (a good credential asking for what it may not), counted in
 ``aiq_grpc_refused_total{service, reason}`` and logged at most once a minute per peer host.
 
@@ -24,8 +23,6 @@ loaded again when they changed, so a renewed certificate needs no restart.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import inspect
 import os
 import ssl
@@ -39,6 +36,7 @@ import grpc
 import structlog
 
 from extproc.admin.auth import is_loopback
+from extproc.caller_tokens import AccessConfigError, TokenSet
 
 log = structlog.get_logger("extproc.access")
 
@@ -62,82 +60,6 @@ REASONS = (
 LOG_EVERY_S = 60.0
 #: Peers remembered for the log limit; beyond it the oldest entries are forgotten.
 _MAX_PEERS = 4096
-
-
-class AccessConfigError(ValueError):
-    """The port's security settings cannot work; the message says what to set."""
-
-
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
-
-
-def fingerprint(token: str) -> str:
-    """What the logs show of a token (never the token)."""
-    return "token:" + hashlib.sha256(token.encode()).hexdigest()[:12]
-
-
-def parse_tokens(text: str) -> list[str]:
-    """The tokens of a token file: one per line, blank lines and ``#`` comments ignored."""
-    stripped = (line.strip() for line in text.splitlines())
-    return [line for line in stripped if line and not line.startswith("#")]
-
-
-class TokenSet:
-    """The tokens in force, from a file read again whenever it changes (one ``stat`` per
-    check).  A file that became unreadable or empty accepts no token until it is fixed: an
-    operator who emptied it meant to stop the old ones."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._stamp = self._stat()
-        self._digests = self._load(strict=True)
-
-    def _stat(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.path)  # follows symlinks: a Secret volume swaps its ..data link
-        except OSError:
-            return None
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
-
-    def _load(self, *, strict: bool) -> tuple[bytes, ...]:
-        try:
-            tokens = parse_tokens(Path(self.path).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as exc:
-            if strict:
-                raise AccessConfigError(f"caller token file {self.path}: {exc}") from exc
-            log.error("grpc_token_file_unusable", path=self.path, error=str(exc))
-            return ()
-        if not tokens:
-            if strict:
-                raise AccessConfigError(f"caller token file {self.path} holds no token")
-            log.error("grpc_token_file_empty", path=self.path, note="refusing every token")
-            return ()
-        if not strict:
-            log.info(
-                "grpc_tokens_reloaded",
-                path=self.path,
-                principals=[fingerprint(t) for t in tokens],
-            )
-        return tuple(_digest(t) for t in tokens)
-
-    def current(self) -> tuple[bytes, ...]:
-        """The digests of the tokens in force now."""
-        stamp = self._stat()
-        if stamp != self._stamp:
-            self._stamp = stamp
-            self._digests = self._load(strict=False)
-        return self._digests
-
-    def matches(self, presented: str) -> bool:
-        """Whether ``presented`` is one of the tokens in force (constant-time per token)."""
-        if not presented:
-            return False
-        d = _digest(presented)
-        ok = False
-        for known in self.current():
-            ok |= hmac.compare_digest(d, known)
-        return ok
 
 
 def bearer(metadata: Iterable[tuple[str, Any]] | None) -> str:

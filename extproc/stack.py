@@ -43,7 +43,8 @@ from typing import IO, Any
 
 from extproc import devcerts
 from extproc.devcerts import DevCredentials
-from extproc.envoy_config import EnvoyPorts, EnvoyTracing, GrpcClientAuth, JwtAuth, render_yaml
+from extproc.envoy_config import EnvoyPorts, GrpcClientAuth, JwtAuth, render_yaml
+from extproc.envoy_tracing import EnvoyTracing
 
 STACK_FILE = "stack.json"
 #: The workdir ``ai-quota up`` uses unless ``--workdir`` is given (relative to its cwd).

@@ -5,7 +5,6 @@ wrapper around the in-memory limiter for tests of the request path."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -14,7 +13,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 from extproc.errors import LimiterUnavailable
-from extproc.limiter.base import AdmitResult, ChargeResult, Limiter, SettleCall
+from extproc.limiter.base import AdmitCall, AdmitResult, ChargeResult, Limiter
 from extproc.limiter.memory import MemoryLimiter
 
 
@@ -178,39 +177,17 @@ class RecordingLimiter:
         if self.down:
             raise LimiterUnavailable("the quota backend is down (scripted)")
 
-    async def admit(
-        self,
-        ledger: str,
-        buckets: list[BucketCharge],
-        *,
-        tpm_charged: int,
-        count_refused: bool,
-        ledger_ttl_ms: int,
-        now_ms: int = 0,
-        lease_until_ms: int = 0,
-        record_draft: str = "",
-        settlements: Sequence[SettleCall] = (),
-    ) -> AdmitResult:
+    async def admit(self, call: AdmitCall) -> AdmitResult:
         """Record the buckets (and the riders' corrections with the settlements), then admit
         (after filling them when ``refuse``)."""
         self._check()
-        self.admits.append(buckets)
-        self.settles += [c.adjustments for c in settlements]
+        self.admits.append(call.buckets)
+        self.settles += [c.adjustments for c in call.settlements]
         if self.refuse:
-            for b in buckets:
+            for b in call.buckets:
                 if b.kind != "concurrency":
                     self.inner.seed_counter(b.key, b.limit)
-        return await self.inner.admit(
-            ledger,
-            buckets,
-            tpm_charged=tpm_charged,
-            count_refused=count_refused,
-            ledger_ttl_ms=ledger_ttl_ms,
-            now_ms=now_ms,
-            lease_until_ms=lease_until_ms,
-            record_draft=record_draft,
-            settlements=settlements,
-        )
+        return await self.inner.admit(call)
 
     async def charge(
         self,

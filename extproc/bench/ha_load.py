@@ -22,6 +22,7 @@ from typing import Any
 
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.errors import LimiterUnavailable
+from extproc.limiter.base import AdmitCall
 from extproc.limiter.redis import RedisLimiter
 
 TTL = 120_000
@@ -149,11 +150,13 @@ class Load:
         r.truth += reserve
         ok = await self._until_ok(
             lambda: self.lim.admit(
-                led,
-                self._bucket(reserve),
-                tpm_charged=reserve,
-                count_refused=False,
-                ledger_ttl_ms=TTL,
+                AdmitCall(
+                    led,
+                    self._bucket(reserve),
+                    tpm_charged=reserve,
+                    count_refused=False,
+                    ledger_ttl_ms=TTL,
+                )
             )
         )
         if not ok:

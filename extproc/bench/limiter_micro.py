@@ -40,7 +40,7 @@ from redis.asyncio.connection import Connection
 
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.limiter.allowance import AllowanceLimiter
-from extproc.limiter.base import SettleCall
+from extproc.limiter.base import AdmitCall, SettleCall
 from extproc.limiter.batch import BatchSettings, SettlementBatcher
 from extproc.limiter.redis import RedisLimiter
 from extproc.stack import free_port
@@ -88,19 +88,21 @@ class Arm:
         led = f"{tag}:req:{uuid.uuid4().hex}"
         now = int(time.time() * 1000)
         res = await self.lim.admit(
-            led,
-            [
-                BucketCharge(f"{tag}:rpm:t:*:60:1", "rpm", 1, 10**12, expire_at),
-                BucketCharge(
-                    f"{tag}:tpm:t:*:60:1", "tpm", 1000, 10**15, expire_at, refundable=1000
-                ),
-            ],
-            tpm_charged=1000,
-            count_refused=False,
-            ledger_ttl_ms=TTL,
-            now_ms=now,
-            lease_until_ms=now + 30_000,
-            record_draft=DRAFT,
+            AdmitCall(
+                led,
+                [
+                    BucketCharge(f"{tag}:rpm:t:*:60:1", "rpm", 1, 10**12, expire_at),
+                    BucketCharge(
+                        f"{tag}:tpm:t:*:60:1", "tpm", 1000, 10**15, expire_at, refundable=1000
+                    ),
+                ],
+                tpm_charged=1000,
+                count_refused=False,
+                ledger_ttl_ms=TTL,
+                now_ms=now,
+                lease_until_ms=now + 30_000,
+                record_draft=DRAFT,
+            )
         )
         if not res.admitted:
             raise RuntimeError("the bench tenant was refused")
@@ -154,7 +156,7 @@ async def run(requests: int, concurrency: int, rounds: int, tick_s: float) -> di
                 return lim
 
             pure = limiter()
-            pure._client.connection_pool.connection_class = Connection
+            pure.caller.client.connection_pool.connection_class = Connection
             batched = limiter()
             allowed = AllowanceLimiter(RedisLimiter.from_url(url, timeout_ms=2000))
             arms = [

@@ -21,7 +21,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from extproc.bench.redis_ha import SentinelGroup
-from extproc.limiter.redis import load_script
+from extproc.limiter.scripts import load_script
 
 
 async def _arm(

@@ -65,7 +65,7 @@ def _add_auth_flags(e: argparse.ArgumentParser) -> None:
 
 def auth_from(args: argparse.Namespace) -> GrpcClientAuth | None:
     """The :class:`GrpcClientAuth` the flags describe (None: plaintext, no credential)."""
-    from extproc.access import parse_tokens
+    from extproc.caller_tokens import parse_tokens
     from extproc.envoy_config import GrpcClientAuth
 
     token = ""
@@ -105,11 +105,11 @@ def run(args: argparse.Namespace) -> int:
     from extproc.envoy_config import (
         DEFAULT_TRUSTED_HEADERS,
         EnvoyPorts,
-        EnvoyTracing,
         JwtAuth,
         header,
         render_yaml,
     )
+    from extproc.envoy_tracing import EnvoyTracing
 
     try:
         auth = auth_from(args)

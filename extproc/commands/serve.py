@@ -147,9 +147,9 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
 
 def run(args: argparse.Namespace) -> int:
     """Run the ext_proc gRPC server."""
-    from extproc.access import AccessConfigError
     from extproc.admin.errors import AdminConfigError
     from extproc.app import serve_forever
+    from extproc.caller_tokens import AccessConfigError
     from extproc.config import ConfigError
     from extproc.limiter.redis_url import RedisUrlError
     from extproc.logs import configure_logging

@@ -68,6 +68,25 @@ class SettleCall:
     unconfirmed: UnconfirmedCharge | None = None
 
 
+class AdmitCall(NamedTuple):
+    """One request's admission, as :meth:`Limiter.admit` takes it: its ledger, its buckets,
+    the TPM tokens it charges (recorded in the ledger), whether a refused request still counts
+    in its RPM buckets, the ledger's TTL; with a lease (``lease_until_ms``), the reservation
+    stays open until settled and ``record_draft`` is kept in the ledger meanwhile (``now_ms``:
+    the time a reclaim judges leases by); ``settlements`` ride on the call.  (A named tuple:
+    one is made per request, at a fifth of a frozen dataclass's cost.)"""
+
+    ledger: str
+    buckets: list[BucketCharge]
+    tpm_charged: int
+    count_refused: bool
+    ledger_ttl_ms: int
+    now_ms: int = 0
+    lease_until_ms: int = 0
+    record_draft: str = ""
+    settlements: Sequence[SettleCall] = ()
+
+
 @dataclass(frozen=True, slots=True)
 class ChargeCall:
     """One stream charge, as :meth:`Limiter.charge` takes it (for batches)."""
@@ -237,22 +256,10 @@ class RlsCounter(Protocol):
 class Limiter(Protocol):
     """Shared counters. Implementations raise :class:`extproc.errors.LimiterUnavailable`."""
 
-    async def admit(
-        self,
-        ledger: str,
-        buckets: list[BucketCharge],
-        *,
-        tpm_charged: int,
-        count_refused: bool,
-        ledger_ttl_ms: int,
-        now_ms: int = 0,
-        lease_until_ms: int = 0,
-        record_draft: str = "",
-        settlements: Sequence[SettleCall] = (),
-    ) -> AdmitResult:
+    async def admit(self, call: AdmitCall) -> AdmitResult:
         """Check every bucket and charge all of them, or none (shadow buckets never refuse).
 
-        ``settlements`` ride on the call: each is applied first, once, as
+        ``call.settlements`` ride on the call: each is applied first, once, as
         :meth:`BatchSettler.settle_many` would (what they refund is room this admission may
         use), whatever the admission's outcome (refused, duplicate); ``AdmitResult.settled``
         answers per settlement.  If the call raises, none is known applied (retrying is

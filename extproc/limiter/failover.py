@@ -62,8 +62,11 @@ class Failover:
         check_timeout_s: float = 1.0,
         on_recovered: Callable[[bool], None] | None = None,
         lag: LoopLag | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
+        #: the journal's times and the recoveries' durations (seconds)
+        self._monotonic = monotonic
         self._cluster = isinstance(client, RedisCluster)
         self._scripts = scripts
         self.journal = journal
@@ -117,7 +120,7 @@ class Failover:
     ) -> None:
         """Journal an acknowledged call (its replay form); ``owner``: :meth:`owner` of its
         slot when the call was sent (a call sent before a failover was seen is replayed)."""
-        now = time.monotonic()
+        now = self._monotonic()
         self.journal.add(Entry(now, now + ttl_ms / 1000.0, script, keys, args, slot, owner))
         self._export()
         self._start_watch()
@@ -131,7 +134,7 @@ class Failover:
     def answered(self) -> None:
         """A call succeeded while not suspect: old entries can go."""
         if not self.suspect:
-            self.journal.confirm(time.monotonic())
+            self.journal.confirm(self._monotonic())
 
     # -- recovery ----------------------------------------------------------------------------
 
@@ -182,8 +185,8 @@ class Failover:
         return await fair_wait(ask(), budget, self._lag, max(20 * budget, 10.0))
 
     async def _recover(self) -> None:
-        started = time.perf_counter()
-        now = time.monotonic()
+        started = self._monotonic()
+        now = self._monotonic()
         entries = self.journal.replayable(now)
         by_slot: dict[int, list[Entry]] = {}
         for e in entries:
@@ -225,7 +228,7 @@ class Failover:
             log.warning(
                 "redis_failover_recovered",
                 replayed=self.replayed - before,
-                seconds=round(time.perf_counter() - started, 3),
+                seconds=round(self._monotonic() - started, 3),
             )
         self.suspect = bool(self.pending)
         if self._on_recovered is not None:
@@ -313,7 +316,7 @@ class Failover:
             with contextlib.suppress(Exception):
                 await self.ensure()
             if not self.suspect:
-                self.journal.confirm(time.monotonic())
+                self.journal.confirm(self._monotonic())
             self._export()
 
     def _export(self) -> None:

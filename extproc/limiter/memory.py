@@ -1,8 +1,8 @@
 """The in-memory limiter: the whole :class:`extproc.limiter.base.Limiter` protocol in one
 process, with the same semantics as the Redis limiter's Lua scripts.
 
-It keeps the scripts' data model (a keyspace of counters, sorted sets and ledgers, each key
-with an optional expiry in unix ms read from a :class:`extproc.clock.Clock`) and runs each
+It keeps the scripts' data model (:mod:`extproc.limiter.keyspace`: counters, sorted sets and
+ledgers, each key with an optional expiry in unix ms read from a :class:`extproc.clock.Clock`) and runs each
 call as the matching script does, step by step, so the contract suite
 (``tests/integration/test_limiter_contract.py`` and the scripts' other tests) holds for both.
 Every call runs to completion without yielding to the event loop, which makes it atomic like
@@ -18,11 +18,8 @@ methods let a test set up and inspect the state a Redis test reads with its own 
 
 from __future__ import annotations
 
-import math
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal, TypeVar
 
 from extproc.clock import Clock, SystemClock
 from extproc.core.keys import EXPIRY_SLACK_MS, open_key
@@ -32,6 +29,7 @@ from extproc.limiter.allowance import sizing
 from extproc.limiter.base import (
     RLS_ENFORCED,
     RLS_QUOTA,
+    AdmitCall,
     AdmitResult,
     AllowanceGrant,
     AllowanceLease,
@@ -44,53 +42,10 @@ from extproc.limiter.base import (
     SettleCall,
     any_ledger,
 )
-
-LedgerState = Literal["admitted", "reclaimed", "settled", "cancelled"]
+from extproc.limiter.keyspace import Counter, Keyspace, Ledger, LedgerState, Scored
 
 #: Dead reservations one admission reclaims at most (admit.lua's LIMIT).
 RECLAIM_BATCH = 8
-
-
-@dataclass(slots=True)
-class _Counter:
-    """A string counter (INCRBY/DECRBY)."""
-
-    value: int
-    expire_at: int | None = None
-
-
-@dataclass(slots=True)
-class _Scored:
-    """A sorted set: member -> score (concurrency slots, a tenant's open reservations)."""
-
-    members: dict[str, int] = field(default_factory=dict)
-    expire_at: int | None = None
-
-    def ordered(self) -> list[tuple[str, int]]:
-        """Members by score, then by name (ZRANGEBYSCORE's order)."""
-        return sorted(self.members.items(), key=lambda kv: (kv[1], kv[0]))
-
-
-@dataclass(slots=True)
-class _Ledger:
-    """A request's ledger (the scripts' hash): its state, last stream charge, what it charged,
-    the refundable part per counter, its concurrency slots and its record draft."""
-
-    state: LedgerState | None = None
-    seq: int = 0
-    last_grant: int = 0
-    charged: int = 0
-    input: int = -1  # the exact input noted (note.lua's "in"), -1: none
-    refundable: dict[str, int] = field(default_factory=dict)
-    slots: dict[str, None] = field(default_factory=dict)
-    draft: str | None = None
-    expire_at: int | None = None
-    gen: str = ""  # an allowance ledger's generation ("": a request's ledger)
-
-
-_Entry = _Counter | _Scored | _Ledger
-_NAMES: dict[type, str] = {_Counter: "counter", _Scored: "sorted set", _Ledger: "ledger"}
-E = TypeVar("E", _Counter, _Scored, _Ledger)
 
 
 class MemoryLimiter:
@@ -98,102 +53,20 @@ class MemoryLimiter:
 
     def __init__(self, clock: Clock | None = None) -> None:
         self.clock: Clock = clock or SystemClock()
-        self._keys: dict[str, _Entry] = {}
+        self.keys = Keyspace()
         self.round_trips = 0
         # input_stop.lua's hashes (config version key -> model -> entry); no expiry here
         self._input_stops: dict[str, dict[str, str]] = {}
 
-    # -- the keyspace --------------------------------------------------------------------------
-
-    def _entry(self, key: str, now: int) -> _Entry | None:
-        entry = self._keys.get(key)
-        if entry is not None and entry.expire_at is not None and now > entry.expire_at:
-            del self._keys[key]
-            return None
-        return entry
-
-    def _typed(self, key: str, kind: type[E], now: int) -> E | None:
-        entry = self._entry(key, now)
-        if entry is None or isinstance(entry, kind):
-            return entry
-        raise LimiterUnavailable(
-            f"{key} holds a {_NAMES[type(entry)]}, not a {_NAMES[kind]} (a key names one kind)"
-        )
-
-    def _counter_value(self, key: str, now: int) -> int:
-        c = self._typed(key, _Counter, now)
-        return c.value if c is not None else 0
-
-    def _incr(self, key: str, amount: int, now: int) -> int:
-        c = self._typed(key, _Counter, now)
-        if c is None:
-            c = self._keys[key] = _Counter(0)
-        c.value += amount
-        return c.value
-
-    def _expire_at(self, key: str, when: int, now: int) -> None:
-        """PEXPIREAT: a time not after now deletes the key; a missing key stays missing."""
-        entry = self._entry(key, now)
-        if entry is None:
-            return
-        if when <= now:
-            del self._keys[key]
-        else:
-            entry.expire_at = when
-
-    def _take(self, key: str, amount: int, now: int) -> None:
-        """Refund ``amount`` from a counter that still exists, never below zero (TTL kept)."""
-        c = self._typed(key, _Counter, now)
-        if amount > 0 and c is not None:
-            c.value = max(0, c.value - amount)
-
-    def _zadd(self, key: str, member: str, score: int, now: int) -> None:
-        z = self._typed(key, _Scored, now)
-        if z is None:
-            z = self._keys[key] = _Scored()
-        z.members[member] = score
-
-    def _zrem(self, key: str, member: str, now: int) -> None:
-        z = self._typed(key, _Scored, now)
-        if z is not None:
-            z.members.pop(member, None)
-            if not z.members:
-                del self._keys[key]
-
-    def _ledger(self, key: str, now: int) -> _Ledger:
-        led = self._typed(key, _Ledger, now)
-        if led is None:
-            led = self._keys[key] = _Ledger()
-        return led
-
-    def _windowed(self, key: str, prev_key: str, prev_weight: int, now: int) -> tuple[int, int]:
-        """A counter's value and the previous window's share in it (0 for a fixed window),
-        rounded as the scripts round it: floor of the product over a million in doubles."""
-        prev = 0
-        if prev_key:
-            before = self._counter_value(prev_key, now)
-            prev = math.floor(float(before) * float(prev_weight) / 1_000_000)
-        return self._counter_value(key, now) + prev, prev
-
     # -- the protocol ------------------------------------------------------------------------
 
-    async def admit(
-        self,
-        ledger: str,
-        buckets: list[BucketCharge],
-        *,
-        tpm_charged: int,
-        count_refused: bool,
-        ledger_ttl_ms: int,
-        now_ms: int = 0,
-        lease_until_ms: int = 0,
-        record_draft: str = "",
-        settlements: Sequence[SettleCall] = (),
-    ) -> AdmitResult:
+    async def admit(self, call: AdmitCall) -> AdmitResult:
         """admit.lua: settle the riders, reclaim the tenant's dead reservations, then charge
         all buckets or none."""
+        ledger, buckets, now_ms = call.ledger, call.buckets, call.now_ms
+        lease_until_ms, ledger_ttl_ms = call.lease_until_ms, call.ledger_ttl_ms
         self.round_trips += 1
-        settled = tuple(self._settle_one(c) for c in settlements)
+        settled = tuple(self._settle_one(c) for c in call.settlements)
         now = self.clock.now_ms()
         open_set = open_key(ledger)
         alw = [0]
@@ -202,71 +75,49 @@ class MemoryLimiter:
         prev: list[int] = []
         known: set[int] = set()
         for i, b in enumerate(buckets):
-            if b.kind == "concurrency":
-                self._drop_scores_up_to(b.key, now_ms, now)
-                z = self._typed(b.key, _Scored, now)
-                vals.append(len(z.members) if z is not None else 0)
-                prev.append(0)
-            elif b.kind == "users":  # a set of end users; the member travels as prev_key
-                z = self._typed(b.key, _Scored, now)
-                members = z.members if z is not None else {}
-                if b.prev_key in members:
-                    known.add(i)
-                vals.append(len(members) - (1 if i in known else 0))
-                prev.append(0)
-            else:
-                value, share = self._windowed(b.key, b.prev_key, b.prev_weight, now)
-                vals.append(value)
-                prev.append(share)
-        if self._entry(ledger, now) is not None:
+            value, share, seen = self.keys.current(b, now_ms, now)
+            vals.append(value)
+            prev.append(share)
+            if seen:
+                known.add(i)
+        if self.keys.entry(ledger, now) is not None:
             return AdmitResult(False, True, tuple(vals), tuple(reclaimed), settled, alw[0])
         ok = all(
             b.shadow or b.amount <= 0 or i in known or vals[i] + b.amount <= b.limit
             for i, b in enumerate(buckets)
         )
         if ok:
-            led = self._ledger(ledger, now)
-            led.state, led.seq, led.charged = "admitted", 0, tpm_charged
+            led = self.keys.ledger(ledger, now)
+            led.state, led.seq, led.charged = "admitted", 0, call.tpm_charged
             for i, b in enumerate(buckets):
                 if b.kind == "users":
                     if i not in known:
-                        self._zadd(b.key, b.prev_key, 0, now)
-                        self._expire_at(b.key, b.expire_at_ms, now)
+                        self.keys.zadd(b.key, b.prev_key, 0, now)
+                        self.keys.expire_at(b.key, b.expire_at_ms, now)
                     vals[i] += 1
                 elif b.kind == "concurrency":
-                    self._zadd(b.key, ledger, lease_until_ms, now)
-                    self._expire_at(b.key, b.expire_at_ms, now)
+                    self.keys.zadd(b.key, ledger, lease_until_ms, now)
+                    self.keys.expire_at(b.key, b.expire_at_ms, now)
                     led.slots[b.key] = None
                     vals[i] += 1
                 elif b.amount > 0:
-                    vals[i] = self._incr(b.key, b.amount, now) + prev[i]
-                    self._expire_at(b.key, b.expire_at_ms, now)
+                    vals[i] = self.keys.incr(b.key, b.amount, now) + prev[i]
+                    self.keys.expire_at(b.key, b.expire_at_ms, now)
                     if lease_until_ms > 0 and b.kind == "tpm" and b.refundable > 0:
                         led.refundable[b.key] = b.refundable
             if lease_until_ms > 0:
-                self._zadd(open_set, ledger, lease_until_ms, now)
-                self._expire_at(open_set, now + ledger_ttl_ms, now)
-                if record_draft:
-                    led.draft = record_draft
-            self._expire_at(ledger, now + ledger_ttl_ms, now)
+                self.keys.zadd(open_set, ledger, lease_until_ms, now)
+                self.keys.expire_at(open_set, now + ledger_ttl_ms, now)
+                if call.record_draft:
+                    led.draft = call.record_draft
+            self.keys.expire_at(ledger, now + ledger_ttl_ms, now)
             return AdmitResult(True, False, tuple(vals), tuple(reclaimed), settled, alw[0])
-        if count_refused:
+        if call.count_refused:
             for i, b in enumerate(buckets):
                 if b.kind == "rpm":
-                    vals[i] = self._incr(b.key, 1, now) + prev[i]
-                    self._expire_at(b.key, b.expire_at_ms, now)
+                    vals[i] = self.keys.incr(b.key, 1, now) + prev[i]
+                    self.keys.expire_at(b.key, b.expire_at_ms, now)
         return AdmitResult(False, False, tuple(vals), tuple(reclaimed), settled, alw[0])
-
-    def _drop_scores_up_to(self, key: str, limit: int, now: int) -> None:
-        """ZREMRANGEBYSCORE key -inf limit (slots whose lease ran out)."""
-        z = self._typed(key, _Scored, now)
-        if z is None:
-            return
-        for member, score in list(z.members.items()):
-            if score <= limit:
-                del z.members[member]
-        if not z.members:
-            del self._keys[key]
 
     def _reclaim(
         self, open_set: str, now_ms: int, now: int, alw: list[int], *, only_alw: bool = False
@@ -274,26 +125,26 @@ class MemoryLimiter:
         """Settle up to :data:`RECLAIM_BATCH` reservations whose lease ended by ``now_ms``
         (``only_alw``: allowance ledgers only, allowance.lua's); ``alw[0]`` counts the
         allowance units given back."""
-        z = self._typed(open_set, _Scored, now)
+        z = self.keys.typed(open_set, Scored, now)
         if z is None:
             return []
         dead = [m for m, score in z.ordered() if score <= now_ms]
         if only_alw:
             dead = dead[: 2 * RECLAIM_BATCH]
-            dead = [m for m in dead if (led := self._typed(m, _Ledger, now)) and led.gen]
+            dead = [m for m in dead if (led := self.keys.typed(m, Ledger, now)) and led.gen]
         dead = dead[:RECLAIM_BATCH]
         out: list[Reclaimed] = []
         for name in dead:
-            self._zrem(open_set, name, now)
-            led = self._typed(name, _Ledger, now)
+            self.keys.zrem(open_set, name, now)
+            led = self.keys.typed(name, Ledger, now)
             if led is None or led.state != "admitted":
                 continue
             for key, units in led.refundable.items():
-                if led.gen and units > 0 and self._entry(key, now) is not None:
+                if led.gen and units > 0 and self.keys.entry(key, now) is not None:
                     alw[0] += units
-                self._take(key, units, now)
+                self.keys.take(key, units, now)
             for key in led.slots:
-                self._zrem(key, name, now)
+                self.keys.zrem(key, name, now)
             led.state = "reclaimed"
             if led.draft is not None:
                 out.append(Reclaimed(name, led.draft, led.charged, led.input))
@@ -316,10 +167,10 @@ class MemoryLimiter:
         vals: list[int] = []
         prev: list[int] = []
         for b in buckets:
-            value, share = self._windowed(b.key, b.prev_key, b.prev_weight, now)
+            value, share = self.keys.windowed(b.key, b.prev_key, b.prev_weight, now)
             vals.append(value)
             prev.append(share)
-        found = self._typed(ledger, _Ledger, now)
+        found = self.keys.typed(ledger, Ledger, now)
         if found is not None and found.state in ("settled", "cancelled"):
             return ChargeResult(0, False, tuple(vals))
         last = found.seq if found is not None else 0
@@ -338,16 +189,16 @@ class MemoryLimiter:
         for i, b in enumerate(buckets):
             if grant > 0 and b.rate > 0:
                 units = ceil_div(grant * b.rate, RATE_SCALE)
-                vals[i] = self._incr(b.key, units, now) + prev[i]
-                self._expire_at(b.key, b.expire_at_ms, now)
+                vals[i] = self.keys.incr(b.key, units, now) + prev[i]
+                self.keys.expire_at(b.key, b.expire_at_ms, now)
             if not b.shadow and b.rate > 0:
                 # strict: not one more token fits; lazy: past the limit (the caller cuts)
                 left = b.limit - vals[i]
                 over = over or (left * RATE_SCALE < b.rate if strict else left < 0)
-        led = self._ledger(ledger, now)
+        led = self.keys.ledger(ledger, now)
         led.seq, led.last_grant = seq, grant
         led.charged += grant
-        self._expire_at(ledger, now + ledger_ttl_ms, now)
+        self.keys.expire_at(ledger, now + ledger_ttl_ms, now)
         return ChargeResult(grant, over, tuple(vals))
 
     async def settle(
@@ -372,38 +223,38 @@ class MemoryLimiter:
         ledger, adjustments, ledger_ttl_ms = call.ledger, call.adjustments, call.ledger_ttl_ms
         cancel, unconfirmed = call.cancel, call.unconfirmed
         now = self.clock.now_ms()
-        self._zrem(open_key(ledger), ledger, now)
-        found = self._typed(ledger, _Ledger, now)
+        self.keys.zrem(open_key(ledger), ledger, now)
+        found = self.keys.typed(ledger, Ledger, now)
         state = found.state if found is not None else None
         if state in ("settled", "cancelled"):
             return False
         if found is not None:
             found.draft = None
             for key in found.slots:
-                self._zrem(key, ledger, now)
+                self.keys.zrem(key, ledger, now)
         if cancel and state not in ("admitted", "reclaimed"):
-            self._ledger(ledger, now).state = "cancelled"
-            self._expire_at(ledger, now + ledger_ttl_ms, now)
+            self.keys.ledger(ledger, now).state = "cancelled"
+            self.keys.expire_at(ledger, now + ledger_ttl_ms, now)
             return True
         if found is not None and state == "reclaimed":
             # reclaimed as abandoned while its processor lived (a renewal was lost): put the
             # refunded reservation back, then apply the corrections as computed
             for key, units in found.refundable.items():
-                c = self._typed(key, _Counter, now)
+                c = self.keys.typed(key, Counter, now)
                 if c is not None:
                     c.value += units
         if unconfirmed is not None and found is not None and 0 < unconfirmed.seq <= found.seq:
             # the charge whose answer never came ran: take back what it added
             for key, rate in unconfirmed.rates:
-                self._take(key, ceil_div(found.last_grant * rate, RATE_SCALE), now)
+                self.keys.take(key, ceil_div(found.last_grant * rate, RATE_SCALE), now)
         for a in adjustments:
             if a.amount > 0:
-                self._incr(a.key, a.amount, now)
-                self._expire_at(a.key, a.expire_at_ms, now)
+                self.keys.incr(a.key, a.amount, now)
+                self.keys.expire_at(a.key, a.expire_at_ms, now)
             elif a.amount < 0:
-                self._take(a.key, -a.amount, now)
-        self._ledger(ledger, now).state = "settled"
-        self._expire_at(ledger, now + ledger_ttl_ms, now)
+                self.keys.take(a.key, -a.amount, now)
+        self.keys.ledger(ledger, now).state = "settled"
+        self.keys.expire_at(ledger, now + ledger_ttl_ms, now)
         return True
 
     async def settle_many(self, items: list[SettleCall]) -> list[bool | None]:
@@ -455,30 +306,30 @@ class MemoryLimiter:
         now = self.clock.now_ms()
         alw = [0]
         gen = ""
-        led: _Ledger | None = None
+        led: Ledger | None = None
         tranches = 1
         if lease is not None:
             open_set = open_key(lease.ledger)
             self._reclaim(open_set, lease.now_ms, now, alw, only_alw=True)
             tranches = max(lease.tranches, 1)
-            led = self._typed(lease.ledger, _Ledger, now)
+            led = self.keys.typed(lease.ledger, Ledger, now)
             if led is None or led.state != "admitted":
-                self._keys.pop(lease.ledger, None)
-                led = self._ledger(lease.ledger, now)
+                self.keys.data.pop(lease.ledger, None)
+                led = self.keys.ledger(lease.ledger, now)
                 led.state, led.gen = "admitted", uuid.uuid4().hex
             gen = led.gen
-            self._expire_at(lease.ledger, now + lease.ttl_ms, now)
-            self._zadd(open_set, lease.ledger, lease.until_ms, now)
-            z = self._typed(open_set, _Scored, now)
+            self.keys.expire_at(lease.ledger, now + lease.ttl_ms, now)
+            self.keys.zadd(open_set, lease.ledger, lease.until_ms, now)
+            z = self.keys.typed(open_set, Scored, now)
             if z is not None and (z.expire_at is None or z.expire_at < now + lease.ttl_ms):
                 z.expire_at = now + lease.ttl_ms
         out: list[AllowanceGrant | None] = []
         for t in items:
-            value = self._counter_value(t.key, now)
+            value = self.keys.counter_value(t.key, now)
             grant = sizing.grant(t.want, t.limit, value, t.share_ppm, held=t.held, least=t.least)
             if grant > 0:
-                value = self._incr(t.key, grant, now)
-                self._expire_at(t.key, t.expire_at_ms, now)
+                value = self.keys.incr(t.key, grant, now)
+                self.keys.expire_at(t.key, t.expire_at_ms, now)
                 tranche = sizing.tranche_size(t.held, grant, tranches, t.least)
                 closed = sizing.closed_of_grant(grant, tranche, t.opened)
                 if led is not None and closed > 0:
@@ -493,7 +344,7 @@ class MemoryLimiter:
         (same generation)."""
         self.round_trips += 1
         now = self.clock.now_ms()
-        led = self._typed(ledger, _Ledger, now)
+        led = self.keys.typed(ledger, Ledger, now)
         if led is None or led.state != "admitted" or led.gen != gen:
             return False
         for key, units in items:
@@ -507,7 +358,7 @@ class MemoryLimiter:
         now = self.clock.now_ms()
         out: list[bool | None] = []
         for note in notes:
-            led = self._typed(note.ledger, _Ledger, now)
+            led = self.keys.typed(note.ledger, Ledger, now)
             if led is None or led.state != "admitted" or led.input >= 0:
                 out.append(False)
                 continue
@@ -541,15 +392,10 @@ class MemoryLimiter:
         self.round_trips += 1
         now = self.clock.now_ms()
         for led in ledgers:
-            self._renew_member(open_key(led), led, until_ms, now)
+            self.keys.renew_member(open_key(led), led, until_ms, now)
             for slot in (held or {}).get(led, ()):
-                self._renew_member(slot, led, until_ms, now)
-                self._expire_at(slot, until_ms + EXPIRY_SLACK_MS, now)
-
-    def _renew_member(self, key: str, member: str, score: int, now: int) -> None:
-        z = self._typed(key, _Scored, now)
-        if z is not None and member in z.members:
-            z.members[member] = score
+                self.keys.renew_member(slot, led, until_ms, now)
+                self.keys.expire_at(slot, until_ms + EXPIRY_SLACK_MS, now)
 
     async def read(self, keys: list[str]) -> list[int]:
         """Counter values; 0 for a missing key (or one that is not a counter, as MGET)."""
@@ -559,8 +405,8 @@ class MemoryLimiter:
         now = self.clock.now_ms()
         out: list[int] = []
         for key in keys:
-            entry = self._entry(key, now)
-            out.append(entry.value if isinstance(entry, _Counter) else 0)
+            entry = self.keys.entry(key, now)
+            out.append(entry.value if isinstance(entry, Counter) else 0)
         return out
 
     async def count_slots(self, keys: list[str], now_ms: int) -> list[int]:
@@ -571,7 +417,7 @@ class MemoryLimiter:
         now = self.clock.now_ms()
         out: list[int] = []
         for key in keys:
-            z = self._typed(key, _Scored, now)
+            z = self.keys.typed(key, Scored, now)
             out.append(sum(1 for s in z.members.values() if s > now_ms) if z is not None else 0)
         return out
 
@@ -588,7 +434,7 @@ class MemoryLimiter:
         refused = False
         quota_total = quota_over = 0
         for key, hits, limit, _, mode in counters:
-            value = running[key] if key in running else self._counter_value(key, now)
+            value = running[key] if key in running else self.keys.counter_value(key, now)
             before.append(value)
             running[key] = value + hits
             over = value + hits > limit
@@ -600,8 +446,8 @@ class MemoryLimiter:
         if refused or (quota_total > 0 and quota_over == quota_total):
             return False, before
         for key, hits, _, expire_at, _ in counters:
-            if hits > 0 and self._incr(key, hits, now) == hits:
-                self._expire_at(key, expire_at, now)
+            if hits > 0 and self.keys.incr(key, hits, now) == hits:
+                self.keys.expire_at(key, expire_at, now)
         return True, before
 
     async def ping(self) -> bool:
@@ -616,39 +462,39 @@ class MemoryLimiter:
     def seed_counter(self, key: str, value: int, *, ttl_ms: int | None = None) -> None:
         """SET ``key`` ``value`` (PX ``ttl_ms``): a counter as another writer left it."""
         now = self.clock.now_ms()
-        self._keys[key] = _Counter(value)
+        self.keys.data[key] = Counter(value)
         if ttl_ms is not None:
-            self._expire_at(key, now + ttl_ms, now)
+            self.keys.expire_at(key, now + ttl_ms, now)
 
     def counter(self, key: str) -> int | None:
         """A counter's value; None when it does not exist."""
-        c = self._typed(key, _Counter, self.clock.now_ms())
+        c = self.keys.typed(key, Counter, self.clock.now_ms())
         return c.value if c is not None else None
 
     def ttl_ms(self, key: str) -> int:
         """PTTL: ms left; -1 without expiry; -2 when the key does not exist."""
         now = self.clock.now_ms()
-        entry = self._entry(key, now)
+        entry = self.keys.entry(key, now)
         if entry is None:
             return -2
         return -1 if entry.expire_at is None else entry.expire_at - now
 
     def ledger_state(self, ledger: str) -> LedgerState | None:
         """A ledger's state; None when it has none (or does not exist)."""
-        led = self._typed(ledger, _Ledger, self.clock.now_ms())
+        led = self.keys.typed(ledger, Ledger, self.clock.now_ms())
         return led.state if led is not None else None
 
     def ledger_draft(self, ledger: str) -> str | None:
         """The record draft a ledger still holds."""
-        led = self._typed(ledger, _Ledger, self.clock.now_ms())
+        led = self.keys.typed(ledger, Ledger, self.clock.now_ms())
         return led.draft if led is not None else None
 
     def score(self, key: str, member: str) -> int | None:
         """A member's score in a sorted set (slots, open reservations)."""
-        z = self._typed(key, _Scored, self.clock.now_ms())
+        z = self.keys.typed(key, Scored, self.clock.now_ms())
         return z.members.get(member) if z is not None else None
 
     def members(self, key: str) -> int:
         """How many members a sorted set has (ZCARD)."""
-        z = self._typed(key, _Scored, self.clock.now_ms())
+        z = self.keys.typed(key, Scored, self.clock.now_ms())
         return len(z.members) if z is not None else 0

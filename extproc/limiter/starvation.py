@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -31,8 +31,12 @@ NOISE_S = 0.005
 class LoopLag:
     """Seconds the event loop ran late in total (a timer that notes how late it fires)."""
 
-    def __init__(self, interval_s: float = 0.05) -> None:
+    def __init__(
+        self, interval_s: float = 0.05, *, clock: Callable[[], float] | None = None
+    ) -> None:
         self.interval_s = interval_s
+        #: the time lateness is measured in (None: the running loop's own clock)
+        self._clock = clock
         self.total = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handle: asyncio.TimerHandle | None = None
@@ -44,19 +48,22 @@ class LoopLag:
         if self._loop is loop and self._handle is not None:
             return
         self._loop = loop
-        self._due = loop.time() + self.interval_s
-        self._handle = loop.call_at(self._due, self._tick)
+        self._due = self._now(loop) + self.interval_s
+        self._handle = loop.call_later(self.interval_s, self._tick)
+
+    def _now(self, loop: asyncio.AbstractEventLoop) -> float:
+        return (self._clock or loop.time)()
 
     def _tick(self) -> None:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
-        now = loop.time()
+        now = self._now(loop)
         late = now - self._due
         if late > NOISE_S:
             self.total += late
         self._due = now + self.interval_s
-        self._handle = loop.call_at(self._due, self._tick)
+        self._handle = loop.call_later(self.interval_s, self._tick)
 
     def stop(self) -> None:
         """Stop ticking."""
@@ -66,19 +73,26 @@ class LoopLag:
         self._loop = None
 
 
-async def fair_wait(aw: Awaitable[T], budget_s: float, lag: LoopLag, ceiling: float) -> T:
+async def fair_wait(
+    aw: Awaitable[T],
+    budget_s: float,
+    lag: LoopLag,
+    ceiling: float,
+    *,
+    clock: Callable[[], float] | None = None,
+) -> T:
     """``await aw`` within ``budget_s`` seconds of the processor's running time, never longer
     than ``ceiling`` seconds of wall time; raise :class:`TimeoutError` when it does not finish
-    (the call is cancelled)."""
-    loop = asyncio.get_running_loop()
+    (the call is cancelled).  ``clock``: the time waited in (None: the running loop's)."""
+    now_s = clock or asyncio.get_running_loop().time
     lag.ensure_started()
     task = asyncio.ensure_future(aw)
-    start = loop.time()
+    start = now_s()
     deadline = start + budget_s
     seen = lag.total
     try:
         while True:
-            await asyncio.wait((task,), timeout=max(0.0, deadline - loop.time()))
+            await asyncio.wait((task,), timeout=max(0.0, deadline - now_s()))
             if not task.done():
                 # An answer that arrived with this late wake-up is read in the next turns.
                 for _ in range(3):
@@ -87,7 +101,7 @@ async def fair_wait(aw: Awaitable[T], budget_s: float, lag: LoopLag, ceiling: fl
                         break
             if task.done():
                 return task.result()
-            now = loop.time()
+            now = now_s()
             starved = max(lag.total - seen, now - deadline)
             seen = lag.total
             if starved <= NOISE_S or now - start >= ceiling:

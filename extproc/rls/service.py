@@ -36,6 +36,7 @@ from extproc.limiter.base import RlsCounter
 from extproc.rls import match
 from extproc.rls.config import RlsConfig, RlsConfigError
 from extproc.rls.load import load_path, signature
+from extproc.rls.request import Caps, Descriptor, RequestError
 
 log = structlog.get_logger("extproc.rls")
 
@@ -56,7 +57,7 @@ class RlsSettings:
     response_headers: bool = False
     dynamic_metadata: bool = False
     key_prefix: str = "aiq"
-    caps: match.Caps = field(default_factory=match.Caps)
+    caps: Caps = field(default_factory=Caps)
     detailed_metric_series: int = 100  # per rule: distinct detailed_metric label values
 
 
@@ -227,7 +228,7 @@ class RlsRuntime:
             self._watch = None
 
     async def evaluate(self, request: Any) -> Any:
-        """Answer one ``RateLimitRequest`` (:class:`match.RequestError` on a bad one;
+        """Answer one ``RateLimitRequest`` (:class:`extproc.rls.request.RequestError` on a bad one;
         :class:`LimiterUnavailable` when Redis fails and the failure mode is ``error``)."""
         s = self.settings
         descriptors = [_descriptor(d) for d in request.descriptors]
@@ -303,16 +304,16 @@ class RlsRuntime:
         return resp
 
 
-def _descriptor(d: Any) -> match.Descriptor:
+def _descriptor(d: Any) -> Descriptor:
     entries = tuple((e.key, e.value) for e in d.entries)
     hits = d.hits_addend.value if d.HasField("hits_addend") else None
     override = None
     if d.HasField("limit"):
         unit = _OVERRIDE_UNITS.get(d.limit.unit, "unknown")
         if unit not in ("second", "minute", "hour", "day", "month", "year"):
-            raise match.RequestError("a descriptor's limit override has no valid unit")
+            raise RequestError("a descriptor's limit override has no valid unit")
         override = (unit, int(d.limit.requests_per_unit))
-    return match.Descriptor(entries, hits, override)
+    return Descriptor(entries, hits, override)
 
 
 def _metadata(request: Any, p: match.Plan, decision: match.Decision) -> Any:
@@ -350,7 +351,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
         """One decision; a bad request is INVALID_ARGUMENT, Redis down per the failure mode."""
         try:
             return await self.rt.evaluate(request)
-        except match.RequestError as exc:
+        except RequestError as exc:
             self.rt.metrics.requests.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except LimiterUnavailable as exc:

@@ -51,7 +51,7 @@ from extproc.core.events import (
 from extproc.core.session import Session
 from extproc.errors import LimiterUnavailable
 from extproc.gateway import Gateway
-from extproc.limiter.base import AdmitResult
+from extproc.limiter.base import AdmitCall, AdmitResult
 from extproc.limiter.kept import Kept
 from extproc.records.model import draft_json
 from extproc.server.counting import count_input
@@ -232,15 +232,17 @@ async def limiter_admit(
     d = a.draft
     try:
         res = await gw.limiter.admit(
-            s.ledger,
-            a.charges,
-            tpm_charged=a.tpm_charged,
-            count_refused=a.count_refused,
-            ledger_ttl_ms=a.ledger_ttl_ms,
-            now_ms=a.now_ms,
-            lease_until_ms=a.lease_until_ms,
-            record_draft=draft_json(d) if d is not None else "",
-            settlements=riders,
+            AdmitCall(
+                s.ledger,
+                a.charges,
+                tpm_charged=a.tpm_charged,
+                count_refused=a.count_refused,
+                ledger_ttl_ms=a.ledger_ttl_ms,
+                now_ms=a.now_ms,
+                lease_until_ms=a.lease_until_ms,
+                record_draft=draft_json(d) if d is not None else "",
+                settlements=riders,
+            )
         )
         done = res
     except asyncio.CancelledError:

@@ -21,7 +21,7 @@ import pytest
 
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.limiter.allowance import AllowanceLimiter, AllowanceSettings
-from extproc.limiter.base import SettleCall
+from extproc.limiter.base import AdmitCall, SettleCall
 from extproc.limiter.redis import RedisLimiter
 from extproc.metrics import Metrics
 from tests.helpers import RedisServer
@@ -40,7 +40,7 @@ REPLICA = """
 import asyncio, sys, orjson
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.limiter.allowance import AllowanceLimiter, AllowanceSettings
-from extproc.limiter.base import SettleCall
+from extproc.limiter.base import AdmitCall, SettleCall
 from extproc.limiter.redis import RedisLimiter
 
 async def main(url, tag, key, expire, limit, share, lease_ms):
@@ -53,17 +53,17 @@ async def main(url, tag, key, expire, limit, share, lease_ms):
     for n in range(3000):
         bs = [BucketCharge(key, "tpm", 100, limit, expire, refundable=100)]
         led = f"{tag}:req:dead.{n}"
-        res = await lim.admit(led, bs, tpm_charged=100, count_refused=False, ledger_ttl_ms=60_000)
+        res = await lim.admit(AdmitCall(led, bs, tpm_charged=100, count_refused=False, ledger_ttl_ms=60_000))
         assert res.admitted
         await lim.settle_many([SettleCall(led, [Adjustment(key, -40, expire)], 60_000)])
         truth += 60
-        while lim._tasks:  # takes and tranche openings answered
-            await asyncio.wait(list(lim._tasks))
-        st = lim._states.get(key)
+        while lim.book.tasks:  # takes and tranche openings answered
+            await asyncio.wait(list(lim.book.tasks))
+        st = lim.book.states.get(key)
         tranche = max(tranche, st.tranche if st is not None else 0)
         if lim.stats.local_admissions >= 40 and lim.stats.opens and st is not None and st.closed:
             break
-    st = lim._states[key]
+    st = lim.book.states[key]
     report = {
         "truth": truth,
         "held": st.units,
@@ -124,7 +124,9 @@ async def test_sigkilled_replica_gets_its_unopened_tranches_back_within_the_leas
             led = f"{tag}:req:live.{n}"
             bs = [BucketCharge(key, "tpm", 100, LIMIT, expire, refundable=100)]
             res = await live.inner.admit(
-                led, bs, tpm_charged=100, count_refused=False, ledger_ttl_ms=60_000, now_ms=now
+                AdmitCall(
+                    led, bs, tpm_charged=100, count_refused=False, ledger_ttl_ms=60_000, now_ms=now
+                )
             )
             assert res.admitted
             admitted += 100
@@ -152,7 +154,7 @@ async def test_sigkilled_replica_gets_its_unopened_tranches_back_within_the_leas
             led = f"{tag}:req:after.{m}"
             bs = [BucketCharge(key, "tpm", 100, LIMIT, expire, refundable=100)]
             r = await live.admit(
-                led, bs, tpm_charged=100, count_refused=False, ledger_ttl_ms=60_000
+                AdmitCall(led, bs, tpm_charged=100, count_refused=False, ledger_ttl_ms=60_000)
             )
             if not r.admitted:
                 continue

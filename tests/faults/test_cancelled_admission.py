@@ -15,6 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.clock import SystemClock
 from extproc.config import load_config_text
 from extproc.gateway import Gateway
+from extproc.limiter.base import AdmitCall
 from extproc.limiter.redis import RedisLimiter
 from extproc.metrics import Metrics
 from extproc.server.processor import RequestProcessor
@@ -46,7 +47,9 @@ async def test_a_cancelled_admission_is_taken_back(own_redis: RedisServer) -> No
     r = redis.Redis(port=own_redis.port)
     # the admission script loaded (EVALSHA finds it) and a pooled connection made, before
     # the stall
-    warm = await lim.admit("aiq:{w}:req:0", [], tpm_charged=0, count_refused=False, ledger_ttl_ms=1)
+    warm = await lim.admit(
+        AdmitCall("aiq:{w}:req:0", [], tpm_charged=0, count_refused=False, ledger_ttl_ms=1)
+    )
     assert warm.admitted
     proc = RequestProcessor(gw)
     await proc.handle(

@@ -26,6 +26,7 @@ from extproc.bench.ha_load import Load, Report
 from extproc.bench.redis_ha import wait_ping
 from extproc.core.rules import BucketCharge
 from extproc.errors import LimiterUnavailable
+from extproc.limiter.base import AdmitCall
 from extproc.limiter.breaker import BreakerSettings
 from extproc.limiter.redis import RedisLimiter
 from extproc.metrics import Metrics
@@ -220,7 +221,9 @@ async def test_stream_charge_tolerates_a_short_outage(tmp_path: Path, tolerance_
         far = int(time.time() * 1000) + 60_000
         b = [BucketCharge(f"{t}:tpm", "tpm", 10, 10**9, far)]
         assert (
-            await lim.admit(f"{t}:r", b, tpm_charged=10, count_refused=False, ledger_ttl_ms=60_000)
+            await lim.admit(
+                AdmitCall(f"{t}:r", b, tpm_charged=10, count_refused=False, ledger_ttl_ms=60_000)
+            )
         ).admitted
         os.kill(server.proc.pid, signal.SIGSTOP)
         loop = asyncio.get_running_loop()

@@ -20,6 +20,7 @@ import redis
 
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.errors import LimiterUnavailable
+from extproc.limiter.base import AdmitCall
 from extproc.limiter.redis import RedisLimiter
 from extproc.limiter.redis_url import async_client
 from extproc.limiter.rls_counter import RedisRlsCounter
@@ -97,10 +98,10 @@ async def warm(lim: RedisLimiter) -> None:
     """Load every script (a first EVALSHA would otherwise fail with NOSCRIPT, then reload)."""
     t = tag()
     b = [BucketCharge(f"{t}:tpm", "tpm", 1, 1_000_000, far())]
-    await lim.admit(f"{t}:r", b, tpm_charged=1, count_refused=False, ledger_ttl_ms=TTL)
+    await lim.admit(AdmitCall(f"{t}:r", b, tpm_charged=1, count_refused=False, ledger_ttl_ms=TTL))
     await lim.charge(f"{t}:r", 1, b, 1, strict=False, ledger_ttl_ms=TTL)
     await lim.settle(f"{t}:r", [], ledger_ttl_ms=TTL)
-    await RedisRlsCounter(lim).rls_check([(f"{t}:rls", 1, 10, far(), 1)])
+    await RedisRlsCounter(lim.caller).rls_check([(f"{t}:rls", 1, 10, far(), 1)])
 
 
 async def test_each_script_counts_once_through_a_stall(own_redis: RedisServer) -> None:
@@ -121,7 +122,7 @@ async def test_each_script_counts_once_through_a_stall(own_redis: RedisServer) -
         calls: list[tuple[Callable[[], Awaitable[Any]], str]] = [
             (
                 lambda: lim.admit(
-                    led, [tpm], tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL
+                    AdmitCall(led, [tpm], tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL)
                 ),
                 "100",
             ),
@@ -137,7 +138,7 @@ async def test_each_script_counts_once_through_a_stall(own_redis: RedisServer) -
         calls.append(
             (
                 lambda: lim.admit(
-                    led2, [tpm], tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL
+                    AdmitCall(led2, [tpm], tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL)
                 ),
                 "280",
             )
@@ -157,7 +158,7 @@ async def test_each_script_counts_once_through_a_stall(own_redis: RedisServer) -
         # an RLS check of 7 hits: Envoy does not retry it; whatever ran counted once
         rk = f"{t}:rls"
         exc = await stalled(
-            own_redis.port, lambda: RedisRlsCounter(lim).rls_check([(rk, 7, 1000, far(), 1)])
+            own_redis.port, lambda: RedisRlsCounter(lim.caller).rls_check([(rk, 7, 1000, far(), 1)])
         )
         assert isinstance(exc, LimiterUnavailable)
         assert r.get(rk) in (None, "7")
@@ -180,7 +181,7 @@ async def test_a_ridden_out_stall_counts_once(own_redis: RedisServer) -> None:
         calls: list[tuple[Callable[[], Awaitable[Any]], str]] = [
             (
                 lambda: lim.admit(
-                    led, [tpm], tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL
+                    AdmitCall(led, [tpm], tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL)
                 ),
                 "100",
             ),
@@ -199,7 +200,7 @@ async def test_a_ridden_out_stall_counts_once(own_redis: RedisServer) -> None:
 
         async def check() -> None:
             nonlocal ok, before
-            ok, before = await RedisRlsCounter(lim).rls_check([(rk, 7, 1000, far(), 1)])
+            ok, before = await RedisRlsCounter(lim.caller).rls_check([(rk, 7, 1000, far(), 1)])
 
         assert await stalled(own_redis.port, check) is None
         assert (ok, before, r.get(rk)) == (True, [0], "7")

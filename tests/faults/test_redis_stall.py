@@ -20,6 +20,7 @@ from redis.retry import Retry
 
 from extproc.core.rules import BucketCharge
 from extproc.errors import LimiterUnavailable
+from extproc.limiter.base import AdmitCall
 from extproc.limiter.breaker import BreakerSettings, BreakerState
 from extproc.limiter.redis import RedisLimiter
 from extproc.metrics import Metrics
@@ -89,7 +90,9 @@ async def test_streams_ride_out_a_04s_stall(own_redis: RedisServer) -> None:
     streams = [tag() for _ in range(16)]
     for t in streams:
         res = await lim.admit(
-            f"{t}:req", buckets(t, 10), tpm_charged=10, count_refused=False, ledger_ttl_ms=TTL
+            AdmitCall(
+                f"{t}:req", buckets(t, 10), tpm_charged=10, count_refused=False, ledger_ttl_ms=TTL
+            )
         )
         assert res.admitted
     failures: list[str] = []
@@ -121,7 +124,13 @@ async def test_streams_ride_out_a_04s_stall(own_redis: RedisServer) -> None:
             t = tag()
             try:
                 await lim.admit(
-                    f"{t}:req", buckets(t, 5), tpm_charged=5, count_refused=False, ledger_ttl_ms=TTL
+                    AdmitCall(
+                        f"{t}:req",
+                        buckets(t, 5),
+                        tpm_charged=5,
+                        count_refused=False,
+                        ledger_ttl_ms=TTL,
+                    )
                 )
             except LimiterUnavailable as exc:
                 failures.append(str(exc))
@@ -156,7 +165,9 @@ async def test_400_concurrent_calls_queue_for_the_pool(own_redis: RedisServer) -
     results = await asyncio.gather(
         *(
             lim.admit(
-                f"{t}:req", buckets(t, 1), tpm_charged=1, count_refused=False, ledger_ttl_ms=TTL
+                AdmitCall(
+                    f"{t}:req", buckets(t, 1), tpm_charged=1, count_refused=False, ledger_ttl_ms=TTL
+                )
             )
             for t in tags
         ),
@@ -166,7 +177,7 @@ async def test_400_concurrent_calls_queue_for_the_pool(own_redis: RedisServer) -
     errors = [r for r in results if isinstance(r, BaseException)]
     assert errors == []
     assert lim.pool_in_use() == 0
-    assert len(lim._client.connection_pool._available_connections) <= 64
+    assert len(lim.caller.client.connection_pool._available_connections) <= 64
     assert lim.breaker.state is BreakerState.CLOSED
     await lim.close()
 

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from extproc.core.rules import Adjustment, BucketCharge
-from extproc.limiter.base import SettleCall
+from extproc.limiter.base import AdmitCall, SettleCall
 from extproc.limiter.batch import BatchSettings, Outcome, SettlementBatcher
 from extproc.limiter.redis import RedisLimiter
 from tests.helpers import RedisServer
@@ -45,11 +45,13 @@ async def test_settlements_survive_a_stall_and_land_once(own_redis: RedisServer)
     for i in range(200):
         led = f"{t}:req:{i}"
         res = await lim.admit(
-            led,
-            [BucketCharge(f"{t}:tpm", "tpm", 100, 10**12, far())],
-            tpm_charged=100,
-            count_refused=False,
-            ledger_ttl_ms=TTL,
+            AdmitCall(
+                led,
+                [BucketCharge(f"{t}:tpm", "tpm", 100, 10**12, far())],
+                tpm_charged=100,
+                count_refused=False,
+                ledger_ttl_ms=TTL,
+            )
         )
         assert res.admitted
         leds.append(led)

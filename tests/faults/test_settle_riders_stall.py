@@ -19,7 +19,7 @@ from extproc.config import load_config_text
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.errors import LimiterUnavailable
 from extproc.gateway import Gateway
-from extproc.limiter.base import AdmitResult, SettleCall
+from extproc.limiter.base import AdmitCall, AdmitResult, SettleCall
 from extproc.limiter.batch import BatchSettings, Outcome
 from extproc.limiter.redis import RedisLimiter
 from extproc.metrics import Metrics
@@ -73,12 +73,14 @@ async def carrying_admission(gw: Gateway, lim: RedisLimiter, led: str) -> AdmitR
     done: AdmitResult | None = None
     try:
         done = await lim.admit(
-            led,
-            [BucketCharge(led.rsplit(":req:", 1)[0] + ":rpm", "rpm", 1, 10**6, far())],
-            tpm_charged=0,
-            count_refused=False,
-            ledger_ttl_ms=TTL,
-            settlements=riders,
+            AdmitCall(
+                led,
+                [BucketCharge(led.rsplit(":req:", 1)[0] + ":rpm", "rpm", 1, 10**6, far())],
+                tpm_charged=0,
+                count_refused=False,
+                ledger_ttl_ms=TTL,
+                settlements=riders,
+            )
         )
     except LimiterUnavailable:
         pass
@@ -105,11 +107,13 @@ async def test_riders_of_a_stalled_admission_land_once(own_redis: RedisServer) -
     for i in range(30):
         led = f"{t}:req:{i}"
         res = await lim.admit(
-            led,
-            [BucketCharge(f"{t}:tpm", "tpm", 100, 10**12, far())],
-            tpm_charged=100,
-            count_refused=False,
-            ledger_ttl_ms=TTL,
+            AdmitCall(
+                led,
+                [BucketCharge(f"{t}:tpm", "tpm", 100, 10**12, far())],
+                tpm_charged=100,
+                count_refused=False,
+                ledger_ttl_ms=TTL,
+            )
         )
         assert res.admitted
         leds.append(led)

@@ -19,7 +19,7 @@ import pytest
 
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.limiter.allowance import AllowanceLimiter, AllowanceSettings
-from extproc.limiter.base import Reclaimed, SettleCall
+from extproc.limiter.base import AdmitCall, Reclaimed, SettleCall
 from extproc.limiter.redis import RedisLimiter
 from tests.helpers import RedisServer
 
@@ -57,14 +57,16 @@ async def admit(
     lim: AllowanceLimiter | RedisLimiter, ledger: str, tag: str, *, now_ms: int = 0
 ) -> tuple[Reclaimed, ...]:
     res = await lim.admit(
-        ledger,
-        buckets(tag, 100),
-        tpm_charged=100,
-        count_refused=False,
-        ledger_ttl_ms=TTL,
-        now_ms=now_ms,
-        lease_until_ms=now_ms + LEASE_MS if now_ms else 0,
-        record_draft=f'{{"ledger": "{ledger}"}}',
+        AdmitCall(
+            ledger,
+            buckets(tag, 100),
+            tpm_charged=100,
+            count_refused=False,
+            ledger_ttl_ms=TTL,
+            now_ms=now_ms,
+            lease_until_ms=now_ms + LEASE_MS if now_ms else 0,
+            record_draft=f'{{"ledger": "{ledger}"}}',
+        )
     )
     assert res.admitted
     return res.reclaimed
@@ -86,7 +88,7 @@ async def dying_replica(url: str, tag: str) -> tuple[AllowanceLimiter, dict[str,
         n += 1
         await admit(lim, f"{tag}:req:warm.{n}", tag)
         await settle(lim, f"{tag}:req:warm.{n}", tag)
-        for t in list(lim._tasks):
+        for t in list(lim.book.tasks):
             await t
         assert n < 200
     local_before = lim.stats.local_admissions
@@ -106,7 +108,7 @@ async def dying_replica(url: str, tag: str) -> tuple[AllowanceLimiter, dict[str,
         await settle(lim, led, tag)
     await lim.flush_drafts(force=True)
     # it dies
-    for task in (lim._sweeper, lim._draft_task, *lim._tasks):
+    for task in (lim._sweeper, lim._draft_task, *lim.book.tasks):
         if task is not None:
             task.cancel()
     await lim.inner.close()
@@ -162,7 +164,7 @@ async def test_a_dead_replicas_open_drafts_come_back_through_another_replicas_ta
             reclaimed = await admit(live, f"{tag}:req:live.{n}", tag)
             got += reclaimed
             await settle(live, f"{tag}:req:live.{n}", tag)
-            for t in list(live._tasks):
+            for t in list(live.book.tasks):
                 await t
             await asyncio.sleep(0.01)
         assert live.stats.local_admissions > 0

@@ -18,7 +18,7 @@ import pytest
 
 from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 from extproc.limiter.allowance import AllowanceLimiter, AllowanceSettings
-from extproc.limiter.base import SettleCall
+from extproc.limiter.base import AdmitCall, SettleCall
 from extproc.limiter.memory import MemoryLimiter
 from extproc.limiter.redis import RedisLimiter
 from tests.helpers import RedisServer
@@ -107,7 +107,7 @@ async def one_request(
     rest of its reservation), as the gateway does; whether it was admitted."""
     ledger = f"{tag}:req:{n}"
     res = await lim.admit(
-        ledger, bs, tpm_charged=bs[1].amount, count_refused=False, ledger_ttl_ms=TTL
+        AdmitCall(ledger, bs, tpm_charged=bs[1].amount, count_refused=False, ledger_ttl_ms=TTL)
     )
     if not res.admitted:
         return False
@@ -188,7 +188,9 @@ async def test_near_the_limit_allowances_shrink_to_nothing(pair: Pair) -> None:
     # one request (100)
     seed = charges(rpm, tpm, 19_100, rpm_limit=1_000_000, tpm_limit=20_000)
     await pair.reader.admit(
-        f"{tag}:req:seed", seed, tpm_charged=19_100, count_refused=False, ledger_ttl_ms=TTL
+        AdmitCall(
+            f"{tag}:req:seed", seed, tpm_charged=19_100, count_refused=False, ledger_ttl_ms=TTL
+        )
     )
     lim = pair.a
     trips = lim.round_trips
@@ -219,7 +221,7 @@ async def test_other_limit_kinds_go_to_redis(pair: Pair) -> None:
     for n, extra in enumerate(others * 10):
         bs = [BucketCharge(rpm, "rpm", 1, 10**6, exp), extra]
         res = await lim.admit(
-            f"{tag}:req:{n}", bs, tpm_charged=5, count_refused=False, ledger_ttl_ms=TTL
+            AdmitCall(f"{tag}:req:{n}", bs, tpm_charged=5, count_refused=False, ledger_ttl_ms=TTL)
         )
         assert res.admitted
         await lim.settle_many([SettleCall(f"{tag}:req:{n}", [], TTL)])
@@ -241,7 +243,9 @@ async def test_stream_charges_and_refunds_stay_local(pair: Pair) -> None:
         await asyncio.sleep(0)
     bs = charges(rpm, tpm, 100, rpm_limit=10**6, tpm_limit=10**8)
     ledger = f"{tag}:req:stream"
-    res = await lim.admit(ledger, bs, tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL)
+    res = await lim.admit(
+        AdmitCall(ledger, bs, tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL)
+    )
     assert res.admitted
     trips, background = lim.round_trips, lim.stats.opens + lim.stats.takes
     tok = [BucketCharge(tpm, "tpm", 20, 10**8, bs[1].expire_at_ms)]
@@ -272,7 +276,9 @@ async def test_charges_of_a_request_redis_admitted_draw_from_the_allowance(pair:
     for led in streams:  # admitted by Redis: nothing held yet
         bs = charges(rpm, tpm, 100, rpm_limit=10**6, tpm_limit=10**8)
         trips = lim.round_trips
-        res = await lim.admit(led, bs, tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL)
+        res = await lim.admit(
+            AdmitCall(led, bs, tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL)
+        )
         assert res.admitted and lim.round_trips > trips
     truth = 0
     for n in range(30):  # then the bucket warms up: an allowance is taken
@@ -280,7 +286,7 @@ async def test_charges_of_a_request_redis_admitted_draw_from_the_allowance(pair:
         assert await one_request(lim, tag, n, bs, 100)
         truth += 100
         await asyncio.sleep(0)
-    for t in list(lim._tasks):
+    for t in list(lim.book.tasks):
         await t
     assert lim.stats.local_admissions > 0
     tok = [BucketCharge(tpm, "tpm", 20, 10**8, exp)]
@@ -328,7 +334,9 @@ async def test_a_take_is_idempotent_and_replayed_after_a_failover(
         assert got is not None and got[:2] == (500, 500)
         assert lim.failover is not None
         [entry] = [e for e in lim.failover.journal if e.script == "allowance"]
-        replay = lim._allowance  # the registered script, as the failover replays it
+        replay = lim.caller.scripts[
+            "allowance"
+        ]  # the registered script, as the failover replays it
         await replay(keys=entry.keys, args=entry.args)
         assert int(await rds.get(tpm) or 0) == 500  # ran already: nothing more
         await rds.delete(tpm, entry.keys[0])  # a new master that never saw the take
@@ -355,19 +363,19 @@ async def test_a_dead_replicas_unopened_tranches_are_reclaimed(pair: Pair) -> No
         bs = charges(rpm, tpm, 200, rpm_limit=1_000_000, tpm_limit=10_000_000)
         assert await one_request(dead, tag, n, bs, 120)
         truth += 120
-        for t in list(dead._tasks):
+        for t in list(dead.book.tasks):
             await t
-        st = dead._states.get(tpm)
+        st = dead.book.states.get(tpm)
         if dead.stats.local_admissions >= 10 and st is not None and st.closed > 0:
             break
-    st = dead._states[tpm]
-    closed = sum(s.closed for s in dead._states.values() if s.key == tpm)
+    st = dead.book.states[tpm]
+    closed = sum(s.closed for s in dead.book.states.values() if s.key == tpm)
     opened = st.units - st.closed
     assert closed > 0 and opened >= 0
     # it dies: its background work stops, nothing is given back, nothing renewed
     assert dead._sweeper is not None
     dead._sweeper.cancel()
-    for t in list(dead._tasks):
+    for t in list(dead.book.tasks):
         t.cancel()
     held_at_death = await pair.value(tpm)
     assert held_at_death == truth + st.units
@@ -377,23 +385,25 @@ async def test_a_dead_replicas_unopened_tranches_are_reclaimed(pair: Pair) -> No
         now = int(time.time() * 1000)
         bs = charges(rpm, tpm, 100, rpm_limit=1_000_000, tpm_limit=10_000_000)
         res = await pair.b.admit(
-            f"{tag}:req:after.{now}",
-            bs,
-            tpm_charged=100,
-            count_refused=False,
-            ledger_ttl_ms=TTL,
-            now_ms=now,
+            AdmitCall(
+                f"{tag}:req:after.{now}",
+                bs,
+                tpm_charged=100,
+                count_refused=False,
+                ledger_ttl_ms=TTL,
+                now_ms=now,
+            )
         )
         assert res.admitted
         await pair.b.settle_many([SettleCall(f"{tag}:req:after.{now}", [], TTL)])
         truth += 100
-        for t in list(pair.b._tasks):
+        for t in list(pair.b.book.tasks):
             await t
         if pair.b.stats.reclaimed:  # by its admission (admit.lua) or its take (allowance.lua)
             break
         assert time.monotonic() < deadline, "the dead replica's tranches were never reclaimed"
         await asyncio.sleep(0.05)
-    rpm_st = dead._states.get(rpm)
+    rpm_st = dead.book.states.get(rpm)
     assert pair.b.stats.reclaimed == closed + (rpm_st.closed if rpm_st else 0)
     # the leak: what it had opened and not used, no more
     await pair.b.give_back()

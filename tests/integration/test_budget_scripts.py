@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from extproc.core.rules import RATE_SCALE, Adjustment, BucketCharge, UnconfirmedCharge
-from extproc.limiter.base import Limiter
+from extproc.limiter.base import AdmitCall, Limiter
 from tests.helpers import far_ms
 from tests.limiters import Backend
 
@@ -37,11 +37,13 @@ async def test_strict_grant_is_bounded_by_the_budget_price(backend: Backend) -> 
     lim = backend.limiter
     t = tag()
     res = await lim.admit(
-        f"{t}:req:1",
-        [budget(t, 1_000, amount=100)],
-        tpm_charged=0,
-        count_refused=False,
-        ledger_ttl_ms=TTL,
+        AdmitCall(
+            f"{t}:req:1",
+            [budget(t, 1_000, amount=100)],
+            tpm_charged=0,
+            count_refused=False,
+            ledger_ttl_ms=TTL,
+        )
     )
     assert res.admitted and res.values == (100,)
     got = await lim.charge(f"{t}:req:1", 1, [budget(t, 1_000)], 64, strict=True, ledger_ttl_ms=TTL)
@@ -58,7 +60,9 @@ async def test_lazy_charge_goes_over_and_reports_it(backend: Backend) -> None:
     lim = backend.limiter
     t = tag()
     await lim.admit(
-        f"{t}:req:1", [budget(t, 1_000)], tpm_charged=0, count_refused=False, ledger_ttl_ms=TTL
+        AdmitCall(
+            f"{t}:req:1", [budget(t, 1_000)], tpm_charged=0, count_refused=False, ledger_ttl_ms=TTL
+        )
     )
     c = BucketCharge(f"{t}:cost", "tpm", 0, 1_000, far_ms(), rate=1_500_000)  # 1.5 per token
     got = await lim.charge(f"{t}:req:1", 1, [c], 7, strict=False, ledger_ttl_ms=TTL)
@@ -73,7 +77,7 @@ async def test_shadow_buckets_never_refuse_nor_limit_a_grant(backend: Backend) -
     t = tag()
     shadow = budget(t, 10, shadow=True, amount=500)
     res = await lim.admit(
-        f"{t}:req:1", [shadow], tpm_charged=0, count_refused=False, ledger_ttl_ms=TTL
+        AdmitCall(f"{t}:req:1", [shadow], tpm_charged=0, count_refused=False, ledger_ttl_ms=TTL)
     )
     assert res.admitted and res.values == (500,)
     got = await lim.charge(
@@ -89,13 +93,15 @@ def slot(t: str, limit: int, now: int) -> BucketCharge:
 
 async def admit_slot(lim: Limiter, t: str, n: int, now: int, limit: int = 2) -> bool:
     res = await lim.admit(
-        f"{t}:req:{n}",
-        [slot(t, limit, now)],
-        tpm_charged=0,
-        count_refused=False,
-        ledger_ttl_ms=TTL,
-        now_ms=now,
-        lease_until_ms=now + LEASE,
+        AdmitCall(
+            f"{t}:req:{n}",
+            [slot(t, limit, now)],
+            tpm_charged=0,
+            count_refused=False,
+            ledger_ttl_ms=TTL,
+            now_ms=now,
+            lease_until_ms=now + LEASE,
+        )
     )
     return res.admitted
 
@@ -147,7 +153,9 @@ async def test_sliding_window_counts_the_previous_window_by_its_share(backend: B
     admitted = 0
     for n in range(40):
         res = await lim.admit(
-            f"{t}:req:{n}", [rpm(n)], tpm_charged=0, count_refused=False, ledger_ttl_ms=TTL
+            AdmitCall(
+                f"{t}:req:{n}", [rpm(n)], tpm_charged=0, count_refused=False, ledger_ttl_ms=TTL
+            )
         )
         admitted += res.admitted
         if not res.admitted:
@@ -155,7 +163,9 @@ async def test_sliding_window_counts_the_previous_window_by_its_share(backend: B
             break
     assert admitted == 25
     tpm = BucketCharge(cur + ":t", "tpm", 0, 100, far_ms(), prev_key=prev, prev_weight=750_000)
-    await lim.admit(f"{t}:req:s", [tpm], tpm_charged=0, count_refused=False, ledger_ttl_ms=TTL)
+    await lim.admit(
+        AdmitCall(f"{t}:req:s", [tpm], tpm_charged=0, count_refused=False, ledger_ttl_ms=TTL)
+    )
     got = await lim.charge(f"{t}:req:s", 1, [tpm], 64, strict=True, ledger_ttl_ms=TTL)
     assert got.granted == 25 and got.values == (100,) and got.exhausted
 
@@ -173,7 +183,9 @@ async def test_cancel_undoes_an_admission_that_ran_after_all(backend: Backend) -
     r = backend.probe
     t = tag()
     await lim.admit(
-        f"{t}:req", [tpm(t, 120)], tpm_charged=120, count_refused=False, ledger_ttl_ms=TTL
+        AdmitCall(
+            f"{t}:req", [tpm(t, 120)], tpm_charged=120, count_refused=False, ledger_ttl_ms=TTL
+        )
     )
     undo = [Adjustment(f"{t}:tpm", -120, far_ms())]
     assert await lim.settle(f"{t}:req", undo, ledger_ttl_ms=TTL, cancel=True)
@@ -190,7 +202,9 @@ async def test_cancel_before_a_late_admission_stops_it_from_charging(backend: Ba
     assert await lim.settle(f"{t}:req", undo, ledger_ttl_ms=TTL, cancel=True)
     assert (await r.counter(f"{t}:tpm") or 0) == 0  # nothing refunded that was never charged
     res = await lim.admit(
-        f"{t}:req", [tpm(t, 120)], tpm_charged=120, count_refused=False, ledger_ttl_ms=TTL
+        AdmitCall(
+            f"{t}:req", [tpm(t, 120)], tpm_charged=120, count_refused=False, ledger_ttl_ms=TTL
+        )
     )
     assert res.duplicate and (await r.counter(f"{t}:tpm") or 0) == 0
 
@@ -202,7 +216,7 @@ async def test_settlement_takes_back_an_unconfirmed_charge_that_ran(backend: Bac
     r = backend.probe
     t = tag()
     await lim.admit(
-        f"{t}:req", [tpm(t, 10)], tpm_charged=10, count_refused=False, ledger_ttl_ms=TTL
+        AdmitCall(f"{t}:req", [tpm(t, 10)], tpm_charged=10, count_refused=False, ledger_ttl_ms=TTL)
     )
     await lim.charge(f"{t}:req", 1, [tpm(t, 0)], 16, strict=False, ledger_ttl_ms=TTL)
     assert (await r.counter(f"{t}:tpm") or 0) == 26
@@ -220,7 +234,7 @@ async def test_a_charge_arriving_after_settlement_charges_nothing(backend: Backe
     r = backend.probe
     t = tag()
     await lim.admit(
-        f"{t}:req", [tpm(t, 10)], tpm_charged=10, count_refused=False, ledger_ttl_ms=TTL
+        AdmitCall(f"{t}:req", [tpm(t, 10)], tpm_charged=10, count_refused=False, ledger_ttl_ms=TTL)
     )
     ghost = UnconfirmedCharge(1, ((f"{t}:tpm", RATE_SCALE),))
     shortfall = [Adjustment(f"{t}:tpm", 12, far_ms())]

@@ -17,6 +17,7 @@ from extproc.config.load import load_config
 from extproc.core.admission_plan import admission_charges, compute_cost, refusal
 from extproc.core.keys import ledger_key, windowed
 from extproc.core.rules import Charging
+from extproc.limiter.base import AdmitCall
 from tests.limiters import Backend
 
 pytestmark = pytest.mark.integration
@@ -38,11 +39,13 @@ async def test_levels_admit_in_one_call_and_cap_end_users(backend: Backend) -> N
         )
         led = ledger_key(prefix, acme.slot, uuid.uuid4().hex)
         res = await lim.admit(
-            led,
-            admission_charges(bs, cost),
-            tpm_charged=tokens,
-            count_refused=False,
-            ledger_ttl_ms=60_000,
+            AdmitCall(
+                led,
+                admission_charges(bs, cost),
+                tpm_charged=tokens,
+                count_refused=False,
+                ledger_ttl_ms=60_000,
+            )
         )
         if not res.admitted:
             err = refusal(bs, res.values, cost, now, tenant="acme", model="sim-small")
@@ -87,11 +90,13 @@ async def test_a_team_caps_its_distinct_end_users(backend: Backend) -> None:
     async def ask(user: str) -> bool:
         bs = windowed(prefix, acme.slot, "research", limits, now, user=user)
         res = await backend.limiter.admit(
-            ledger_key(prefix, acme.slot, uuid.uuid4().hex),
-            admission_charges(bs, cost),
-            tpm_charged=1,
-            count_refused=False,
-            ledger_ttl_ms=60_000,
+            AdmitCall(
+                ledger_key(prefix, acme.slot, uuid.uuid4().hex),
+                admission_charges(bs, cost),
+                tpm_charged=1,
+                count_refused=False,
+                ledger_ttl_ms=60_000,
+            )
         )
         if not res.admitted:
             err = refusal(bs, res.values, cost, now, tenant="acme", model="sim-small")
@@ -145,13 +150,15 @@ async def test_concurrency_weighted_and_shadow_limits_at_levels(backend: Backend
             input_tokens=tokens, per_choice_max=0, n=1, stream=False, charging=Charging()
         )
         res = await backend.limiter.admit(
-            ledger_key(prefix, x.slot, uuid.uuid4().hex),
-            admission_charges(bs, cost),
-            tpm_charged=tokens,
-            count_refused=False,
-            ledger_ttl_ms=60_000,
-            now_ms=now,
-            lease_until_ms=now + 30_000 if lease else 0,
+            AdmitCall(
+                ledger_key(prefix, x.slot, uuid.uuid4().hex),
+                admission_charges(bs, cost),
+                tpm_charged=tokens,
+                count_refused=False,
+                ledger_ttl_ms=60_000,
+                now_ms=now,
+                lease_until_ms=now + 30_000 if lease else 0,
+            )
         )
         if res.admitted:
             return res
@@ -232,11 +239,13 @@ async def test_random_hierarchies_never_over_and_refusals_name_a_level_out(
                 input_tokens=tokens, per_choice_max=0, n=1, stream=False, charging=Charging()
             )
             res = await backend.limiter.admit(
-                ledger_key(prefix, x.slot, f"r{n}"),
-                admission_charges(bs, cost),
-                tpm_charged=tokens,
-                count_refused=False,
-                ledger_ttl_ms=60_000,
+                AdmitCall(
+                    ledger_key(prefix, x.slot, f"r{n}"),
+                    admission_charges(bs, cost),
+                    tpm_charged=tokens,
+                    count_refused=False,
+                    ledger_ttl_ms=60_000,
+                )
             )
             for b in bs:
                 limits[b.key] = b.limit.limit

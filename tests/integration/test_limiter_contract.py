@@ -20,6 +20,7 @@ from extproc.limiter.base import (
     RLS_ENFORCED,
     RLS_QUOTA,
     RLS_SHADOW,
+    AdmitCall,
     ChargeCall,
     RlsCounter,
     SettleCall,
@@ -28,8 +29,9 @@ from extproc.limiter.memory import MemoryLimiter
 from extproc.limiter.redis import RedisLimiter
 from extproc.limiter.rls_counter import rls_counter
 from extproc.rls.load import compile_domains
-from extproc.rls.match import Descriptor, plan
+from extproc.rls.match import plan
 from extproc.rls.parse import parse_text
+from extproc.rls.request import Descriptor
 from tests.limiters import Backend
 
 pytestmark = pytest.mark.integration
@@ -60,11 +62,13 @@ async def test_admission_charges_every_bucket(backend: Backend) -> None:
     lim = backend.limiter
     tag = uniq("a")
     res = await lim.admit(
-        f"{tag}:req:1",
-        buckets(tag, 5, 100, 40),
-        tpm_charged=40,
-        count_refused=False,
-        ledger_ttl_ms=TTL,
+        AdmitCall(
+            f"{tag}:req:1",
+            buckets(tag, 5, 100, 40),
+            tpm_charged=40,
+            count_refused=False,
+            ledger_ttl_ms=TTL,
+        )
     )
     assert res.admitted and not res.duplicate
     assert res.values == (1, 40)
@@ -79,18 +83,22 @@ async def test_admission_is_all_or_nothing(backend: Backend) -> None:
     lim = backend.limiter
     tag = uniq("b")
     await lim.admit(
-        f"{tag}:req:1",
-        buckets(tag, 5, 100, 90),
-        tpm_charged=90,
-        count_refused=False,
-        ledger_ttl_ms=TTL,
+        AdmitCall(
+            f"{tag}:req:1",
+            buckets(tag, 5, 100, 90),
+            tpm_charged=90,
+            count_refused=False,
+            ledger_ttl_ms=TTL,
+        )
     )
     res = await lim.admit(
-        f"{tag}:req:2",
-        buckets(tag, 5, 100, 20),
-        tpm_charged=20,
-        count_refused=False,
-        ledger_ttl_ms=TTL,
+        AdmitCall(
+            f"{tag}:req:2",
+            buckets(tag, 5, 100, 20),
+            tpm_charged=20,
+            count_refused=False,
+            ledger_ttl_ms=TTL,
+        )
     )
     assert not res.admitted
     assert res.values == (1, 90)
@@ -105,18 +113,22 @@ async def test_refused_requests_count_toward_rpm_when_configured(backend: Backen
     lim = backend.limiter
     tag = uniq("c")
     await lim.admit(
-        f"{tag}:req:1",
-        buckets(tag, 5, 100, 100),
-        tpm_charged=100,
-        count_refused=True,
-        ledger_ttl_ms=TTL,
+        AdmitCall(
+            f"{tag}:req:1",
+            buckets(tag, 5, 100, 100),
+            tpm_charged=100,
+            count_refused=True,
+            ledger_ttl_ms=TTL,
+        )
     )
     res = await lim.admit(
-        f"{tag}:req:2",
-        buckets(tag, 5, 100, 1),
-        tpm_charged=1,
-        count_refused=True,
-        ledger_ttl_ms=TTL,
+        AdmitCall(
+            f"{tag}:req:2",
+            buckets(tag, 5, 100, 1),
+            tpm_charged=1,
+            count_refused=True,
+            ledger_ttl_ms=TTL,
+        )
     )
     assert not res.admitted
     assert res.values == (2, 100)
@@ -127,18 +139,22 @@ async def test_replayed_request_id_is_not_charged_twice(backend: Backend) -> Non
     lim = backend.limiter
     tag = uniq("d")
     await lim.admit(
-        f"{tag}:req:1",
-        buckets(tag, 5, 100, 30),
-        tpm_charged=30,
-        count_refused=False,
-        ledger_ttl_ms=TTL,
+        AdmitCall(
+            f"{tag}:req:1",
+            buckets(tag, 5, 100, 30),
+            tpm_charged=30,
+            count_refused=False,
+            ledger_ttl_ms=TTL,
+        )
     )
     res = await lim.admit(
-        f"{tag}:req:1",
-        buckets(tag, 5, 100, 30),
-        tpm_charged=30,
-        count_refused=False,
-        ledger_ttl_ms=TTL,
+        AdmitCall(
+            f"{tag}:req:1",
+            buckets(tag, 5, 100, 30),
+            tpm_charged=30,
+            count_refused=False,
+            ledger_ttl_ms=TTL,
+        )
     )
     assert res.duplicate and not res.admitted
     assert await backend.probe.counter(f"{tag}:tpm") == 30
@@ -150,7 +166,9 @@ async def test_lazy_charge_reports_exhaustion_and_is_idempotent(backend: Backend
     tag = uniq("e")
     led = f"{tag}:req:1"
     await lim.admit(
-        led, buckets(tag, 5, 100, 50), tpm_charged=50, count_refused=False, ledger_ttl_ms=TTL
+        AdmitCall(
+            led, buckets(tag, 5, 100, 50), tpm_charged=50, count_refused=False, ledger_ttl_ms=TTL
+        )
     )
     tpm = [BucketCharge(f"{tag}:tpm", "tpm", 40, 100, far())]
     r1 = await lim.charge(led, 1, tpm, 40, strict=False, ledger_ttl_ms=TTL)
@@ -170,7 +188,9 @@ async def test_strict_lease_grants_only_the_room_left(backend: Backend) -> None:
     tag = uniq("f")
     led = f"{tag}:req:1"
     await lim.admit(
-        led, buckets(tag, 5, 100, 80), tpm_charged=80, count_refused=False, ledger_ttl_ms=TTL
+        AdmitCall(
+            led, buckets(tag, 5, 100, 80), tpm_charged=80, count_refused=False, ledger_ttl_ms=TTL
+        )
     )
     tpm = [BucketCharge(f"{tag}:tpm", "tpm", 64, 100, far())]
     r1 = await lim.charge(led, 1, tpm, 64, strict=True, ledger_ttl_ms=TTL)
@@ -186,7 +206,9 @@ async def test_settlement_applies_once(backend: Backend) -> None:
     tag = uniq("g")
     led = f"{tag}:req:1"
     await lim.admit(
-        led, buckets(tag, 5, 1000, 500), tpm_charged=500, count_refused=False, ledger_ttl_ms=TTL
+        AdmitCall(
+            led, buckets(tag, 5, 1000, 500), tpm_charged=500, count_refused=False, ledger_ttl_ms=TTL
+        )
     )
     adj = [Adjustment(f"{tag}:tpm", -380, far())]
     assert await lim.settle(led, adj, ledger_ttl_ms=TTL) is True
@@ -254,7 +276,9 @@ async def test_admit_charge_settle_with_a_tenants_windowed_keys(backend: Backend
         else BucketCharge(b.key, "tpm", 100, b.limit.limit, b.expire_at_ms)
         for b in windows
     ]
-    res = await lim.admit(led, charges, tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL)
+    res = await lim.admit(
+        AdmitCall(led, charges, tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL)
+    )
     assert res.admitted and res.values == (1, 100, 100)
     tpm = [c for c in charges if c.kind == "tpm"]
     ch = await lim.charge(led, 1, tpm, 450, strict=True, ledger_ttl_ms=TTL)
@@ -274,7 +298,13 @@ async def test_batches_charge_and_settle_as_single_calls_do(backend: Backend) ->
     leds = [f"{tag}:req:{i}" for i in range(3)]
     for led in leds:
         await lim.admit(
-            led, buckets(tag, 10, 1000, 10), tpm_charged=10, count_refused=False, ledger_ttl_ms=TTL
+            AdmitCall(
+                led,
+                buckets(tag, 10, 1000, 10),
+                tpm_charged=10,
+                count_refused=False,
+                ledger_ttl_ms=TTL,
+            )
         )
     tpm = [BucketCharge(f"{tag}:tpm", "tpm", 0, 1000, far())]
     calls = [ChargeCall(led, 1, tpm, 100, False, TTL) for led in leds]

@@ -11,6 +11,7 @@ import pytest
 from extproc.clock import FakeClock
 from extproc.core.rules import BucketCharge
 from extproc.errors import LimiterUnavailable
+from extproc.limiter.base import AdmitCall
 from extproc.limiter.breaker import BreakerState
 from extproc.limiter.redis import RedisLimiter
 from extproc.stack import free_port
@@ -40,11 +41,13 @@ async def test_unreachable_redis_fails_fast_and_breaker_opens() -> None:
     with pytest.raises(LimiterUnavailable):  # raised, not hung (a hang fails the guard)
         async with asyncio.timeout(10):
             await lim.admit(
-                "x:{t}:req:1",
-                [BucketCharge("x:{t}:rpm", "rpm", 1, 5, far())],
-                tpm_charged=0,
-                count_refused=False,
-                ledger_ttl_ms=TTL,
+                AdmitCall(
+                    "x:{t}:req:1",
+                    [BucketCharge("x:{t}:rpm", "rpm", 1, 5, far())],
+                    tpm_charged=0,
+                    count_refused=False,
+                    ledger_ttl_ms=TTL,
+                )
             )
     assert not _open(lim)  # one failure never opens the breaker
     for _ in range(lim.breaker.settings.min_calls - 1):

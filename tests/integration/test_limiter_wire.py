@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 
 def _live_connections(lim: RedisLimiter) -> list[Any]:
-    client: Any = lim._client
+    client: Any = lim.caller.client
     pool = getattr(client, "connection_pool", None)
     if pool is not None:
         return [*pool._available_connections, *pool._in_use_connections]

@@ -20,8 +20,9 @@ from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc import devcerts
-from extproc.access import AccessConfigError, PortGuard, check_settings
+from extproc.access import PortGuard, check_settings
 from extproc.app import Running, start
+from extproc.caller_tokens import AccessConfigError
 from extproc.settings import Settings
 from tests.helpers import RedisServer
 from tests.rls_support import OK, SEED_DIR, fake_clock, metric, request

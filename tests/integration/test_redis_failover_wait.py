@@ -15,6 +15,7 @@ import redis
 
 from extproc.core.rules import BucketCharge
 from extproc.errors import LimiterUnavailable
+from extproc.limiter.base import AdmitCall
 from extproc.limiter.redis import RedisLimiter
 from tests.helpers import RedisServer, far_ms
 
@@ -32,11 +33,13 @@ async def test_an_admission_waits_out_a_restart_and_is_charged_once(tmp_path: Pa
         t = "wait1"
         assert (
             await lim.admit(
-                f"aiq:{{{t}}}:req:a",
-                _bucket(t, 10),
-                tpm_charged=10,
-                count_refused=False,
-                ledger_ttl_ms=60_000,
+                AdmitCall(
+                    f"aiq:{{{t}}}:req:a",
+                    _bucket(t, 10),
+                    tpm_charged=10,
+                    count_refused=False,
+                    ledger_ttl_ms=60_000,
+                )
             )
         ).admitted
         server.stop()
@@ -44,11 +47,13 @@ async def test_an_admission_waits_out_a_restart_and_is_charged_once(tmp_path: Pa
         started = time.monotonic()
         call = asyncio.ensure_future(
             lim.admit(
-                f"aiq:{{{t}}}:req:b",
-                _bucket(t, 7),
-                tpm_charged=7,
-                count_refused=False,
-                ledger_ttl_ms=60_000,
+                AdmitCall(
+                    f"aiq:{{{t}}}:req:b",
+                    _bucket(t, 7),
+                    tpm_charged=7,
+                    count_refused=False,
+                    ledger_ttl_ms=60_000,
+                )
             )
         )
         await asyncio.sleep(1.0)

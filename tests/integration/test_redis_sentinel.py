@@ -24,6 +24,7 @@ from extproc.admin.store import AdminStore
 from extproc.bench.redis_ha import SentinelGroup
 from extproc.core.rules import BucketCharge
 from extproc.errors import LimiterUnavailable
+from extproc.limiter.base import AdmitCall
 from extproc.limiter.redis import RedisLimiter
 from extproc.limiter.redis_url import RedisUrlError, check_master
 from extproc.records import export
@@ -52,11 +53,13 @@ async def test_limiter_charges_the_master(group: SentinelGroup) -> None:
     far = int(time.time() * 1000) + 60_000
     try:
         res = await lim.admit(
-            f"{t}:req",
-            [BucketCharge(f"{t}:tpm", "tpm", 42, 1000, far)],
-            tpm_charged=42,
-            count_refused=False,
-            ledger_ttl_ms=60_000,
+            AdmitCall(
+                f"{t}:req",
+                [BucketCharge(f"{t}:tpm", "tpm", 42, 1000, far)],
+                tpm_charged=42,
+                count_refused=False,
+                ledger_ttl_ms=60_000,
+            )
         )
         assert res.admitted
         assert await lim.ping()
@@ -177,11 +180,13 @@ async def test_rediss_sentinel_speaks_tls_to_sentinels_and_master(tmp_path: Path
         far = int(time.time() * 1000) + 60_000
         try:
             res = await lim.admit(
-                f"{t}:req",
-                [BucketCharge(f"{t}:tpm", "tpm", 9, 1000, far)],
-                tpm_charged=9,
-                count_refused=False,
-                ledger_ttl_ms=60_000,
+                AdmitCall(
+                    f"{t}:req",
+                    [BucketCharge(f"{t}:tpm", "tpm", 9, 1000, far)],
+                    tpm_charged=9,
+                    count_refused=False,
+                    ledger_ttl_ms=60_000,
+                )
             )
             assert res.admitted
         finally:

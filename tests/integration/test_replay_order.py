@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 
 from extproc.core.keys import open_key
 from extproc.core.rules import Adjustment, BucketCharge
+from extproc.limiter.base import AdmitCall
 from extproc.limiter.journal import Entry
 from extproc.limiter.redis import RedisLimiter
 from tests.helpers import RedisServer
@@ -54,17 +55,19 @@ async def _request(a: RedisLimiter, tag: str, *, strict: bool = False) -> list[E
     before = len(a.failover.journal)
     led = f"{tag}:req:1"
     await a.admit(
-        led,
-        [
-            BucketCharge(f"{tag}:rpm", "rpm", 1, 100, far()),
-            BucketCharge(f"{tag}:tpm", "tpm", 500, 100_000, far(), refundable=400),
-            BucketCharge(f"{tag}:conc", "concurrency", 1, 10, far()),
-        ],
-        tpm_charged=500,
-        count_refused=False,
-        ledger_ttl_ms=TTL,
-        now_ms=int(time.time() * 1000),
-        lease_until_ms=far(),
+        AdmitCall(
+            led,
+            [
+                BucketCharge(f"{tag}:rpm", "rpm", 1, 100, far()),
+                BucketCharge(f"{tag}:tpm", "tpm", 500, 100_000, far(), refundable=400),
+                BucketCharge(f"{tag}:conc", "concurrency", 1, 10, far()),
+            ],
+            tpm_charged=500,
+            count_refused=False,
+            ledger_ttl_ms=TTL,
+            now_ms=int(time.time() * 1000),
+            lease_until_ms=far(),
+        )
     )
     tpm = [BucketCharge(f"{tag}:tpm", "tpm", 40, 100_000, far())]
     for seq in (1, 2):
@@ -76,7 +79,7 @@ async def _request(a: RedisLimiter, tag: str, *, strict: bool = False) -> list[E
 
 async def _replay(b: RedisLimiter, entries: list[Entry]) -> None:
     for e in entries:
-        await b._scripts[e.script](keys=e.keys, args=e.args)
+        await b.caller.scripts[e.script](keys=e.keys, args=e.args)
 
 
 async def _state(r: Redis, tag: str) -> tuple[int, int, int, bool, bytes | str | None]:
@@ -99,7 +102,7 @@ async def test_every_order_of_a_requests_calls_ends_where_the_old_master_did(
     then the whole journal replayed again: TPM 500 + 40 + 40 - 300 = 280, RPM 1, no slot held,
     the ledger settled: what the old master holds."""
     a, b, probe = masters
-    old = Redis(port=int(str(a._client.connection_pool.connection_kwargs["port"])))
+    old = Redis(port=int(str(a.caller.client.connection_pool.connection_kwargs["port"])))
     try:
         for order in itertools.permutations(range(4)):
             tag = f"t:{{o-{uuid.uuid4().hex[:8]}}}"

@@ -11,7 +11,7 @@ import pytest
 
 from extproc.core.policies import reclaimed_billing
 from extproc.core.rules import Adjustment, BucketCharge
-from extproc.limiter.base import AdmitResult, InputNote, Limiter
+from extproc.limiter.base import AdmitCall, AdmitResult, InputNote, Limiter
 from extproc.records.model import RecordDraft, record_id_for
 from tests.helpers import far_ms
 from tests.limiters import Backend
@@ -36,14 +36,16 @@ async def admit(
     lim: Limiter, tag: str, charges: list[BucketCharge], now: int, n: int, draft: str = ""
 ) -> AdmitResult:
     res = await lim.admit(
-        f"{tag}:req:{n}",
-        charges,
-        tpm_charged=1_010,
-        count_refused=False,
-        ledger_ttl_ms=TTL,
-        now_ms=now,
-        lease_until_ms=now + LEASE,
-        record_draft=draft,
+        AdmitCall(
+            f"{tag}:req:{n}",
+            charges,
+            tpm_charged=1_010,
+            count_refused=False,
+            ledger_ttl_ms=TTL,
+            now_ms=now,
+            lease_until_ms=now + LEASE,
+            record_draft=draft,
+        )
     )
     assert res.admitted
     return res

@@ -19,8 +19,9 @@ from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from extproc.limiter.redis import RedisLimiter
 from extproc.limiter.rls_counter import RedisRlsCounter
 from extproc.rls.load import compile_domains
-from extproc.rls.match import Descriptor, plan
+from extproc.rls.match import plan
 from extproc.rls.parse import parse_text
+from extproc.rls.request import Descriptor
 from extproc.stack import free_port
 from tests.helpers import RedisServer, far_ms, spawn
 from tests.rls_support import ROOT, request
@@ -37,9 +38,9 @@ async def test_all_or_nothing(lim: RedisLimiter, redis_server: RedisServer) -> N
     """One enforced counter over refuses the request and nothing is added anywhere."""
     a, b = key(), key()
     exp = far_ms()
-    ok, before = await RedisRlsCounter(lim).rls_check([(a, 3, 5, exp, 1), (b, 4, 5, exp, 1)])
+    ok, before = await RedisRlsCounter(lim.caller).rls_check([(a, 3, 5, exp, 1), (b, 4, 5, exp, 1)])
     assert ok and before == [0, 0]
-    ok, before = await RedisRlsCounter(lim).rls_check([(a, 1, 5, exp, 1), (b, 2, 5, exp, 1)])
+    ok, before = await RedisRlsCounter(lim.caller).rls_check([(a, 1, 5, exp, 1), (b, 2, 5, exp, 1)])
     assert not ok and before == [3, 4]
     r = redis.Redis(port=redis_server.port)
     assert [int(r.get(a) or 0), int(r.get(b) or 0)] == [3, 4]
@@ -49,11 +50,11 @@ async def test_all_or_nothing(lim: RedisLimiter, redis_server: RedisServer) -> N
 async def test_repeated_key_sees_the_earlier_hits(lim: RedisLimiter) -> None:
     """The same counter twice in one request: the second sees the first's hits."""
     a = key()
-    ok, before = await RedisRlsCounter(lim).rls_check(
+    ok, before = await RedisRlsCounter(lim.caller).rls_check(
         [(a, 2, 3, far_ms(), 1), (a, 2, 3, far_ms(), 1)]
     )
     assert not ok and before == [0, 2]
-    ok, before = await RedisRlsCounter(lim).rls_check(
+    ok, before = await RedisRlsCounter(lim.caller).rls_check(
         [(a, 1, 3, far_ms(), 1), (a, 2, 3, far_ms(), 1)]
     )
     assert ok and before == [0, 1]
@@ -64,14 +65,14 @@ async def test_shadow_quota_and_check_only(lim: RedisLimiter, redis_server: Redi
     nothing and creates no key."""
     s, q1, q2, c = key(), key(), key(), key()
     exp = far_ms()
-    assert (await RedisRlsCounter(lim).rls_check([(s, 10, 1, exp, 0)]))[0]
-    assert (await RedisRlsCounter(lim).rls_check([(q1, 2, 1, exp, 2), (q2, 1, 1, exp, 2)]))[
+    assert (await RedisRlsCounter(lim.caller).rls_check([(s, 10, 1, exp, 0)]))[0]
+    assert (await RedisRlsCounter(lim.caller).rls_check([(q1, 2, 1, exp, 2), (q2, 1, 1, exp, 2)]))[
         0
     ] is True
-    assert (await RedisRlsCounter(lim).rls_check([(q1, 1, 1, exp, 2), (q2, 1, 1, exp, 2)]))[
+    assert (await RedisRlsCounter(lim.caller).rls_check([(q1, 1, 1, exp, 2), (q2, 1, 1, exp, 2)]))[
         0
     ] is False
-    assert (await RedisRlsCounter(lim).rls_check([(c, 0, 1, exp, 1)])) == (True, [0])
+    assert (await RedisRlsCounter(lim.caller).rls_check([(c, 0, 1, exp, 1)])) == (True, [0])
     r = redis.Redis(port=redis_server.port)
     assert int(r.get(s) or 0) == 10 and not r.exists(c)
 
@@ -103,14 +104,16 @@ async def test_cluster_one_call_per_slot(cluster: list[int]) -> None:
         )
         counters = [(c.key, c.hits, c.limit, c.expire_at_ms, c.mode) for c in p.counted]
         before_calls = lim.round_trips
-        assert await RedisRlsCounter(lim).rls_check(counters) == (True, [0, 0])
+        assert await RedisRlsCounter(lim.caller).rls_check(counters) == (True, [0, 0])
         assert lim.round_trips - before_calls == 1
-        assert (await RedisRlsCounter(lim).rls_check(counters))[
+        assert (await RedisRlsCounter(lim.caller).rls_check(counters))[
             0
         ] is False  # tpm at 2: refused, rpm not added
         other = key()
         before_calls = lim.round_trips
-        ok, before = await RedisRlsCounter(lim).rls_check([counters[0], (other, 1, 5, far_ms(), 1)])
+        ok, before = await RedisRlsCounter(lim.caller).rls_check(
+            [counters[0], (other, 1, 5, far_ms(), 1)]
+        )
         assert ok and before == [1, 0]
         assert lim.round_trips - before_calls == 2
     finally:
@@ -229,7 +232,7 @@ async def test_a_stalled_check_counts_once(tmp_path: Path) -> None:
     lim = RedisLimiter.from_url(server.url, timeout_ms=100)
     try:
         a = key()
-        await RedisRlsCounter(lim).rls_check(
+        await RedisRlsCounter(lim.caller).rls_check(
             [(a, 1, 100, far_ms(), 1)]
         )  # scripts loaded, connection open
         sleeper = threading.Thread(target=_debug_sleep, args=(server.port,))
@@ -237,7 +240,7 @@ async def test_a_stalled_check_counts_once(tmp_path: Path) -> None:
         await asyncio.to_thread(_wait_blocked, server.port)
         calls = lim.round_trips
         with pytest.raises(LimiterUnavailable):
-            await RedisRlsCounter(lim).rls_check([(a, 5, 100, far_ms(), 1)])
+            await RedisRlsCounter(lim.caller).rls_check([(a, 5, 100, far_ms(), 1)])
         assert lim.round_trips - calls == 2  # the stall retry, same call id
         sleeper.join()
         r = redis.Redis(port=server.port)
@@ -281,13 +284,13 @@ async def test_an_admitted_check_is_journalled_and_replayed_after_a_failover(
     lim = RedisLimiter.from_url(redis_server.url, timeout_ms=1000)
     r = redis.Redis(port=redis_server.port)
     try:
-        counter = RedisRlsCounter(lim)
+        counter = RedisRlsCounter(lim.caller)
         a = key()
         assert await counter.rls_check([(a, 4, 5, far_ms(), 1)]) == (True, [0])
         assert (await counter.rls_check([(a, 4, 5, far_ms(), 1)]))[0] is False
         assert lim.failover is not None
         [entry] = [e for e in lim.failover.journal if e.script == "rls"]
-        replay = lim._scripts[entry.script]  # what the failover runs for this entry
+        replay = lim.caller.scripts[entry.script]  # what the failover runs for this entry
         await replay(keys=entry.keys, args=entry.args)
         assert int(r.get(a) or 0) == 4  # ran already: nothing more
         r.delete(a, entry.keys[0])  # a new master that never saw the check

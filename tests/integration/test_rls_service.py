@@ -17,6 +17,7 @@ from extproc.app import Running
 from extproc.config import load_config_text
 from extproc.core.keys import windowed
 from extproc.core.rules import BucketCharge
+from extproc.limiter.base import AdmitCall
 from extproc.limiter.redis import RedisLimiter
 from tests.helpers import RedisServer
 from tests.rls_support import OK, OVER, SEED_DIR, Serve, fake_clock, metric, request
@@ -106,11 +107,13 @@ async def test_tpm_counter_is_the_ext_proc_bucket(
     lim = RedisLimiter.from_url(redis_server.url, timeout_ms=1000)
     try:
         res = await lim.admit(
-            f"{prefix}:{{tenant-x}}:req:r1",
-            [BucketCharge(tpm.key, "tpm", 2500, tpm.limit.limit, tpm.expire_at_ms)],
-            tpm_charged=2500,
-            count_refused=False,
-            ledger_ttl_ms=60_000,
+            AdmitCall(
+                f"{prefix}:{{tenant-x}}:req:r1",
+                [BucketCharge(tpm.key, "tpm", 2500, tpm.limit.limit, tpm.expire_at_ms)],
+                tpm_charged=2500,
+                count_refused=False,
+                ledger_ttl_ms=60_000,
+            )
         )
         assert res.admitted
     finally:
@@ -319,13 +322,15 @@ async def test_allowances_leave_the_rls_counter_on_redis(
     """With allowances on, the request path's limiter is the allowance wrapper; the RLS
     counter is composed with the Redis limiter inside it and counts in Redis."""
     from extproc.limiter.allowance import AllowanceLimiter
+    from extproc.limiter.redis import RedisLimiter
     from extproc.limiter.rls_counter import RedisRlsCounter
 
     stub, running = await serve(SEED_DIR, allowances=True)
     wrapper = running.gateway.limiter
     assert isinstance(wrapper, AllowanceLimiter)
     counter = running.rls.counters if running.rls is not None else None
-    assert isinstance(counter, RedisRlsCounter) and counter.limiter is wrapper.inner
+    assert isinstance(wrapper.inner, RedisLimiter)
+    assert isinstance(counter, RedisRlsCounter) and counter.caller is wrapper.inner.caller
     r = await stub.ShouldRateLimit(request("ai-gateway", seed("t-allow", "tpm"), hits=700))
     assert r.overall_code == OK and r.statuses[0].limit_remaining == 100_000 - 700
     client = redis.Redis(port=redis_server.port, decode_responses=True)

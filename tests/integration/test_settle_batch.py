@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator
 import pytest
 
 from extproc.core.rules import RATE_SCALE, Adjustment, BucketCharge, UnconfirmedCharge
-from extproc.limiter.base import ChargeCall, ChargeResult, SettleCall
+from extproc.limiter.base import AdmitCall, ChargeCall, ChargeResult, SettleCall
 from extproc.limiter.batch import BatchSettings, ChargeBatcher, Outcome, SettlementBatcher
-from extproc.limiter.redis import MAX_ITEMS_PER_CALL, RedisLimiter
+from extproc.limiter.caller import MAX_ITEMS_PER_CALL
+from extproc.limiter.redis import RedisLimiter
 from tests.helpers import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -34,16 +35,18 @@ async def admit(lim: RedisLimiter, t: str, req: str, tokens: int, *, lease: bool
     led = f"{t}:req:{req}"
     now = int(time.time() * 1000)
     res = await lim.admit(
-        led,
-        [
-            BucketCharge(f"{t}:rpm", "rpm", 1, 10**9, far()),
-            BucketCharge(f"{t}:tpm", "tpm", tokens, 10**12, far(), refundable=tokens),
-        ],
-        tpm_charged=tokens,
-        count_refused=False,
-        ledger_ttl_ms=TTL,
-        now_ms=now,
-        lease_until_ms=now + 60_000 if lease else 0,
+        AdmitCall(
+            led,
+            [
+                BucketCharge(f"{t}:rpm", "rpm", 1, 10**9, far()),
+                BucketCharge(f"{t}:tpm", "tpm", tokens, 10**12, far(), refundable=tokens),
+            ],
+            tpm_charged=tokens,
+            count_refused=False,
+            ledger_ttl_ms=TTL,
+            now_ms=now,
+            lease_until_ms=now + 60_000 if lease else 0,
+        )
     )
     assert res.admitted
     return led
@@ -103,13 +106,15 @@ async def test_batched_and_single_settlement_agree(
         led_d = f"{t}:req:d"
         slot = BucketCharge(f"{t}:conc", "concurrency", 1, 5, far())
         res = await limiter.admit(
-            led_d,
-            [slot, BucketCharge(f"{t}:tpm", "tpm", 50, 10**12, far())],
-            tpm_charged=50,
-            count_refused=False,
-            ledger_ttl_ms=TTL,
-            now_ms=now,
-            lease_until_ms=now + 60_000,
+            AdmitCall(
+                led_d,
+                [slot, BucketCharge(f"{t}:tpm", "tpm", 50, 10**12, far())],
+                tpm_charged=50,
+                count_refused=False,
+                ledger_ttl_ms=TTL,
+                now_ms=now,
+                lease_until_ms=now + 60_000,
+            )
         )
         assert res.admitted
         tpm = [BucketCharge(f"{t}:tpm", "tpm", 0, 10**12, far())]
@@ -159,11 +164,13 @@ async def test_batched_and_single_settlement_agree(
 
 async def admit_late(lim: RedisLimiter, led: str, t: str) -> bool:
     res = await lim.admit(
-        led,
-        [BucketCharge(f"{t}:tpm", "tpm", 100, 10**12, far())],
-        tpm_charged=100,
-        count_refused=False,
-        ledger_ttl_ms=TTL,
+        AdmitCall(
+            led,
+            [BucketCharge(f"{t}:tpm", "tpm", 100, 10**12, far())],
+            tpm_charged=100,
+            count_refused=False,
+            ledger_ttl_ms=TTL,
+        )
     )
     return res.admitted
 

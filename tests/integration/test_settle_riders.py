@@ -11,7 +11,7 @@ import pytest
 from redis.crc import key_slot
 
 from extproc.core.rules import RATE_SCALE, Adjustment, BucketCharge, UnconfirmedCharge
-from extproc.limiter.base import MAX_RIDERS, AdmitResult, Limiter, SettleCall
+from extproc.limiter.base import MAX_RIDERS, AdmitCall, AdmitResult, Limiter, SettleCall
 from extproc.limiter.redis import RedisLimiter
 from tests.helpers import RedisServer
 from tests.limiters import Backend
@@ -58,14 +58,16 @@ async def admit(
             prev_weight=500_000,
         )
     return await lim.admit(
-        f"{tag}:req:{req}",
-        [BucketCharge(f"{tag}:rpm", "rpm", 1, 10**6, far()), bucket],
-        tpm_charged=tokens,
-        count_refused=False,
-        ledger_ttl_ms=TTL,
-        now_ms=now,
-        lease_until_ms=now + 60_000 if lease else 0,
-        settlements=riders or [],
+        AdmitCall(
+            f"{tag}:req:{req}",
+            [BucketCharge(f"{tag}:rpm", "rpm", 1, 10**6, far()), bucket],
+            tpm_charged=tokens,
+            count_refused=False,
+            ledger_ttl_ms=TTL,
+            now_ms=now,
+            lease_until_ms=now + 60_000 if lease else 0,
+            settlements=riders or [],
+        )
     )
 
 
@@ -152,13 +154,15 @@ async def test_riders_and_batched_settlement_agree(backend: Backend) -> None:
         slot = BucketCharge(f"{tag}:conc", "concurrency", 1, 5, far())
         tpm = BucketCharge(f"{tag}:tpm", "tpm", 50, 10**9, far())
         res = await lim.admit(
-            f"{tag}:req:d",
-            [slot, tpm],
-            tpm_charged=50,
-            count_refused=False,
-            ledger_ttl_ms=TTL,
-            now_ms=now,
-            lease_until_ms=now + 60_000,
+            AdmitCall(
+                f"{tag}:req:d",
+                [slot, tpm],
+                tpm_charged=50,
+                count_refused=False,
+                ledger_ttl_ms=TTL,
+                now_ms=now,
+                lease_until_ms=now + 60_000,
+            )
         )
         assert res.admitted
         charge = [BucketCharge(f"{tag}:tpm", "tpm", 0, 10**9, far())]

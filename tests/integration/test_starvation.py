@@ -14,6 +14,7 @@ import pytest
 
 from extproc.core.rules import BucketCharge
 from extproc.errors import LimiterUnavailable
+from extproc.limiter.base import AdmitCall
 from extproc.limiter.breaker import BreakerState
 from extproc.limiter.redis import RedisLimiter
 from extproc.limiter.starvation import LoopLag, fair_wait
@@ -81,11 +82,13 @@ async def test_throttled_processor_admits_against_a_healthy_redis(
         for _ in range(3):
             tag = uuid.uuid4().hex[:8]
             res = await lim.admit(
-                f"t:{{{tag}}}:ledger",
-                _charges(tag),
-                tpm_charged=0,
-                count_refused=False,
-                ledger_ttl_ms=60_000,
+                AdmitCall(
+                    f"t:{{{tag}}}:ledger",
+                    _charges(tag),
+                    tpm_charged=0,
+                    count_refused=False,
+                    ledger_ttl_ms=60_000,
+                )
             )
             assert res.admitted
         assert lim.breaker.state is not BreakerState.OPEN
@@ -100,17 +103,25 @@ async def test_frozen_redis_is_still_unavailable(redis_server: RedisServer) -> N
     lim = RedisLimiter.from_url(redis_server.url, timeout_ms=50)
     tag = uuid.uuid4().hex[:8]
     await lim.admit(
-        f"t:{{{tag}}}:warm", _charges(tag), tpm_charged=0, count_refused=False, ledger_ttl_ms=60_000
+        AdmitCall(
+            f"t:{{{tag}}}:warm",
+            _charges(tag),
+            tpm_charged=0,
+            count_refused=False,
+            ledger_ttl_ms=60_000,
+        )
     )
     os.kill(redis_server.proc.pid, signal.SIGSTOP)
     try:
         with pytest.raises(LimiterUnavailable):
             await lim.admit(
-                f"t:{{{tag}}}:ledger",
-                _charges(tag),
-                tpm_charged=0,
-                count_refused=False,
-                ledger_ttl_ms=60_000,
+                AdmitCall(
+                    f"t:{{{tag}}}:ledger",
+                    _charges(tag),
+                    tpm_charged=0,
+                    count_refused=False,
+                    ledger_ttl_ms=60_000,
+                )
             )
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)

@@ -13,7 +13,7 @@ from extproc.core.keys import counter_name
 from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.allowance import AllowanceLimiter, AllowanceSettings
-from extproc.limiter.base import SettleCall
+from extproc.limiter.base import AdmitCall, SettleCall
 from extproc.limiter.memory import MemoryLimiter
 from extproc.metrics import Metrics
 
@@ -81,7 +81,13 @@ def charges(clock: FakeClock, amount: int, limit: int = 10**9) -> list[BucketCha
 
 async def admit(lim: AllowanceLimiter, n: int, bs: Sequence[BucketCharge]) -> bool:
     res = await lim.admit(
-        f"{TAG}:req:{n}", list(bs), tpm_charged=bs[1].amount, count_refused=False, ledger_ttl_ms=TTL
+        AdmitCall(
+            f"{TAG}:req:{n}",
+            list(bs),
+            tpm_charged=bs[1].amount,
+            count_refused=False,
+            ledger_ttl_ms=TTL,
+        )
     )
     return res.admitted
 
@@ -91,7 +97,7 @@ async def warm(clock: FakeClock, lim: AllowanceLimiter, n: int = 6) -> None:
     for i in range(n):
         assert await admit(lim, 1000 + i, charges(clock, 100))
         await lim.settle_many([SettleCall(f"{TAG}:req:{1000 + i}", [], TTL)])
-        for t in list(lim._tasks):
+        for t in list(lim.book.tasks):
             await t
     assert lim.stats.taken > 0
 
@@ -103,7 +109,7 @@ async def test_an_allowance_nobody_draws_from_goes_back_after_its_time() -> None
     assert held is not None and held > 600  # six requests and the allowance
     clock.advance(2.5)
     lim.sweep()
-    await lim._flush_returns()
+    await lim.returns.flush()
     assert store.counter(TPM) == 600
     assert lim.stats.returned > 0
     await lim.close()
@@ -115,8 +121,8 @@ async def test_an_allowance_whose_window_ended_is_dropped_not_returned() -> None
     clock.advance(61)  # past the window's end (its counter expires with it)
     lim.sweep()
     assert lim.stats.expired > 0
-    assert not lim._states  # forgotten
-    assert lim._returns == []
+    assert not lim.book.states  # forgotten
+    assert lim.book.returns == []
     await lim.close()
 
 
@@ -126,18 +132,18 @@ async def test_a_local_charge_not_waited_for_is_put_back_at_settlement() -> None
     led = f"{TAG}:req:s"
     bs = charges(clock, 100)
     assert (
-        await lim.admit(led, bs, tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL)
+        await lim.admit(AdmitCall(led, bs, tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL))
     ).admitted
-    assert led in lim._ledgers  # admitted from the allowances
+    assert led in lim.book.ledgers  # admitted from the allowances
     tok = [BucketCharge(TPM, "tpm", 40, 10**9, bs[1].expire_at_ms)]
     assert (await lim.charge(led, 1, tok, 40, strict=False, ledger_ttl_ms=TTL)).granted == 40
-    before = lim._states[TPM].units
+    before = lim.book.states[TPM].units
     # settlement computed without charge 1 (its answer was not waited for): it comes back
     done = await lim.settle_many(
         [SettleCall(led, [], TTL, unconfirmed=UnconfirmedCharge(1, ((TPM, 1_000_000),)))]
     )
     assert done == [True]
-    assert lim._states[TPM].units == before + 40
+    assert lim.book.states[TPM].units == before + 40
     await lim.close()
 
 
@@ -148,10 +154,10 @@ async def test_a_settlement_whose_redis_part_failed_is_applied_once_on_retry() -
     bs = charges(clock, 100)
     assert await admit(lim, 7, bs)
     assert (
-        await lim.admit(led, bs, tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL)
+        await lim.admit(AdmitCall(led, bs, tpm_charged=100, count_refused=False, ledger_ttl_ms=TTL))
     ).admitted
     # a shortfall larger than the allowance holds goes to Redis
-    short = Adjustment(TPM, lim._states[TPM].units + 5_000, bs[1].expire_at_ms)
+    short = Adjustment(TPM, lim.book.states[TPM].units + 5_000, bs[1].expire_at_ms)
     store.down = True
     assert await lim.settle_many([SettleCall(led, [short], TTL)]) == [None]
     store.down = False
@@ -168,7 +174,7 @@ async def test_a_settlement_whose_redis_part_failed_is_applied_once_on_retry() -
 async def test_near_the_limit_what_is_held_goes_back_and_takes_pause() -> None:
     clock, store, lim = setup()
     await warm(clock, lim)
-    st = lim._states[TPM]
+    st = lim.book.states[TPM]
     assert st.units > 0
     returned, takes, local = lim.stats.returned, lim.stats.takes, lim.stats.local_admissions
     # other replicas brought the tenant near its limit (room 400 once this replica's allowance
@@ -178,7 +184,7 @@ async def test_near_the_limit_what_is_held_goes_back_and_takes_pause() -> None:
     st.deadline_ms = 0
     for n in range(3):
         assert await admit(lim, 99 + n, charges(clock, 100))
-        for t in list(lim._tasks):
+        for t in list(lim.book.tasks):
             await t
     assert st.units == 0  # given back (riding on that admission)
     assert lim.stats.returned > returned
@@ -202,7 +208,7 @@ async def test_requests_never_settled_do_not_stop_allowances(
     for n in range(10):  # never settled
         assert await admit(lim, 500 + n, charges(clock, 10))
     assert lim.stats.local_admissions == local + 10
-    assert len(lim._ledgers) == 5
+    assert len(lim.book.ledgers) == 5
     await lim.close()
 
 
@@ -227,37 +233,39 @@ async def test_a_lease_lost_while_alive_never_lets_reclaimed_units_be_drawn_or_r
         assert await admit(lim, 2000 + i, charges(clock, 100, LIMIT))
         await lim.settle_many([SettleCall(f"{TAG}:req:{2000 + i}", [], TTL)])
         truth += 100
-        for t in list(lim._tasks):
+        for t in list(lim.book.tasks):
             await t
-        if lim._states[TPM].closed and lim.stats.local_admissions:
+        if lim.book.states[TPM].closed and lim.stats.local_admissions:
             break
-    st = lim._states[TPM]
+    st = lim.book.states[TPM]
     closed, held = st.closed, st.units
     assert closed > 0
     assert store.counter(TPM) == truth + held
     clock.advance(1.5)  # the lease ran out, no renewal
     other = await store.admit(
-        f"{TAG}:req:other",
-        charges(clock, 100, LIMIT),
-        tpm_charged=100,
-        count_refused=False,
-        ledger_ttl_ms=TTL,
-        now_ms=clock.now_ms(),
+        AdmitCall(
+            f"{TAG}:req:other",
+            charges(clock, 100, LIMIT),
+            tpm_charged=100,
+            count_refused=False,
+            ledger_ttl_ms=TTL,
+            now_ms=clock.now_ms(),
+        )
     )
     assert other.admitted and other.allowance_reclaimed >= closed
     truth += 100
     assert store.counter(TPM) == truth + held - closed
     # the replica goes on: its next take (a new ledger generation) or opening (refused) tells
     # it the old record is gone; it never draws from the reclaimed units
-    old_gen = lim._leases[TAG].gen
+    old_gen = lim.book.leases[TAG].gen
     for n in range(60):
         assert await admit(lim, 3000 + n, charges(clock, 100, LIMIT))
         await lim.settle_many([SettleCall(f"{TAG}:req:{3000 + n}", [], TTL)])
         truth += 100
-        for t in list(lim._tasks):
+        for t in list(lim.book.tasks):
             await t
-    await lim._flush_returns()
-    assert lim._leases[TAG].gen != old_gen
+    await lim.returns.flush()
+    assert lim.book.leases[TAG].gen != old_gen
     await lim.give_back()
     assert store.counter(TPM) == truth  # nothing drawn unpaid, nothing refunded twice
     await lim.close()

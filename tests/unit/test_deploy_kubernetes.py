@@ -647,7 +647,8 @@ def test_istio_presents_the_token_over_tls_the_processors_accept(
     the kustomization replaces from envoy-token.env); filled with make-secrets' token it passes
     the processors' own token check. The DestinationRule originates TLS (SNI and SAN ai-quota,
     the CA from the gateway's client Secret) to the unchanged base processors (TLS + tokens)."""
-    from extproc.access import TokenSet, bearer
+    from extproc.access import bearer
+    from extproc.caller_tokens import TokenSet
     from extproc.commands.serve import check_security
     from extproc.devcerts import SERVER_NAME
 

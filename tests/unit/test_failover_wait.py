@@ -1,11 +1,11 @@
 """The bound on how long a call that finds Redis unavailable is sent again
-(:func:`extproc.limiter.redis.failover_pause`, :func:`extproc.limiter.redis.may_wait`)."""
+(:func:`extproc.limiter.caller.failover_pause`, :func:`extproc.limiter.caller.may_wait`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from extproc.limiter.redis import failover_pause, may_wait
+from extproc.limiter.caller import failover_pause, may_wait
 from extproc.settings import Settings
 
 pytestmark = pytest.mark.unit

@@ -242,3 +242,122 @@ def test_chains_follow_imports_through_other_modules() -> None:
     graph = {"a.x": {"n.y"}, "n.y": {"b.z"}, "b.z": set(), "a.w": set()}
     assert chains(graph, "a", "b") == [["a.x", "n.y", "b.z"]]
     assert chains(graph, "b", "a") == []
+
+
+# -- the limiter: one job a file, clocks injected, allowances by composition -------------------
+
+#: Reading the time: ``time.<these>()`` calls, and ``<loop>.time()`` on an event loop.
+CLOCK_READS = frozenset(
+    {"time", "time_ns", "monotonic", "monotonic_ns", "perf_counter", "perf_counter_ns"}
+)
+#: Most lines a module may have, and the exceptions (``redis.py``: the limiter's own calls only).
+MAX_LINES = 500
+LINE_LIMITS = {"extproc/limiter/redis.py": 450}
+#: Packages whose modules the line limit does not cover (issue 34: the core and the server are
+#: split by their own work; the side tools and the generated code are not the product's path).
+UNLIMITED = ("core", "server", "bench", "sim", "load", "_gen")
+
+
+def clock_reads(tree: ast.AST) -> list[int]:
+    """The lines of ``tree`` that read a clock: a call of ``time.monotonic()`` (``time()``,
+    ``perf_counter()``, ...) or of ``loop.time()`` / ``get_running_loop().time()``.  Naming one
+    without calling it (the real clock as a parameter's default) is not a read."""
+    lines = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        owner, attr = node.func.value, node.func.attr
+        if (
+            (isinstance(owner, ast.Name) and owner.id == "time" and attr in CLOCK_READS)
+            or (attr == "time" and "loop" in ast.unparse(owner))
+            or (attr in ("now", "utcnow") and ast.unparse(owner).endswith("datetime"))
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_limiter_module_reads_the_clock() -> None:
+    """Every module of extproc/limiter/ takes its clocks as parameters (the real one as the
+    default), so a test can drive the waits, the journal and the allowances' time."""
+    bad = []
+    for path in sorted((ROOT / "limiter").rglob("*.py")):
+        for line in clock_reads(ast.parse(path.read_text("utf-8"))):
+            bad.append(f"{module_name(path)}:{line} reads the clock")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_clock_check_finds_a_read() -> None:
+    """The check itself can fail: a direct read is found, the real clock as a default is not."""
+    src = (
+        "import time, asyncio\n"
+        "def f(now=time.monotonic):\n    return now()\n"
+        "def g():\n    return time.monotonic()\n"
+        "def h(loop):\n    return loop.time() + asyncio.get_running_loop().time()\n"
+        "def k():\n    return time.perf_counter()\n"
+    )
+    assert sorted(clock_reads(ast.parse(src))) == [5, 7, 7, 9]
+
+
+def test_no_module_over_its_line_limit() -> None:
+    """Each file of extproc/ does one job: none over 500 lines (limiter/redis.py 450), the
+    core, the server, the side tools and the generated code aside."""
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in UNLIMITED:
+            continue
+        name = f"extproc/{rel.as_posix()}"
+        limit = LINE_LIMITS.get(name, MAX_LINES)
+        lines = len(path.read_text("utf-8").splitlines())
+        if lines > limit:
+            bad.append(f"{name}: {lines} lines (limit {limit})")
+    assert not bad, "\n".join(bad)
+
+
+def package_bases(tree: ast.AST, local: set[str]) -> dict[str, list[str]]:
+    """Each class of ``tree`` that is not a Protocol -> its bases that are the project's
+    classes (defined in the package, ``local``, or imported from ``extproc``)."""
+    imported = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("extproc")
+        for alias in node.names
+    }
+    out: dict[str, list[str]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        names = [ast.unparse(b) for b in node.bases]
+        if any(n.split(".")[-1] == "Protocol" for n in names):
+            continue
+        out[node.name] = [n for n in names if n in imported or n in local]
+    return out
+
+
+def test_no_allowance_class_has_two_package_bases() -> None:
+    """The allowance wrapper is composed (a book of state, parts given the book and the
+    backend), not stacked from mixins: no class there has two of the project's classes as
+    bases (protocols, which only name what a backend offers, aside)."""
+    files = sorted((ROOT / "limiter" / "allowance").glob("*.py"))
+    trees = [ast.parse(p.read_text("utf-8")) for p in files]
+    local = {n.name for t in trees for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    bad = [
+        f"{module_name(path)}.{cls}({', '.join(bases)})"
+        for path, tree in zip(files, trees, strict=True)
+        for cls, bases in package_bases(tree, local).items()
+        if len(bases) > 1
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_bases_check_finds_a_mixin_stack() -> None:
+    """The check itself can fail: two package bases are found, a Protocol is not counted."""
+    src = (
+        "from typing import Protocol\n"
+        "from extproc.limiter.base import Limiter\n"
+        "class A: ...\n"
+        "class B(A, Limiter): ...\n"
+        "class P(Limiter, A, Protocol): ...\n"
+    )
+    found = package_bases(ast.parse(src), {"A", "B", "P"})
+    assert found["B"] == ["A", "Limiter"] and "P" not in found

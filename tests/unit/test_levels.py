@@ -22,6 +22,7 @@ from extproc.core.admission_plan import admission_charges, compute_cost, refusal
 from extproc.core.keys import ledger_key, open_key, user_segment, windowed
 from extproc.core.levels import level_of
 from extproc.core.rules import Charging
+from extproc.limiter.base import AdmitCall
 from extproc.limiter.memory import MemoryLimiter
 
 pytestmark = pytest.mark.unit
@@ -190,11 +191,13 @@ def test_a_new_end_user_beyond_the_team_cap_is_refused_naming_the_cap() -> None:
         bs = windowed("aiq", acme.slot, "r", acme.limits_for("r"), now, user=user)
         led = ledger_key("aiq", acme.slot, f"{user}-{n}")
         res = await lim.admit(
-            led,
-            admission_charges(bs, cost),
-            tpm_charged=20,
-            count_refused=False,
-            ledger_ttl_ms=60_000,
+            AdmitCall(
+                led,
+                admission_charges(bs, cost),
+                tpm_charged=20,
+                count_refused=False,
+                ledger_ttl_ms=60_000,
+            )
         )
         return bs, res
 
@@ -278,11 +281,13 @@ def test_no_level_is_ever_over_and_a_refusal_names_a_level_really_out(
             )
             led = ledger_key("aiq", tenant.slot, f"r{n}")
             res = await lim.admit(
-                led,
-                admission_charges(bs, cost),
-                tpm_charged=tokens,
-                count_refused=False,
-                ledger_ttl_ms=60_000,
+                AdmitCall(
+                    led,
+                    admission_charges(bs, cost),
+                    tpm_charged=tokens,
+                    count_refused=False,
+                    ledger_ttl_ms=60_000,
+                )
             )
             for b in bs:
                 limits[b.key] = b.limit.limit
@@ -341,8 +346,9 @@ def test_rls_descriptors_naming_a_level_share_the_gateways_counters() -> None:
     admissions charge for that level; a tenant inside an organisation is linked in its
     organisation's slot; an unknown organisation is counted on the rule's own key."""
     from extproc.rls.load import compile_domains
-    from extproc.rls.match import Descriptor, plan
+    from extproc.rls.match import plan
     from extproc.rls.parse import parse_text
+    from extproc.rls.request import Descriptor
 
     cfg = load_config(EXAMPLE)
     acme = cfg.tenants["acme"]

@@ -8,6 +8,7 @@ import pytest
 from extproc.clock import FakeClock
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.errors import LimiterUnavailable
+from extproc.limiter.base import AdmitCall
 from extproc.limiter.memory import MemoryLimiter
 
 pytestmark = pytest.mark.unit
@@ -25,11 +26,13 @@ async def test_a_window_ends_at_its_expiry_and_a_refund_to_it_is_dropped() -> No
     clock = FakeClock(T0)
     lim = MemoryLimiter(clock)
     res = await lim.admit(
-        "{a}:req:1",
-        [tpm("{a}:w1", 60, T0 + 1_000)],
-        tpm_charged=60,
-        count_refused=False,
-        ledger_ttl_ms=60_000,
+        AdmitCall(
+            "{a}:req:1",
+            [tpm("{a}:w1", 60, T0 + 1_000)],
+            tpm_charged=60,
+            count_refused=False,
+            ledger_ttl_ms=60_000,
+        )
     )
     assert res.admitted and lim.ttl_ms("{a}:w1") == 1_000
     clock.advance(1.0)
@@ -44,11 +47,13 @@ async def test_an_expiry_in_the_past_deletes_at_once() -> None:
     """A charge whose window already ended leaves no counter (PEXPIREAT in the past)."""
     lim = MemoryLimiter(FakeClock(T0))
     res = await lim.admit(
-        "{b}:req:1",
-        [tpm("{b}:old", 5, T0 - 1)],
-        tpm_charged=5,
-        count_refused=False,
-        ledger_ttl_ms=60_000,
+        AdmitCall(
+            "{b}:req:1",
+            [tpm("{b}:old", 5, T0 - 1)],
+            tpm_charged=5,
+            count_refused=False,
+            ledger_ttl_ms=60_000,
+        )
     )
     assert res.admitted and res.values == (5,)
     assert lim.counter("{b}:old") is None
@@ -61,21 +66,25 @@ async def test_a_lapsed_ledger_no_longer_marks_a_replay() -> None:
     far = T0 + 3_600_000
     for _ in range(2):
         await lim.admit(
+            AdmitCall(
+                "{c}:req:1",
+                [tpm("{c}:w", 10, far)],
+                tpm_charged=10,
+                count_refused=False,
+                ledger_ttl_ms=5_000,
+            )
+        )
+    assert lim.counter("{c}:w") == 10 and lim.ledger_state("{c}:req:1") == "admitted"
+    clock.advance(5.001)
+    assert lim.ledger_state("{c}:req:1") is None
+    res = await lim.admit(
+        AdmitCall(
             "{c}:req:1",
             [tpm("{c}:w", 10, far)],
             tpm_charged=10,
             count_refused=False,
             ledger_ttl_ms=5_000,
         )
-    assert lim.counter("{c}:w") == 10 and lim.ledger_state("{c}:req:1") == "admitted"
-    clock.advance(5.001)
-    assert lim.ledger_state("{c}:req:1") is None
-    res = await lim.admit(
-        "{c}:req:1",
-        [tpm("{c}:w", 10, far)],
-        tpm_charged=10,
-        count_refused=False,
-        ledger_ttl_ms=5_000,
     )
     assert res.admitted and res.values == (20,)
 
@@ -85,13 +94,15 @@ async def test_a_key_used_as_another_kind_is_a_limiter_error() -> None:
     lim = MemoryLimiter(FakeClock(T0))
     conc = BucketCharge("{d}:c", "concurrency", 1, 5, T0 + 60_000)
     await lim.admit(
-        "{d}:req:1",
-        [conc],
-        tpm_charged=0,
-        count_refused=False,
-        ledger_ttl_ms=60_000,
-        now_ms=T0,
-        lease_until_ms=T0 + 10_000,
+        AdmitCall(
+            "{d}:req:1",
+            [conc],
+            tpm_charged=0,
+            count_refused=False,
+            ledger_ttl_ms=60_000,
+            now_ms=T0,
+            lease_until_ms=T0 + 10_000,
+        )
     )
     with pytest.raises(LimiterUnavailable, match="holds a sorted set, not a counter"):
         await lim.charge(

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from extproc.rls import match
 from extproc.rls.config import RlsConfig
 from extproc.rls.load import compile_domains
-from extproc.rls.match import Code, Descriptor, RequestError, decide, find, plan
+from extproc.rls.match import Code, decide, find, plan
 from extproc.rls.parse import parse_text
+from extproc.rls.request import Caps, Descriptor, RequestError
 
 pytestmark = pytest.mark.unit
 
@@ -364,7 +365,12 @@ def test_matcher_is_sans_io() -> None:
     io = {"grpc", "redis", "aiohttp", "envoy", "prometheus_client", "structlog", "asyncio"}
     assert not {n.split(".")[0] for n in names} & io
     project = {n for n in names if n.startswith("extproc")}
-    assert project <= {"extproc.core.keys", "extproc.core.rules", "extproc.rls.config"}
+    assert project <= {
+        "extproc.core.keys",
+        "extproc.core.rules",
+        "extproc.rls.config",
+        "extproc.rls.request",
+    }
 
 
 def test_huge_hits_and_entryless_override() -> None:
@@ -373,7 +379,7 @@ def test_huge_hits_and_entryless_override() -> None:
     c = cfg(PRECEDENCE)
     with pytest.raises(RequestError, match="AIQ_RLS_MAX_HITS_ADDEND=1000000"):
         plan(c, "d", [Descriptor((("k", "a"),), hits_addend=2**63)], 1, NOW)
-    big = match.Caps(hits_addend=2**64)
+    big = Caps(hits_addend=2**64)
     p = plan(c, "d", [Descriptor((("k", "a"),), hits_addend=2**63)], 1, NOW, caps=big)
     assert p.counted[0].hits == 2**32
     assert decide(p, [0], False).overall is Code.OVER_LIMIT
@@ -382,7 +388,7 @@ def test_huge_hits_and_entryless_override() -> None:
     assert bare.key.startswith("aiq:{d}:rls:d::60:") and bare.limit == 3
 
 
-CAPS = match.Caps(descriptors=2, entries=2, key_length=4, value_length=6, hits_addend=10)
+CAPS = Caps(descriptors=2, entries=2, key_length=4, value_length=6, hits_addend=10)
 
 
 @pytest.mark.parametrize(

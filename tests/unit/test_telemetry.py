@@ -376,7 +376,8 @@ async def test_a_cut_carries_its_reason_and_limit() -> None:
 
 
 def test_envoy_config_renders_the_tracer_only_with_an_endpoint() -> None:
-    from extproc.envoy_config import OTEL_CLUSTER, EnvoyPorts, EnvoyTracing, render
+    from extproc.envoy_config import EnvoyPorts, render
+    from extproc.envoy_tracing import OTEL_CLUSTER, EnvoyTracing
 
     assert EnvoyTracing.from_env({}) is None
     plain = render(EnvoyPorts())

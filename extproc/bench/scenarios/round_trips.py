@@ -16,7 +16,7 @@ from extproc.bench.drivers import KEY, batch, ok_count
 from extproc.bench.plan import Bench
 from extproc.bench.report import Row, Target
 from extproc.bench.scenarios.base import Scenario, Stacks
-from extproc.limiter.redis import load_script
+from extproc.limiter.scripts import load_script
 from extproc.records.writer import _APPEND_LUA
 from extproc.stack import Stack
 

@@ -51,14 +51,16 @@ the replica dies, the reclaim of its draft ledger (``admit.lua``, or ``allowance
 another replica's take, whose caller's next admission carries them) hands each draft back
 once, and the gateway writes the request's record as for a reclaimed ledger of its own.
 
-The code, one module a job: :mod:`.limiter` (:class:`AllowanceLimiter`: admissions and
-stream charges, served from allowances all or nothing, else by the wrapped limiter),
-:mod:`.settling` (settlements into the allowances, the rest to Redis), :mod:`.state` (settings,
-bounds, the records and the state the parts share), :mod:`.sizing` (the arithmetic: what a
-bucket wants, its share of the room, grants and tranche sizes), :mod:`.taking` (demand seen and
-takes), :mod:`.tranches` (opening tranches, the allowance ledgers' leases), :mod:`.returns`
-(give-backs and the sweeper), :mod:`.drafts` (the draft ledgers and their flushes) and
-:mod:`.stats` (counts and metrics).  The parts are mixins over :class:`.state.AllowanceState`.
+The code, one module a job, by composition: :mod:`.state` (settings, bounds, the records and
+the :class:`.state.Book` that holds every one of them), :mod:`.limiter` (:class:`AllowanceLimiter`:
+admissions and stream charges, served from allowances all or nothing, else by the wrapped
+limiter; it builds the book and the parts below, each given the book and the wrapped limiter),
+:mod:`.taking` (demand seen and takes), :mod:`.returns` (give-backs and the sweeper),
+:mod:`.tranches` (opening tranches, the allowance ledgers' leases), :mod:`.drafts` (the draft
+ledgers and their flushes), :mod:`.settling` (settlements into the allowances, the rest to
+Redis), :mod:`.sizing` (the arithmetic: what a bucket wants, its share of the room, grants and
+tranche sizes), :mod:`.store` (the allowance scripts' calls in Redis) and :mod:`.stats` (counts
+and metrics).
 """
 
 from extproc.limiter.allowance.limiter import AllowanceLimiter

@@ -6,46 +6,53 @@ from __future__ import annotations
 
 import asyncio
 
-from extproc.limiter.allowance.state import AllowanceState, Drafts, Local
+from extproc.limiter.allowance.state import AllowanceBackend, Book, Drafts, Local
 
 
-class Drafting(AllowanceState):
+class DraftFlusher:
     """The draft ledgers and their flushes."""
 
-    def _draft_ledger(self, tag: str) -> Drafts:
-        d = self._drafts.get(tag)
+    def __init__(self, book: Book, backend: AllowanceBackend) -> None:
+        self.book = book
+        self.backend = backend
+
+    def ledger(self, tag: str) -> Drafts:
+        """The tenant's draft ledger on this replica (a new one when it has none)."""
+        d = self.book.drafts.get(tag)
         if d is None:
-            d = self._drafts[tag] = Drafts(f"{tag}:req:drafts.{self._instance}")
+            d = self.book.drafts[tag] = Drafts(f"{tag}:req:drafts.{self.book.instance}")
         return d
 
-    def _draft_done(self, ledger: str, loc: Local) -> None:
+    def done(self, ledger: str, loc: Local) -> None:
         """A local request settled (or forgotten): its draft leaves the draft ledger (by the
         next flush, if it was sent)."""
         if not loc.draft:
             return
-        d = self._drafts.get(loc.tag)
+        d = self.book.drafts.get(loc.tag)
         if d is None:
             return
         d.open.pop(ledger, None)
         if d.sent.pop(ledger, None) is not None:
             d.drops.append(ledger)
-            d.touch(self.clock.now_ms())
+            d.touch(self.book.clock.now_ms())
 
-    async def _draft_loop(self) -> None:
-        tick = min(max(self.settings.draft_flush_ms, 1), 100) / 2000
+    async def loop(self) -> None:
+        """Flush what is due, forever."""
+        tick = min(max(self.book.settings.draft_flush_ms, 1), 100) / 2000
         while True:
             await asyncio.sleep(tick)
-            await self.flush_drafts()
+            await self.flush()
 
-    async def flush_drafts(self, *, force: bool = False) -> None:
+    async def flush(self, *, force: bool = False) -> None:
         """Send each tenant's drafts and drops once the oldest waited ``draft_flush_ms`` (a
         request settled sooner costs nothing), with the charged figures (one call a tenant);
         renew the draft ledgers still holding drafts every third of the lease."""
-        now = self.clock.now_ms()
-        third = self.settings.lease_ms // 3
-        wait = 0 if force else self.settings.draft_flush_ms
+        book = self.book
+        now = book.clock.now_ms()
+        third = book.settings.lease_ms // 3
+        wait = 0 if force else book.settings.draft_flush_ms
         due = []
-        for d in self._drafts.values():
+        for d in book.drafts.values():
             if d.flushing:
                 continue
             if not (len(d.open) > len(d.sent) or d.drops):
@@ -57,13 +64,13 @@ class Drafting(AllowanceState):
             ):
                 due.append(d)
         if due:
-            await asyncio.gather(*(self._flush_drafts(d) for d in due))
-        for tag, d in list(self._drafts.items()):
+            await asyncio.gather(*(self._flush(d) for d in due))
+        for tag, d in list(book.drafts.items()):
             if not (d.open or d.sent or d.drops or d.charged_more or d.flushing):
-                del self._drafts[tag]
+                del book.drafts[tag]
 
-    async def _flush_drafts(self, d: Drafts) -> None:
-        keeper = getattr(self.inner, "keep_drafts", None)
+    async def _flush(self, d: Drafts) -> None:
+        keeper = getattr(self.backend, "keep_drafts", None)
         if keeper is None:
             return
         d.flushing = True
@@ -72,18 +79,18 @@ class Drafting(AllowanceState):
             keep = [
                 (led, loc.charged, loc.draft)
                 for led in d.open
-                if led not in d.sent and (loc := self._ledgers.get(led)) is not None
+                if led not in d.sent and (loc := self.book.ledgers.get(led)) is not None
             ]
             charged = [
                 (led, loc.charged)
                 for led, c in d.sent.items()
-                if (loc := self._ledgers.get(led)) is not None and loc.charged != c
+                if (loc := self.book.ledgers.get(led)) is not None and loc.charged != c
             ]
             drops, d.drops = d.drops, []
             more, d.charged_more = d.charged_more, {}
             d.pending_ms = 0
-            now = self.clock.now_ms()
-            s = self.settings
+            now = self.book.clock.now_ms()
+            s = self.book.settings
             try:
                 ok: bool | None = await keeper(
                     d.ledger,
@@ -96,7 +103,7 @@ class Drafting(AllowanceState):
                 )
             except Exception:
                 ok = None
-            self.stats.draft_calls += 1
+            self.book.stats.draft_calls += 1
             if ok is None:  # sent again at the next flush
                 d.drops = drops + d.drops
                 d.touch(now)
@@ -104,7 +111,7 @@ class Drafting(AllowanceState):
                     d.charged_more[led] = d.charged_more.get(led, 0) + n
                 return
             d.renewed_ms = now
-            self.stats.drafts_sent += len(keep)
+            self.book.stats.drafts_sent += len(keep)
             for led, c in charged:
                 if led in d.sent:
                     d.sent[led] = c

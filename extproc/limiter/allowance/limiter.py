@@ -1,23 +1,40 @@
 """:class:`AllowanceLimiter`: the limiter protocol around another limiter, admitting and
 charging from the allowances when every bucket holds enough (all or nothing), else with the
-wrapped limiter; settling through :mod:`.settling`."""
+wrapped limiter.  It holds the :class:`.state.Book` and the parts that work on it (each
+given the book and the wrapped limiter): the :class:`.taking.Taker`, the
+:class:`.returns.Returns`, the :class:`.tranches.Tranches`, the :class:`.drafts.DraftFlusher`
+and the :class:`.settling.Settler`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from extproc.clock import Clock, SystemClock
 from extproc.core.keys import counter_name
-from extproc.core.rules import BucketCharge
+from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
 from extproc.errors import LimiterUnavailable
-from extproc.limiter.allowance.settling import Settling
-from extproc.limiter.allowance.state import MAX_LEDGERS, Bucket, Local
-from extproc.limiter.allowance.taking import Taking
+from extproc.limiter.allowance.drafts import DraftFlusher
+from extproc.limiter.allowance.returns import Returns
+from extproc.limiter.allowance.settling import Settler
+from extproc.limiter.allowance.state import (
+    MAX_LEDGERS,
+    AllowanceBackend,
+    AllowanceSettings,
+    Book,
+    Bucket,
+    Local,
+)
+from extproc.limiter.allowance.stats import AllowanceStats
+from extproc.limiter.allowance.taking import Taker
+from extproc.limiter.allowance.tranches import Tranches
 from extproc.limiter.base import (
+    AdmitCall,
     AdmitResult,
     ChargeResult,
     InputNote,
@@ -25,11 +42,43 @@ from extproc.limiter.base import (
     SettleCall,
 )
 
+if TYPE_CHECKING:
+    from extproc.metrics import Metrics
+
 log = structlog.get_logger("extproc")
 
 
-class AllowanceLimiter(Taking, Settling):
+class AllowanceLimiter:
     """:class:`extproc.limiter.base.Limiter` around another limiter, with local allowances."""
+
+    def __init__(
+        self,
+        inner: AllowanceBackend,
+        settings: AllowanceSettings | None = None,
+        *,
+        clock: Clock | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.inner = inner
+        self.settings = settings or AllowanceSettings()
+        self.clock: Clock = clock or SystemClock()
+        self.metrics = metrics
+        book = self.book = Book(
+            self.settings, self.clock, metrics=metrics, keeps_drafts=hasattr(inner, "keep_drafts")
+        )
+        # the tranches hand what they opened to be given back to the returns, built after them
+        self.tranches = Tranches(book, inner, lambda back: self.returns.queue(back))  # noqa: PLW0108
+        self.returns = Returns(book, inner, self.tranches)
+        self.taker = Taker(book, inner, self.tranches, self.returns)
+        self.drafts = DraftFlusher(book, inner)
+        self.settler = Settler(book, inner, self.drafts)
+        self._sweeper: asyncio.Task[None] | None = None
+        self._draft_task: asyncio.Task[None] | None = None
+
+    @property
+    def stats(self) -> AllowanceStats:
+        """What the wrapper did (tests and the bench read it; the metrics export the same)."""
+        return self.book.stats
 
     @property
     def round_trips(self) -> int:
@@ -70,7 +119,7 @@ class AllowanceLimiter(Taking, Settling):
         """Each bucket's state when every one can be drawn from for its amount, else None
         (``eligible``: the caller has checked :meth:`_eligible` of every bucket already)."""
         out: list[Bucket] = []
-        states = self._states
+        states = self.book.states
         for c in buckets:
             st = states.get(c.key)
             if (
@@ -87,45 +136,35 @@ class AllowanceLimiter(Taking, Settling):
         # the counter as last answered: it already includes every allowance (held = used)
         return tuple(max(st.seen, 0) for st in plan)
 
-    async def admit(
-        self,
-        ledger: str,
-        buckets: list[BucketCharge],
-        *,
-        tpm_charged: int,
-        count_refused: bool,
-        ledger_ttl_ms: int,
-        now_ms: int = 0,
-        lease_until_ms: int = 0,
-        record_draft: str = "",
-        settlements: Sequence[SettleCall] = (),
-    ) -> AdmitResult:
+    async def admit(self, call: AdmitCall) -> AdmitResult:
         """Admit from the allowances when every bucket holds enough (no Redis call), else
         with the wrapped limiter, the rest of a short allowance riding on the call."""
+        ledger, buckets, settlements = call.ledger, call.buckets, call.settlements
         now = self.clock.now_ms()
         self._start_sweeper()
         local = all(self._eligible(c) for c in buckets) and bool(buckets)
         if local:
-            self._observe(buckets, now)
+            self.taker.observe(buckets, now)
         plan = self._plan(buckets, now, eligible=True) if local and not settlements else None
         if plan is not None:
             for c, st in zip(buckets, plan, strict=True):
                 st.units -= c.amount
-            if len(self._ledgers) >= MAX_LEDGERS:
+            book = self.book
+            if len(book.ledgers) >= MAX_LEDGERS:
                 # the oldest (a request never settled: modes that settle nothing): forgotten,
                 # its later calls, if any, go to Redis, which counts them right all the same
-                self._draft_done(*self._ledgers.popitem(last=False))
-            loc = self._ledgers[ledger] = Local(tag=plan[0].tag, charged=tpm_charged)
-            if record_draft and self._keeps_drafts:
-                loc.draft = record_draft
-                d = self._draft_ledger(loc.tag)
+                self.drafts.done(*book.ledgers.popitem(last=False))
+            loc = book.ledgers[ledger] = Local(tag=plan[0].tag, charged=call.tpm_charged)
+            if call.record_draft and book.keeps_drafts:
+                loc.draft = call.record_draft
+                d = self.drafts.ledger(loc.tag)
                 d.open[ledger] = None
-                d.ttl_ms = max(d.ttl_ms, ledger_ttl_ms)
+                d.ttl_ms = max(d.ttl_ms, call.ledger_ttl_ms)
                 d.touch(now)
-            self.stats.local_admissions += 1
-            self._saved("admit")
-            self._refill(buckets, now)
-            self._open_ahead(plan)
+            book.stats.local_admissions += 1
+            book.tally.saved("admit")
+            self.taker.refill(buckets, now)
+            self.tranches.open_ahead(plan)
             return AdmitResult(
                 admitted=True,
                 duplicate=False,
@@ -134,35 +173,28 @@ class AllowanceLimiter(Taking, Settling):
             )
         riders = list(settlements)
         if local:
-            self._open_short(buckets)
-        back = self._give_back_short(buckets, now) if local else None
+            self.tranches.open_short(buckets)
+        back = self.returns.give_back_short(buckets, now) if local else None
         if back is not None:
             riders.append(back)
         try:
             res = await self.inner.admit(
-                ledger,
-                buckets,
-                tpm_charged=tpm_charged,
-                count_refused=count_refused,
-                ledger_ttl_ms=ledger_ttl_ms,
-                now_ms=now_ms,
-                lease_until_ms=lease_until_ms,
-                record_draft=record_draft,
-                settlements=riders,
+                call if back is None else call._replace(settlements=riders)
             )
         except BaseException:
             if back is not None:
-                self._returns.append(back)  # idempotent by its ledger: sent again later
+                self.book.returns.append(back)  # idempotent by its ledger: sent again later
             raise
+        tally = self.book.tally
         if back is not None:
-            self._count("returned", -sum(a.amount for a in back.adjustments))
+            tally.units("returned", -sum(a.amount for a in back.adjustments))
         if res.allowance_reclaimed:
-            self._count("reclaimed", res.allowance_reclaimed)
+            tally.units("reclaimed", res.allowance_reclaimed)
         if local:
-            self._saw(buckets, res.values)
+            self.taker.saw(buckets, res.values)
             if res.admitted:
-                self._refill(buckets, now)
-        if len(riders) != len(settlements) or self._reclaimed:
+                self.taker.refill(buckets, now)
+        if len(riders) != len(settlements) or self.book.reclaimed:
             res = dataclasses.replace(
                 res,
                 reclaimed=res.reclaimed + self._take_reclaimed(),
@@ -171,7 +203,7 @@ class AllowanceLimiter(Taking, Settling):
         return res
 
     def _take_reclaimed(self) -> tuple[Reclaimed, ...]:
-        out, self._reclaimed = tuple(self._reclaimed), []
+        out, self.book.reclaimed = tuple(self.book.reclaimed), []
         return out
 
     async def charge(
@@ -186,12 +218,12 @@ class AllowanceLimiter(Taking, Settling):
     ) -> ChargeResult:
         """Draw a locally admitted request's charge from the allowances when they hold it,
         else charge in Redis (strict or lazy, as the wrapped limiter does)."""
-        loc = self._ledgers.get(ledger)
+        loc = self.book.ledgers.get(ledger)
         now = self.clock.now_ms()
         if buckets and all(self._eligible(c) for c in buckets):
-            self._observe(buckets, now, admission=False)  # the demand sizing follows
-            self._refill(buckets, now)
-        if loc is None and ledger not in self._settled:
+            self.taker.observe(buckets, now, admission=False)  # the demand sizing follows
+            self.taker.refill(buckets, now)
+        if loc is None and ledger not in self.book.settled:
             return await self._charge_mixed(
                 ledger, seq, buckets, amount, strict=strict, ledger_ttl_ms=ledger_ttl_ms
             )
@@ -203,7 +235,7 @@ class AllowanceLimiter(Taking, Settling):
                 loc.charged += amount
                 return self._draw_charge(loc, seq, buckets, plan, amount)
             if seq > loc.seq:
-                self._open_short(buckets)
+                self.tranches.open_short(buckets)
             res = await self.inner.charge(
                 ledger, seq, buckets, amount, strict=strict, ledger_ttl_ms=ledger_ttl_ms
             )
@@ -211,7 +243,7 @@ class AllowanceLimiter(Taking, Settling):
                 loc.charged += res.granted
             loc.seq = max(loc.seq, seq)
             loc.redis_seq = max(loc.redis_seq, seq)
-            self._saw(buckets, res.values)
+            self.taker.saw(buckets, res.values)
             return res
         return await self.inner.charge(
             ledger, seq, buckets, amount, strict=strict, ledger_ttl_ms=ledger_ttl_ms
@@ -229,9 +261,9 @@ class AllowanceLimiter(Taking, Settling):
             drawn.append((st.key, c.amount))
         loc.seq = seq
         loc.last_local = (seq, tuple(drawn))
-        self.stats.local_charges += 1
-        self._saved("charge")
-        self._open_ahead(plan)
+        self.book.stats.local_charges += 1
+        self.book.tally.saved("charge")
+        self.tranches.open_ahead(plan)
         return ChargeResult(granted=amount, exhausted=False, values=self._values(buckets, plan))
 
     async def _charge_mixed(
@@ -247,25 +279,26 @@ class AllowanceLimiter(Taking, Settling):
         """A charge of a request Redis admitted: drawn from the allowances when they hold it
         (its ledger stays in Redis: the settlement's corrections go there as usual, counted
         against what the gateway was granted, local draws included), else charged in Redis."""
-        mix = self._mixed.get(ledger)
+        book = self.book
+        mix = book.mixed.get(ledger)
         if mix is not None and seq <= mix.seq and seq == mix.last_local[0]:
             return ChargeResult(granted=amount, exhausted=False, values=())  # a retry
         now = self.clock.now_ms()
         plan = self._plan(buckets, now) if buckets and (mix is None or seq > mix.seq) else None
         if plan is not None:
             if mix is None:
-                if len(self._mixed) >= MAX_LEDGERS:
-                    self._mixed.popitem(last=False)  # a request never settled: forgotten
-                mix = self._mixed[ledger] = Local(tag=plan[0].tag)
-            if self._keeps_drafts:
+                if len(book.mixed) >= MAX_LEDGERS:
+                    book.mixed.popitem(last=False)  # a request never settled: forgotten
+                mix = book.mixed[ledger] = Local(tag=plan[0].tag)
+            if book.keeps_drafts:
                 # not in its ledger's "charged" (what a reclaim bills): a later flush adds it
-                d = self._draft_ledger(mix.tag)
+                d = self.drafts.ledger(mix.tag)
                 if not d.charged_more:
                     d.more_since_ms = now
                 d.charged_more[ledger] = d.charged_more.get(ledger, 0) + amount
             return self._draw_charge(mix, seq, buckets, plan, amount)
         if buckets and all(self._eligible(c) for c in buckets):
-            self._open_short(buckets)
+            self.tranches.open_short(buckets)
         res = await self.inner.charge(
             ledger, seq, buckets, amount, strict=strict, ledger_ttl_ms=ledger_ttl_ms
         )
@@ -273,14 +306,14 @@ class AllowanceLimiter(Taking, Settling):
             mix.seq = max(mix.seq, seq)
             mix.redis_seq = max(mix.redis_seq, seq)
         if buckets and all(self._eligible(c) for c in buckets):
-            self._saw(buckets, res.values)
+            self.taker.saw(buckets, res.values)
         return res
 
     async def note_inputs(self, notes: list[InputNote]) -> list[bool | None]:
         """Locally admitted requests have no ledger in Redis to note (False); the others go
         to the wrapped limiter."""
         out: list[bool | None] = [False] * len(notes)
-        remote = [i for i, n in enumerate(notes) if n.ledger not in self._ledgers]
+        remote = [i for i, n in enumerate(notes) if n.ledger not in self.book.ledgers]
         noter = getattr(self.inner, "note_inputs", None)
         if remote and noter is not None:
             results = await noter([notes[i] for i in remote])
@@ -305,9 +338,10 @@ class AllowanceLimiter(Taking, Settling):
     ) -> None:
         """Renew the leases of the requests admitted by Redis (local ones hold none) and of
         this replica's allowance ledgers that record never-opened units."""
-        remote = [led for led in ledgers if led not in self._ledgers]
-        tags = {st.tag for st in self._states.values() if st.closed or st.releasing}
-        leases = [self._leases[t] for t in tags if t in self._leases and self._leases[t].gen]
+        book = self.book
+        remote = [led for led in ledgers if led not in book.ledgers]
+        tags = {st.tag for st in book.states.values() if st.closed or st.releasing}
+        leases = [book.leases[t] for t in tags if t in book.leases and book.leases[t].gen]
         remote += [lease.ledger for lease in leases]
         if remote:
             await self.inner.renew(remote, until_ms, held=held)
@@ -315,23 +349,54 @@ class AllowanceLimiter(Taking, Settling):
             for lease in leases:
                 lease.renewed_ms = now
 
+    def settle(
+        self,
+        ledger: str,
+        adjustments: list[Adjustment],
+        *,
+        ledger_ttl_ms: int,
+        cancel: bool = False,
+        unconfirmed: UnconfirmedCharge | None = None,
+    ) -> Coroutine[Any, Any, bool]:
+        """Settle a locally admitted request into the allowances (what does not fit goes to
+        Redis); any other with the wrapped limiter (:class:`.settling.Settler`)."""
+        return self.settler.settle(
+            ledger, adjustments, ledger_ttl_ms=ledger_ttl_ms, cancel=cancel, unconfirmed=unconfirmed
+        )
+
+    def settle_many(self, items: list[SettleCall]) -> Coroutine[Any, Any, list[bool | None]]:
+        """:meth:`settle` for many; the Redis parts in the wrapped limiter's batch calls."""
+        return self.settler.settle_many(items)
+
+    def sweep(self) -> None:
+        """Give back what allowances past their time hold (:meth:`.returns.Returns.sweep`)."""
+        self.returns.sweep()
+
+    async def give_back(self) -> None:
+        """Give back everything held now (shutdown; tests)."""
+        await self.returns.give_back()
+
+    async def flush_drafts(self, *, force: bool = False) -> None:
+        """Send the draft ledgers' due changes now (:meth:`.drafts.DraftFlusher.flush`)."""
+        await self.drafts.flush(force=force)
+
     def _start_sweeper(self) -> None:
-        if self._sweeper is None and not self._closed:
+        if self._sweeper is None and not self.book.closed:
             loop = asyncio.get_running_loop()
-            self._sweeper = loop.create_task(self._sweep_loop())
-            self._draft_task = loop.create_task(self._draft_loop())
+            self._sweeper = loop.create_task(self.returns.sweep_loop())
+            self._draft_task = loop.create_task(self.drafts.loop())
 
     async def close(self) -> None:
         """Give back what is held (best effort), stop the background tasks, close the
         wrapped limiter."""
-        self._closed = True
+        self.book.closed = True
         for task in (self._sweeper, self._draft_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=2.0)
+        if self.book.tasks:
+            await asyncio.wait(list(self.book.tasks), timeout=2.0)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.give_back(), timeout=2.0)
         with contextlib.suppress(Exception):
@@ -339,6 +404,8 @@ class AllowanceLimiter(Taking, Settling):
             # still open stay: if this process never settles them, the reclaim records them)
             await asyncio.wait_for(self.flush_drafts(force=True), timeout=2.0)
         log.info(
-            "allowances_closed", **dataclasses.asdict(self.stats), unreturned=self._unreturned()
+            "allowances_closed",
+            **dataclasses.asdict(self.stats),
+            unreturned=self.returns.unreturned(),
         )
         await self.inner.close()

@@ -9,30 +9,39 @@ from collections.abc import Sequence
 from extproc.core.keys import EXPIRY_SLACK_MS
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.limiter.allowance.sizing import share_of_room
-from extproc.limiter.allowance.state import IDLE_MS, Bucket, Lease
-from extproc.limiter.allowance.tranches import Tranches
+from extproc.limiter.allowance.state import IDLE_MS, AllowanceBackend, Book, Bucket
+from extproc.limiter.allowance.tranches import Tranches, new_lease
 from extproc.limiter.base import SettleCall
 
 
-class Returns(Tranches):
+class Returns:
     """Give-backs and the sweeper."""
 
-    def _queue_returns(self, back: dict[str, list[Adjustment]]) -> None:
+    def __init__(self, book: Book, backend: AllowanceBackend, tranches: Tranches) -> None:
+        self.book = book
+        self.backend = backend
+        self.tranches = tranches
+
+    def queue(self, back: dict[str, list[Adjustment]]) -> None:
         """Send these give-backs in the background (the sweeper retries what fails)."""
         if not back:
             return
+        self.add(back)
+        if not self.book.closed:
+            self.book.spawn(self.flush())
+
+    def add(self, back: dict[str, list[Adjustment]]) -> None:
+        """Queue these give-backs for the next flush."""
         for tag, adj in back.items():
-            self._returns.append(self._return_call(tag, adj))
-        if not self._closed:
-            task = asyncio.get_running_loop().create_task(self._flush_returns())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.book.returns.append(self.call(tag, adj))
 
-    def _return_call(self, tag: str, adj: list[Adjustment]) -> SettleCall:
-        ledger = f"{tag}:req:allowance.{self._instance}.{next(self._serial)}"
-        return SettleCall(ledger, adj, self.settings.return_ledger_ttl_ms)
+    def call(self, tag: str, adj: list[Adjustment]) -> SettleCall:
+        """A give-back of ``adj``: the settlement of a ledger of its own."""
+        book = self.book
+        ledger = f"{tag}:req:allowance.{book.instance}.{book.serial()}"
+        return SettleCall(ledger, adj, book.settings.return_ledger_ttl_ms)
 
-    def _release(self, st: Bucket, units: int, back: dict[str, list[Adjustment]] | None) -> None:
+    def release(self, st: Bucket, units: int, back: dict[str, list[Adjustment]] | None) -> None:
         """Give back ``units`` of what ``st`` holds: the never-opened part first (opened with
         tranche.lua, then refunded: no reclaim can refund it twice), the rest into ``back``
         (``None``: the caller gives the opened part back itself)."""
@@ -42,32 +51,33 @@ class Returns(Tranches):
         st.closed -= closed
         if closed:
             st.releasing += closed
-            self._schedule_open(st.tag)
+            self.tranches.schedule_open(st.tag)
         if back is not None and units > closed:
             back.setdefault(st.tag, []).append(Adjustment(st.key, closed - units, st.expire_at_ms))
 
-    def _trim(self, st: Bucket, value: int, back: dict[str, list[Adjustment]]) -> None:
+    def trim(self, st: Bucket, value: int, back: dict[str, list[Adjustment]]) -> None:
         """The room left shrank (other replicas used it): what this replica holds beyond
         ``share`` of it goes back, so that it does not keep the others from the rest."""
-        cap = max(0, share_of_room(st.limit, value, self.settings.share_ppm))
+        cap = max(0, share_of_room(st.limit, value, self.book.settings.share_ppm))
         excess = st.units - cap
         if excess > 0 and excess >= max(st.largest, 1):
-            self._release(st, excess, back)
+            self.release(st, excess, back)
 
-    def _give_back_short(self, buckets: Sequence[BucketCharge], now: int) -> SettleCall | None:
+    def give_back_short(self, buckets: Sequence[BucketCharge], now: int) -> SettleCall | None:
         """The rest of each allowance too short for this admission, as a refund riding on it."""
+        book = self.book
         short = [
             st
             for c in buckets
-            if (st := self._states.get(c.key)) is not None
+            if (st := book.states.get(c.key)) is not None
             and st.units > 0
             and (st.units < c.amount or now >= st.deadline_ms)
         ]
         if not short:
             return None
         tag = short[0].tag
-        lease = self._leases.get(tag)
-        mine = [st for st in self._states.values() if st.tag == tag]
+        lease = book.leases.get(tag)
+        mine = [st for st in book.states.values() if st.tag == tag]
         if (
             lease is not None
             and lease.gen
@@ -86,78 +96,83 @@ class Returns(Tranches):
                 st.closed = st.releasing = 0
                 if give:
                     units[st.key] = give
-            adj = [Adjustment(key, -n, self._states[key].expire_at_ms) for key, n in units.items()]
-            call = SettleCall(lease.ledger, adj, self.settings.return_ledger_ttl_ms)
-            self._leases[tag] = Lease(f"{tag}:req:allow.{self._instance}.{next(self._serial)}")
+            adj = [Adjustment(key, -n, book.states[key].expire_at_ms) for key, n in units.items()]
+            call = SettleCall(lease.ledger, adj, book.settings.return_ledger_ttl_ms)
+            book.leases[tag] = new_lease(book, tag)
             return call
         adj = []
         for st in short:
             opened = st.units - st.closed
-            self._release(st, st.units, None)  # the never-opened part: in the background
+            self.release(st, st.units, None)  # the never-opened part: in the background
             if opened > 0:
                 adj.append(Adjustment(st.key, -opened, st.expire_at_ms))
-        return self._return_call(tag, adj) if adj else None
+        return self.call(tag, adj) if adj else None
 
     def sweep(self) -> None:
         """Give back what allowances past their time hold; drop those whose window ended and
-        the states nobody used for a while (queued: :meth:`_flush_returns` sends them)."""
-        now = self.clock.now_ms()
+        the states nobody used for a while (queued: :meth:`flush` sends them)."""
+        book = self.book
+        now = book.clock.now_ms()
         back: dict[str, list[Adjustment]] = {}
-        for key, st in list(self._states.items()):
+        for key, st in list(book.states.items()):
             if now + EXPIRY_SLACK_MS >= st.expire_at_ms:
                 if st.units:
-                    self._count("expired", st.units)
+                    book.tally.units("expired", st.units)
                 if not st.taking:
-                    del self._states[key]
+                    del book.states[key]
                 st.units = st.closed = st.releasing = 0
                 continue
             if st.units and now >= st.deadline_ms:
-                self._release(st, st.units, back)
+                self.release(st, st.units, back)
             elif (
                 not st.units
                 and not st.releasing
                 and not st.taking
                 and now - st.touched_ms > IDLE_MS
             ):
-                del self._states[key]
-        for tag, adj in back.items():
-            self._returns.append(self._return_call(tag, adj))
+                del book.states[key]
+        self.add(back)
 
-    async def _sweep_loop(self) -> None:
+    async def sweep_loop(self) -> None:
+        """Sweep, send the give-backs and renew the allowance ledgers, forever."""
         # a quarter of an allowance's time, and often enough to renew the allowance ledgers'
         # leases every third of theirs
-        tick = max(min(self.settings.ttl_ms / 4000, self.settings.lease_ms / 6000), 0.05)
+        s = self.book.settings
+        tick = max(min(s.ttl_ms / 4000, s.lease_ms / 6000), 0.05)
         while True:
             await asyncio.sleep(tick)
             self.sweep()
-            for tag in list(self._leases):
-                if any(st.tag == tag and st.releasing for st in self._states.values()):
-                    self._schedule_open(tag)
-            if self._returns:
-                await self._flush_returns()
-            await self._renew_leases()
+            for tag in list(self.book.leases):
+                if any(st.tag == tag and st.releasing for st in self.book.states.values()):
+                    self.tranches.schedule_open(tag)
+            if self.book.returns:
+                await self.flush()
+            await self.tranches.renew_leases()
 
-    async def _flush_returns(self) -> None:
-        await self._release_now()
-        calls, self._returns = self._returns, []
+    async def flush(self) -> None:
+        """Send the queued give-backs (what fails stays queued)."""
+        await self.tranches.release_now()
+        book = self.book
+        calls, book.returns = book.returns, []
         if not calls:
             return
         try:
-            results = await self.inner.settle_many(calls)
+            results = await self.backend.settle_many(calls)
         except Exception:
             results = [None] * len(calls)
         for call, r in zip(calls, results, strict=True):
             if r is None:
-                self._returns.append(call)  # idempotent by its ledger: sent again
+                book.returns.append(call)  # idempotent by its ledger: sent again
             elif r:
-                self._count("returned", -sum(a.amount for a in call.adjustments))
+                book.tally.units("returned", -sum(a.amount for a in call.adjustments))
 
     async def give_back(self) -> None:
         """Give back everything held now (shutdown; tests)."""
-        for st in self._states.values():
+        for st in self.book.states.values():
             st.deadline_ms = 0
         self.sweep()
-        await self._flush_returns()
+        await self.flush()
 
-    def _unreturned(self) -> int:
-        return -sum(a.amount for c in self._returns for a in c.adjustments)
+    def unreturned(self) -> int:
+        """Units queued to go back and not sent yet."""
+        return -sum(a.amount for c in self.book.returns for a in c.adjustments)

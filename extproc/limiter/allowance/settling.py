@@ -9,25 +9,29 @@ import dataclasses
 
 from extproc.core.keys import EXPIRY_SLACK_MS
 from extproc.core.rules import Adjustment, UnconfirmedCharge
-from extproc.limiter.allowance.drafts import Drafting
-from extproc.limiter.allowance.returns import Returns
-from extproc.limiter.allowance.state import MAX_SETTLED
+from extproc.limiter.allowance.drafts import DraftFlusher
+from extproc.limiter.allowance.state import MAX_SETTLED, AllowanceBackend, Book
 from extproc.limiter.base import SettleCall
 
 
-class Settling(Returns, Drafting):
+class Settler:
     """Settling locally admitted requests (and the local charges of Redis-admitted ones)."""
+
+    def __init__(self, book: Book, backend: AllowanceBackend, drafts: DraftFlusher) -> None:
+        self.book = book
+        self.backend = backend
+        self.drafts = drafts
 
     def _settle_local(self, call: SettleCall) -> tuple[bool, SettleCall | None]:
         """Settle a locally admitted request here: (applied, what must still go to Redis)."""
-        loc = self._ledgers.get(call.ledger)
+        loc = self.book.ledgers.get(call.ledger)
         if loc is None:
             return False, None
         if loc.settled:
             return False, loc.remainder
         loc.settled = True
-        self._draft_done(call.ledger, loc)
-        now = self.clock.now_ms()
+        self.drafts.done(call.ledger, loc)
+        now = self.book.clock.now_ms()
         to_redis: list[Adjustment] = []
         unconfirmed: UnconfirmedCharge | None = call.unconfirmed
         if unconfirmed is not None and unconfirmed.seq == loc.last_local[0]:
@@ -41,13 +45,13 @@ class Settling(Returns, Drafting):
             if a.amount < 0:
                 self._put_back(a.key, -a.amount, now, to_redis, a.expire_at_ms)
             elif a.amount > 0:
-                st = self._states.get(a.key)
+                st = self.book.states.get(a.key)
                 if st is not None and now < st.deadline_ms and st.units - st.closed >= a.amount:
                     st.units -= a.amount
                 else:
                     to_redis.append(a)
-        self.stats.local_settlements += 1
-        self._saved("settle")
+        self.book.stats.local_settlements += 1
+        self.book.tally.saved("settle")
         if to_redis or unconfirmed is not None:
             loc.remainder = SettleCall(
                 call.ledger, to_redis, call.ledger_ttl_ms, unconfirmed=unconfirmed
@@ -60,16 +64,16 @@ class Settling(Returns, Drafting):
         """The settlement of a Redis-admitted request whose last charge was drawn here and not
         confirmed to the gateway: its units go back into the allowance (the corrections were
         computed without it), and Redis, which never saw that charge, takes nothing back."""
-        mix = self._mixed.pop(call.ledger, None)
+        mix = self.book.mixed.pop(call.ledger, None)
         if mix is None:
             return call
-        d = self._drafts.get(mix.tag)
+        d = self.book.drafts.get(mix.tag)
         if d is not None:
             d.charged_more.pop(call.ledger, None)  # settled: no reclaim will bill it
         u = call.unconfirmed
         if u is None or u.seq != mix.last_local[0]:
             return call
-        now = self.clock.now_ms()
+        now = self.book.clock.now_ms()
         extra: list[Adjustment] = []
         for key, units in mix.last_local[1]:
             self._put_back(key, units, now, extra)
@@ -79,20 +83,21 @@ class Settling(Returns, Drafting):
         self, key: str, units: int, now: int, to_redis: list[Adjustment], expire_at: int = 0
     ) -> None:
         """A refund into the key's allowance (its window still running), else to Redis."""
-        st = self._states.get(key)
+        st = self.book.states.get(key)
         if st is not None and now + EXPIRY_SLACK_MS < st.expire_at_ms:
             st.units += units  # past its time, the sweeper gives it back on its next turn
         else:
             to_redis.append(Adjustment(key, -units, expire_at or (st.expire_at_ms if st else 0)))
 
     def _forget(self, ledger: str) -> None:
-        self._ledgers.pop(ledger, None)
-        self._settled[ledger] = None
-        if len(self._settled) > MAX_SETTLED:
-            self._settled.popitem(last=False)
+        book = self.book
+        book.ledgers.pop(ledger, None)
+        book.settled[ledger] = None
+        if len(book.settled) > MAX_SETTLED:
+            book.settled.popitem(last=False)
 
     def _remainder_done(self, ledger: str) -> None:
-        loc = self._ledgers.get(ledger)
+        loc = self.book.ledgers.get(ledger)
         if loc is not None:
             loc.remainder = None
             self._forget(ledger)
@@ -108,13 +113,13 @@ class Settling(Returns, Drafting):
     ) -> bool:
         """Settle a locally admitted request into the allowances (what does not fit goes to
         Redis); any other with the wrapped limiter."""
-        if ledger in self._settled:
+        if ledger in self.book.settled:
             return False
-        if ledger not in self._ledgers:
+        if ledger not in self.book.ledgers:
             call = self._settle_mixed(
                 SettleCall(ledger, adjustments, ledger_ttl_ms, cancel, unconfirmed)
             )
-            return await self.inner.settle(
+            return await self.backend.settle(
                 ledger,
                 call.adjustments,
                 ledger_ttl_ms=ledger_ttl_ms,
@@ -125,7 +130,7 @@ class Settling(Returns, Drafting):
             SettleCall(ledger, adjustments, ledger_ttl_ms, cancel, unconfirmed)
         )
         if rest is not None:
-            await self.inner.settle(
+            await self.backend.settle(
                 rest.ledger,
                 rest.adjustments,
                 ledger_ttl_ms=rest.ledger_ttl_ms,
@@ -141,10 +146,10 @@ class Settling(Returns, Drafting):
         remote: list[SettleCall] = []
         where: list[tuple[int, bool]] = []  # (item index, a local request's remainder)
         for i, call in enumerate(items):
-            if call.ledger in self._settled:
+            if call.ledger in self.book.settled:
                 out[i] = False
                 continue
-            if call.ledger not in self._ledgers:
+            if call.ledger not in self.book.ledgers:
                 remote.append(self._settle_mixed(call))
                 where.append((i, False))
                 continue
@@ -155,7 +160,7 @@ class Settling(Returns, Drafting):
                 remote.append(rest)
                 where.append((i, True))
         if remote:
-            results = await self.inner.settle_many(remote)
+            results = await self.backend.settle_many(remote)
             for (i, is_rest), r in zip(where, results, strict=True):
                 if is_rest:
                     if r is not None:

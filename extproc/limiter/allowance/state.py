@@ -1,7 +1,7 @@
 """The allowance wrapper's settings, bounds and state: each bucket's allowance
 (:class:`Bucket`), each tenant's allowance ledger (:class:`Lease`) and draft ledger
-(:class:`Drafts`), the requests admitted from allowances (:class:`Local`), and the state every
-part of the wrapper shares (:class:`AllowanceState`)."""
+(:class:`Drafts`), the requests admitted from allowances (:class:`Local`), and the one object
+that holds them all (:class:`Book`), which every part of the wrapper is given."""
 
 from __future__ import annotations
 
@@ -9,14 +9,13 @@ import asyncio
 import dataclasses
 import itertools
 import uuid
-from abc import abstractmethod
 from collections import OrderedDict
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from extproc.clock import Clock, SystemClock
-from extproc.core.rules import Adjustment
-from extproc.limiter.allowance.stats import AllowanceStats, Counting
+from extproc.clock import Clock
+from extproc.limiter.allowance.stats import AllowanceStats, Tally
 from extproc.limiter.base import (
     AllowanceTaker,
     BatchSettler,
@@ -142,42 +141,51 @@ class Drafts:
     flushing: bool = False
 
 
-class AllowanceState(Counting):
-    """What the wrapper keeps, shared by its parts (tranches, returns, drafts, takes and the
-    limiter calls)."""
+class Book:
+    """Everything the wrapper keeps on this replica, in one place: the parts (takes, returns,
+    tranches, drafts, settlements) each read and change it, none keeps state of its own."""
 
     def __init__(
         self,
-        inner: AllowanceBackend,
-        settings: AllowanceSettings | None = None,
+        settings: AllowanceSettings,
+        clock: Clock,
         *,
-        clock: Clock | None = None,
         metrics: Metrics | None = None,
+        keeps_drafts: bool = True,
     ) -> None:
-        self.inner = inner
-        self.settings = settings or AllowanceSettings()
-        self.clock: Clock = clock or SystemClock()
-        self.metrics = metrics
+        self.settings = settings
+        self.clock = clock
         self.stats = AllowanceStats()
-        self._states: dict[str, Bucket] = {}
-        self._ledgers: OrderedDict[str, Local] = OrderedDict()
-        self._settled: OrderedDict[str, None] = OrderedDict()
-        self._returns: list[SettleCall] = []
-        self._leases: dict[str, Lease] = {}
-        self._drafts: dict[str, Drafts] = {}
+        self.tally = Tally(self.stats, metrics)
+        #: each bucket's allowance, by counter key
+        self.states: dict[str, Bucket] = {}
+        #: requests admitted from allowances, oldest first; and those settled since
+        self.ledgers: OrderedDict[str, Local] = OrderedDict()
+        self.settled: OrderedDict[str, None] = OrderedDict()
+        #: give-backs to send (settle.lua refunds), sent again until answered
+        self.returns: list[SettleCall] = []
+        #: each tenant's allowance ledger and draft ledger, by hash tag
+        self.leases: dict[str, Lease] = {}
+        self.drafts: dict[str, Drafts] = {}
         #: a backend a process death cannot lose counts with (in-memory) keeps no drafts
-        self._keeps_drafts = hasattr(inner, "keep_drafts")
+        self.keeps_drafts = keeps_drafts
         #: requests Redis admitted that had stream charges drawn from allowances
-        self._mixed: OrderedDict[str, Local] = OrderedDict()
+        self.mixed: OrderedDict[str, Local] = OrderedDict()
         #: drafts of dead replicas' requests a take reclaimed: the next admission carries them
-        self._reclaimed: list[Reclaimed] = []
-        self._draft_task: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._sweeper: asyncio.Task[None] | None = None
-        self._instance = uuid.uuid4().hex[:12]
+        self.reclaimed: list[Reclaimed] = []
+        #: background calls in flight (takes, tranche openings, give-backs)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.instance = uuid.uuid4().hex[:12]
         self._serial = itertools.count()
-        self._closed = False
+        self.closed = False
 
-    @abstractmethod
-    def _queue_returns(self, back: dict[str, list[Adjustment]]) -> None:
-        """Send these give-backs in the background (:mod:`.returns`)."""
+    def serial(self) -> int:
+        """A number no other ledger of this replica's got."""
+        return next(self._serial)
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``work`` in the background (kept until done: :meth:`close` waits for it)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task

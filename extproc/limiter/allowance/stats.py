@@ -27,13 +27,15 @@ class AllowanceStats:
     drafts_sent: int = 0  # drafts kept in Redis (requests still open at a flush)
 
 
-class Counting:
+class Tally:
     """Counts what the wrapper did into its :class:`AllowanceStats` and its metrics."""
 
-    stats: AllowanceStats
-    metrics: Metrics | None
+    def __init__(self, stats: AllowanceStats, metrics: Metrics | None) -> None:
+        self.stats = stats
+        self.metrics = metrics
 
-    def _count(self, event: str, units: int) -> None:
+    def units(self, event: str, units: int) -> None:
+        """Units ``event`` (taken, returned, expired, reclaimed)."""
         if event == "taken":
             self.stats.taken += units
         elif event == "returned":
@@ -46,12 +48,14 @@ class Counting:
         if m is not None and units > 0:
             m.allowance_units.labels(event).inc(units)
 
-    def _count_take(self, outcome: str) -> None:
+    def take(self, outcome: str) -> None:
+        """A take answered (granted, none, failed)."""
         m = self.metrics
         if m is not None:
             m.allowance_takes.labels(outcome).inc()
 
-    def _saved(self, call: str) -> None:
+    def saved(self, call: str) -> None:
+        """A limiter call served here instead of in Redis."""
         m = self.metrics
         if m is not None:
             m.allowance_saved_calls.labels(call).inc()

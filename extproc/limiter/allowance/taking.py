@@ -3,36 +3,43 @@ Redis answered with) and the takes (``allowance.lua``) of the buckets that run s
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 
 from extproc.core.keys import EXPIRY_SLACK_MS, counter_name
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.limiter.allowance.returns import Returns
 from extproc.limiter.allowance.sizing import closed_of_grant, share_of_room, tranche_size, wanted
-from extproc.limiter.allowance.state import MAX_LEDGERS, MAX_STATES, Bucket
+from extproc.limiter.allowance.state import MAX_LEDGERS, MAX_STATES, AllowanceBackend, Book, Bucket
+from extproc.limiter.allowance.tranches import Tranches
 from extproc.limiter.base import AllowanceGrant, AllowanceLease, AllowanceTake
 
 
-class Taking(Returns):
+class Taker:
     """Each bucket's observed demand and the takes that follow it."""
 
+    def __init__(
+        self, book: Book, backend: AllowanceBackend, tranches: Tranches, returns: Returns
+    ) -> None:
+        self.book = book
+        self.backend = backend
+        self.tranches = tranches
+        self.returns = returns
+
     def _state(self, c: BucketCharge, now: int) -> Bucket | None:
-        st = self._states.get(c.key)
+        states = self.book.states
+        st = states.get(c.key)
         if st is None:
-            if len(self._states) >= MAX_STATES:
+            if len(states) >= MAX_STATES:
                 return None
             name = counter_name(c.key)
             assert name is not None
-            st = self._states[c.key] = Bucket(
+            st = states[c.key] = Bucket(
                 c.key, name.tag, c.limit, c.expire_at_ms, since_ms=now, touched_ms=now
             )
         st.limit = c.limit
         return st
 
-    def _observe(
-        self, buckets: Sequence[BucketCharge], now: int, *, admission: bool = True
-    ) -> None:
+    def observe(self, buckets: Sequence[BucketCharge], now: int, *, admission: bool = True) -> None:
         """Count a limiter call (an admission or a stream charge) of these buckets on this
         replica: the rate and the size of its allowances follow."""
         second = now // 1000
@@ -49,24 +56,25 @@ class Taking(Returns):
                 st.largest = max(st.largest, c.amount)
             st.touched_ms = now
 
-    def _saw(self, buckets: Sequence[BucketCharge], values: Sequence[int]) -> None:
+    def saw(self, buckets: Sequence[BucketCharge], values: Sequence[int]) -> None:
         """Remember the counters' values Redis answered with (headers of local admissions),
         and give back what is held beyond ``share`` of the room they leave."""
         back: dict[str, list[Adjustment]] = {}
         for c, v in zip(buckets, values, strict=False):
-            seen = self._states.get(c.key)
+            seen = self.book.states.get(c.key)
             if seen is not None:
                 seen.seen = v
-                self._trim(seen, v, back)
-        self._queue_returns(back)
+                self.returns.trim(seen, v, back)
+        self.returns.queue(back)
 
-    def _refill(self, buckets: Sequence[BucketCharge], now: int) -> None:
+    def refill(self, buckets: Sequence[BucketCharge], now: int) -> None:
         """Take (in the background) allowances for the buckets that run short."""
-        s = self.settings
+        s = self.book.settings
+        states = self.book.states
         takes: list[AllowanceTake] = []
         busy = False
         for c in buckets:
-            st = self._states.get(c.key)
+            st = states.get(c.key)
             if st is not None and now < st.quiet_until_ms:
                 return  # near its limit: an allowance of the others would not be drawn from
             if st is not None and max(st.hits, st.hits_prev) >= s.min_rate:
@@ -74,7 +82,7 @@ class Taking(Returns):
         if not busy:  # one busy bucket is enough: a request draws from all of its buckets
             return
         for c in buckets:
-            st = self._states.get(c.key)
+            st = states.get(c.key)
             if st is None:
                 continue
             if st.units and now < st.deadline_ms < now + s.ttl_ms // 2:
@@ -103,19 +111,18 @@ class Taking(Returns):
                     st.units - st.closed,
                 )
             )
-        if not takes or self._closed:
+        if not takes or self.book.closed:
             return
         for t in takes:
-            self._states[t.key].taking = True
-        task = asyncio.get_running_loop().create_task(self._take(takes))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+            states[t.key].taking = True
+        self.book.spawn(self._take(takes))
 
     async def _take(self, takes: list[AllowanceTake]) -> None:
-        s = self.settings
-        tag = self._states[takes[0].key].tag
-        lease = self._lease(tag)
-        now = self.clock.now_ms()
+        book = self.book
+        s = book.settings
+        tag = book.states[takes[0].key].tag
+        lease = self.tranches.lease(tag)
+        now = book.clock.now_ms()
         terms = AllowanceLease(
             lease.ledger,
             now,
@@ -124,28 +131,28 @@ class Taking(Returns):
             s.max_window_s * 1000 + s.lease_ms + EXPIRY_SLACK_MS,
         )
         try:
-            results: list[AllowanceGrant | None] = await self.inner.take_allowances(takes, terms)
+            results: list[AllowanceGrant | None] = await self.backend.take_allowances(takes, terms)
         except Exception:  # a wrapped limiter that raises: no allowance, admission as before
             results = [None] * len(takes)
-        now = self.clock.now_ms()
+        now = book.clock.now_ms()
         near: dict[str, list[Adjustment]] = {}
         answered = [r for r in results if r is not None]
         if answered:
             lease.renewed_ms = now
             if answered[0].reclaimed:
-                self._count("reclaimed", answered[0].reclaimed)
-            if answered[0].drafts and len(self._reclaimed) < MAX_LEDGERS:
-                self._reclaimed.extend(answered[0].drafts)
+                book.tally.units("reclaimed", answered[0].reclaimed)
+            if answered[0].drafts and len(book.reclaimed) < MAX_LEDGERS:
+                book.reclaimed.extend(answered[0].drafts)
             if answered[0].gen != lease.gen:
                 # a new ledger: what the old one recorded was reclaimed (or lost): those
                 # never-opened units are no longer this replica's to draw nor to give back
-                self._drop_closed(tag)
+                self.tranches.drop_closed(tag)
                 lease.gen = answered[0].gen
         for t, r in zip(takes, results, strict=True):
-            self.stats.takes += 1
-            st = self._states.get(t.key)
+            book.stats.takes += 1
+            st = book.states.get(t.key)
             if r is None:
-                self._count_take("failed")
+                book.tally.take("failed")
                 if st is not None:
                     st.taking = False
                 continue
@@ -159,24 +166,23 @@ class Taking(Returns):
             st.seen = value
             st.drawn, st.since_ms, st.largest = 0, now, st.largest // 2 or st.largest
             if grant > 0:
-                self._count_take("granted")
-                self._count("taken", grant)
+                book.tally.take("granted")
+                book.tally.units("taken", grant)
                 st.units += grant
                 st.tranche = tranche_size(t.held, grant, s.tranches, t.least)
                 # what brings the open part up to one tranche is open at once (allowance.lua)
                 st.closed += closed_of_grant(grant, st.tranche, t.opened)
-                st.deadline_ms = now + self.settings.ttl_ms
+                st.deadline_ms = now + s.ttl_ms
             elif share_of_room(t.limit, value, t.share_ppm) >= max(t.least, 1):
-                self._count_take("none")  # it holds its share already: not near the limit
-                self._trim(st, value, near)  # ... or more, the room having shrunk
+                book.tally.take("none")  # it holds its share already: not near the limit
+                self.returns.trim(st, value, near)  # ... or more, the room having shrunk
             else:
                 # near the limit: nothing taken, none asked for a while, and what is still
                 # held goes back now
-                self._count_take("none")
-                st.quiet_until_ms = now + self.settings.ttl_ms
+                book.tally.take("none")
+                st.quiet_until_ms = now + s.ttl_ms
                 if st.units > 0:
-                    self._release(st, st.units, near)
-        for rtag, adj in near.items():
-            self._returns.append(self._return_call(rtag, adj))
+                    self.returns.release(st, st.units, near)
+        self.returns.add(near)
         if near:
-            await self._flush_returns()
+            await self.returns.flush()

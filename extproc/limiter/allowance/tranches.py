@@ -6,56 +6,72 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from extproc.core.rules import Adjustment, BucketCharge
-from extproc.limiter.allowance.state import AllowanceState, Bucket, Lease
+from extproc.limiter.allowance.state import AllowanceBackend, Book, Bucket, Lease
 
 
-class Tranches(AllowanceState):
-    """Opening tranches and keeping the allowance ledgers' leases."""
+def new_lease(book: Book, tag: str) -> Lease:
+    """A new allowance ledger for the tenant of ``tag`` (none recorded in it yet)."""
+    return Lease(f"{tag}:req:allow.{book.instance}.{book.serial()}")
 
-    def _lease(self, tag: str) -> Lease:
-        lease = self._leases.get(tag)
+
+class Tranches:
+    """Opening tranches and keeping the allowance ledgers' leases; the never-opened units
+    being given back are opened, then handed to ``refund`` (the give-backs)."""
+
+    def __init__(
+        self,
+        book: Book,
+        backend: AllowanceBackend,
+        refund: Callable[[dict[str, list[Adjustment]]], None],
+    ) -> None:
+        self.book = book
+        self.backend = backend
+        self._refund = refund
+
+    def lease(self, tag: str) -> Lease:
+        """The tenant's allowance ledger (a new one when it has none)."""
+        lease = self.book.leases.get(tag)
         if lease is None:
-            lease = self._leases[tag] = Lease(
-                f"{tag}:req:allow.{self._instance}.{next(self._serial)}"
-            )
+            lease = self.book.leases[tag] = new_lease(self.book, tag)
         return lease
 
-    def _drop_closed(self, tag: str) -> None:
+    def drop_closed(self, tag: str) -> None:
         """The tenant's allowance ledger was reclaimed: forget its never-opened units."""
-        for st in self._states.values():
+        for st in self.book.states.values():
             if st.tag == tag and (st.closed or st.releasing):
                 st.units -= st.closed
                 st.closed = 0
                 st.releasing = 0
 
-    def _needs_open(self, st: Bucket) -> bool:
+    @staticmethod
+    def needs_open(st: Bucket) -> bool:
+        """Whether the open part of ``st`` fell under half a tranche."""
         return st.closed > 0 and st.units - st.closed < max(st.tranche // 2, st.largest, 1)
 
-    def _open_short(self, buckets: Sequence[BucketCharge]) -> None:
+    def open_short(self, buckets: Sequence[BucketCharge]) -> None:
         """An allowance that holds the amount but has not opened enough of it: open the next
         tranche now (this call goes to Redis; the next ones draw from it)."""
         for c in buckets:
-            st = self._states.get(c.key)
+            st = self.book.states.get(c.key)
             if st is not None and st.closed and st.units - st.closed < c.amount <= st.units:
-                self._schedule_open(st.tag)
+                self.schedule_open(st.tag)
 
-    def _open_ahead(self, plan: Sequence[Bucket]) -> None:
+    def open_ahead(self, plan: Sequence[Bucket]) -> None:
         """Open the next tranche, in the background, of each allowance half drawn."""
         for st in plan:
-            if self._needs_open(st):
-                self._schedule_open(st.tag)
+            if self.needs_open(st):
+                self.schedule_open(st.tag)
 
-    def _schedule_open(self, tag: str) -> None:
-        lease = self._lease(tag)
-        if lease.opening or self._closed or not lease.gen:
+    def schedule_open(self, tag: str) -> None:
+        """Open the tenant's due tranches in the background (one call in flight at most)."""
+        lease = self.lease(tag)
+        if lease.opening or self.book.closed or not lease.gen:
             return
         lease.opening = True
-        task = lease.task = asyncio.get_running_loop().create_task(self._open(tag, lease))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        lease.task = self.book.spawn(self._open(tag, lease))
 
     async def _open(self, tag: str, lease: Lease) -> None:
         """tranche.lua for the tenant: open a tranche of each allowance that needs one and
@@ -63,16 +79,16 @@ class Tranches(AllowanceState):
         try:
             for _ in range(4):  # what became due meanwhile, a few times at most
                 plan: list[tuple[Bucket, int, int]] = []
-                for st in self._states.values():
+                for st in self.book.states.values():
                     if st.tag != tag:
                         continue
-                    ahead = min(st.closed, st.tranche) if self._needs_open(st) else 0
+                    ahead = min(st.closed, st.tranche) if self.needs_open(st) else 0
                     if ahead or st.releasing:
                         plan.append((st, st.releasing, ahead))
                 if not plan or not lease.gen:
                     return
                 gen = lease.gen
-                opener = getattr(self.inner, "open_tranches", None)
+                opener = getattr(self.backend, "open_tranches", None)
                 if opener is None:
                     return
                 items = [(st.key, rel + ahead) for st, rel, ahead in plan]
@@ -80,13 +96,13 @@ class Tranches(AllowanceState):
                     ok: bool | None = await opener(lease.ledger, gen, items)
                 except Exception:
                     ok = None
-                self.stats.opens += 1
+                self.book.stats.opens += 1
                 if ok is None:
                     return  # the sweeper tries again
                 if lease.gen != gen:
                     return  # a newer ledger meanwhile: this one's units were dropped already
                 if not ok:  # reclaimed (a lease renewal lost): its record went back already
-                    self._drop_closed(tag)
+                    self.drop_closed(tag)
                     lease.gen = ""
                     return
                 back: dict[str, list[Adjustment]] = {}
@@ -102,37 +118,38 @@ class Tranches(AllowanceState):
                             Adjustment(st.key, -refund, st.expire_at_ms)
                         )
                 if back:
-                    self._queue_returns(back)
+                    self._refund(back)
         finally:
             lease.opening = False
 
-    async def _renew_leases(self, force: bool = False) -> None:
+    async def renew_leases(self, force: bool = False) -> None:
         """Renew the allowance ledgers that still record never-opened units (every third
         of the lease), as the gateway renews its reservations."""
-        now = self.clock.now_ms()
-        s = self.settings
-        held = {st.tag for st in self._states.values() if st.closed or st.releasing}
+        book = self.book
+        now = book.clock.now_ms()
+        s = book.settings
+        held = {st.tag for st in book.states.values() if st.closed or st.releasing}
         due = [
             lease.ledger
-            for tag, lease in self._leases.items()
+            for tag, lease in book.leases.items()
             if tag in held and lease.gen and (force or now - lease.renewed_ms >= s.lease_ms // 3)
         ]
         if not due:
             return
         with contextlib.suppress(Exception):
-            await self.inner.renew(due, now + s.lease_ms)
-            for lease in self._leases.values():
+            await self.backend.renew(due, now + s.lease_ms)
+            for lease in book.leases.values():
                 if lease.ledger in due:
                     lease.renewed_ms = now
 
-    async def _release_now(self) -> None:
+    async def release_now(self) -> None:
         """Open (then refund) the never-opened units being given back, now."""
-        for tag, lease in list(self._leases.items()):
+        for tag, lease in list(self.book.leases.items()):
             if lease.task is not None and not lease.task.done():
                 with contextlib.suppress(Exception):
                     await asyncio.shield(lease.task)
             if not lease.opening and any(
-                st.tag == tag and st.releasing for st in self._states.values()
+                st.tag == tag and st.releasing for st in self.book.states.values()
             ):
                 lease.opening = True
                 await self._open(tag, lease)
