@@ -9,8 +9,8 @@ never came.
 The rules it applies live by job: which upstream figures are trusted and what an abandoned
 request could have generated in :mod:`extproc.core.figures`, how a response is metered in
 :mod:`extproc.core.classify`, the per-request policies (the fallback model, the shadow-limit
-report, fail-open, the bound, the lease, billing) in :mod:`extproc.core.policies`; what
-settlement charges is :meth:`Session.settlement`; the admission flow that sets the parsed and
+report, fail-open, the bound, the lease) in :mod:`extproc.core.policies`; what settlement
+charges and bills is the pure planner :mod:`extproc.core.settlement`; the admission flow that sets the parsed and
 admitted records is :mod:`extproc.core.admission_flow`.  The server layer executes what they decide
 and holds no policy of its own.
 """
@@ -26,7 +26,7 @@ from extproc.core.account import RequestAccount
 from extproc.core.admission_plan import Cost
 from extproc.core.apis.base import ApiFormat, ParsedRequest
 from extproc.core.classify import classify, parse_status
-from extproc.core.figures import Figure, abandoned_output, bounded_input, bounded_output
+from extproc.core.figures import Figure
 from extproc.core.keys import WindowedBucket
 from extproc.core.lifecycle import Closed, Ending, Input, Lifecycle, State
 from extproc.core.phase_records import (
@@ -40,11 +40,21 @@ from extproc.core.phase_records import (
     Reported,
     Requested,
     Responding,
-    Settlement,
     StreamEnd,
     TenantInfo,
 )
 from extproc.core.rules import Adjustment, UnconfirmedCharge, Usage
+from extproc.core.settlement import (
+    CountFirst,
+    SettleFacts,
+    SettlementPlan,
+    corrections,
+    input_figure,
+    json_output,
+    settle,
+    stream_output,
+    upstream_input,
+)
 
 #: The order of the upstream figures read in this process (:attr:`Session.report_seq`).
 _REPORTS = itertools.count(1)
@@ -96,7 +106,7 @@ class Session:
         self._responding: Responding | None = None
         self._reported: Reported | None = None
         self._output: Figure | int | None = None
-        self._settlement: Settlement | None = None
+        self._settlement: SettlementPlan | None = None
         # the exact input count of a request admitted on a bound, taken when a figure needs it
         self._count: Callable[[], int] | None = None
         self._count_inline = True
@@ -174,26 +184,14 @@ class Session:
         rec = self._admitted
         return rec is not None and rec.input_bound and self._counted is None
 
-    def _upstream_input(self) -> int | None:
-        """The upstream's input figure, when it stands for a request admitted on a bound without
-        a count: between the fewest tokens the tokenizer can count for that bound (1 at
-        least) and the bound itself, the range the exact count is proven to lie in.  Outside
-        it the figure is checked against the exact count, as on the counted path
-        (:func:`bounded_input`).  An upstream whose figures a count contradicted loses this
-        shortcut: the server counts its requests (:class:`extproc.core.audits.InputAudits`)."""
-        rep, adm = self._reported, self._admitted
-        if rep is None or rep.input is None or adm is None or adm.cost is None:
-            return None
-        pending = adm.input_bound and self._counted is None
-        if pending and max(1, adm.input_floor) <= rep.input <= adm.cost.input_tokens:
-            return rep.input
-        return None
-
     def needs_count(self) -> bool:
         """Whether a figure (settlement, a cut's message, the access log's input) would take
         the exact count now: the server takes it first, off the event loop for a large
         prompt."""
-        return self.input_pending and self._upstream_input() is None
+        adm = self._admitted
+        if adm is None or not self.input_pending:
+            return False
+        return upstream_input(adm, self._counted, self._reported) is None
 
     def _exact_input(self) -> None:
         """Take the exact count of a request admitted on a bound.  A count that fails (it
@@ -470,13 +468,13 @@ class Session:
 
     def json_output(self) -> Figure | None:
         """A JSON response's output figure: the upstream's usage within bounds (decided once)."""
-        if isinstance(self._output, Figure):
-            return self._output
-        rep, cost = self._reported, self.cost
-        if rep is None or rep.output is None or cost is None:
+        cost = self.cost
+        if cost is None:
             return None
-        self._output = bounded_output(rep.output, 0, cost.effective_max_output)
-        return self._output
+        fig = json_output(self._output, self._reported, cost)
+        if fig is not None:
+            self._output = fig
+        return fig
 
     def stream_output(self, end: StreamEnd) -> Figure | int:
         """A stream's output, decided once it is final: the upstream's usage within bounds when
@@ -484,15 +482,7 @@ class Session:
 
         Called for the last response's metadata and again at settlement: the second call
         returns the first answer, so a disagreement is logged and counted once."""
-        if self._output is not None:
-            return self._output
-        rep, cost = self._reported, self.cost
-        if end.complete and not end.cut and rep is not None and rep.output is not None:
-            high = cost.effective_max_output if cost else rep.output
-            out: Figure | int = bounded_output(rep.output, end.counted, high, floor=end.text_events)
-        else:
-            out = end.delivered
-        self._output = out
+        self._output = out = stream_output(self._output, self._reported, self.cost, end)
         return out
 
     @property
@@ -504,23 +494,20 @@ class Session:
         return out.value if isinstance(out, Figure) else out
 
     def input_figure(self) -> Figure | int:
-        """Input to charge: the upstream's figure within bounds around the gateway's count, or
-        the gateway's count when the upstream gave none."""
-        if self.input_pending:
-            upstream = self._upstream_input()
-            if upstream is not None:
-                self.input_uncounted = True
-                return upstream  # the engine's own count, under a proven bound
-            self._exact_input()
-        cost, req, model, rep = self.cost, self.req, self.model, self._reported
-        assert cost is not None
-        if rep is None or rep.input is None:
-            return cost.input_tokens
-        unseen = bool(req is not None and req.notes.get("unseen_input"))
-        if not unseen and (model is None or not model.exact_count):
-            return cost.input_tokens  # an estimate is a deliberate over-count: it stands
-        ceiling = model.max_input_tokens if model else None
-        return bounded_input(rep.input, cost.input_tokens, unseen=unseen, ceiling=ceiling)
+        """Input to charge (:func:`extproc.core.settlement.input_figure`): the upstream's
+        figure within bounds around the gateway's count, or the gateway's count when the
+        upstream gave none."""
+        adm, cost = self._admitted, self._cost
+        assert adm is not None and cost is not None
+        got = input_figure(adm, cost, self._counted, self._reported, self.req)
+        if isinstance(got, CountFirst):
+            self._exact_input()  # the server counts first; this is the fallback
+            got = input_figure(adm, self._cost or cost, self._counted, self._reported, self.req)
+            assert not isinstance(got, CountFirst)
+        figure, uncounted = got
+        if uncounted:
+            self.input_uncounted = True  # the engine's own count, under a proven bound
+        return figure
 
     def input_tokens(self) -> int:
         """The input figure as a number."""
@@ -545,93 +532,58 @@ class Session:
         ending: Ending | None = None,
         abandon_rate: int | None = None,
         abandon_start_ms: int = 0,
-    ) -> Settlement:
-        """The request's final figures (decided once): what the counters must hold, by kind.
+        first_chunk_ms: int = 0,
+        shortcut: bool = False,
+    ) -> SettlementPlan:
+        """The request's settlement (decided once, :func:`extproc.core.settlement.settle`).
         ``abandon_rate``: tokens per second per sequence a request abandoned before a response
         the gateway could meter is billed at (the model's learned decode rate,
         :mod:`extproc.core.decode_rate`), from ``abandon_start_ms`` after admission (its learned
-        time to the first token); None: the model's configured one, from admission."""
+        time to the first token); None: the model's configured one, from admission.
+        ``first_chunk_ms``: when the response's first chunk came (0: not read by chunk);
+        ``shortcut``: the model may be billed at the upstream's input figure without a count."""
         if self._settlement is not None:
             return self._settlement
-        cost = self.cost
-        assert cost is not None
         ending = ending or self.life.ending or Ending.COMPLETED
-        status = self.status
-        if status is not None and not 200 <= status < 300:
-            result = Settlement(ending, 0, 0, 0, Usage())
-        elif not cost.settle_to_actual:
-            # final at admission; settlement only frees concurrency slots
-            total = self.account.total
-            out = max(0, total - cost.input_tokens)
-            result = Settlement(
-                ending, None, cost.input_tokens, None, Usage(input=cost.input_tokens, output=out)
+
+        def facts() -> SettleFacts:
+            adm, cost = self._admitted, self._cost
+            assert adm is not None and cost is not None
+            return SettleFacts(
+                ending=ending,
+                now_ms=now_ms,
+                status=self.status,
+                admitted=adm,
+                cost=cost,
+                counted=self._counted,
+                reported=self._reported,
+                decided_output=self._output,
+                stream=stream,
+                req=self.req,
+                charged=self.account.total,
+                uncounted=self.input_uncounted,
+                shortcut=shortcut,
+                abandon_rate=abandon_rate,
+                abandon_start_ms=abandon_start_ms,
+                first_chunk_ms=first_chunk_ms,
             )
-        else:
-            output: int | None
-            if stream is not None:
-                got = self.stream_output(stream)
-                output = got.value if isinstance(got, Figure) else got
-            elif (fig := self.json_output()) is not None:
-                output = fig.value
-            elif ending in (
-                Ending.CLIENT_DISCONNECTED,
-                Ending.UPSTREAM_RESET,
-                Ending.SHUTDOWN,
-                Ending.INTERNAL_ERROR,
-            ):
-                adm = self._admitted
-                assert adm is not None
-                req = self.req
-                output = abandoned_output(
-                    cost,
-                    req.sequences if req else 1,
-                    now_ms - adm.at_ms - abandon_start_ms,
-                    adm.model.abandoned_tokens_per_second if abandon_rate is None else abandon_rate,
-                )
-            else:
-                output = None  # a JSON response without usage: the reservation stands
-            if output is None:
-                # the reservation stands; an input admitted on a bound is corrected to the
-                # upstream's figure within its proven range, else to its count
-                upstream = self._upstream_input() if self.input_pending else None
-                if upstream is not None:
-                    self.input_counted(upstream)
-                    self.input_uncounted = True
-                self._exact_input()
-                adm, cost = self._admitted, self._cost
-                assert adm is not None and adm.cost is not None and cost is not None
-                charged_in = adm.cost.input_tokens  # what admission charged for the input
-                out = max(0, self.account.total - charged_in)
-                result = Settlement(
-                    ending,
-                    None if charged_in == cost.input_tokens else cost.input_tokens + out,
-                    cost.input_tokens,
-                    None,
-                    Usage(input=cost.input_tokens, output=out, requests=cost.requests),
-                )
-            else:
-                inp = self.input_tokens()
-                result = Settlement(ending, inp + output, inp, output, self._usage(inp, output))
-        self._settlement = result
-        return result
 
-    def _usage(self, inp: int, out: int) -> Usage:
-        """Tokens by kind (cached input and reasoning from the upstream's usage, within the
-        totals)."""
-        rep, cost = self._reported, self.cost
-        return Usage(
-            input=inp,
-            output=out,
-            cached_input=min(rep.cached_input, inp) if rep else 0,
-            reasoning=min(rep.reasoning, out) if rep else 0,
-            requests=cost.requests if cost else 1,
-        )
+        plan = settle(facts())
+        if isinstance(plan, CountFirst):
+            self._exact_input()  # the server counts first; this is the fallback
+            plan = settle(facts())
+            assert not isinstance(plan, CountFirst)
+        if plan.adopt_input is not None:
+            self.input_counted(plan.adopt_input)
+        self.input_uncounted = plan.uncounted
+        if plan.output_figure is not None:
+            self._output = plan.output_figure
+        self._settlement = plan
+        return plan
 
-    def adjustments(self, result: Settlement, current: list[WindowedBucket]) -> list[Adjustment]:
+    def adjustments(self, plan: SettlementPlan, current: list[WindowedBucket]) -> list[Adjustment]:
         """Corrections that make every per-token counter hold the settlement's units."""
-        if result.total is None:
-            return []
-        return self.account.adjustments(result.usage, current)
+        return corrections(plan, self.account, current)
 
     def pending_units(self, bucket: WindowedBucket, delivered: int) -> int:
         """Units settlement would still add to ``bucket`` if the stream ended now with
