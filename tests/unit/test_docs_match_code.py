@@ -25,6 +25,7 @@ from extproc.config.schema import (
     TokenizerModel,
 )
 from extproc.core.audits import MAX_STOPPED_MODELS
+from extproc.core.bound_count import NOTE_AFTER_S
 from extproc.core.figures import (
     ABANDONED_TOKENS_PER_SECOND,
     INPUT_SLACK_TOKENS,
@@ -37,7 +38,6 @@ from extproc.core.tokens import TokenizerSpec
 from extproc.gateway import INPUT_STOPS_REFRESH_S
 from extproc.limiter.base import MAX_RIDERS
 from extproc.limiter.batch import DEFAULT_MAX_BATCH
-from extproc.server.processor import NOTE_AFTER_S
 from extproc.settings import Settings
 
 pytestmark = pytest.mark.unit
