@@ -6,7 +6,7 @@ core's :mod:`extproc.core.bound_count`).
 
 The cheap alternative admission may decide on, the same walk of the request with the model's
 upper-bound counter (no tokenizer run), is the core's
-:func:`extproc.core.admission_flow.bound_input`."""
+:func:`extproc.core.admission_rules.bound_input`."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from collections.abc import Callable
 import structlog
 
 from extproc.config.runtime import Model, RuntimeConfig
-from extproc.core.admission_flow import client_errors
 from extproc.core.admission_plan import Cost
+from extproc.core.admission_rules import client_errors
 from extproc.core.apis.base import ApiFormat, ParsedRequest
 from extproc.core.bound_count import (
     BoundAction,

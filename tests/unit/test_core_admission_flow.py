@@ -30,8 +30,9 @@ from extproc.core.actions import (
     PushedBack,
     Reject,
 )
-from extproc.core.admission_flow import Admission, bound_input
+from extproc.core.admission_flow import Admission
 from extproc.core.admission_plan import RoomHints
+from extproc.core.admission_rules import bound_input
 from extproc.core.apis.openai import CHAT
 from extproc.core.counters import UTF8BoundCounter
 from extproc.core.events import (

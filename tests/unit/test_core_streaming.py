@@ -36,7 +36,7 @@ from extproc.core.events import (
     Trailers,
 )
 from extproc.core.lifecycle import CutReason, Ending, State
-from extproc.core.meter import StreamPhase
+from extproc.core.meter_phase import StreamPhase
 from extproc.core.streaming import MeteredStream, room_after, unconfirmed_charge
 from extproc.server.processor import RequestProcessor
 from tests.unit.test_processor_flow import event, limiter, start

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from extproc.clock import FakeClock
 from extproc.config import load_config_text
 from extproc.config.runtime import Model
-from extproc.core.admission_flow import bound_input
 from extproc.core.admission_plan import MAX_ROOM_HINTS, RoomHints
+from extproc.core.admission_rules import bound_input
 from extproc.core.apis.base import RequestLimits
 from extproc.core.apis.registry import api_for_path
 from extproc.core.audits import InputAudits
