@@ -39,6 +39,7 @@ from extproc.core.lifecycle import (
 )
 from extproc.core.phase_records import Identified, Reported, Requested, StreamEnd
 from extproc.core.policies import fails_open
+from extproc.core.routing import public_path, route
 from extproc.core.session import Session
 from extproc.errors import (
     AuthenticationError,
@@ -52,7 +53,7 @@ from extproc.gateway import Gateway
 from extproc.server import wire
 from extproc.server.admit import admit_body, admit_rpm_only
 from extproc.server.counting import BoundCounting
-from extproc.server.identity import IDENTITY_HEADERS, identify, presented_key, public_path, route
+from extproc.server.identity import IDENTITY_HEADERS, identify, presented_key
 from extproc.server.settle import access_metadata, settle
 from extproc.server.stream import StreamDriver
 from extproc.server.writelock import WriteLock
@@ -185,11 +186,12 @@ class RequestProcessor:
         except AuthenticationError:
             # a public path (a probe, a model listing) needs no identity; a key that is
             # presented must still be valid
-            if presented_key(h) or not public_path(cfg, path, method):
+            public = public_path(path, method, allowed=cfg.allowed_paths, public=cfg.public_paths)
+            if presented_key(h) or not public:
                 raise
             s.pass_through()
             return wire.continue_request_headers([], IDENTITY_HEADERS, mode=wire.passthrough_mode())
-        kind, api = route(cfg, path, method)
+        kind, api = route(path, method, allowed=cfg.allowed_paths, other=cfg.other_paths)
         metered_api = gw.bind(api) if api else None
         ledger = ledger_key(gw.key_prefix, caller.tenant.id, gw.ledger_id(request_id))
         s.identify(
