@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from extproc.background import INPUT_STOPS_REFRESH_S
 from extproc.bench.vllm import RUN_AHEAD_BOUND
 from extproc.config.schema import (
     ConfigFile,
@@ -35,7 +36,6 @@ from extproc.core.figures import (
     OUTPUT_TOLERANCE,
 )
 from extproc.core.tokens import TokenizerSpec
-from extproc.gateway import INPUT_STOPS_REFRESH_S
 from extproc.limiter.base import MAX_RIDERS
 from extproc.limiter.batch import DEFAULT_MAX_BATCH
 from extproc.settings import Settings
