@@ -24,6 +24,14 @@ from dataclasses import replace
 from extproc.core.account import RequestAccount
 from extproc.core.classify import classify, parse_status
 from extproc.core.figures import Figure
+from extproc.core.input_state import (
+    COUNTED_AFTER_BOUND,
+    PENDING,
+    UNCOUNTED,
+    InputEvent,
+    InputState,
+    move,
+)
 from extproc.core.keys import WindowedBucket
 from extproc.core.lifecycle import Closed, Ending, Input, Lifecycle, State
 from extproc.core.phase_records import (
@@ -59,11 +67,10 @@ class Session(SessionRecords):
         "_count",
         "_count_inline",
         "_counted",
+        "_input",
         "_output",
         "_settlement",
         "account",
-        "count_failed",
-        "input_uncounted",
         "life",
         "report_seq",
         "unconfirmed",
@@ -74,8 +81,8 @@ class Session(SessionRecords):
         self.life = Lifecycle()
         # the exact input count of a request admitted on a bound (None: not taken)
         self._counted: int | None = None
-        # billed (or about to be) at the upstream's own input figure without a count
-        self.input_uncounted = False
+        # where the input figure stands (every flag about it is read off this state)
+        self._input = InputState.EXACT
         # the order in which the upstream's figures were read, in this process (0: none yet):
         # which bills a later count vouches for (extproc.core.audits)
         self.report_seq = 0
@@ -84,7 +91,6 @@ class Session(SessionRecords):
         # the exact input count of a request admitted on a bound, taken when a figure needs it
         self._count: Callable[[], int] | None = None
         self._count_inline = True
-        self.count_failed = False
         self.account = RequestAccount()
         # the last stream charge whose answer never came (settlement undoes it if it ran)
         self.unconfirmed: UnconfirmedCharge | None = None
@@ -97,6 +103,8 @@ class Session(SessionRecords):
             raise PhaseError("the request was admitted twice")
         self._admitted = rec
         self._cost = rec.cost
+        if rec.input_bound:
+            self._input = move(self._input, InputEvent.ON_BOUND)
         if usage is not None:
             self.account.record(list(rec.buckets), usage)
 
@@ -108,31 +116,45 @@ class Session(SessionRecords):
         self._count = count
         self._count_inline = inline
 
-    def input_counted(self, exact: int) -> None:
+    def input_counted(self, exact: int, how: InputEvent = InputEvent.COUNTED) -> None:
         """The exact input count of a request admitted on an upper bound (once): it replaces
         the bound in the session's cost, so every later figure (cut messages, settlement,
         records) uses it; what admission charged stays in the admitted record and the
-        account, so settlement refunds the difference."""
+        account, so settlement refunds the difference.  ``how``: counted, the bound kept for a
+        count that failed, or the upstream's figure adopted (:mod:`extproc.core.input_state`)."""
         rec = self._admitted
         if rec is None or not rec.input_bound or rec.cost is None or self._counted is not None:
             raise PhaseError("an exact input count for a request not admitted on a bound")
         if self._settlement is not None:
             raise PhaseError("the input count arrived after settlement was decided")
+        self._input = move(self._input, how)
         self._counted = exact
         self._cost = replace(rec.cost, input_tokens=exact)
-        self.input_uncounted = False  # a figure taken before is checked against this count
+
+    @property
+    def input_state(self) -> InputState:
+        """Where the input figure stands."""
+        return self._input
 
     @property
     def counted_after_bound(self) -> bool:
-        """Admitted on a bound, and the exact count has replaced it since."""
-        rec = self._admitted
-        return rec is not None and rec.input_bound and self._counted is not None
+        """Admitted on a bound, and the exact count (or what stands for it) has replaced it."""
+        return self._input in COUNTED_AFTER_BOUND
 
     @property
     def input_pending(self) -> bool:
         """Admitted on a bound whose exact count has not been taken."""
-        rec = self._admitted
-        return rec is not None and rec.input_bound and self._counted is None
+        return self._input in PENDING
+
+    @property
+    def input_uncounted(self) -> bool:
+        """Billed (or about to be) at the upstream's own input figure without a count."""
+        return self._input in UNCOUNTED
+
+    @property
+    def count_failed(self) -> bool:
+        """The exact count could not be taken: the bound stands (an over-count)."""
+        return self._input is InputState.KEPT_BOUND
 
     def needs_count(self) -> bool:
         """Whether a figure (settlement, a cut's message, the access log's input) would take
@@ -151,17 +173,18 @@ class Session(SessionRecords):
         cost = self.cost
         assert cost is not None
         exact = cost.input_tokens
+        how = InputEvent.COUNTED
         if self._count is not None and self._count_inline:
             try:
                 exact = self._count()
             except Exception:
-                self.count_failed = True
+                how = InputEvent.COUNT_FAILED
         elif self._count is not None:
             # the server should have counted it off the loop first: never stall the loop, and
             # keep the bound (an over-count, logged at settlement)
-            self.count_failed = True
+            how = InputEvent.COUNT_FAILED
         self._count = None
-        self.input_counted(exact)
+        self.input_counted(exact, how)
 
     # -- the request, event by event: the server reports, the session moves its lifecycle ---
 
@@ -319,8 +342,8 @@ class Session(SessionRecords):
             got = input_figure(adm, self._cost or cost, self._counted, self._reported, self.req)
             assert not isinstance(got, CountFirst)
         figure, uncounted = got
-        if uncounted:
-            self.input_uncounted = True  # the engine's own count, under a proven bound
+        if uncounted:  # the engine's own count, under a proven bound
+            self._input = move(self._input, InputEvent.SHOWN_UNCOUNTED)
         return figure
 
     def input_tokens(self) -> int:
@@ -388,8 +411,9 @@ class Session(SessionRecords):
             plan = settle(facts())
             assert not isinstance(plan, CountFirst)
         if plan.adopt_input is not None:
-            self.input_counted(plan.adopt_input)
-        self.input_uncounted = plan.uncounted
+            self.input_counted(plan.adopt_input, InputEvent.ADOPTED)
+        elif plan.uncounted:
+            self._input = move(self._input, InputEvent.SHOWN_UNCOUNTED)
         if plan.output_figure is not None:
             self._output = plan.output_figure
         self._settlement = plan
