@@ -10,9 +10,11 @@ The rules it applies live by job: which upstream figures are trusted and what an
 request could have generated in :mod:`extproc.core.figures`, how a response is metered in
 :mod:`extproc.core.classify`, the per-request policies (the fallback model, the shadow-limit
 report, fail-open, the bound, the lease) in :mod:`extproc.core.policies`; what settlement
-charges and bills is the pure planner :mod:`extproc.core.settlement`; the admission flow that sets the parsed and
-admitted records is :mod:`extproc.core.admission_flow`.  The server layer executes what they decide
-and holds no policy of its own.
+charges and bills is the pure planner :mod:`extproc.core.settlement`; where the input figure
+stands (admitted on a bound, counted, ...) is one state moved by the table of
+:mod:`extproc.core.input_state`; when a bound is counted and noted is
+:mod:`extproc.core.bound_count`; the admission flow that sets the parsed and admitted records
+is :mod:`extproc.core.admission_flow`.  The server layer executes what they decide.
 """
 
 from __future__ import annotations

@@ -9,12 +9,14 @@ the request's lifecycle itself (a stream's moves are the core's :mod:`extproc.co
 when a prompt admitted on a bound is counted and noted is the core's
 :mod:`extproc.core.bound_count`, executed by :class:`extproc.server.counting.BoundCounting`.
 
-* request headers → :mod:`extproc.server.identity` (caller, path policy)
+* request headers → :mod:`extproc.server.identity` (the caller), the path's handling by the
+  core's :mod:`extproc.core.routing`
 * request body → :mod:`extproc.server.admit` (executes the core's :mod:`extproc.core.admission_flow`)
 * response headers → :func:`extproc.core.classify.classify`; then :mod:`extproc.server.stream`
   executes the core's metered stream, or a JSON body's usage is read
 * the end, whatever it is → :mod:`extproc.server.settle`, in the background, after the last
-  response (with the request's final figures as dynamic metadata) has been sent
+  response (with the request's final figures as dynamic metadata) has been sent: it executes
+  the core's settlement plan (:mod:`extproc.core.settlement`)
 
 Gateway errors raised in any phase become the API's own error response in :meth:`reject`, the
 one place they are mapped.
