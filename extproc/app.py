@@ -72,6 +72,7 @@ from extproc.ports import ListenError, add_grpc_port, serve_metrics
 from extproc.records.writer import make_recorder
 from extproc.server.servicer import ExternalProcessorServicer
 from extproc.settings import Settings
+from extproc.telemetry import from_env as telemetry_from_env
 from extproc.tokenizers import TokenizerLoadError
 
 log = structlog.get_logger("extproc")
@@ -198,6 +199,7 @@ class Running:
             await self.admin.close()
         await self.gateway.close_input_stops()
         await self.gateway.limiter.close()
+        await asyncio.to_thread(self.gateway.telemetry.close, grace)  # flush spans, metrics
 
 
 def port_security(settings: Settings, metrics: Metrics) -> PortSecurity:
@@ -291,6 +293,7 @@ async def start(
         key_prefix=settings.key_prefix,
         # In-process tests that bring their own limiter write no usage records.
         recorder=make_recorder(settings, mets) if limiter is None else None,
+        telemetry=telemetry_from_env(),  # OTEL_* variables; a no-op when none is set
     )
     gw.install(cfg, version)
     admin = None
@@ -425,8 +428,12 @@ def _start_rls(
             ),
             detailed_metric_series=settings.rls_detailed_metric_series,
         ),
-        # an ai_quota link charges only the tenants and models of the running rules
-        known=lambda: (gateway.config.tenants, gateway.config.models),
+        # an ai_quota link charges only the tenants, models and levels of the running rules
+        known=lambda: (
+            gateway.config.tenants,
+            gateway.config.models,
+            gateway.config.organisations,
+        ),
     )
     if not settings.rls_address:
         add_rls_service(server, rls)

@@ -23,6 +23,7 @@ one place per API format: ``extproc.core.apis`` (OpenAI shapes in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class GatewayError(Exception):
@@ -109,6 +110,9 @@ class RateLimitHeaders:
     budget_unit: str | None = None
     limit_concurrency: int | None = None
     remaining_concurrency: int | None = None
+    # (family, level) where the binding bucket of a family is a level's: ("tokens",
+    # "organisation=acme") -> x-ratelimit-level-tokens: organisation=acme
+    levels: tuple[tuple[str, str], ...] = ()
 
     def as_pairs(self) -> list[tuple[str, str]]:
         """The headers to send, in OpenAI's names; absent buckets are omitted."""
@@ -135,6 +139,8 @@ class RateLimitHeaders:
             out.append(
                 ("x-ratelimit-remaining-concurrency", str(max(0, self.remaining_concurrency or 0)))
             )
+        for family, level in self.levels:
+            out.append((f"x-ratelimit-level-{family}", level))
         return out
 
 
@@ -168,9 +174,14 @@ class QuotaExceeded(ClientError):
         metric: str,
         retry_after_s: float | None,
         headers: RateLimitHeaders,
+        level: str = "",
+        limit: Any = None,
     ) -> None:
         super().__init__(message)
         self.metric = metric
+        self.level = level  # the level that refused: ``organisation=acme`` ("" none named)
+        # the rule that refused (an ``extproc.core.rules.Limit``: traces name it), when known
+        self.limit = limit
         self.error_type, self.code = _REFUSALS.get(metric, ("requests", "rpm_limit_exceeded"))
         self.retry_after_s = retry_after_s
         self.headers = headers
@@ -182,6 +193,7 @@ _REFUSALS = {
     "tpm": ("tokens", "tpm_limit_exceeded"),
     "cost": ("budget", "budget_exceeded"),
     "concurrency": ("requests", "concurrency_limit_exceeded"),
+    "users": ("requests", "end_users_limit_exceeded"),
 }
 
 
@@ -263,8 +275,18 @@ class StreamCut(GatewayError):
     (429 for an exhausted quota, 503 when the backend is unavailable or the server stops).
     """
 
-    def __init__(self, message: str, *, status: int, error_type: str, code: str) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int,
+        error_type: str,
+        code: str,
+        limit: Any = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.error_type = error_type
         self.code = code
+        # the rule that ran out (a quota cut: an ``extproc.core.rules.Limit``; traces name it)
+        self.limit = limit

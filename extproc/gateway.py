@@ -22,10 +22,10 @@ import structlog
 from extproc.background import InputNotes, InputStops
 from extproc.clock import Clock
 from extproc.config.runtime import RuntimeConfig
-from extproc.core.admission_plan import RoomHints
 from extproc.core.apis.base import ApiFormat
 from extproc.core.audits import InputAudits
 from extproc.core.decode_rate import DecodeRates
+from extproc.core.room_hints import RoomHints
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import (
     MAX_RIDERS,
@@ -37,6 +37,8 @@ from extproc.limiter.base import (
 from extproc.limiter.batch import SETTLEMENT_RIDE_S, BatchSettings, Outcome, SettlementBatcher
 from extproc.limiter.kept import SettlementQueue
 from extproc.metrics import Metrics
+from extproc.telemetry.base import NOOP as NO_TELEMETRY
+from extproc.telemetry.base import Telemetry
 
 if TYPE_CHECKING:
     from extproc.records.writer import UsageRecorder
@@ -97,6 +99,8 @@ class Gateway:
     recorder: UsageRecorder | None = None
     # Hash of the effective rules in force (file and admin store): metrics, the usage API.
     config_version: str = ""
+    # OpenTelemetry traces and metrics (extproc/telemetry/); a no-op unless OTEL_* configure it
+    telemetry: Telemetry = NO_TELEMETRY
     # Background jobs beside the requests (extproc.background): the input shortcut's stops
     # shared with the other replicas, and the exact input notes on their way to the ledgers
     stops: InputStops = field(init=False)

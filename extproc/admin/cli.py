@@ -61,6 +61,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("create-key", parents=[common], help="a new API key (printed once)")
     p.add_argument("--tenant", required=True)
     p.add_argument("--name", required=True, help="the key's name (logs, per-key limits)")
+    p.add_argument("--team", default="", help="the key's team (default: its tenant's)")
     p.set_defaults(admin_call=_create_key)
 
     p = sub.add_parser("rotate-key", parents=[common], help="a new secret for a key")
@@ -89,7 +90,48 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="a limit entry as in the rules file, JSON or YAML flow style (repeatable)",
     )
     p.add_argument("--limits-file", help="a YAML file holding a list of limit entries")
+    p.add_argument("--organisation", default="", help="the tenant's organisation")
+    p.add_argument("--team", default="", help="the tenant's team (of its organisation)")
     p.set_defaults(admin_call=_set_tenant)
+
+    for kind in ("organisation", "team"):
+        p = sub.add_parser(
+            f"set-{kind}",
+            parents=[common],
+            help=f"create an {kind} or replace its limits"
+            if kind == "organisation"
+            else "create a team or replace its limits and end-user limits",
+        )
+        p.add_argument("--name", required=True)
+        if kind == "team":
+            p.add_argument("--organisation", required=True)
+            p.add_argument(
+                "--end-user-limit",
+                action="append",
+                default=[],
+                help="each end user's limit (a limit entry, repeatable)",
+            )
+            p.add_argument("--max-end-users", type=int, default=0, help="per window (0: 10000)")
+            p.add_argument("--end-user-window", default="", help="that cap's window (minute)")
+        p.add_argument("--limit", action="append", default=[], help="a limit entry (repeatable)")
+        p.add_argument("--strict", action="store_true", help="strict streaming for all in it")
+        p.set_defaults(admin_call=_set_level, level_kind=kind)
+        p = sub.add_parser(f"delete-{kind}", parents=[common], help=f"remove a stored {kind}")
+        p.add_argument("--name", required=True)
+        p.set_defaults(
+            admin_call=lambda stub, a, md, t: stub.DeleteLevel(
+                admin_pb2.DeleteLevelRequest(kind=a.level_kind, name=a.name),
+                metadata=md,
+                timeout=t,
+            ),
+            level_kind=kind,
+        )
+    p = sub.add_parser("levels", parents=[common], help="every organisation and team")
+    p.set_defaults(
+        admin_call=lambda stub, _a, md, t: stub.ListLevels(
+            admin_pb2.ListLevelsRequest(), metadata=md, timeout=t
+        )
+    )
 
     p = sub.add_parser("delete-tenant", parents=[common], help="remove a tenant from the store")
     p.add_argument("--tenant", required=True)
@@ -137,8 +179,35 @@ class UsageError(ValueError):
 
 def _create_key(stub: Any, a: argparse.Namespace, md: Any, t: float) -> Any:
     return stub.CreateKey(
-        admin_pb2.CreateKeyRequest(tenant=a.tenant, name=a.name), metadata=md, timeout=t
+        admin_pb2.CreateKeyRequest(tenant=a.tenant, name=a.name, team=a.team),
+        metadata=md,
+        timeout=t,
     )
+
+
+def _entries(texts: list[str]) -> list[Any]:
+    out: list[Any] = []
+    for text in texts:
+        try:
+            out.append(limit_message(yaml.safe_load(text)))
+        except yaml.YAMLError as exc:
+            raise UsageError(f"--limit {text!r}: not JSON or YAML: {exc}") from exc
+    return out
+
+
+def _set_level(stub: Any, a: argparse.Namespace, md: Any, t: float) -> Any:
+    team = a.level_kind == "team"
+    req = admin_pb2.SetLevelRequest(
+        kind=a.level_kind,
+        name=a.name,
+        organisation=a.organisation if team else "",
+        limits=_entries(a.limit),
+        end_user_limits=_entries(a.end_user_limit) if team else [],
+        max_end_users=a.max_end_users if team else 0,
+        end_user_window=a.end_user_window if team else "",
+        strict=a.strict,
+    )
+    return stub.SetLevel(req, metadata=md, timeout=t)
 
 
 def _rotate_key(stub: Any, a: argparse.Namespace, md: Any, t: float) -> Any:
@@ -169,7 +238,13 @@ def _set_tenant(stub: Any, a: argparse.Namespace, md: Any, t: float) -> Any:
             raise UsageError(f"--limit {text!r}: not JSON or YAML: {exc}") from exc
     limits = [limit_message(e) for e in entries]
     return stub.SetTenant(
-        admin_pb2.SetTenantRequest(tenant=a.tenant, plan=a.plan, limits=limits),
+        admin_pb2.SetTenantRequest(
+            tenant=a.tenant,
+            plan=a.plan,
+            limits=limits,
+            organisation=a.organisation,
+            team=a.team,
+        ),
         metadata=md,
         timeout=t,
     )

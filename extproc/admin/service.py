@@ -102,12 +102,18 @@ def _rpc(
 
 def _tenant_message(view: TenantView) -> Any:
     """A tenant view as an ``admin_pb2.Tenant``."""
-    msg = admin_pb2.Tenant(tenant=view.tenant, plan=view.plan, source=view.source)
+    msg = admin_pb2.Tenant(
+        tenant=view.tenant,
+        plan=view.plan,
+        source=view.source,
+        organisation=view.organisation,
+        team=view.team,
+    )
     for lim in view.limits:
         msg.limits.append(limit_to_message(lim, admin_pb2.Limit))
     for k in view.keys:
         if k.source == "file":
-            msg.keys.append(admin_pb2.KeyInfo(name=k.name, source=k.source))
+            msg.keys.append(admin_pb2.KeyInfo(name=k.name, source=k.source, team=k.team))
         else:
             msg.keys.append(
                 admin_pb2.KeyInfo(
@@ -116,8 +122,45 @@ def _tenant_message(view: TenantView) -> Any:
                     source=k.source,
                     created_at=k.created_at,
                     expires_at=k.expires_at,
+                    team=k.team,
                 )
             )
+    return msg
+
+
+def level_mapping(request: Any) -> dict[str, Any]:
+    """A ``SetLevelRequest`` as a rules-file organisation or team entry."""
+    doc: dict[str, Any] = {"limits": [limit_to_mapping(m) for m in request.limits]}
+    if request.strict:
+        doc["charging"] = {"streaming": "strict"}
+    if request.kind == "team":
+        doc["organisation"] = request.organisation
+        if request.end_user_limits:
+            eu: dict[str, Any] = {"limits": [limit_to_mapping(m) for m in request.end_user_limits]}
+            if request.max_end_users:
+                eu["max_users"] = request.max_end_users
+            if request.end_user_window:
+                eu["per"] = request.end_user_window
+            doc["end_users"] = eu
+    elif request.organisation or request.end_user_limits:
+        raise InvalidArgument("an organisation has no organisation nor end-user limits")
+    return doc
+
+
+def level_message(kind: str, name: str, entry: Any, source: str) -> Any:
+    """An organisation or team entry as an ``admin_pb2.Level``."""
+    msg = admin_pb2.Level(
+        kind=kind, name=name, source=source, strict=entry.charging.streaming == "strict"
+    )
+    for lim in entry.limits:
+        msg.limits.append(limit_to_message(lim, admin_pb2.Limit))
+    if kind == "team":
+        msg.organisation = entry.organisation
+        if entry.end_users is not None:
+            for lim in entry.end_users.limits:
+                msg.end_user_limits.append(limit_to_message(lim, admin_pb2.Limit))
+            msg.max_end_users = entry.end_users.max_users
+            msg.end_user_window = entry.end_users.per
     return msg
 
 
@@ -179,8 +222,17 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         tenant, name = request.tenant, request.name
         changes.check_id(tenant, "tenant")
         changes.check_key_name(name)
+        if request.team:
+            changes.check_id(request.team, "team")
         secret = changes.new_secret()
-        key = StoredKey(changes.new_key_id(), name, tenant, changes.digest(secret), self.now())
+        key = StoredKey(
+            changes.new_key_id(),
+            name,
+            tenant,
+            changes.digest(secret),
+            self.now(),
+            team=request.team,
+        )
 
         def change(state: StoreState) -> tuple[StoreState, None]:
             return changes.create_key(state, self.rules, key, self.now())
@@ -266,17 +318,33 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         """Create a tenant, or replace its plan and limit overrides."""
         tid = request.tenant
         limits = [limit_to_mapping(m) for m in request.limits]
-        tenant = changes.new_tenant(self.rules, tid, request.plan, limits, self.now())
+        tenant = changes.new_tenant(
+            self.rules,
+            tid,
+            request.plan,
+            limits,
+            self.now(),
+            organisation=request.organisation,
+            team=request.team,
+        )
 
         def change(state: StoreState) -> tuple[StoreState, bool]:
-            return changes.set_tenant(state, tid, tenant)
+            return changes.set_tenant(state, tid, tenant, self.rules, self.now())
 
+        levels = {
+            k: v for k, v in (("organisation", tenant.organisation), ("team", tenant.team)) if v
+        }
         audit = self._audit(
             context,
             "set_tenant",
             lambda replaced: {
                 "tenant": tid,
-                "detail": {"plan": tenant.plan, "limits": limits, "replaced": replaced},
+                "detail": {
+                    "plan": tenant.plan,
+                    "limits": limits,
+                    "replaced": replaced,
+                    **levels,
+                },
             },
         )
         stored, _ = await self.store.update(change, audit=audit)
@@ -304,6 +372,62 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         stored, removed = await self.store.update(change, audit=audit)
         log.info("admin_tenant_deleted", tenant=tid, keys_removed=removed, version=stored.version)
         return admin_pb2.ChangeResponse(version=stored.version)
+
+    # -- levels -------------------------------------------------------------------------
+
+    @_rpc
+    async def SetLevel(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
+        """Create or replace an organisation or a team (docs/semantics.md, "Levels")."""
+        kind, name = request.kind, request.name
+        doc = level_mapping(request)
+        entry = changes.new_level(kind, name, doc)
+        now = self.now()
+
+        def change(state: StoreState) -> tuple[StoreState, bool]:
+            return changes.set_level(state, self.rules, kind, name, entry=entry, now=now)
+
+        audit = self._audit(
+            context,
+            "set_level",
+            lambda replaced: {"detail": {"kind": kind, "name": name, **doc, "replaced": replaced}},
+        )
+        stored, _ = await self.store.update(change, audit=audit)
+        log.info("admin_level_set", kind=kind, name=name, version=stored.version)
+        return admin_pb2.ChangeResponse(version=stored.version)
+
+    @_rpc
+    async def DeleteLevel(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
+        """Remove a stored organisation or team (refused while anything is in it)."""
+        kind, name = request.kind, request.name
+        if kind not in changes.LEVEL_KINDS:
+            raise InvalidArgument(f"kind {kind!r}: 'organisation' or 'team'")
+        now = self.now()
+
+        def change(state: StoreState) -> tuple[StoreState, None]:
+            return changes.delete_level(state, self.rules, kind, name, now)
+
+        audit = self._audit(
+            context, "delete_level", lambda _r: {"detail": {"kind": kind, "name": name}}
+        )
+        stored, _ = await self.store.update(change, audit=audit)
+        log.info("admin_level_deleted", kind=kind, name=name, version=stored.version)
+        return admin_pb2.ChangeResponse(version=stored.version)
+
+    @_rpc
+    async def ListLevels(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
+        """Every organisation and team in force: the store's over the file's."""
+        state = await self.store.load()
+        file_doc = self.rules.document
+        out = admin_pb2.ListLevelsResponse(version=state.version)
+        for name in sorted(set(file_doc.organisations) | set(state.organisations)):
+            org = state.organisations.get(name) or file_doc.organisations[name]
+            source = "store" if name in state.organisations else "file"
+            out.levels.append(level_message("organisation", name, org, source))
+        for name in sorted(set(file_doc.teams) | set(state.teams)):
+            team = state.teams.get(name) or file_doc.teams[name]
+            source = "store" if name in state.teams else "file"
+            out.levels.append(level_message("team", name, team, source))
+        return out
 
     @_rpc
     async def ListTenants(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name

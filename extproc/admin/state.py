@@ -4,7 +4,9 @@ The store's state is one JSON document (a snapshot), replaced as a whole by ever
 
 * ``tenants``: tenant id -> its plan and limit overrides (:class:`StoredTenant`);
 * ``keys``: key id -> name, tenant, SHA-256 digest of the secret, creation time and an
-  optional expiry (:class:`StoredKey`); a revoked key is removed.
+  optional expiry (:class:`StoredKey`); a revoked key is removed;
+* ``organisations`` and ``teams``: levels (docs/semantics.md, "Levels") in the rules file's
+  shape; a store level replaces the file's level of the same name.
 
 Precedence (docs/admin.md, "Precedence"): the rules file names the models, plans and every
 policy; the store adds tenants and keys.  For a tenant the store defines, the store's plan and
@@ -40,6 +42,7 @@ class StoredKey:
     sha256: str
     created_at: float
     expires_at: float | None = None  # a rotated key's grace; None: until revoked
+    team: str = ""  # the key's team ("": its tenant's)
 
     def active(self, now: float) -> bool:
         """Whether the key still authenticates at ``now`` (unix seconds)."""
@@ -47,13 +50,16 @@ class StoredKey:
 
     def to_json(self) -> dict[str, Any]:
         """The stored form."""
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "tenant": self.tenant,
             "sha256": self.sha256,
             "created_at": self.created_at,
             "expires_at": self.expires_at,
         }
+        if self.team:
+            out["team"] = self.team
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,14 +69,21 @@ class StoredTenant:
     plan: str
     limits: tuple[schema.LimitEntry, ...] = ()
     updated_at: float = 0.0
+    organisation: str = ""  # docs/semantics.md, "Levels"
+    team: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        """The stored form (limits as the rules file would write them)."""
-        return {
+        """The stored form (limits as the rules file would write them; levels when set)."""
+        out: dict[str, Any] = {
             "plan": self.plan,
             "limits": [lim.model_dump(mode="json", exclude_defaults=True) for lim in self.limits],
             "updated_at": self.updated_at,
         }
+        if self.organisation:
+            out["organisation"] = self.organisation
+        if self.team:
+            out["team"] = self.team
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +93,26 @@ class StoreState:
     version: int = 0
     tenants: dict[str, StoredTenant] = field(default_factory=dict)
     keys: dict[str, StoredKey] = field(default_factory=dict)
+    organisations: dict[str, schema.OrganisationEntry] = field(default_factory=dict)
+    teams: dict[str, schema.TeamEntry] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
         """Nothing stored: the rules file alone applies."""
-        return not self.tenants and not self.keys
+        return not self.tenants and not self.keys and not self.organisations and not self.teams
+
+    def _levels_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.organisations:
+            out["organisations"] = {
+                n: o.model_dump(mode="json", exclude_defaults=True)
+                for n, o in self.organisations.items()
+            }
+        if self.teams:
+            out["teams"] = {
+                n: t.model_dump(mode="json", exclude_defaults=True) for n, t in self.teams.items()
+            }
+        return out
 
     def to_json(self) -> str:
         """The snapshot document (canonical: sorted keys)."""
@@ -92,6 +120,7 @@ class StoreState:
             "version": self.version,
             "tenants": {tid: t.to_json() for tid, t in self.tenants.items()},
             "keys": {kid: k.to_json() for kid, k in self.keys.items()},
+            **self._levels_json(),
         }
         return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
@@ -105,6 +134,8 @@ class StoreState:
                     plan=str(t["plan"]),
                     limits=tuple(parse_limits(t.get("limits", []))),
                     updated_at=float(t.get("updated_at", 0.0)),
+                    organisation=str(t.get("organisation", "")),
+                    team=str(t.get("team", "")),
                 )
                 for tid, t in doc.get("tenants", {}).items()
             }
@@ -116,10 +147,25 @@ class StoreState:
                     sha256=str(k["sha256"]),
                     created_at=float(k.get("created_at", 0.0)),
                     expires_at=None if k.get("expires_at") is None else float(k["expires_at"]),
+                    team=str(k.get("team", "")),
                 )
                 for kid, k in doc.get("keys", {}).items()
             }
-            return cls(version=int(doc["version"]), tenants=tenants, keys=keys)
+            orgs = {
+                n: schema.OrganisationEntry.model_validate_json(json.dumps(o))
+                for n, o in doc.get("organisations", {}).items()
+            }
+            teams = {
+                n: schema.TeamEntry.model_validate_json(json.dumps(t))
+                for n, t in doc.get("teams", {}).items()
+            }
+            return cls(
+                version=int(doc["version"]),
+                tenants=tenants,
+                keys=keys,
+                organisations=orgs,
+                teams=teams,
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise StateError(f"not an admin store snapshot: {exc}") from exc
 
@@ -139,7 +185,11 @@ class StoreState:
         keys active then: an expired key changes the effective rules)."""
         doc = {
             "tenants": {tid: t.to_json() | {"updated_at": 0} for tid, t in self.tenants.items()},
-            "keys": sorted((k.tenant, k.name, k.sha256) for k in self.active_keys(now)),
+            "keys": sorted(
+                (k.tenant, k.name, k.sha256, *((k.team,) if k.team else ()))
+                for k in self.active_keys(now)
+            ),
+            **self._levels_json(),
         }
         canon = json.dumps(doc, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()
@@ -174,7 +224,12 @@ def _first_error(exc: ValueError) -> str:
 def effective_version(file_version: str, state: StoreState, now: float) -> str:
     """The version of the rules in force: the file's hash alone while the store adds nothing,
     else a hash of both (the same on every replica that runs the same file and store)."""
-    if not state.tenants and not state.active_keys(now):
+    if (
+        not state.tenants
+        and not state.active_keys(now)
+        and not state.organisations
+        and not (state.teams)
+    ):
         return file_version
     both = f"{file_version}:{state.fingerprint(now)}"
     return hashlib.sha256(both.encode()).hexdigest()[:12]
@@ -200,7 +255,9 @@ def merge(file_doc: schema.ConfigFile, state: StoreState, now: float) -> Merged:
     known_models = set(file_doc.models) | {a for m in file_doc.models.values() for a in m.aliases}
     store_keys: dict[str, list[schema.KeyEntry]] = {}
     for k in state.active_keys(now):
-        store_keys.setdefault(k.tenant, []).append(schema.KeyEntry(name=k.name, sha256=k.sha256))
+        store_keys.setdefault(k.tenant, []).append(
+            schema.KeyEntry(name=k.name, sha256=k.sha256, team=k.team or None)
+        )
     api_key_only = file_doc.identity.sources == ["api_key"]
     for tid, t in sorted(state.tenants.items()):
         if t.plan not in file_doc.plans:
@@ -213,11 +270,22 @@ def merge(file_doc: schema.ConfigFile, state: StoreState, now: float) -> Merged:
         file_keys = list(file_doc.tenants[tid].keys) if tid in file_doc.tenants else []
         if api_key_only and not file_keys and not store_keys.get(tid):
             continue  # no key yet: nothing can identify it
-        tenants[tid] = schema.TenantEntry(plan=t.plan, keys=file_keys, limits=list(t.limits))
+        tenants[tid] = schema.TenantEntry(
+            plan=t.plan,
+            keys=file_keys,
+            limits=list(t.limits),
+            organisation=t.organisation or None,
+            team=t.team or None,
+        )
     for tid, keys in sorted(store_keys.items()):
         entry = tenants.get(tid)
         if entry is None:
             skipped.extend(f"key {k.name!r}: tenant {tid!r} is defined nowhere" for k in keys)
             continue
         tenants[tid] = entry.model_copy(update={"keys": [*entry.keys, *keys]})
-    return Merged(file_doc.model_copy(update={"tenants": tenants}), tuple(skipped))
+    organisations = {**file_doc.organisations, **state.organisations}
+    teams = {**file_doc.teams, **state.teams}
+    update: dict[str, Any] = {"tenants": tenants}
+    if state.organisations or state.teams:
+        update |= {"organisations": organisations, "teams": teams}
+    return Merged(file_doc.model_copy(update=update), tuple(skipped))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
@@ -139,7 +139,7 @@ class AdminStore:
         for _ in range(attempts):
             current = await self.load()
             new, result = change(current)
-            stored = StoreState(version=current.version + 1, tenants=new.tenants, keys=new.keys)
+            stored = replace(new, version=current.version + 1)
             entry = {"at_ms": str(int(time.time() * 1000)), **(audit(result) if audit else {})}
             args: list[Any] = [current.version, stored.to_json(), self.channel, HISTORY_TTL_S]
             args.append(AUDIT_MAXLEN)

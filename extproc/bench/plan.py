@@ -34,6 +34,13 @@ class BenchPlan:
     worker_concurrency: int = 32
     profile_seconds: float = 5.0
     soak_seconds: float = 60.0
+    #: the peer section (LiteLLM): non-streaming requests per arm and round at c=1 and c=16,
+    #: 200-token streams per arm and round at c=16, the enforcement runs' clients and seconds
+    peer_c1: int = 200
+    peer_c16: int = 640
+    peer_streams: int = 32
+    peer_clients: int = 4
+    peer_enforce_s: float = 12.0
 
     @classmethod
     def quick(cls) -> BenchPlan:
@@ -51,6 +58,10 @@ class BenchPlan:
             worker_seconds=1.5,
             profile_seconds=3.0,
             soak_seconds=20.0,
+            peer_c1=60,
+            peer_c16=160,
+            peer_streams=16,
+            peer_enforce_s=8.0,
         )
 
 

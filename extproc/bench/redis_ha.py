@@ -120,6 +120,12 @@ class SentinelGroup:
             self.procs[port] = spawn(argv, d / "redis.log")
         for port in self.ports:
             wait_ping(port, **self._kw)
+        # the replicas online before the sentinels start: a sentinel learns a master's replicas
+        # from its INFO, asked at once and then every 10 s; one asked before the replicas were
+        # online knew none for 10 s, and a master killed meanwhile was never failed over
+        # ("-failover-abort-no-good-slave": the drills' "no new master was promoted")
+        self.replicas = replicas
+        self.wait_replicas(replicas, master=self.ports[0])
         self.sentinel_ports = [free_port() for _ in range(sentinels)]
         for port in self.sentinel_ports:
             d = workdir / f"sentinel-{port}"
@@ -136,7 +142,6 @@ class SentinelGroup:
             self.procs[port] = spawn([binary, str(conf), "--sentinel"], d / "sentinel.log")
         for port in self.sentinel_ports:
             wait_ping(port, **self._kw)
-        self.wait_replicas(replicas)
         self.wait_sentinels_agree(self.ports[0])
 
     def url(self, scheme: str = "redis+sentinel", name: str | None = None) -> str:
@@ -155,9 +160,10 @@ class SentinelGroup:
                 continue
         raise RuntimeError("no sentinel answered")
 
-    def wait_replicas(self, n: int, within_s: float = 15.0) -> None:
+    def wait_replicas(self, n: int, within_s: float = 15.0, master: int | None = None) -> None:
+        """Until ``n`` replicas are online at ``master`` (the sentinels' master by default)."""
         deadline = time.monotonic() + within_s
-        master = self.master_port()
+        master = self.master_port() if master is None else master
         while True:
             with redis.Redis(port=master, socket_timeout=1, **self._kw) as c:
                 info = c.info("replication")
@@ -173,7 +179,8 @@ class SentinelGroup:
             time.sleep(0.05)
 
     def wait_sentinels_agree(self, master: int, within_s: float = 20.0) -> None:
-        """Until every sentinel names ``master`` and knows the other sentinels."""
+        """Until every sentinel names ``master`` and knows the other sentinels and every
+        replica (the ones it can promote)."""
         deadline = time.monotonic() + within_s
         while True:
             ok = True
@@ -184,6 +191,7 @@ class SentinelGroup:
                     if (
                         int(state["port"]) != master
                         or int(state["num-other-sentinels"]) < len(self.sentinel_ports) - 1
+                        or int(state["num-slaves"]) < self.replicas
                     ):
                         ok = False
                 except redis.exceptions.RedisError:

@@ -132,6 +132,11 @@ def consecutive_free(n: int) -> int:
 BOUNDARY_RPS = 100
 
 
+#: The peer section's enforcement limit (LiteLLM's per-key TPM/RPM, per minute, the same).
+PEER_TPM = 2000
+PEER_RPM = 1000
+
+
 #: Tenants of the scale section's many-tenant runs (``sk-scale0`` ...).
 SCALE_TENANTS = 64
 
@@ -144,6 +149,7 @@ def bench_rules(every: int = 64, tpm_limit: int = 20_000) -> dict[str, Any]:
     # a money budget worth tpm_limit output tokens: $1 per million input, $4 per million output
     budget = [{"model": "*", "per": hour, "rpm": 1_000_000, "budget": tpm_limit * 4 / 1e6}]
     boundary = [{"model": "*", "per": "second", "rpm": BOUNDARY_RPS}]
+    peer = [{"model": "*", "per": "minute", "rpm": PEER_RPM, "tpm": PEER_TPM}]
     return {
         "version": 1,
         "charging": {
@@ -171,14 +177,38 @@ def bench_rules(every: int = 64, tpm_limit: int = 20_000) -> dict[str, Any]:
             "soak": {"limits": [{"model": "*", "per": "month", "tpm": 10**15}]},
             "fixed": {"limits": boundary},
             "sliding": {"limits": [{**boundary[0], "window": "sliding"}]},
+            # the peer section's enforcement runs: LiteLLM's per-key limit, per minute
+            "peer-lazy": {"limits": peer},
+            "peer-strict": {"limits": peer, "charging": {"streaming": "strict"}},
+        },
+        "organisations": {"bench-org": {"limits": [{"per": hour, "tpm": 1_000_000_000}]}},
+        "teams": {
+            "bench-team": {
+                "organisation": "bench-org",
+                "limits": [{"per": hour, "tpm": 1_000_000_000}],
+                "end_users": {
+                    "limits": [{"per": hour, "tpm": 1_000_000_000}],
+                    "max_users": 1_000_000,
+                    "per": hour,
+                },
+            }
         },
         "tenants": {
             f"t-{name}": {"plan": name, "keys": [{"name": name, "plaintext": f"sk-{name}"}]}
-            for name in ("lazy", "strict", "budget-lazy", "budget-strict", "fixed", "sliding")
+            for name in (
+                *("lazy", "strict", "budget-lazy", "budget-strict", "fixed", "sliding"),
+                *("peer-lazy", "peer-strict"),
+            )
         }
         | {
             f"t-{name}": {"plan": plan, "keys": [{"name": name, "plaintext": f"sk-{name}"}]}
             for name, plan in (("bench", "big"), ("soak", "soak"))
+        }
+        | {  # the levels section's: a key counted at 4 levels (docs/semantics.md, "Levels")
+            "t-levels": {
+                "plan": "big",
+                "keys": [{"name": "levels", "plaintext": "sk-levels", "team": "bench-team"}],
+            }
         }
         | {  # the scale section's 64 tenants
             f"t-scale{i}": {

@@ -38,6 +38,10 @@ SERVED_NAME = "tiny"
 #: The same model under a second served name, metered on the exact path for non-streams
 #: (``non_streams: exact``) in :func:`engine_rules`.
 EXACT_NAME = "tiny-exact"
+#: Once more, on the exact path asking the engine for :data:`EXACT_INTERVAL` tokens per chunk
+#: (``exact_stream_interval``).
+EXACT16_NAME = "tiny-exact16"
+EXACT_INTERVAL = 16
 
 
 class EngineError(RuntimeError):
@@ -225,6 +229,7 @@ class Engine:
             "--served-model-name",
             SERVED_NAME,
             EXACT_NAME,
+            EXACT16_NAME,
             "--dtype",
             "float32",
             "--max-model-len",
@@ -333,11 +338,14 @@ ENGINE_TENANTS = {
     "lagging": "lazy100",
     "abandoned": "big",
     "abandonedexact": "big",
+    "abandonedexact16": "big",
     # the non-streams on the exact path
     "chatexact": "big",
     "completionsexact": "big",
     "responsesexact": "big",
     "messagesexact": "big",
+    "chatexact16": "big",
+    "completionsexact16": "big",
 }
 
 
@@ -372,6 +380,14 @@ def engine_rules(tokenizer_json: Path, tenants: dict[str, str] | None = None) ->
                 "max_output_tokens": 2048,
                 "stream_usage": "continuous",
                 "non_streams": "exact",
+            },
+            # and with the engine sending EXACT_INTERVAL tokens per chunk
+            EXACT16_NAME: {
+                "tokenizer": {"kind": "huggingface", "path": str(tokenizer_json)},
+                "max_output_tokens": 2048,
+                "stream_usage": "continuous",
+                "non_streams": "exact",
+                "exact_stream_interval": EXACT_INTERVAL,
             },
         },
         "plans": {

@@ -100,9 +100,12 @@ def _addresses(values: list[str]) -> tuple[tuple[str, int], ...]:
 
 def run(args: argparse.Namespace) -> int:
     """Print an Envoy bootstrap for the given ports."""
+    import os
+
     from extproc.envoy_config import (
         DEFAULT_TRUSTED_HEADERS,
         EnvoyPorts,
+        EnvoyTracing,
         JwtAuth,
         header,
         render_yaml,
@@ -110,7 +113,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         auth = auth_from(args)
-    except (OSError, ValueError) as exc:
+        # the processors' OTEL_* variables: Envoy's tracer goes to the same collector
+        tracing = EnvoyTracing.from_env(os.environ)
+    except (OSError, ValueError) as exc:  # OtelConfigError is a ValueError
         print(f"ai-quota envoy-config: {exc}", file=sys.stderr)
         return 2
     if auth is None:
@@ -136,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         if args.jwt_issuer
         else None,
         extproc_auth=auth,
+        tracing=tracing,
     )
     text = render_yaml(ports, header=header(ports))
     if args.jwt_issuer and not args.jwks_file:

@@ -156,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
     from extproc.ports import ListenError
     from extproc.rls.config import RlsConfigError
     from extproc.settings import SettingsError
+    from extproc.telemetry import OtelConfigError
+    from extproc.telemetry import check_env as check_telemetry_env
 
     try:
         settings = settings_from_args(args)
@@ -167,6 +169,11 @@ def run(args: argparse.Namespace) -> int:
         check_security(settings)
     except AccessConfigError as exc:
         print(f"ai-quota serve: {exc}", file=sys.stderr)
+        return 2
+    try:  # the OTEL_* variables (docs/observability.md), before anything starts
+        check_telemetry_env()
+    except OtelConfigError as exc:
+        print(f"ai-quota serve: OpenTelemetry: {exc}", file=sys.stderr)
         return 2
     if settings.workers > 1:
         try:

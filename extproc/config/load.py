@@ -13,8 +13,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from extproc.config import schema
-from extproc.config.runtime import ApiKey, Model, Plan, RuntimeConfig, Tenant
+from extproc.config import levels, schema
+from extproc.config.runtime import ApiKey, Membership, Model, Plan, RuntimeConfig, Tenant
 from extproc.config.source import YamlSyntaxError, locate, parse_rules, render_path, where
 from extproc.core.counters import upper_bound_counter
 from extproc.core.rules import (
@@ -315,6 +315,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
             continuous_usage=m.stream_usage == "continuous",
             abandoned_tokens_per_second=m.abandoned_tokens_per_second,
             exact_non_streams=m.non_streams == "exact",
+            exact_stream_interval=m.exact_stream_interval,
         )
     assert fallback_counter is not None
     unknown = Model(
@@ -359,6 +360,13 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
             f"{source}: {e}" for e in _limit_errors(lims, f"plans.{pname}.limits", cfg, canonical)
         ]
 
+    lv = levels.compile_levels(
+        cfg, lambda entries, where: _limits(entries, canonical, where, currency=cfg.currency)
+    )
+    errors += [f"{source}: {e}" for e in lv.errors]
+    for (kind, name), level_lims in lv.own.items():
+        where = f"{kind}s.{name}.limits"
+        errors += [f"{source}: {e}" for e in _limit_errors(list(level_lims), where, cfg, canonical)]
     tenants: dict[str, Tenant] = {}
     keys: dict[str, ApiKey] = {}
     plaintext = 0
@@ -383,7 +391,25 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         errors += [
             f"{source}: {e}" for e in _limit_errors(merged, f"tenants.{tid}.limits", cfg, canonical)
         ]
-        tenants[tid] = Tenant(tid, t.plan, tuple(merged))
+        lv_errors: list[str] = []
+        org, team = levels.organisation_of_tenant(tid, t, lv, lv_errors)
+        errors += [f"{source}: {e}" for e in lv_errors]
+        members = {
+            k.name: Membership(
+                k.team, tuple(merged) + lv.limits(org, k.team), lv.strict_for(org, k.team)
+            )
+            for k in t.keys
+            if k.team is not None and k.team != team
+        }
+        tenants[tid] = Tenant(
+            tid,
+            t.plan,
+            tuple(merged) + lv.limits(org, team),
+            organisation=org,
+            team=team,
+            strict=lv.strict_for(org, team),
+            members=members,
+        )
         for i, k in enumerate(t.keys):
             if k.plaintext is not None:
                 plaintext += 1
@@ -399,7 +425,15 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
             errors.append(
                 f"{source}: identity.jwt.tenant_map.{claim_value}: unknown tenant {tid!r}"
             )
-    longest = max((lim.window_s for t in tenants.values() for lim in t.limits), default=60)
+    longest = max(
+        (
+            lim.window_s
+            for t in tenants.values()
+            for lims in (t.limits, *(m.limits for m in t.members.values()))
+            for lim in lims
+        ),
+        default=60,
+    )
     if cfg.ledger_ttl_seconds < ledger_ttl_minimum(longest):
         errors.append(
             f"{source}: ledger_ttl_seconds: {cfg.ledger_ttl_seconds} is below the safe minimum "
@@ -448,6 +482,9 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         breaker_cooldown_ms=cfg.failure.breaker_cooldown_ms,
         reservation_lease_ms=cfg.failure.reservation_lease_seconds * 1000,
         identity=cfg.identity,
+        end_users=cfg.end_users,
+        organisations=lv.teams(),
+        level_limits=dict(lv.own),
         ledger_ttl_seconds=cfg.ledger_ttl_seconds,
         plaintext_keys=plaintext,
         plan_failure_modes={n: p.failure_mode for n, p in cfg.plans.items() if p.failure_mode},

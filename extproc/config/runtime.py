@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from extproc.config.schema import IdentityPolicy
+from extproc.config.schema import EndUserPolicy, IdentityPolicy
 from extproc.core.figures import ABANDONED_TOKENS_PER_SECOND
 from extproc.core.rules import Charging, Limit, Rates
 from extproc.core.tokens import TokenCounter, TokenizerSpec
@@ -39,6 +39,8 @@ class Model:
     abandoned_tokens_per_second: int = ABANDONED_TOKENS_PER_SECOND
     # non-streaming requests are sent upstream as streams and their JSON rebuilt (exact path)
     exact_non_streams: bool = False
+    # tokens per upstream chunk the exact path asks the engine for (vLLM's stream_interval)
+    exact_stream_interval: int | None = None
 
     @property
     def exact_count(self) -> bool:
@@ -60,12 +62,49 @@ class Plan:
 
 
 @dataclass(frozen=True, slots=True)
+class Membership:
+    """Where a key sits among the levels (docs/semantics.md, "Levels"): its team, and every
+    limit that applies to it (its tenant's, its team's, its organisation's, per end user)."""
+
+    team: str
+    limits: tuple[Limit, ...]
+    strict: bool = False  # a level of it asks for strict streaming
+
+
+@dataclass(frozen=True, slots=True)
 class Tenant:
-    """A tenant with its resolved limits (plan's, overridden by its own)."""
+    """A tenant with its resolved limits (plan's, overridden by its own), and the levels it
+    belongs to: its limits hold its team's and organisation's too; a key in another team
+    than the tenant's has its own :class:`Membership`."""
 
     id: str
     plan: str
     limits: tuple[Limit, ...]
+    organisation: str = ""
+    team: str = ""
+    strict: bool = False  # a level of the tenant asks for strict streaming
+    members: dict[str, Membership] = field(default_factory=dict, hash=False)
+
+    @property
+    def slot(self) -> str:
+        """What its Redis keys are named by (:func:`extproc.core.keys.slot_id`): the tenant,
+        or its organisation's hash tag and the tenant."""
+        return f"@o.{self.organisation}/{self.id}" if self.organisation else self.id
+
+    def limits_for(self, key_name: str) -> tuple[Limit, ...]:
+        """Every limit a request of key ``key_name`` is counted in."""
+        m = self.members.get(key_name) if self.members else None
+        return self.limits if m is None else m.limits
+
+    def team_of(self, key_name: str) -> str:
+        """The team of key ``key_name`` ("" when none)."""
+        m = self.members.get(key_name) if self.members else None
+        return self.team if m is None else m.team
+
+    def strict_for(self, key_name: str) -> bool:
+        """Whether a level of key ``key_name`` asks for strict streaming."""
+        m = self.members.get(key_name) if self.members else None
+        return self.strict if m is None else m.strict
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +152,19 @@ class RuntimeConfig:
     bound_below: float = 0.25
     input_audit_every: int = 16
     identity: IdentityPolicy = field(default_factory=IdentityPolicy)
+    end_users: EndUserPolicy = field(default_factory=EndUserPolicy)
+    # organisation -> its teams (docs/semantics.md, "Levels"), for usage and the admin API
+    organisations: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # ("organisation" | "team", id) -> the level's own limits (a team's: per end user too)
+    level_limits: dict[tuple[str, str], tuple[Limit, ...]] = field(default_factory=dict)
+
+    def organisation_of_team(self, team: str) -> str | None:
+        """The organisation team ``team`` is in (None: no such team)."""
+        for org, teams in self.organisations.items():
+            if team in teams:
+                return org
+        return None
+
     plaintext_keys: int = 0
     plan_failure_modes: dict[str, Literal["closed", "open"]] = field(default_factory=dict)
     # plan -> requested model -> fallback model (canonical names)

@@ -163,9 +163,22 @@ class ModelEntry(Strict):
     # (learned from its completed responses, this figure until then) times the time it ran.
     # "exact" sends it as a stream with usage, keeps what passes and gives the client the
     # API's JSON rebuilt from it: an abandon settles on what the engine generated, at the
-    # CPU of one ext_proc message per SSE chunk (docs/performance.md: 1.4-2.9x the JSON
+    # CPU of one ext_proc message per SSE chunk (docs/performance.md: 1.3-2.5x the JSON
     # path's processor CPU from 64 output tokens up). Embeddings never stream.
     non_streams: Literal["exact", "json"] = "json"
+    # On the exact path, ask the engine to send this many tokens per stream chunk (vLLM's
+    # per-request "stream_interval", chat and completions; an upstream that does not know the
+    # field may refuse it): one ext_proc message per chunk instead of per token, and an
+    # abandon misses at most this many tokens less one (generated, not yet sent). None: not
+    # asked (docs/semantics.md, docs/performance.md "Exact non-streams": 1.1-1.3x the JSON
+    # path's processor CPU with 16).
+    exact_stream_interval: int | None = Field(default=None, ge=2, le=16)
+
+    @model_validator(mode="after")
+    def _check_exact(self) -> ModelEntry:
+        if self.exact_stream_interval is not None and self.non_streams != "exact":
+            raise ValueError("'exact_stream_interval' applies to 'non_streams: exact' only")
+        return self
 
 
 class LimitEntry(Strict):
@@ -240,6 +253,7 @@ class KeyEntry(Strict):
     """An API key, stored as its SHA-256 digest (hex). ``plaintext`` is for local demos only."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    team: str | None = None  # the team the key is in (default: its tenant's)
     sha256: str | None = None
     plaintext: str | None = Field(default=None, description="DEMO ONLY: never put real keys here")
 
@@ -258,11 +272,64 @@ class KeyEntry(Strict):
 
 
 class TenantEntry(Strict):
-    """A tenant: its plan, its keys, and limits that override the plan's."""
+    """A tenant: its plan, its keys, and limits that override the plan's; optionally inside
+    an organisation (directly, or through a team: docs/semantics.md, "Levels")."""
 
     plan: str
     keys: list[KeyEntry] = Field(default_factory=list)  # none: identified by JWT or header
     limits: list[LimitEntry] = Field(default_factory=list)
+    organisation: str | None = None
+    team: str | None = None  # the team of its keys that name none
+
+
+class EndUserLimits(Strict):
+    """Limits every end user of a team gets, each counted apart, and the cap on how many
+    distinct end users the team may have per window (a new one beyond it is refused)."""
+
+    limits: list[LimitEntry] = Field(min_length=1)
+    max_users: int = Field(default=10_000, ge=1, le=1_000_000)
+    per: WindowName = "minute"
+
+
+class LevelCharging(Strict):
+    """A level's streaming choice: ``strict`` makes every request it covers strict."""
+
+    streaming: StreamingMode | None = None
+
+
+class OrganisationEntry(Strict):
+    """An organisation: limits shared by every team, tenant and key inside it."""
+
+    description: str = ""
+    limits: list[LimitEntry] = Field(default_factory=list)
+    charging: LevelCharging = Field(default_factory=LevelCharging)
+
+
+class TeamEntry(Strict):
+    """A team inside an organisation: limits shared by its tenants and keys, and per end user."""
+
+    organisation: str
+    description: str = ""
+    limits: list[LimitEntry] = Field(default_factory=list)
+    end_users: EndUserLimits | None = None
+    charging: LevelCharging = Field(default_factory=LevelCharging)
+
+
+EndUserSource = Literal["body", "header", "jwt"]
+
+
+def _body_only() -> list[EndUserSource]:
+    return ["body"]
+
+
+class EndUserPolicy(Strict):
+    """Where a request's end user is named, tried in order: ``body`` (OpenAI's ``user``,
+    Anthropic's ``metadata.user_id``), ``header`` (set by a filter you trust), ``jwt`` (a claim
+    of the verified token).  A request naming none is counted as the end user ``-``."""
+
+    sources: list[EndUserSource] = Field(default_factory=_body_only, min_length=1)
+    header: str = "x-end-user"
+    jwt_claim: str = "user"
 
 
 class PathsPolicy(Strict):
@@ -396,6 +463,9 @@ class ConfigFile(Strict):
     unknown_models: UnknownModelPolicy = Field(default_factory=UnknownModelPolicy)
     plans: dict[str, PlanEntry] = Field(min_length=1)
     tenants: dict[str, TenantEntry] = Field(min_length=1)
+    organisations: dict[str, OrganisationEntry] = Field(default_factory=dict)
+    teams: dict[str, TeamEntry] = Field(default_factory=dict)
+    end_users: EndUserPolicy = Field(default_factory=EndUserPolicy)
     paths: PathsPolicy = Field(default_factory=PathsPolicy)
     requests: RequestsPolicy = Field(default_factory=RequestsPolicy)
     failure: FailurePolicy = Field(default_factory=FailurePolicy)

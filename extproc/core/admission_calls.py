@@ -1,15 +1,17 @@
 """Admission's calls and plans, as functions of the session and the rules: the plan of an
 input count (:func:`plan_for`), the limiter call of a cost on some buckets
-(:func:`admission_call`), the usage record's draft (:func:`draft_record`) and what undoes its
+(:func:`admission_call`), the fallback model of a refusal (:func:`fallback_model`), the usage
+record's draft (:func:`draft_record`) and what undoes its
 charges should it run after all (:func:`undo`).
 The flow that uses them is :mod:`extproc.core.admission_flow`.  Sans-IO."""
 
 from __future__ import annotations
 
-from extproc.core import admission_plan
+from extproc.core import admission_plan, policies
 from extproc.core.actions import CallAdmit, DraftRecord
 from extproc.core.admission_plan import AdmissionPlan, Cost
 from extproc.core.admission_rules import AdmissionRules
+from extproc.core.events import AdmitAnswered
 from extproc.core.keys import WindowedBucket
 from extproc.core.phase_records import AdmitModel
 from extproc.core.rules import Adjustment, BucketCharge, Charging
@@ -62,6 +64,30 @@ def admission_call(
         lease_until_ms=lease_until_ms,
         draft=draft,
     )
+
+
+def fallback_model(
+    s: Session,
+    rules: AdmissionRules,
+    model: AdmitModel,
+    *,
+    buckets: tuple[WindowedBucket, ...],
+    answer: AdmitAnswered | None,
+    cost: Cost,
+) -> AdmitModel | None:
+    """The plan's fallback model for a refusal by a limit on ``model``
+    (:func:`extproc.core.policies.fallback_for`), given the refused call's ``answer``."""
+    tenant = s.tenant
+    assert tenant is not None and answer is not None
+    name = policies.fallback_for(
+        rules.fallbacks,
+        tenant=tenant,
+        model=model,
+        buckets=buckets,
+        values=answer.values,
+        cost=cost,
+    )
+    return rules.models.get(name) if name is not None else None
 
 
 def draft_record(s: Session, model: AdmitModel, cost: Cost, now_ms: int) -> DraftRecord:

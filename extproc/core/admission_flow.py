@@ -30,7 +30,7 @@ shape, at its one error boundary).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final, TypeVar
 
 from extproc.core import admission_plan, policies
@@ -52,8 +52,14 @@ from extproc.core.actions import (
     Reject,
     ShadowRefused,
 )
-from extproc.core.admission_calls import admission_call, draft_record, plan_for, undo
-from extproc.core.admission_plan import AdmissionPlan, RoomHints
+from extproc.core.admission_calls import (
+    admission_call,
+    draft_record,
+    fallback_model,
+    plan_for,
+    undo,
+)
+from extproc.core.admission_plan import AdmissionPlan
 from extproc.core.admission_rules import AdmissionRules, bound_input
 from extproc.core.apis.base import RequestLimits
 from extproc.core.counters import UTF8BoundCounter
@@ -68,6 +74,7 @@ from extproc.core.events import (
 from extproc.core.figures import run_ahead_budget
 from extproc.core.keys import WindowedBucket
 from extproc.core.phase_records import AdmitModel, Admitted, Parsed, PhaseError
+from extproc.core.room_hints import RoomHints
 from extproc.core.rules import BucketCharge, Charging
 from extproc.core.session import Session
 from extproc.errors import (
@@ -216,7 +223,14 @@ class Admission:
         if attempt.refused is not None:
             # A limit on the requested model is exhausted: the plan may name another model
             # that still has room (its own buckets are charged; the client is told in a header).
-            alt = self._fallback(model, attempt, attempt.refused)
+            alt = fallback_model(
+                self.s,
+                self.rules,
+                model,
+                buckets=attempt.buckets,
+                answer=attempt.result,
+                cost=attempt.plan.cost,
+            )
             if alt is None:
                 raise attempt.refused
             s.attempting(alt)
@@ -293,26 +307,10 @@ class Admission:
                     # admitted unmetered (fail-open): nothing meters the response, so it
                     # goes as the client sent it
                     upstream_stream=plan.cost.upstream_stream and res is not None,
+                    stream_interval=served.exact_stream_interval,
                 )
             )
         )
-
-    def _fallback(
-        self, model: AdmitModel, attempt: _Attempt, refused: QuotaExceeded
-    ) -> AdmitModel | None:
-        """The plan's fallback model for a refusal by a limit on ``model``
-        (:func:`extproc.core.policies.fallback_for`)."""
-        tenant = self.s.tenant
-        assert tenant is not None and attempt.result is not None
-        name = policies.fallback_for(
-            self.rules.fallbacks,
-            tenant=tenant,
-            model=model,
-            buckets=attempt.buckets,
-            values=attempt.result.values,
-            cost=attempt.plan.cost,
-        )
-        return self.rules.models.get(name) if name is not None else None
 
     def _attempt(self, model: AdmitModel, size: int) -> _Flow[_Attempt]:
         """Plan and run the one admission call as ``model``: on an upper bound of the input
@@ -323,6 +321,9 @@ class Admission:
         assert tenant is not None
         self._out.append(Attempting(tenant.id, model.name))
         charging = self.rules.charging_for(tenant.plan, model.name)
+        key = self.s.key
+        if key is not None and tenant.strict_for(key.name) and charging.streaming != "strict":
+            charging = replace(charging, streaming="strict")  # a level asks for it
         bound = self._on_bound(model, charging)
         if bound is not None:
             plan, now, buckets, charges = bound
@@ -436,10 +437,13 @@ class Admission:
         tenant, key = s.tenant, s.key
         assert tenant is not None and key is not None
         now = self._now_ms()
-        limits = tuple(lim for lim in tenant.limits if lim.metric == "rpm" and lim.model == "*")
+        limits = tuple(
+            lim for lim in tenant.limits_for(key.name) if lim.metric == "rpm" and lim.model == "*"
+        )
         buckets = admission_plan.buckets_for(
             prefix=self._prefix,
-            tenant=tenant.id,
+            tenant=tenant.slot,
+            user=s.end_user,
             key_name=key.name,
             model="*",
             limits=limits,

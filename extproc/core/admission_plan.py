@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from extproc.core.keys import WindowedBucket, windowed
-from extproc.core.rules import BucketCharge, Charging, Limit, Rates, Usage
+from extproc.core.levels import level_header, level_label
+from extproc.core.rules import LEVEL_SCOPES, BucketCharge, Charging, Limit, Rates, Usage
 from extproc.errors import BadRequest, QuotaExceeded, RateLimitHeaders, RequestTooLarge
 
 
@@ -177,8 +178,10 @@ def buckets_for(
     now_ms: int,
     prices: Rates | None = None,
     lease_ms: int = 0,
+    user: str = "",
 ) -> list[WindowedBucket]:
-    """The buckets (current windows) that apply to a request for ``model``."""
+    """The buckets (current windows) that apply to a request for ``model`` (``tenant``: its
+    slot id, :func:`extproc.core.keys.slot_id`; ``user``: its end user)."""
     return windowed(
         prefix,
         tenant,
@@ -187,6 +190,7 @@ def buckets_for(
         now_ms,
         prices=prices,
         lease_ms=lease_ms,
+        user=user,
     )
 
 
@@ -199,7 +203,7 @@ def admission_amount(b: WindowedBucket, cost: Cost) -> int:
     """What admission adds to ``b``: requests, one slot, or the units of input + reservation."""
     if b.kind == "rpm":
         return cost.requests
-    if b.kind == "concurrency":
+    if b.kind in ("concurrency", "users"):
         return 1
     return b.rates.units(admission_usage(cost))
 
@@ -217,7 +221,7 @@ def admission_charges(buckets: list[WindowedBucket], cost: Cost) -> list[BucketC
         refundable = 0
         if kind == "rpm":
             amount = cost.requests
-        elif kind == "concurrency":
+        elif kind in ("concurrency", "users"):
             amount = 1
         else:
             if usage is None:
@@ -263,20 +267,32 @@ def token_charges(buckets: list[WindowedBucket], amount: int) -> list[BucketChar
 
 
 #: The header family of each limit kind (OpenAI's names for requests and tokens).
-HEADER_FAMILY = {"rpm": "requests", "tpm": "tokens", "cost": "budget", "concurrency": "concurrency"}
+HEADER_FAMILY = {
+    "rpm": "requests",
+    "tpm": "tokens",
+    "cost": "budget",
+    "concurrency": "concurrency",
+    "users": "users",
+}
 
 
 def rate_limit_headers(
-    buckets: list[WindowedBucket], values: tuple[int, ...] | list[int], now_ms: int
+    buckets: list[WindowedBucket],
+    values: tuple[int, ...] | list[int],
+    now_ms: int,
+    *,
+    tenant: str = "",
 ) -> RateLimitHeaders:
-    """``x-ratelimit-*`` headers from the binding (least remaining) bucket of each kind.
+    """``x-ratelimit-*`` headers from the binding (least remaining) bucket of each kind,
+    whatever level it belongs to.
 
     OpenAI's six for requests and tokens; ``-budget`` (money in the currency's units, e.g.
-    ``12.345678``, or weighted tokens) and ``-concurrency`` (no reset) beside them.  Shadow
-    limits never appear (they bind nothing)."""
+    ``12.345678``, or weighted tokens) and ``-concurrency`` (no reset) beside them; where the
+    binding bucket is a level's (organisation, team, end user), ``x-ratelimit-level-<kind>``
+    names it (``organisation=acme``).  Shadow limits never appear (they bind nothing)."""
     best: dict[str, tuple[float, WindowedBucket, int]] = {}
     for b, v in zip(buckets, values, strict=True):
-        if b.limit.shadow:
+        if b.limit.shadow or b.metric == "users":
             continue
         family = HEADER_FAMILY[b.metric]
         remaining = b.limit.limit - v
@@ -307,6 +323,13 @@ def rate_limit_headers(
     if "concurrency" in best:
         _, b, rem = best["concurrency"]
         h.update(limit_concurrency=b.limit.limit, remaining_concurrency=rem)
+    levels = tuple(
+        (family, level_header(b, tenant))
+        for family, (_, b, _) in sorted(best.items())
+        if b.limit.scope in LEVEL_SCOPES
+    )
+    if levels:
+        h["levels"] = levels
     return RateLimitHeaders(**h)  # type: ignore[arg-type]
 
 
@@ -334,6 +357,8 @@ def describe(limit: Limit) -> str:
         return f"tokens per {per}"
     if limit.metric == "concurrency":
         return "concurrent requests"
+    if limit.metric == "users":
+        return f"distinct end users per {per}"
     if limit.unit == "weighted":
         return f"weighted tokens per {per}"
     return f"budget of {format_amount(limit, limit.limit)} {limit.unit} per {per}"
@@ -354,7 +379,7 @@ def refusal(
     model: str,
 ) -> QuotaExceeded:
     """The 429 for a refused admission, naming the limit that refused and when it resets."""
-    headers = rate_limit_headers(buckets, values, now_ms)
+    headers = rate_limit_headers(buckets, values, now_ms, tenant=tenant)
     failing: list[tuple[WindowedBucket, int]] = [
         (b, v)
         for b, v in zip(buckets, values, strict=True)
@@ -365,25 +390,50 @@ def refusal(
     if not failing:
         failing = list(zip(buckets, values, strict=True))[:1]
     # Prefer the refusal a client can act on soonest: requests, concurrency, then tokens.
-    order = {"rpm": 0, "concurrency": 1, "tpm": 2, "cost": 3}
+    order = {"rpm": 0, "concurrency": 1, "users": 2, "tpm": 3, "cost": 4}
     failing.sort(key=lambda bv: (order[bv[0].metric], -bv[0].reset_s(now_ms)))
     b, used = failing[0]
     windows = [bb.reset_s(now_ms) for bb, _ in failing if bb.metric != "concurrency"]
     retry = max(windows, default=1.0)
     scope = scope_label(b.limit)
     per = b.limit.period_name
+    on = level_label(b, tenant)
+    level = level_header(b, tenant)
     if b.metric == "rpm":
         msg = (
-            f"Rate limit reached for requests per {per} on tenant {tenant} ({scope}): "
+            f"Rate limit reached for requests per {per} on {on} ({scope}): "
             f"limit {b.limit.limit}, used {used}. Try again in {retry_seconds(retry)}s."
         )
-        return QuotaExceeded(msg, metric="rpm", retry_after_s=retry, headers=headers)
+        return QuotaExceeded(
+            msg, metric="rpm", retry_after_s=retry, headers=headers, level=level, limit=b.limit
+        )
     if b.metric == "concurrency":
         msg = (
-            f"Concurrency limit reached on tenant {tenant} ({scope}, {b.limit.scope} scope): "
+            f"Concurrency limit reached on {on} ({scope}, {b.limit.scope} scope): "
             f"{used} of {b.limit.limit} requests are already running. Retry when one ends."
         )
-        return QuotaExceeded(msg, metric="concurrency", retry_after_s=1.0, headers=headers)
+        return QuotaExceeded(
+            msg,
+            metric="concurrency",
+            retry_after_s=1.0,
+            headers=headers,
+            level=level,
+            limit=b.limit,
+        )
+    if b.metric == "users":
+        msg = (
+            f"Too many end users on team {b.limit.owner}: its limit is {b.limit.limit} "
+            f"distinct end users per {per} and this request names a new one. Try again in "
+            f"{retry_seconds(b.reset_s(now_ms))}s."
+        )
+        return QuotaExceeded(
+            msg,
+            metric="users",
+            retry_after_s=b.reset_s(now_ms),
+            headers=headers,
+            level=level,
+            limit=b.limit,
+        )
     amount = admission_amount(b, cost)
     too_large = [
         fb
@@ -398,81 +448,37 @@ def refusal(
         else:
             need, cap = f"{format_amount(b.limit, amount)} {b.limit.unit}", describe(b.limit)
         msg = (
-            f"Request too large for tenant {tenant} ({scope_label(b.limit)}): it needs {need} "
-            f"({cost.input_tokens} input + {cost.reserved_output} reserved output) but the "
-            f"limit is {cap}. Shorten the prompt or lower max_tokens."
+            f"Request too large for {level_label(b, tenant)} ({scope_label(b.limit)}): it "
+            f"needs {need} ({cost.input_tokens} input + {cost.reserved_output} reserved output) "
+            f"but the limit is {cap}. Shorten the prompt or lower max_tokens."
         )
-        return QuotaExceeded(msg, metric=b.metric, retry_after_s=None, headers=headers)
+        return QuotaExceeded(
+            msg,
+            metric=b.metric,
+            retry_after_s=None,
+            headers=headers,
+            level=level_header(b, tenant),
+            limit=b.limit,
+        )
     if b.metric == "cost":
         msg = (
-            f"Budget exhausted on tenant {tenant} ({scope}): {describe(b.limit)}, used "
+            f"Budget exhausted on {on} ({scope}): {describe(b.limit)}, used "
             f"{format_amount(b.limit, used)}, this request needs up to "
             f"{format_amount(b.limit, amount)}. It resets in {human_duration(retry)}."
         )
-        return QuotaExceeded(msg, metric="cost", retry_after_s=retry, headers=headers)
+        return QuotaExceeded(
+            msg, metric="cost", retry_after_s=retry, headers=headers, level=level, limit=b.limit
+        )
     msg = (
-        f"Rate limit reached for tokens per {per} on tenant {tenant} ({scope}): limit "
+        f"Rate limit reached for tokens per {per} on {on} ({scope}): limit "
         f"{b.limit.limit}, used {used}, requested {cost.tpm_amount}. Try again in {retry_seconds(retry)}s."
     )
     _ = model
-    return QuotaExceeded(msg, metric="tpm", retry_after_s=retry, headers=headers)
+    return QuotaExceeded(
+        msg, metric="tpm", retry_after_s=retry, headers=headers, level=level, limit=b.limit
+    )
 
 
 def scope_label(limit: Limit) -> str:
     """How messages name a bucket's model scope."""
     return "all models" if limit.model == "*" else f"model {limit.model}"
-
-
-#: Most bucket keys :class:`RoomHints` remembers (cleared when reached; keys carry their
-#: window, so old windows' entries are dead weight).
-MAX_ROOM_HINTS = 65_536
-
-
-class RoomHints:
-    """What each per-token counter held after the last admission that read it: a hint, never
-    a decision (the admission script decides atomically).
-
-    Admission on an upper bound of the input (:func:`extproc.core.counters.upper_bound_counter`)
-    reserves more than the request needs until the exact count replaces it; :meth:`ample`
-    allows that only where the counters were far from their limits, so the bound can neither
-    turn the admission's answer nor crowd out a tenant's other requests near its limit."""
-
-    __slots__ = ("_values",)
-
-    def __init__(self) -> None:
-        self._values: dict[str, int] = {}
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def note(self, charges: list[BucketCharge], values: tuple[int, ...]) -> None:
-        """Remember the per-token counters' values an admission answered with."""
-        seen = self._values
-        if len(seen) >= MAX_ROOM_HINTS:
-            seen.clear()
-        for c, v in zip(charges, values, strict=False):
-            if c.kind == "tpm":
-                seen[c.key] = v
-
-    def ample(
-        self,
-        charges: list[BucketCharge],
-        headroom: float,
-        then: dict[str, int] | None = None,
-        *,
-        share: float = 1.0,
-    ) -> bool:
-        """Whether every per-token counter (shadow ones aside) was last seen so far from its
-        limit that ``headroom`` times the charge, plus ``then[key]`` units the request may add
-        later (a stream's whole output: its own cut must not come earlier for the bound), stay
-        within ``share`` of the limit; False when any was never seen.  The share caps what
-        many bounds admitted at once can hold beyond their counts."""
-        seen = self._values
-        for c in charges:
-            if c.kind != "tpm" or c.shadow or c.amount <= 0:
-                continue
-            v = seen.get(c.key)
-            later = then.get(c.key, 0) if then else 0
-            if v is None or v + headroom * c.amount + later > c.limit * share:
-                return False
-        return True

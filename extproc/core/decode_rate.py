@@ -11,7 +11,12 @@ to end less the model's learned time to start (a model whose traffic is all JSON
 Each model keeps its last :data:`WINDOW` of each; once :data:`MIN_SAMPLES` were made the rate
 is their median (one outlier moves it by nothing; the short window follows the engine's speed
 as its load changes) and the start their shortest (:meth:`RateWindow.start_ms`: a start is
-the caller's to lengthen, never to shorten).  An abandon ``t`` ms after admission is billed
+the caller's to lengthen, never to shorten).  The rates of JSON responses and of chunked ones
+are also kept apart (the last :data:`WINDOW` of each kind): an abandoned non-stream is billed
+at the median of the model's JSON responses once it has :data:`MIN_SAMPLES` of them, an
+abandoned stream at its chunked ones', either at the median of both kinds until then.  An
+engine does not decode both at one speed: measured with the CPU vLLM on 2 cores, a stream
+10-17 % slower than a non-stream (its per-token SSE work shares the cores with the model).  An abandon ``t`` ms after admission is billed
 ``rate * (t - start)`` per sequence (:meth:`DecodeRates.abandon`): measured with vLLM, a
 rate over the whole time (admission to end) billed 8-11 % under what the engine generated
 after 2 s and 28 % over after 0.5 s, the start being ~0.1 s.  Before a model has enough
@@ -53,29 +58,50 @@ def _median(values: deque[float]) -> float:
 
 
 class RateWindow:
-    """One model's last :data:`WINDOW` observations: decode rates and times to start."""
+    """One model's last :data:`WINDOW` observations: decode rates (of both kinds, and of JSON
+    and chunked responses apart) and times to start."""
 
-    __slots__ = ("_rates", "_starts")
+    __slots__ = ("_chunked", "_json", "_rates", "_starts")
 
     def __init__(self) -> None:
         self._rates: deque[float] = deque(maxlen=WINDOW)
+        self._json: deque[float] = deque(maxlen=WINDOW)
+        self._chunked: deque[float] = deque(maxlen=WINDOW)
         self._starts: deque[float] = deque(maxlen=WINDOW)
 
     def observe(self, rate: float, start_ms: float | None = 0.0) -> None:
         """Keep one observation (the oldest goes past :data:`WINDOW`); ``start_ms`` None: a
         rate only (a JSON response: no first chunk seen)."""
         self._rates.append(rate)
-        if start_ms is not None:
+        if start_ms is None:
+            self._json.append(rate)
+        else:
+            self._chunked.append(rate)
             self._starts.append(max(0.0, start_ms))
+
+    def _window(self, json: bool | None) -> deque[float]:
+        """The rates of JSON responses (``json``) or of chunked ones (not ``json``) once there
+        are :data:`MIN_SAMPLES` of that kind; both kinds before that, and for None."""
+        if json is None:
+            return self._rates
+        own = self._json if json else self._chunked
+        return own if len(own) >= MIN_SAMPLES else self._rates
 
     def __len__(self) -> int:
         return len(self._rates)
 
-    def rate(self) -> int | None:
-        """The median observed rate, rounded up, once :data:`MIN_SAMPLES` were made."""
-        if len(self._rates) < MIN_SAMPLES:
+    def samples(self, json: bool | None = None) -> int:
+        """Observations :meth:`rate` reads for ``json``."""
+        return len(self._window(json))
+
+    def rate(self, json: bool | None = None) -> int | None:
+        """The median observed rate (of JSON responses for ``json``, of chunked ones for
+        False, once there are :data:`MIN_SAMPLES` of that kind; else of both), rounded up, once
+        :data:`MIN_SAMPLES` were made."""
+        rates = self._window(json)
+        if len(rates) < MIN_SAMPLES:
             return None
-        return max(1, -int(-_median(self._rates) // 1))
+        return max(1, -int(-_median(rates) // 1))
 
     def start_ms(self) -> int:
         """The shortest time to the first chunk kept, rounded down (0 before
@@ -120,11 +146,12 @@ class DecodeRates:
         learned = window.rate() if window is not None else None
         return default if learned is None else learned
 
-    def abandon(self, model: str, default: int) -> tuple[int, int]:
-        """(rate, start ms) an abandoned request of ``model`` is billed at: learned, else
-        ``default`` with no start."""
+    def abandon(self, model: str, default: int, *, json: bool | None = None) -> tuple[int, int]:
+        """(rate, start ms) an abandoned request of ``model`` is billed at: learned (``json``:
+        a non-stream, rated by the model's JSON responses once it has enough of them; False: a
+        stream, by its chunked ones), else ``default`` with no start."""
         window = self._models.get(model)
-        learned = window.rate() if window is not None else None
+        learned = window.rate(json) if window is not None else None
         if window is None or learned is None:
             return default, 0
         return learned, window.start_ms()
@@ -134,7 +161,7 @@ class DecodeRates:
         window = self._models.get(model)
         return window.start_ms() if window is not None else 0
 
-    def samples(self, model: str) -> int:
-        """Observations kept for ``model``."""
+    def samples(self, model: str, *, json: bool | None = None) -> int:
+        """Observations kept for ``model`` (those :meth:`abandon` reads for ``json``)."""
         window = self._models.get(model)
-        return len(window) if window is not None else 0
+        return window.samples(json) if window is not None else 0

@@ -1,7 +1,11 @@
 """Redis key names, built in exactly one place.
 
-Every key of one request carries the tenant as a Redis Cluster hash tag (``{tenant}``), so
-one Lua script only ever touches keys of a single slot.  Fixed windows are numbered from
+Every key of one request carries one Redis Cluster hash tag, so one Lua script only ever
+touches keys of a single slot: the tenant (``{tenant}``), or, for a tenant inside an
+organisation, the organisation (``{@o.acme}``: every tenant, key, team and end user of it
+shares the slot; ``@`` never starts a tenant id, so the two never meet).  Functions here take
+a tenant's *slot id*: its id alone (:func:`slot_id` without an organisation), or
+``@o.<organisation>/<tenant>``.  Fixed windows are numbered from
 the Unix epoch (``window_index = now // window``), like envoyproxy/ratelimit, so every
 replica and every Envoy agree on the window without talking to each other.
 """
@@ -16,7 +20,7 @@ from functools import lru_cache
 from typing import Literal
 from zoneinfo import ZoneInfo
 
-from extproc.core.rules import NO_RATES, TOKEN_RATES, Limit, Rates
+from extproc.core.rules import NO_RATES, TOKEN_RATES, Limit, Metric, Rates
 
 EXPIRY_SLACK_MS = 2_000
 _SAFE_ID = re.compile(r"[^A-Za-z0-9._:-]")
@@ -37,12 +41,12 @@ class WindowedBucket:
     prev_weight: int = 0
 
     @property
-    def metric(self) -> Literal["rpm", "tpm", "cost", "concurrency"]:
-        """``rpm``, ``tpm``, ``cost`` or ``concurrency``."""
+    def metric(self) -> Metric:
+        """``rpm``, ``tpm``, ``cost``, ``concurrency`` or ``users``."""
         return self.limit.metric
 
     @property
-    def kind(self) -> Literal["rpm", "tpm", "concurrency"]:
+    def kind(self) -> Literal["rpm", "tpm", "concurrency", "users"]:
         """How the scripts treat the counter (cost counters are per-token like TPM)."""
         m = self.limit.metric
         return "tpm" if m == "cost" else m
@@ -53,14 +57,52 @@ class WindowedBucket:
         return max(0.0, (self.window_end_ms - now_ms) / 1000.0)
 
 
+def slot_id(tenant: str, organisation: str = "") -> str:
+    """What names a tenant's keys: its id, or its organisation's tag and its id."""
+    return f"@o.{organisation}/{tenant}" if organisation else tenant
+
+
 def tenant_tag(prefix: str, tenant: str) -> str:
-    """The common prefix of every key of a tenant, including the hash tag."""
+    """The common prefix of every key of a tenant (a slot id), including the hash tag."""
+    if tenant.startswith("@"):
+        return f"{prefix}:{{{tenant.partition('/')[0]}}}"
     return f"{prefix}:{{{tenant}}}"
 
 
-def bucket_key(prefix: str, tenant: str, key_name: str, limit: Limit, window: int | str) -> str:
+#: End-user ids kept as they are in keys; any other is replaced by a digest of it.
+_PLAIN_USER = re.compile(r"[A-Za-z0-9._@-]{1,64}")
+
+
+def user_segment(user: str) -> str:
+    """An end user's id as it appears in keys: as sent when short and plain, else ``h`` and a
+    digest (never a ``:`` nor a brace: a client names it)."""
+    if _PLAIN_USER.fullmatch(user):
+        return user
+    return "h" + hashlib.sha256(user.encode()).hexdigest()[:24]
+
+
+def scope_segment(tenant: str, key_name: str, limit: Limit, user: str = "") -> str:
+    """Whose counter a key is: ``t`` (the tenant), ``k.<key>``, ``o`` (the organisation),
+    ``g.<team>``, ``u.<team>.<user>``; inside an organisation's tag tenant and key scopes
+    name the tenant too (``t.<tenant>``, ``k.<tenant>.<key>``)."""
+    scope = limit.scope
+    inside = tenant.partition("/")[2] if tenant.startswith("@") else ""
+    if scope == "tenant":
+        return f"t.{inside}" if inside else "t"
+    if scope == "key":
+        return f"k.{inside}.{key_name}" if inside else f"k.{key_name}"
+    if scope == "organisation":
+        return "o"
+    if scope == "team":
+        return f"g.{limit.owner}"
+    return f"u.{limit.owner}.{user_segment(user or '-')}"
+
+
+def bucket_key(
+    prefix: str, tenant: str, key_name: str, limit: Limit, window: int | str, *, user: str = ""
+) -> str:
     """The counter for ``limit`` in the window named ``window`` (a fixed window's index)."""
-    scope = "t" if limit.scope == "tenant" else f"k.{key_name}"
+    scope = scope_segment(tenant, key_name, limit, user)
     metric: str = limit.metric
     if metric == "concurrency":
         return f"{tenant_tag(prefix, tenant)}:conc:{scope}:{limit.model}"
@@ -155,24 +197,29 @@ def windowed(
     *,
     prices: Rates | None = None,
     lease_ms: int = 0,
+    user: str = "",
 ) -> list[WindowedBucket]:
     """The buckets of ``limits`` in the windows containing ``now_ms``.
 
     ``prices`` are the request's model's (money budgets); ``lease_ms`` how long a
-    concurrency slot lives unrenewed (its set expires that long after ``now_ms``)."""
+    concurrency slot lives unrenewed (its set expires that long after ``now_ms``); ``user``
+    the request's end user (limits of scope ``user``, and a team's cap on end users)."""
     out: list[WindowedBucket] = []
     cache = _FIXED
     for lim in limits:
+        if lim.metric == "users":
+            out.append(_users_bucket(prefix, tenant, lim, now_ms, user))
+            continue
         if not lim.sliding and lim.metric != "concurrency":
             # a fixed window's bucket depends on the window, not on ``now``: made once
             idx = _epoch_window(lim, now_ms)
             if idx is not None:
-                ck = (prefix, tenant, key_name, id(lim), idx, id(prices))
+                ck = (prefix, tenant, key_name, id(lim), idx, id(prices), user)
                 hit = cache.get(ck)
                 if hit is not None and hit[0] is lim and hit[1] is prices:
                     out.append(hit[2])
                     continue
-                b = _fixed_bucket(prefix, tenant, key_name, lim, now_ms, prices=prices)
+                b = _fixed_bucket(prefix, tenant, key_name, lim, now_ms, prices=prices, user=user)
                 if len(cache) >= _FIXED_MAX:
                     cache.clear()
                 cache[ck] = (lim, prices, b)  # the objects held: their ids stay theirs
@@ -183,7 +230,7 @@ def windowed(
             out.append(
                 WindowedBucket(
                     limit=lim,
-                    key=bucket_key(prefix, tenant, key_name, lim, 0),
+                    key=bucket_key(prefix, tenant, key_name, lim, 0, user=user),
                     window_end_ms=end,
                     expire_at_ms=end + EXPIRY_SLACK_MS,
                     rates=NO_RATES,
@@ -194,13 +241,13 @@ def windowed(
         prev_key, prev_weight, expire = "", 0, end + EXPIRY_SLACK_MS
         if lim.sliding and isinstance(name, int):
             # the previous window still counts for the share of it inside [now - W, now]
-            prev_key = bucket_key(prefix, tenant, key_name, lim, name - 1)
+            prev_key = bucket_key(prefix, tenant, key_name, lim, name - 1, user=user)
             prev_weight = (end - now_ms) * SLIDING_SCALE // (end - start)
             expire = end + (end - start) + EXPIRY_SLACK_MS  # read as the previous one next
         out.append(
             WindowedBucket(
                 limit=lim,
-                key=bucket_key(prefix, tenant, key_name, lim, name),
+                key=bucket_key(prefix, tenant, key_name, lim, name, user=user),
                 window_end_ms=end,
                 expire_at_ms=expire,
                 rates=rates_for(lim, prices),
@@ -221,13 +268,37 @@ def _epoch_window(lim: Limit, now_ms: int) -> int | None:
     return (now_ms + shift) // (lim.window_s * 1000)
 
 
+def _users_bucket(prefix: str, tenant: str, lim: Limit, now_ms: int, user: str) -> WindowedBucket:
+    """A team's distinct end users in the window: a set, the request's end user its member.
+
+    The member travels as ``prev_key`` (a name in the same slot, never read as a key): the
+    admission script adds it to the set, and refuses a new member once the set is full."""
+    name, _, end = window_bounds(lim, now_ms)
+    tag = tenant_tag(prefix, tenant)
+    return WindowedBucket(
+        limit=lim,
+        key=f"{tag}:users:g.{lim.owner}:*:{lim.window_s}:{name}",
+        window_end_ms=end,
+        expire_at_ms=end + EXPIRY_SLACK_MS,
+        rates=NO_RATES,
+        prev_key=f"{tag}:user:{user_segment(user or '-')}",
+    )
+
+
 def _fixed_bucket(
-    prefix: str, tenant: str, key_name: str, lim: Limit, now_ms: int, *, prices: Rates | None
+    prefix: str,
+    tenant: str,
+    key_name: str,
+    lim: Limit,
+    now_ms: int,
+    *,
+    prices: Rates | None,
+    user: str = "",
 ) -> WindowedBucket:
     name, _, end = window_bounds(lim, now_ms)
     return WindowedBucket(
         limit=lim,
-        key=bucket_key(prefix, tenant, key_name, lim, name),
+        key=bucket_key(prefix, tenant, key_name, lim, name, user=user),
         window_end_ms=end,
         expire_at_ms=end + EXPIRY_SLACK_MS,
         rates=rates_for(lim, prices),
@@ -237,7 +308,9 @@ def _fixed_bucket(
 #: Fixed-window buckets already made (frozen), by (prefix, tenant, key, limit, window,
 #: prices); cleared when full.  Entries hold their limit and prices, so an id in a key is
 #: never that of another object while the entry lives.
-_FIXED: dict[tuple[str, str, str, int, int, int], tuple[Limit, Rates | None, WindowedBucket]] = {}
+_FIXED: dict[
+    tuple[str, str, str, int, int, int, str], tuple[Limit, Rates | None, WindowedBucket]
+] = {}
 _FIXED_MAX = 4096
 
 #: A sliding window's weight of its previous window is in parts per million.

@@ -22,7 +22,12 @@ WINDOW_SECONDS: dict[str, int] = {
 #: A fixed window's name by its length (the reverse of ``WINDOW_SECONDS``).
 _PERIOD_NAMES: dict[int, str] = {v: k for k, v in WINDOW_SECONDS.items()}
 Period = Literal["second", "minute", "hour", "day", "week", "month"]
-Metric = Literal["rpm", "tpm", "cost", "concurrency"]
+#: ``users``: a team's distinct end users per window (a set; docs/semantics.md, "Levels")
+Metric = Literal["rpm", "tpm", "cost", "concurrency", "users"]
+#: Whose counter a limit is: the tenant's, each key's, or a level's (docs/semantics.md,
+#: "Levels"): the organisation's, the team's, or each end user's within a team.
+Scope = Literal["tenant", "key", "organisation", "team", "user"]
+LEVEL_SCOPES = ("organisation", "team", "user")
 
 #: Rates are counter units per this many tokens (a million: prices are quoted per million).
 RATE_SCALE = 1_000_000
@@ -110,13 +115,16 @@ class Limit:
     limit: int
     window_s: int
     model: str  # canonical model name, or "*"
-    scope: Literal["tenant", "key"]
+    scope: Scope
     period: Period | None = None  # None: named by window_s (second..week)
     tz: str = "UTC"
     unit: str = ""  # cost: the currency code, or "weighted"
     weights: Rates | None = None  # cost in weighted tokens: the weights
     shadow: bool = False
     sliding: bool = False
+    # a level's limit (scope organisation, team or user): the organisation's or team's id
+    # (user: the team whose end users it caps, one counter per end user)
+    owner: str = ""
 
     @property
     def counts_tokens(self) -> bool:
@@ -147,7 +155,7 @@ class BucketCharge:
     """
 
     key: str
-    kind: Literal["rpm", "tpm", "concurrency"]
+    kind: Literal["rpm", "tpm", "concurrency", "users"]
     amount: int
     limit: int
     expire_at_ms: int

@@ -303,6 +303,11 @@ class Session(SessionRecords):
         self._reported = rec
         self.report_seq = next(_REPORTS)
 
+    @property
+    def settled(self) -> SettlementPlan | None:
+        """The settlement's plan once decided (:meth:`settlement`), else None."""
+        return self._settlement
+
     # -- decisions ---------------------------------------------------------------------------
 
     def json_output(self) -> Figure | None:

@@ -5,7 +5,7 @@ figures and the account; nothing here decides."""
 
 from __future__ import annotations
 
-from extproc.core import admission_plan
+from extproc.core import admission_plan, end_users
 from extproc.core.admission_plan import Cost
 from extproc.core.apis.base import ApiFormat, ParsedRequest
 from extproc.core.keys import WindowedBucket
@@ -204,11 +204,22 @@ class SessionRecords:
         model_key = model.name if model.known else (req.model if req else "*")
         return admission_plan.buckets_for(
             prefix=prefix,
-            tenant=tenant.id,
+            tenant=tenant.slot,
             key_name=key.name,
             model=model_key,
-            limits=tenant.limits,
+            limits=tenant.limits_for(key.name),
             now_ms=now_ms,
             prices=model.prices,
             lease_ms=lease_ms,
+            user=self.end_user,
+        )
+
+    @property
+    def end_user(self) -> str:
+        """The end user the request names ("": none; extproc.core.end_users)."""
+        rec, req = self._identified, self.req
+        if rec is None:
+            return ""
+        return end_users.resolve(
+            rec.end_user, rec.end_user_body, req.api if req else "", req.body if req else None
         )

@@ -468,11 +468,12 @@ class MeteredStream:
             return []
         s.life.cut(reason)
         budget = False
+        limit = None
         if reason is CutReason.QUOTA_EXHAUSTED:
             assert s.tenant is not None
             buckets, values = self._last
             # what each counter will hold once settlement charges what was delivered
-            message, budget = quota_cut(
+            message, budget, limit = quota_cut(
                 tenant=s.tenant.id,
                 charged=[
                     (b, v + s.pending_units(b, meter.delivered))
@@ -482,7 +483,7 @@ class MeteredStream:
                 delivered=meter.delivered,
                 now_ms=self._now_ms(),
             )
-        err = cut_error(reason.value, message, budget=budget)
+        err = cut_error(reason.value, message, budget=budget, limit=limit)
         if isinstance(api, ResponsesFormat):  # its events are numbered: continue the count
             seq = getattr(self.reader, "last_sequence_number", None)
             data = meter.cut(api.cut_events(err, sequence_number=seq))

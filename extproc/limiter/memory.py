@@ -200,11 +200,19 @@ class MemoryLimiter:
         reclaimed = self._reclaim(open_set, now_ms, now, alw) if now_ms > 0 else []
         vals: list[int] = []
         prev: list[int] = []
-        for b in buckets:
+        known: set[int] = set()
+        for i, b in enumerate(buckets):
             if b.kind == "concurrency":
                 self._drop_scores_up_to(b.key, now_ms, now)
                 z = self._typed(b.key, _Scored, now)
                 vals.append(len(z.members) if z is not None else 0)
+                prev.append(0)
+            elif b.kind == "users":  # a set of end users; the member travels as prev_key
+                z = self._typed(b.key, _Scored, now)
+                members = z.members if z is not None else {}
+                if b.prev_key in members:
+                    known.add(i)
+                vals.append(len(members) - (1 if i in known else 0))
                 prev.append(0)
             else:
                 value, share = self._windowed(b.key, b.prev_key, b.prev_weight, now)
@@ -213,14 +221,19 @@ class MemoryLimiter:
         if self._entry(ledger, now) is not None:
             return AdmitResult(False, True, tuple(vals), tuple(reclaimed), settled, alw[0])
         ok = all(
-            b.shadow or b.amount <= 0 or vals[i] + b.amount <= b.limit
+            b.shadow or b.amount <= 0 or i in known or vals[i] + b.amount <= b.limit
             for i, b in enumerate(buckets)
         )
         if ok:
             led = self._ledger(ledger, now)
             led.state, led.seq, led.charged = "admitted", 0, tpm_charged
             for i, b in enumerate(buckets):
-                if b.kind == "concurrency":
+                if b.kind == "users":
+                    if i not in known:
+                        self._zadd(b.key, b.prev_key, 0, now)
+                        self._expire_at(b.key, b.expire_at_ms, now)
+                    vals[i] += 1
+                elif b.kind == "concurrency":
                     self._zadd(b.key, ledger, lease_until_ms, now)
                     self._expire_at(b.key, b.expire_at_ms, now)
                     led.slots[b.key] = None

@@ -83,7 +83,7 @@ _ERRORS = (
     asyncio.TimeoutError,
 )
 
-_KIND = {"rpm": "r", "tpm": "t", "concurrency": "c"}
+_KIND = {"rpm": "r", "tpm": "t", "concurrency": "c", "users": "u"}
 
 #: Most settlements or charges in one script call (a script blocks Redis while it runs: 64
 #: settlements take well under a millisecond).

@@ -40,6 +40,9 @@ FIELDS: tuple[str, ...] = (
     "finished_at_ms",
     "input_check",
     "input_reported",
+    "organisation",
+    "team",
+    "end_user",
 )
 
 #: ``input_check``: how the input was billed, when it was not simply counted (docs/
@@ -95,6 +98,12 @@ class UsageRecord:
     # upstream's own input figure then (None: not reported, or nothing to flag)
     input_check: str = ""
     input_reported: int | None = None
+    # the levels the request was counted in (docs/semantics.md, "Levels"): its tenant's
+    # organisation, its key's team, and the end user it named ("" none; a reclaimed request's
+    # end user is not known)
+    organisation: str = ""
+    team: str = ""
+    end_user: str = ""
 
     def to_fields(self) -> dict[str, str]:
         """The flat string fields of the stream entry (None is written as an empty string)."""
@@ -126,6 +135,9 @@ class UsageRecord:
                 currency=f.get("currency", ""),
                 input_check=f.get("input_check", ""),
                 input_reported=int(reported) if reported else None,
+                organisation=f.get("organisation", ""),
+                team=f.get("team", ""),
+                end_user=f.get("end_user", ""),
                 **ints,
             )
         except (KeyError, ValueError, InvalidOperation) as exc:

@@ -45,6 +45,9 @@ class BucketLink:
     model_key: str = "*"
     tenant_index: int = 0
     model_index: int = -1  # -1: the tenant-wide bucket
+    # whose bucket the entry names (docs/semantics.md, "Levels"): a tenant, or an organisation
+    # or team (their own limits' counters, shared with the gateway's admissions)
+    level: Literal["tenant", "organisation", "team"] = "tenant"
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,14 +24,14 @@ them (one Lua call) and :func:`decide` turns the counters' values into the answe
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import lru_cache
 from typing import Literal
 from urllib.parse import quote as _quote
 
-from extproc.core.keys import EXPIRY_SLACK_MS, bucket_key
+from extproc.core.keys import EXPIRY_SLACK_MS, bucket_key, slot_id
 from extproc.core.rules import Limit
 from extproc.rls.config import Domain, Node, RlsConfig, Rule, valid_tenant
 
@@ -234,12 +234,15 @@ def plan(
     caps: Caps = DEFAULT_CAPS,
     tenants: Container[str] | None = None,
     models: Container[str] | None = None,
+    organisations: Mapping[str, tuple[str, ...]] | None = None,
 ) -> Plan:
     """Check the caps, match every descriptor, apply ``replaces`` and build the counter keys.
 
     ``tenants`` and ``models`` (None: any) are the ai-quota tenants and canonical models an
-    ``ai_quota`` link may charge; a value outside them is counted by the rule on its own key,
-    as a rule without the link."""
+    ``ai_quota`` link may charge (a mapping of tenants: their slot ids, for tenants inside an
+    organisation); ``organisations`` (organisation -> its teams; None: none) the levels one
+    may; a value outside them is counted by the rule on its own key, as a rule without the
+    link."""
     if not domain:
         raise RequestError("rate limit domain must not be empty")
     if not descriptors:
@@ -288,6 +291,7 @@ def plan(
                     prefix=prefix,
                     tenants=tenants,
                     models=models,
+                    organisations=organisations,
                 ),
             )
         )
@@ -327,6 +331,7 @@ def _counted(
     prefix: str,
     tenants: Container[str] | None = None,
     models: Container[str] | None = None,
+    organisations: Mapping[str, tuple[str, ...]] | None = None,
 ) -> Counted:
     rule = f.rule
     unit_s = rule.window_s
@@ -334,10 +339,15 @@ def _counted(
     mode = 0 if rule.shadow_mode else (2 if rule.quota_mode else 1)
     reset = reset_seconds(unit_s, now_ms)
     link = _linked(rule, d, tenants, models)
-    if link is not None:
-        tenant, model, bucket = link
-        lim = Limit(bucket, rule.requests_per_unit, unit_s, model, "tenant")
-        key = bucket_key(prefix, tenant, "", lim, idx)
+    level = rule.link.level if rule.link is not None else "tenant"
+    slot = _level_slot(level, link[0], tenants, organisations) if link is not None else None
+    if link is not None and slot is not None:
+        ident, model, bucket = link
+        if level == "tenant":
+            lim = Limit(bucket, rule.requests_per_unit, unit_s, model, "tenant")
+        else:
+            lim = Limit(bucket, rule.requests_per_unit, unit_s, model, level, owner=ident)
+        key = bucket_key(prefix, slot, "", lim, idx)
     else:
         first = (f.key_values[0] or d.entries[0][0]) if d.entries else domain
         tag = _q(first)
@@ -346,6 +356,23 @@ def _counted(
         )
         key = f"{prefix}:{{{tag}}}:rls:{_q(domain)}:{parts}:{unit_s}:{idx}"
     return Counted(key, hits, rule.requests_per_unit, end + EXPIRY_SLACK_MS, reset, mode)
+
+
+def _level_slot(
+    level: str,
+    ident: str,
+    tenants: Container[str] | None,
+    organisations: Mapping[str, tuple[str, ...]] | None,
+) -> str | None:
+    """The slot id (:func:`extproc.core.keys.slot_id`) a linked level's keys are named by; None
+    for an organisation or team the running rules do not have (counted on the rule's own key)."""
+    if level == "tenant":
+        found = tenants.get(ident) if isinstance(tenants, Mapping) else None
+        return str(getattr(found, "slot", ident))
+    for org, teams in (organisations or {}).items():
+        if (level == "organisation" and ident == org) or (level == "team" and ident in teams):
+            return slot_id("", org)
+    return None
 
 
 def _linked(
@@ -372,7 +399,7 @@ def _linked(
     model = "*"
     if 0 <= link.model_index < len(d.entries):
         model = d.entries[link.model_index][1] or "*"
-    if tenants is not None and tenant not in tenants:
+    if link.level == "tenant" and tenants is not None and tenant not in tenants:
         return None
     if model != "*" and models is not None and model not in models:
         return None

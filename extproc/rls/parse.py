@@ -59,7 +59,7 @@ _RATE_LIMIT_KEYS = {
     "replaces",
 }
 _ROOT_KEYS = {"domain", "descriptors", "allow_limit_override"}
-_LINK_KEYS = {"bucket", "tenant", "model"}
+_LINK_KEYS = {"bucket", "tenant", "organisation", "team", "model"}
 
 
 class _File:
@@ -377,13 +377,22 @@ def _link(
         f.error(node, path, "missing key 'bucket' (rpm or tpm)")
     elif bucket not in ("rpm", "tpm"):
         f.error(m["bucket"], f"{path}.bucket", f"bucket must be rpm or tpm, found {bucket!r}")
-    tenant = _string(f, m["tenant"], f"{path}.tenant") if "tenant" in m else None
-    if "tenant" not in m:
-        f.error(node, path, "missing key 'tenant' (the descriptor key whose value is the tenant)")
+    named = [k for k in ("tenant", "organisation", "team") if k in m]
+    level = named[0] if len(named) == 1 else "tenant"
+    tenant = _string(f, m[level], f"{path}.{level}") if level in m else None
+    if not named:
+        f.error(
+            node,
+            path,
+            "missing key 'tenant' (the descriptor key whose value is the tenant; or "
+            "'organisation' / 'team' for a level's bucket)",
+        )
+    elif len(named) > 1:
+        f.error(node, path, f"name one of tenant, organisation or team, not {', '.join(named)}")
     elif tenant is not None and tenant not in keys:
         f.error(
-            m["tenant"],
-            f"{path}.tenant",
+            m[level],
+            f"{path}.{level}",
             f"'{tenant}' is not a key on this descriptor's path ({' -> '.join(keys)})",
         )
     model = "*"
@@ -396,7 +405,7 @@ def _link(
                 f"'{model}' is not a key on this descriptor's path ({' -> '.join(keys)}); "
                 "use '*' for the tenant-wide bucket",
             )
-    if bucket in ("rpm", "tpm") and tenant and tenant in keys:
+    if bucket in ("rpm", "tpm") and tenant and tenant in keys and len(named) == 1:
         model_index = keys.index(model) if model != "*" and model in keys else -1
         return BucketLink(
             bucket,  # type: ignore[arg-type]
@@ -404,5 +413,6 @@ def _link(
             model if model_index >= 0 else "*",
             keys.index(tenant),  # the first entry of that key on the path
             model_index,
+            level,
         )
     return None

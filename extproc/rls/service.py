@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -60,8 +60,9 @@ class RlsSettings:
     detailed_metric_series: int = 100  # per rule: distinct detailed_metric label values
 
 
-#: What an ai_quota link may charge: (tenants, canonical models) of the running rules.
-KnownBuckets = Callable[[], tuple[Container[str], Container[str]]]
+#: What an ai_quota link may charge: (tenants, canonical models, organisation -> its teams) of
+#: the running rules.
+KnownBuckets = Callable[[], tuple[Container[str], Container[str], Mapping[str, tuple[str, ...]]]]
 
 
 class RlsMetrics:
@@ -230,7 +231,9 @@ class RlsRuntime:
         :class:`LimiterUnavailable` when Redis fails and the failure mode is ``error``)."""
         s = self.settings
         descriptors = [_descriptor(d) for d in request.descriptors]
-        tenants, models = self.known() if self.known is not None else (None, None)
+        tenants, models, organisations = (
+            self.known() if self.known is not None else (None, None, None)
+        )
         p = match.plan(
             self.config,
             request.domain,
@@ -242,6 +245,7 @@ class RlsRuntime:
             caps=s.caps,
             tenants=tenants,
             models=models,
+            organisations=organisations,
         )
         if not p.known_domain:
             self.metrics.unknown_domain.inc()

@@ -22,6 +22,7 @@ from typing import Any
 
 from extproc.config.load import key_digest
 from extproc.config.runtime import ApiKey, RuntimeConfig, Tenant
+from extproc.core import end_users
 from extproc.errors import AuthenticationError, PermissionDenied
 
 IDENTITY_HEADERS = ("x-quota-tenant", "x-quota-plan", "x-quota-key", "x-quota-input-tokens")
@@ -98,6 +99,22 @@ def _caller(cfg: RuntimeConfig, tenant_value: str, key_value: str | None, via: s
         )
     name = _SAFE_NAME.sub("_", key_value or via)[:64]
     return Caller(key=ApiKey(name=f"{via}:{name}", tenant=tid), tenant=tenant)
+
+
+def end_user_hint(
+    cfg: RuntimeConfig, h: dict[str, str], metadata: Mapping[str, Any] | None
+) -> tuple[str, bool]:
+    """The end user the request's headers or token name, and whether its body is asked first
+    (:func:`extproc.core.end_users.before_body`)."""
+    pol = cfg.end_users
+    payload = None
+    if metadata is not None and "jwt" in pol.sources:
+        ns = metadata.get(cfg.identity.jwt.metadata_namespace)
+        found = ns.get(cfg.identity.jwt.payload_key) if isinstance(ns, Mapping) else None
+        payload = found if isinstance(found, Mapping) else None
+    return end_users.before_body(
+        pol.sources, h, header=pol.header, jwt_payload=payload, jwt_claim=pol.jwt_claim
+    )
 
 
 def _from_jwt(cfg: RuntimeConfig, metadata: Mapping[str, Any]) -> Caller | None:

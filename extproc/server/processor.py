@@ -55,7 +55,7 @@ from extproc.gateway import Gateway
 from extproc.server import wire
 from extproc.server.admit import admit_body, admit_rpm_only
 from extproc.server.counting import BoundCounting
-from extproc.server.identity import IDENTITY_HEADERS, identify, presented_key
+from extproc.server.identity import IDENTITY_HEADERS, end_user_hint, identify, presented_key
 from extproc.server.settle import access_metadata, settle
 from extproc.server.stream import StreamDriver
 from extproc.server.writelock import WriteLock
@@ -80,12 +80,14 @@ class RequestProcessor:
         "gw",
         "s",
         "started",
+        "trace",
         "write_lock",
         "writer",
     )
 
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Gateway, call: Any = None) -> None:
         self.gw = gw
+        self.trace = gw.telemetry.open(call)  # the request's span (a no-op with tracing off)
         self.cfg = gw.config  # the rules this request started with (a reload does not move it)
         self.s = Session()
         self.started = time.perf_counter()
@@ -145,6 +147,7 @@ class RequestProcessor:
         """The single mapping from a gateway error to the client's HTTP response."""
         s = self.s
         refused = err.status == 429
+        self.trace.refused(err)
         decision = "refused" if refused else "error"
         self.gw.metrics.decisions.labels(decision, err.code).inc()
         log.info(
@@ -175,13 +178,18 @@ class RequestProcessor:
         s, cfg, gw = self.s, self.cfg, self.gw
         s.request_headers()
         h = wire.headers_of(hh)
+        up = self.trace.start(h)  # the traceparent to send upstream (none with tracing off)
         request_id = h.get("x-request-id", "") or f"gen-{id(self):x}-{time.time_ns()}"
         path = h.get(":path", "")
         found = api_for_path(path)
         # errors speak the API's own shape, even the caller's identification errors
         s.request(Requested(request_id, path, gw.bind(found) if found else None))
         structlog.contextvars.bind_contextvars(request_id=request_id)
-        meta = wire.metadata_of(req) if cfg.identity.sources != ["api_key"] else None
+        meta = (
+            wire.metadata_of(req)
+            if cfg.identity.sources != ["api_key"] or "jwt" in cfg.end_users.sources
+            else None
+        )
         method = h.get(":method", "POST")
         try:
             caller = identify(cfg, h, meta)
@@ -192,10 +200,11 @@ class RequestProcessor:
             if presented_key(h) or not public:
                 raise
             s.pass_through()
-            return wire.continue_request_headers([], IDENTITY_HEADERS, mode=wire.passthrough_mode())
+            return wire.continue_request_headers(up, IDENTITY_HEADERS, mode=wire.passthrough_mode())
         kind, api = route(path, method, allowed=cfg.allowed_paths, other=cfg.other_paths)
         metered_api = gw.bind(api) if api else None
-        ledger = ledger_key(gw.key_prefix, caller.tenant.id, gw.ledger_id(request_id))
+        ledger = ledger_key(gw.key_prefix, caller.tenant.slot, gw.ledger_id(request_id))
+        end_user, body_first = end_user_hint(cfg, h, meta)
         s.identify(
             Identified(
                 request_id,
@@ -204,6 +213,8 @@ class RequestProcessor:
                 caller.key,
                 caller.tenant,
                 ledger,
+                end_user=end_user,
+                end_user_body=body_first,
             )
         )
         if kind != "metered":
@@ -211,7 +222,7 @@ class RequestProcessor:
                 await admit_rpm_only(gw, cfg, s)
             s.pass_through()
             return wire.continue_request_headers(
-                caller.headers(), IDENTITY_HEADERS, mode=wire.passthrough_mode()
+                [*caller.headers(), *up], IDENTITY_HEADERS, mode=wire.passthrough_mode()
             )
         encoding = h.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
@@ -223,7 +234,7 @@ class RequestProcessor:
             raise BadRequest("the request has no body; expected a JSON object")
         # The upstream answers in identity encoding: the gateway must read what it meters.
         return wire.continue_request_headers(
-            caller.headers(), (*IDENTITY_HEADERS, "accept-encoding")
+            [*caller.headers(), *up], (*IDENTITY_HEADERS, "accept-encoding")
         )
 
     async def on_request_body(self, body: Any) -> wire.ProcessingResponse:
@@ -231,6 +242,7 @@ class RequestProcessor:
         self.s.request_body()
         new_body = await admit_body(self.gw, self.cfg, self.s, body.body, self.started)
         self.s.admission_done()
+        self.trace.mark("admitted")
         self.counting.admitted(len(body.body))
         return wire.continue_request_body(new_body)
 
@@ -261,7 +273,12 @@ class RequestProcessor:
         self.counting.response_metered()  # count now, when its figure may not stand uncounted
         if how.kind == "stream":  # SSE, or SSE under a missing/odd content type
             self.driver = StreamDriver(
-                self.gw, self.cfg, s, how.decoder, figures_ready=self.counting.figures_ready
+                self.gw,
+                self.cfg,
+                s,
+                how.decoder,
+                figures_ready=self.counting.figures_ready,
+                trace=self.trace,
             )
             self.gw.metrics.active_streams.inc()
             return wire.continue_response_headers(
@@ -308,6 +325,7 @@ class RequestProcessor:
         driver = self.driver
         if not self._first_chunk_ms:
             self._first_chunk_ms = self.gw.clock.now_ms()
+            self.trace.mark("first_chunk")
         if driver is not None:  # the stream takes the chunk (and moves the lifecycle with it)
             out = await driver.body(body.body, body.end_of_stream)
             if driver.ended:
@@ -422,9 +440,11 @@ class RequestProcessor:
             self.gw.track(asyncio.ensure_future(self._settle()))
 
     async def _settle(self) -> None:
+        self.trace.mark("response_end")
         try:
             await self._settle_figures()
         finally:
+            self.trace.finish(self.s)  # the request's span and metrics, from its records
             self.counting.settled()
 
     async def _settle_figures(self) -> None:

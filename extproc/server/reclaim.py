@@ -15,6 +15,7 @@ it downstream.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import structlog
 
@@ -57,13 +58,10 @@ def record_reclaimed(gw: Gateway, cfg: RuntimeConfig, reclaimed: Sequence[Reclai
         )
         if gw.recorder is not None:
             currency = model.currency if model is not None else ""
-            gw.recorder.record(
-                draft.reclaimed(
-                    r.ledger,
-                    now,
-                    input_tokens=inp,
-                    output_tokens=out,
-                    cost=cost,
-                    currency=currency,
-                )
+            rec = draft.reclaimed(
+                r.ledger, now, input_tokens=inp, output_tokens=out, cost=cost, currency=currency
             )
+            tenant = cfg.tenants.get(draft.tenant)
+            if tenant is not None and tenant.organisation:  # its levels under the rules now
+                rec = replace(rec, organisation=tenant.organisation, team=tenant.team_of(draft.key))
+            gw.recorder.record(rec)

@@ -35,7 +35,7 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
         Written with ``context.read``/``context.write`` rather than as an async generator so
         that a cancelled stream raises ``CancelledError`` here and ``finally`` always runs.
         """
-        proc = RequestProcessor(self.gw)
+        proc = RequestProcessor(self.gw, context)  # context: Envoy's trace context, if any
         proc.writer = context
         self.gw.active.add(proc)
         structlog.contextvars.clear_contextvars()

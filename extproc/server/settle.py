@@ -86,19 +86,24 @@ async def settle(
     if cost is None or s.tenant is None:
         return
     now = gw.clock.now_ms()
-    model = s.model
+    model, req = s.model, s.req
     rate: int | None = None
     start = 0
     if model is not None and asks_abandon_rate(ending, stream):
         # what the abandon rule bills at: the model's learned decode rate and time to start
-        rate, start = gw.decode_rates.abandon(model.name, model.abandoned_tokens_per_second)
+        # a non-stream forwarded as sent decodes at the model's JSON speed; a stream (the
+        # client's, or the exact path's) at its streams'
+        json = not ((req is not None and req.stream) or cost.upstream_stream)
+        rates = gw.decode_rates
+        rate, start = rates.abandon(model.name, model.abandoned_tokens_per_second, json=json)
         log.info(
             "abandon_rate",
             request_id=s.request_id,
             model=model.name,
             tokens_per_second=rate,
             start_ms=start,
-            learned_from=gw.decode_rates.samples(model.name),
+            learned_from=rates.samples(model.name, json=json),
+            json=json,
         )
     plan = s.settlement(
         now,
@@ -257,6 +262,9 @@ def _record(gw: Gateway, s: Session, plan: SettlementPlan, now_ms: int, check: s
             record_id=record_id_for(s.ledger) if s.ledger else "",
             input_check=check,
             input_reported=rep.input if check and rep is not None else None,
+            organisation=tenant.organisation,
+            team=tenant.team_of(s.key.name) if s.key else "",
+            end_user=s.end_user,
         )
     )
 

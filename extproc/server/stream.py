@@ -50,6 +50,7 @@ from extproc.gateway import Gateway
 from extproc.limiter.base import ChargeResult
 from extproc.server import wire
 from extproc.server.settle import access_metadata
+from extproc.telemetry.base import NOOP_TRACE, RequestTrace
 
 log = structlog.get_logger("extproc")
 
@@ -70,8 +71,10 @@ class StreamDriver:
         decoder: BodyDecoder | None = None,
         *,
         figures_ready: Callable[[], Awaitable[None]] | None = None,
+        trace: RequestTrace = NOOP_TRACE,
     ) -> None:
         self.gw, self.cfg, self.s = gw, cfg, s
+        self.trace = trace
         self.stream = MeteredStream(
             s,
             decoder,
@@ -170,6 +173,7 @@ class StreamDriver:
         if isinstance(a, ChargeError):
             self.gw.metrics.limiter_errors.labels("charge").inc()
             if a.unmetered:
+                self.trace.mark("stream_unmetered")
                 log.warning("limiter_unavailable_stream_unmetered", request_id=s.request_id)
         elif isinstance(a, ShadowExceeded):
             self.gw.metrics.limit_decisions.labels(a.metric, "shadow_cut").inc()
@@ -189,6 +193,7 @@ class StreamDriver:
 
     def _render_cut(self, a: Cut) -> list[wire.ProcessingResponse]:
         s = self.s
+        self.trace.cut(a)
         self.gw.metrics.stream_cuts.labels(a.reason.value).inc()
         log.info(
             "stream_cut",
@@ -210,6 +215,7 @@ class StreamDriver:
 
     def _start_charge(self, a: StartCharge) -> None:
         self.gw.metrics.stream_charges.labels("strict" if a.strict else "lazy").inc()
+        self.trace.charge(a.seq, a.amount, strict=a.strict)
         self._task = asyncio.ensure_future(
             self.gw.limiter.charge(
                 self.s.ledger,
@@ -229,7 +235,9 @@ class StreamDriver:
         try:
             res = task.result()
         except LimiterUnavailable as exc:
+            self.trace.charge_answered(None)
             return ChargeFailed(exc.maybe_ran, late=late)
+        self.trace.charge_answered(res.granted, exhausted=res.exhausted)
         return ChargeAnswered(res.granted, res.exhausted, res.values, late=late)
 
     async def _wait_answer(self) -> StreamEvent:

@@ -136,6 +136,12 @@ class Generation:
         self.ttft = (controls.ttft_ms if controls.ttft_ms is not None else cfg.ttft_ms) / 1000.0
         self.itl = (controls.itl_ms if controls.itl_ms is not None else cfg.itl_ms) / 1000.0
         self.per_chunk = controls.per_chunk or cfg.tokens_per_chunk
+        # vLLM's stream_interval: the first token alone, then this many per chunk (the
+        # server's own chunking is the floor)
+        self.first_chunk: int | None = None
+        if req.stream_interval is not None and req.stream_interval > 1:
+            self.per_chunk = max(self.per_chunk, req.stream_interval)
+            self.first_chunk = 1
         self.tool = controls.tool_call and api != "completions"
         self.choices = [self._units(i) for i in range(req.choices)]
         self.created = int(time.time())
@@ -304,6 +310,7 @@ class Generation:
             self._encoder(),
             self.choices,
             per_chunk=self.per_chunk,
+            first_chunk=self.first_chunk,
             interval=self.itl * self.per_chunk,
             triggers=triggers,
             usage_for=UsageFunc(self.controls.usage),

@@ -55,6 +55,9 @@ class GenerationRequest:
     prompts: int = 1
     #: completions only: the request's ``best_of`` (validated, otherwise ignored)
     best_of: int | None = None
+    #: chat and completions: vLLM's per-request ``stream_interval`` (tokens per streamed chunk
+    #: after the first, which holds one token)
+    stream_interval: int | None = None
 
     @property
     def choices(self) -> int:
@@ -138,6 +141,7 @@ def parse_generation(body: Any, *, chat: bool, config: SimConfig) -> GenerationR
         prompt_tokens=prompt_tokens,
         prompts=prompts,
         best_of=best_of,
+        stream_interval=_positive_int(body, "stream_interval", 1),
     )
 
 

@@ -107,7 +107,10 @@ async def _handle(request: web.Request, api: str, answer: _Answer) -> web.Stream
     rec.request_id = headers.get("x-request-id")
     rec.client_request_id = headers.get("x-client-request-id")
     rec.tenant = headers.get("x-quota-tenant")
-    rec.headers_seen = {k: v for k, v in headers.items() if k.startswith("x-")}
+    # the x- headers, and the trace context the engine would nest its spans under
+    rec.headers_seen = {
+        k: v for k, v in headers.items() if k.startswith("x-") or k == "traceparent"
+    }
     try:
         try:
             body = orjson.loads(await request.read())

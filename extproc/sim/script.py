@@ -87,14 +87,16 @@ def build_stream(
     *,
     per_chunk: int,
     interval: float,
+    first_chunk: int | None = None,
     triggers: Triggers,
     usage_for: UsageFunc,
 ) -> Script:
     """Script a stream: opening events, content chunks interleaved over choices, closing.
 
     A chunk holds up to ``per_chunk`` tokens of one kind and never straddles an injection point;
-    chunks of step ``k`` are at ``k * interval``. ``usage_for(output, reasoning)`` turns the real
-    counts into the usage to report.
+    chunks of step ``k`` are at ``k * interval``; ``first_chunk``, when set, caps each choice's
+    first chunk (vLLM sends the first token at once whatever its ``stream_interval``).
+    ``usage_for(output, reasoning)`` turns the real counts into the usage to report.
     """
     frames: list[Frame] = [Frame(b) for b in encoder.opening()]
     states = [_ChoiceState(i, units) for i, units in enumerate(choices)]
@@ -123,7 +125,8 @@ def build_stream(
             if st.done:
                 continue
             cap = triggers.next_cap(sent)
-            limit = per_chunk if cap is None else min(per_chunk, cap)
+            limit = per_chunk if first_chunk is None or step > 1 else first_chunk
+            limit = limit if cap is None else min(limit, cap)
             kind = st.units[st.pos].kind
             taken: list[Unit] = []
             tokens = 0

@@ -21,6 +21,19 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     who.add_argument("--tenant", help="a tenant id")
     parser.add_argument("--model", default="", help="only buckets that apply to this model")
     parser.add_argument(
+        "--organisation",
+        default="",
+        help="an organisation: its buckets and its teams' (the admin token, or a key in it)",
+    )
+    parser.add_argument(
+        "--team",
+        default="",
+        help="a team: its buckets and its organisation's (with --key: the key's)",
+    )
+    parser.add_argument(
+        "--end-user", default="", help="with --team or --key: that end user's buckets in the team"
+    )
+    parser.add_argument(
         "--address",
         help="ext_proc gRPC address (default: $AIQ_USAGE_ADDRESS or $AIQ_GRPC_ADDRESS, else the "
         "running stack's .run/stack.json, else 127.0.0.1:50051)",
@@ -49,8 +62,10 @@ def run(args: argparse.Namespace) -> int:
     """Query the usage service and print the buckets (or run ``export`` / ``consume``)."""
     if getattr(args, "usage_run", None) is not None:
         return int(args.usage_run(args))
-    if not (args.key or args.tenant):
-        args.usage_parser.error("one of the arguments --key --tenant is required")
+    if not (args.key or args.tenant or args.organisation or args.team):
+        args.usage_parser.error(
+            "one of the arguments --key --tenant --organisation --team is required"
+        )
     address = usage_address(args.address)
     note("ai-quota usage", address)
     door = port_credentials(
@@ -73,7 +88,12 @@ def run(args: argparse.Namespace) -> int:
         try:
             resp = stub.GetUsage(
                 usage_pb2.GetUsageRequest(
-                    api_key=args.key or "", tenant=args.tenant or "", model=args.model
+                    api_key=args.key or "",
+                    tenant=args.tenant or "",
+                    model=args.model,
+                    organisation=args.organisation,
+                    team=args.team,
+                    end_user=args.end_user,
                 ),
                 metadata=metadata,
                 timeout=5,
@@ -89,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
             "metric": b.metric,
             "model": b.model,
             "scope": b.scope,
+            "level": b.level,
             "period": b.period,
             "window_s": b.window_seconds,
             "unit": b.unit,
@@ -110,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
                     "tenant": resp.tenant,
                     "plan": resp.plan,
                     "key": resp.key_name,
+                    "organisation": resp.organisation,
+                    "team": resp.team,
                     "config_version": resp.config_version,
                     "buckets": rows,
                 },
@@ -119,12 +142,14 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     print(
-        f"tenant {resp.tenant}  plan {resp.plan}"
+        (f"tenant {resp.tenant}  plan {resp.plan}" if resp.tenant else "")
         + (f"  key {resp.key_name}" if resp.key_name else "")
+        + (f"  organisation {resp.organisation}" if resp.organisation else "")
+        + (f"  team {resp.team}" if resp.team else "")
         + (f"  rules {resp.config_version}" if resp.config_version else "")
     )
     print(
-        f"{'metric':11} {'model':14} {'scope':6} {'per':>8} {'unit':>8} {'used':>12} "
+        f"{'metric':11} {'model':14} {'level':24} {'per':>8} {'unit':>8} {'used':>12} "
         f"{'limit':>12} {'resets in':>10}  notes"
     )
     for r in rows:
@@ -134,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         secs = float(r["reset_s"])
         reset = (f"{secs}s" if secs < 60 else human_duration(secs)) if r["period"] else "-"
         print(
-            f"{r['metric']:11} {r['model']:14} {r['scope']:6} {per:>8} {r['unit']:>8} "
+            f"{r['metric']:11} {r['model']:14} {r['level'] or r['scope']:24} {per:>8} {r['unit']:>8} "
             f"{r['used_display']:>12} {r['limit_display']:>12} {reset:>10}  {notes}"
         )
     return 0

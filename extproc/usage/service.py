@@ -10,7 +10,9 @@ from extproc._gen.aiquota.v1 import usage_pb2, usage_pb2_grpc
 from extproc.access import USAGE_SERVICE, PortGuard
 from extproc.config.load import key_digest
 from extproc.core.admission_plan import format_amount
-from extproc.core.keys import SLIDING_SCALE, WindowedBucket, windowed
+from extproc.core.keys import SLIDING_SCALE, WindowedBucket, slot_id, windowed
+from extproc.core.levels import level_header
+from extproc.core.rules import Limit
 from extproc.errors import LimiterUnavailable
 from extproc.gateway import Gateway
 
@@ -59,6 +61,18 @@ class UsageServicer(usage_pb2_grpc.UsageServicer):
                 grpc.StatusCode.PERMISSION_DENIED,
                 "an API key reads its own tenant's usage only",
             )
+        tenant = self.gw.config.tenants.get(key.tenant)
+        org = tenant.organisation if tenant is not None else ""
+        team = tenant.team_of(key.name) if tenant is not None else ""
+        if (request.organisation and request.organisation != org) or (
+            request.team and request.team != team
+        ):
+            await self._refuse(
+                context,
+                "other_level",
+                grpc.StatusCode.PERMISSION_DENIED,
+                "an API key reads the levels it belongs to only (its organisation and team)",
+            )
 
     async def _refuse(self, context: Any, reason: str, code: grpc.StatusCode, msg: str) -> None:
         assert self.guard is not None
@@ -83,11 +97,30 @@ class UsageServicer(usage_pb2_grpc.UsageServicer):
                 await context.abort(grpc.StatusCode.NOT_FOUND, "unknown API key")
             assert key is not None
             key_name, tenant_id = key.name, key.tenant
+        if not tenant_id and (request.organisation or request.team):
+            return await self._level_usage(request, context)
         tenant = cfg.tenants.get(tenant_id)
         if tenant is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown tenant {tenant_id!r}")
         assert tenant is not None
-        limits = tenant.limits
+        team = tenant.team_of(key_name)
+        if request.organisation and request.organisation != tenant.organisation:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"tenant {tenant.id!r} is not in organisation {request.organisation!r}",
+            )
+        if request.team and request.team != team:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{'key' if key_name else 'tenant'} is not in team {request.team!r}",
+            )
+        # the tenant's, its key's and its levels' (organisation, team); an end user's with
+        # end_user (a team's set of distinct end users is not a counter: not shown)
+        limits = tuple(
+            lim
+            for lim in tenant.limits_for(key_name)
+            if (request.end_user or lim.scope != "user") and lim.metric != "users"
+        )
         if request.model:
             model = cfg.resolve_model(request.model)
             if model is None:
@@ -95,19 +128,87 @@ class UsageServicer(usage_pb2_grpc.UsageServicer):
             assert model is not None
             limits = tuple(lim for lim in limits if lim.applies_to(model.name))
         if not key_name:
-            limits = tuple(lim for lim in limits if lim.scope == "tenant")
-        now = self.gw.clock.now_ms()
-        buckets = windowed(self.gw.key_prefix, tenant.id, key_name, limits, now)
-        try:
-            values = await self._values(buckets, now)
-        except LimiterUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, exc.message)
+            limits = tuple(lim for lim in limits if lim.scope != "key")
         resp = usage_pb2.GetUsageResponse(
             tenant=tenant.id,
             plan=tenant.plan,
             key_name=key_name,
             config_version=self.gw.config_version,
+            organisation=tenant.organisation,
+            team=team,
         )
+        return await self._fill(
+            resp,
+            context,
+            slot=tenant.slot,
+            key_name=key_name,
+            limits=limits,
+            end_user=request.end_user,
+            tenant_id=tenant.id,
+        )
+
+    async def _level_usage(self, request: Any, context: Any) -> Any:
+        """An organisation's buckets and its teams', or a team's and its organisation's (with
+        ``end_user``: that end user's in the team), without a tenant."""
+        cfg = self.gw.config
+        team = request.team
+        org = request.organisation
+        if team:
+            found = cfg.organisation_of_team(team)
+            if found is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown team {team!r}")
+            if org and org != found:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"team {team!r} is not in organisation {org!r}",
+                )
+            org = found or ""
+        elif org not in cfg.organisations:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown organisation {org!r}")
+        teams = [team] if team else list(cfg.organisations.get(org, ()))
+        limits = cfg.level_limits.get(("organisation", org), ()) + tuple(
+            lim
+            for t in teams
+            for lim in cfg.level_limits.get(("team", t), ())
+            if ((request.end_user and team) or lim.scope != "user") and lim.metric != "users"
+        )
+        if request.model:
+            model = cfg.resolve_model(request.model)
+            if model is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model!r}")
+            assert model is not None
+            limits = tuple(lim for lim in limits if lim.applies_to(model.name))
+        resp = usage_pb2.GetUsageResponse(
+            config_version=self.gw.config_version, organisation=org, team=team
+        )
+        return await self._fill(
+            resp,
+            context,
+            slot=slot_id("", org),
+            key_name="",
+            limits=limits,
+            end_user=request.end_user,
+            tenant_id="",
+        )
+
+    async def _fill(
+        self,
+        resp: Any,
+        context: Any,
+        *,
+        slot: str,
+        key_name: str,
+        limits: tuple[Limit, ...],
+        end_user: str,
+        tenant_id: str,
+    ) -> Any:
+        """``resp`` with the buckets of ``limits`` read now."""
+        now = self.gw.clock.now_ms()
+        buckets = windowed(self.gw.key_prefix, slot, key_name, limits, now, user=end_user)
+        try:
+            values = await self._values(buckets, now)
+        except LimiterUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, exc.message)
         for b, v in zip(buckets, values, strict=True):
             lim = b.limit
             money = lim.metric == "cost" and lim.unit != "weighted"
@@ -127,6 +228,11 @@ class UsageServicer(usage_pb2_grpc.UsageServicer):
                     used_display=format_amount(lim, v) if money else str(v),
                     shadow=lim.shadow,
                     sliding=lim.sliding,
+                    level=(
+                        f"key={tenant_id}/{key_name}"
+                        if lim.scope == "key"
+                        else level_header(b, tenant_id)
+                    ),
                 )
             )
         return resp

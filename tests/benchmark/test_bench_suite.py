@@ -58,3 +58,30 @@ async def test_floor_exchanges_the_gateways_messages_per_non_stream(tmp_path: Pa
     [row] = [r for r in bench.table.rows if r.name.startswith("processor CPU per non-streaming")]
     assert row.target == "<= 1.8x"
     assert row.value is not None and row.base is not None and row.base > 0
+
+
+async def test_peer_section_against_litellm(tmp_path: Path) -> None:
+    """The peer section end to end (quick) when LiteLLM's venv is already made (this test does
+    not install it: ``scripts/bench --only peer`` does): every request of the CPU batches
+    succeeds through both proxies, both deliver every chunk, the gateway's strict run delivers
+    no token over the limit, and the simulator saw every enforcement run's streams."""
+    from extproc.bench import peer
+
+    if not peer.installed():
+        pytest.skip(f"{peer.VENV} not made (scripts/bench --only peer makes it)")
+    bench = Bench(plan=BenchPlan.quick(), workdir=tmp_path, sections=frozenset({"peer"}))
+    await run(bench)
+    raw = bench.raw["peer"]
+    assert "skipped" not in raw
+    for kind, arms in raw["rounds"].items():
+        for arm, rounds in arms.items():
+            assert all(r["failed"] == 0 for r in rounds), (kind, arm)
+            if kind.startswith("streams"):
+                assert all(r["chunks"] == 200 * r["requests"] for r in rounds), arm
+    runs = raw["enforcement"]
+    assert runs["gateway-strict"]["figures"]["over_delivered"] == 0
+    assert all(r["upstream_requests"] >= 1 for r in runs.values())
+    assert {r.name.split(":")[0] for r in bench.table.rows} >= {
+        "proxy CPU per non-streaming request, c=1",
+        "added p50 latency, c=1",
+    }

@@ -36,6 +36,7 @@ TENANTS = (
     "xjsonabandon",
     "xlearn",
     "xlearnjson",
+    "xlearnboth",
 )
 
 
@@ -47,7 +48,7 @@ def xstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     rules = e2e_rules(extra)
     rules["models"]["sim-small"]["non_streams"] = "exact"
     # the same simulator under a model that keeps today's path (forwarded as JSON)
-    for name in ("sim-json", "sim-learn", "sim-learn-json"):
+    for name in ("sim-json", "sim-learn", "sim-learn-json", "sim-learn-both"):
         rules["models"][name] = {
             "tokenizer": {"kind": "tiktoken", "encoding": "cl100k_base"},
             "max_output_tokens": 1024,
@@ -60,6 +61,7 @@ def xstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         sim_args=[
             *("--model", "sim-small", "--model", "sim-json"),
             *("--model", "sim-learn", "--model", "sim-learn-json"),
+            *("--model", "sim-learn-both"),
         ],
     )
     yield s
@@ -370,4 +372,56 @@ def test_json_traffic_alone_teaches_the_rate(xstack: Stack, xrds: redis.Redis) -
     ran = float(rec["disconnected_at"] or rec["ended_at"]) - float(rec["started_at"])
     made = max(0.0, (ran - 0.05) / 0.010)
     assert out < 0.75 * 200, (out, made, rec)  # not the configured rate
+    assert abs(out - made) <= 0.25 * made + 16, (out, made, rec)
+
+
+def test_a_json_abandon_is_billed_at_the_models_json_speed_not_its_streams(
+    xstack: Stack, xrds: redis.Redis
+) -> None:
+    """An engine decodes its streams slower than its non-streams (the CPU vLLM: 10-17 %): a
+    model whose streams ran at 20 ms a token and whose non-streams at 10 ms bills an abandoned
+    non-stream at its non-streams' speed (~100 tokens/s), not its streams' (~50), nor the
+    median of both kinds (its last nine responses: five streams, four non-streams); the start
+    is still its streams' (the shortest first chunk)."""
+    fast = {"x-sim-tokens": "100", "x-sim-itl-ms": "10", "x-sim-ttft-ms": "50"}
+    slow = {"x-sim-tokens": "60", "x-sim-itl-ms": "20", "x-sim-ttft-ms": "50"}
+    c = oai(xstack, "xlearnboth")
+
+    def stream(_: int) -> None:
+        for _chunk in c.chat.completions.create(
+            model="sim-learn-both",
+            messages=MSG,  # type: ignore[arg-type]
+            max_tokens=100,
+            stream=True,
+            extra_headers=slow,
+        ):
+            pass
+
+    def non_stream(_: int) -> None:
+        c.chat.completions.create(
+            model="sim-learn-both",
+            messages=MSG,  # type: ignore[arg-type]
+            max_tokens=100,
+            extra_headers=fast,
+        )
+
+    with ThreadPoolExecutor(5) as pool:
+        list(pool.map(stream, range(5)))  # first: the start the JSON rates are taken after
+        list(pool.map(non_stream, range(5)))
+        settled(xrds, "x-xlearnboth", expect=10)
+        list(pool.map(stream, range(5)))  # last: the streams' rate is the mixed median's
+    billed_before = settled(xrds, "x-xlearnboth", expect=15)
+    with pytest.raises(openai.APITimeoutError):
+        oai(xstack, "xlearnboth", timeout=1.0).chat.completions.create(
+            model="sim-learn-both",
+            messages=MSG,  # type: ignore[arg-type]
+            max_tokens=1000,
+            extra_headers={**fast, "x-sim-tokens": "1000"},
+        )
+    recs = records(xstack, "x-xlearnboth", want=16)
+    (rec,) = [r for r in recs if r["ending"] != "completed"]
+    out = settled(xrds, "x-xlearnboth", expect=16) - billed_before - int(rec["prompt_tokens"])
+    ran = float(rec["disconnected_at"] or rec["ended_at"]) - float(rec["started_at"])
+    made = max(0.0, (ran - 0.05) / 0.010)
+    assert out > 0.8 * made, (out, made, rec)  # not the streams' half speed
     assert abs(out - made) <= 0.25 * made + 16, (out, made, rec)

@@ -14,6 +14,7 @@ import redis
 from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.core.apis.openai.counting import count_chat_request
+from extproc.core.apis.openai.request import MAX_STREAM_INTERVAL
 from extproc.core.tokens import TokenizerSpec
 from extproc.sim.prompt_tokens import chat_prompt_tokens
 from extproc.stack import Stack
@@ -167,6 +168,41 @@ def test_client_disconnect_mid_stream_charges_what_was_delivered(
     # charged: what passed the gateway (>= what the client read, <= what the upstream sent)
     assert got <= used - prompt + 5
     assert used - prompt <= rec["tokens_sent"] + 5
+
+
+def test_a_clients_huge_stream_interval_is_lowered_to_the_bound(
+    stack: Stack, rds: redis.Redis
+) -> None:
+    """A client asking the engine for 100,000 tokens per chunk (vLLM's ``stream_interval``:
+    every token but the first held back to the end, unseen by the meter, unbilled if the
+    client then leaves) gets chunks of at most MAX_STREAM_INTERVAL tokens; walking away
+    after two chunks, it is billed what the upstream sent."""
+    before = settled(rds, "t-disc", expect=0)
+    c = client(stack, "sk-disc")
+    stream = c.chat.completions.create(
+        model="sim-small",
+        messages=MSG,
+        max_tokens=600,
+        stream=True,
+        extra_body={"stream_interval": 100_000},
+    )
+    chunks = 0
+    for ch in stream:
+        if ch.choices and ch.choices[0].delta.content:
+            chunks += 1
+        if chunks == 3:
+            break
+    stream.close()
+    used = settled(rds, "t-disc") - before
+    rec = records(stack, "t-disc")[-1]
+    deadline = time.monotonic() + 5
+    while rec["ending"] == "in_progress" and time.monotonic() < deadline:
+        time.sleep(0.05)
+        rec = records(stack, "t-disc")[-1]
+    assert rec["chunk_tokens"] == MAX_STREAM_INTERVAL, rec
+    assert rec["ending"] == "client_disconnected", rec
+    assert 1 + MAX_STREAM_INTERVAL <= rec["tokens_sent"] < 600, rec
+    assert used - PROMPT <= rec["tokens_sent"] + 5, (used, rec)
 
 
 def test_upstream_reset_mid_stream_charges_what_was_generated(

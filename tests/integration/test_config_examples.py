@@ -63,6 +63,13 @@ POLICIES: dict[str, tuple[str, Callable[[dict[str, Any]], bool]]] = {
     ),
     "fallback": ("fallback.yaml", lambda d: any(p.get("fallback") for p in d["plans"].values())),
     "JWT identity": ("jwt-identity.yaml", lambda d: "jwt" in d["identity"]["sources"]),
+    "levels": (
+        "hierarchy.yaml",
+        lambda d: (
+            bool(d.get("organisations"))
+            and any("end_users" in t for t in d.get("teams", {}).values())
+        ),
+    ),
 }
 
 

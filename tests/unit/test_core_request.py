@@ -9,6 +9,7 @@ import pytest
 
 from extproc.core.apis.base import ParsedRequest
 from extproc.core.apis.openai.request import (
+    MAX_STREAM_INTERVAL,
     effective_output_budget,
     parse_request,
     rewrite_body,
@@ -377,3 +378,37 @@ def test_include_usage_null_means_absent() -> None:
     """``include_usage: null`` is treated like other nullable fields: absent (False)."""
     req = parse(chat(stream=True, stream_options={"include_usage": None}))
     assert req.client_include_usage is False
+
+
+@pytest.mark.parametrize(
+    ("asked", "sent"),
+    [
+        (100_000, MAX_STREAM_INTERVAL),
+        (1e9, MAX_STREAM_INTERVAL),
+        ("100000", MAX_STREAM_INTERVAL),
+        ("lots", MAX_STREAM_INTERVAL),
+        (None, MAX_STREAM_INTERVAL),
+        (True, MAX_STREAM_INTERVAL),
+        (float("nan"), MAX_STREAM_INTERVAL),
+        (MAX_STREAM_INTERVAL + 1, MAX_STREAM_INTERVAL),
+        (MAX_STREAM_INTERVAL, None),  # left as the client sent it: no rewrite
+        (4, None),
+        (1, None),
+    ],
+)
+def test_a_streams_interval_is_at_most_the_bound(asked: Any, sent: int | None) -> None:
+    """A client's ``stream_interval`` (vLLM: tokens per chunk) above the bound, or one the
+    engine might read as a larger number, is lowered: tokens an engine holds back for a later
+    chunk would be unseen by the meter when the client leaves."""
+    req = parse(chat(stream=True, stream_interval=asked))
+    out = rewrite_body(req, budget=None, force_include_usage=False)
+    if sent is None:
+        assert out is None or orjson.loads(out)["stream_interval"] == asked
+    else:
+        assert out is not None and orjson.loads(out)["stream_interval"] == sent
+
+
+def test_a_non_streams_interval_is_left_to_the_engine() -> None:
+    """On a non-stream the engine ignores it (the JSON path): nothing rewritten for it."""
+    req = parse(chat(stream_interval=100_000))
+    assert rewrite_body(req, budget=None, force_include_usage=False) is None

@@ -47,6 +47,7 @@ class FakeModel:
     continuous_usage: bool = False
     abandoned_tokens_per_second: int = 200
     exact_non_streams: bool = False
+    exact_stream_interval: int | None = None
 
     def stream_counter(self) -> Callable[[str], int]:
         return len

@@ -18,10 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.config import load_config_text
+from extproc.config.load import ConfigError
 from extproc.core.apis.messages import MESSAGES, assemble_message
 from extproc.core.apis.openai import CHAT, COMPLETIONS
 from extproc.core.apis.openai.reassemble import assemble_chat
-from extproc.core.apis.reassembly import BufferedStream, stream_events
+from extproc.core.apis.reassembly import BufferedStream, decoded_events, stream_events
 from extproc.core.apis.responses import RESPONSES
 from extproc.core.lifecycle import Closed, Ending
 from extproc.gateway import Gateway
@@ -388,3 +389,145 @@ def test_an_upstream_that_answers_json_to_a_stream_is_read_as_json() -> None:
         assert proc.s.ending is Ending.COMPLETED and proc.s.output_decided == 5
 
     asyncio.run(run())
+
+
+def test_an_exact_stream_interval_asks_the_engine_for_that_many_tokens_per_chunk() -> None:
+    """``exact_stream_interval``: the non-stream goes upstream with vLLM's ``stream_interval``
+    (one chunk, so one ext_proc message, per that many tokens); a chunk of several tokens is
+    rebuilt and, abandoned, counted as one of one token is."""
+
+    async def run() -> None:
+        proc, resp = await admitted(limiter(), EXACT + ", exact_stream_interval: 8")
+        sent = orjson.loads(resp.request_body.response.body_mutation.body)
+        assert sent["stream"] is True and sent["stream_interval"] == 8
+        await proc.handle(
+            pb.ProcessingRequest(
+                response_headers=headers({":status": "200", "content-type": "text/event-stream"})
+            )
+        )
+        for w in (" one", " two three four five six seven eight nine"):
+            await proc.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk(w))))
+        proc.close(Closed.CANCELLED)
+        await asyncio.sleep(0.05)
+        assert proc.s.ending is Ending.CLIENT_DISCONNECTED
+        assert proc.s.output_decided == 9  # every token of both chunks
+
+    asyncio.run(run())
+
+
+def test_a_client_stream_is_never_asked_for_a_stream_interval() -> None:
+    """The interval is the exact path's: a client's own stream keeps one chunk per token."""
+
+    async def run() -> None:
+        cfg = load_config_text(RULES % (EXACT + ", exact_stream_interval: 8"))
+        lim = limiter()
+        gw = Gateway(config=cfg, limiter=lim, clock=lim.inner.clock, metrics=Metrics())
+        proc = RequestProcessor(gw)
+        await proc.handle(
+            pb.ProcessingRequest(
+                request_headers=headers(
+                    {
+                        ":path": "/v1/chat/completions",
+                        ":method": "POST",
+                        "authorization": "Bearer sk-t",
+                    }
+                )
+            )
+        )
+        body = orjson.dumps(
+            {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        )
+        [resp] = await proc.handle(
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+        )
+        mutated = resp.request_body.response.body_mutation.body
+        assert not mutated or "stream_interval" not in orjson.loads(mutated)
+
+    asyncio.run(run())
+
+
+def test_an_exact_stream_interval_needs_the_exact_path() -> None:
+    with pytest.raises(ConfigError, match="exact_stream_interval"):
+        load_config_text(RULES % ", exact_stream_interval: 8")
+    with pytest.raises(ConfigError):  # more than 16 unsent tokens could go unbilled
+        load_config_text(RULES % (EXACT + ", exact_stream_interval: 17"))
+
+
+@pytest.mark.parametrize(
+    ("extra", "sent"), [(EXACT, None), (EXACT + ", exact_stream_interval: 4", 4)]
+)
+def test_a_clients_stream_interval_never_reaches_the_exact_paths_stream(
+    extra: str, sent: int | None
+) -> None:
+    """vLLM ignores ``stream_interval`` on a non-stream, but the exact path makes it a stream:
+    a client's 100,000 would leave every abandoned token but the first unseen (billed as not
+    generated).  Upstream, the gateway's interval or none."""
+
+    async def run() -> None:
+        cfg = load_config_text(RULES % extra)
+        lim = limiter()
+        gw = Gateway(config=cfg, limiter=lim, clock=lim.inner.clock, metrics=Metrics())
+        proc = RequestProcessor(gw)
+        await proc.handle(
+            pb.ProcessingRequest(
+                request_headers=headers(
+                    {
+                        ":path": "/v1/chat/completions",
+                        ":method": "POST",
+                        "authorization": "Bearer sk-t",
+                    }
+                )
+            )
+        )
+        body = orjson.dumps(
+            {
+                "model": "m",
+                "stream_interval": 100_000,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+        )
+        [resp] = await proc.handle(
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+        )
+        upstream = orjson.loads(resp.request_body.response.body_mutation.body)
+        assert upstream["stream"] is True
+        assert upstream.get("stream_interval") == sent
+
+    asyncio.run(run())
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+payloads = st.one_of(
+    st.dictionaries(st.text(max_size=6), json_values, max_size=4).map(orjson.dumps),
+    st.sampled_from(
+        [b"[DONE]", b"", b"{", b"}", b'{"a":1},{"b":2}', b'{"a":[1', b"2]}", b"[1]", b"7"]
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    events=st.lists(payloads, max_size=12),
+    odd=st.sampled_from([b"", b": comment\n\n", b"event: x\n", b"\r\n", b"data:{}\n\n"]),
+    at=st.integers(min_value=0, max_value=12),
+    ended=st.booleans(),
+)
+def test_the_one_call_parse_reads_what_the_decoder_reads(
+    events: list[bytes], odd: bytes, at: int, ended: bool
+) -> None:
+    """The usual stream's events parsed in one call are the SSE decoder's, payload by
+    payload, whatever the payloads (malformed ones skipped, two objects in one event not
+    read as two) and whatever else the stream holds (comments, names, CRs, an unended
+    event)."""
+    blocks = [b"data: " + e + b"\n\n" for e in events]
+    blocks.insert(min(at, len(blocks)), odd)
+    raw = b"".join(blocks)
+    if not ended and raw.endswith(b"\n\n"):
+        raw = raw[:-1]
+    assert stream_events(raw) == decoded_events(raw)

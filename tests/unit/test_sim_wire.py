@@ -370,3 +370,37 @@ def test_unary_bodies() -> None:
     no_usage = ENCODERS["chat"](_ctx()).body(out, UsageReport(output=None, reasoning=0))
     assert "usage" not in no_usage
     assert TOOL != CONTENT
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_a_stream_interval_sends_the_first_token_alone_then_that_many_per_chunk(api: str) -> None:
+    """vLLM's per-request ``stream_interval``: parsed from the body; the first chunk holds one
+    token, the next ones the interval, the last the rest; every token scripted once."""
+    req = parse_generation(
+        {
+            "model": "sim-small",
+            "prompt": "a",
+            "messages": [{"role": "user", "content": "a"}],
+            "stream": True,
+            "stream_interval": 8,
+        },
+        chat=api == "chat",
+        config=CFG,
+    )
+    assert req.stream_interval == 8
+    ctx = _ctx(choices=1)
+    script = build_stream(
+        ENCODERS[api](ctx),
+        [_units(20)],
+        per_chunk=8,
+        first_chunk=1,
+        interval=0.08,
+        triggers=Triggers(),
+        usage_for=UsageFunc(),
+    )
+    carrying = [(f.tokens, round(f.at, 3)) for f in script.frames if f.tokens]
+    assert carrying == [(1, 0.0), (8, 0.08), (8, 0.16), (3, 0.24)]
+    with pytest.raises(RequestError):
+        parse_generation(
+            {"model": "sim-small", "prompt": "a", "stream_interval": 0}, chat=False, config=CFG
+        )

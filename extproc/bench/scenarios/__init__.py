@@ -14,7 +14,9 @@ from extproc.bench.scenarios import (
     door,
     engine,
     failover,
+    levels,
     non_streams,
+    peer,
     profile,
     rls,
     rolling,
@@ -22,6 +24,7 @@ from extproc.bench.scenarios import (
     scale,
     soak,
     streaming,
+    telemetry,
     tokenizer,
     workers,
 )
@@ -44,6 +47,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     admin.SCENARIO,
     failover.SCENARIO,
     engine.SCENARIO,
+    telemetry.SCENARIO,
+    peer.SCENARIO,
+    levels.SCENARIO,
 )
 
 #: The section names, as ``--only`` and ``--skip`` take them.

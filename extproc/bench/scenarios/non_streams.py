@@ -5,8 +5,11 @@ it is forwarded as sent and its one JSON body read for its usage.  One stack, on
 two models on the same simulator (``sim-small`` exact, ``sim-json`` JSON); per output length
 the two arms alternate (A B A B, ``rounds`` times), each a batch of non-streaming requests
 at concurrency 4; the processor tree's CPU per request, the per-round exact / JSON ratio and
-the ext_proc messages Envoy sent per request.  The exact path is the default when it costs
-at most :data:`EXACT_CPU_RATIO` (docs/performance.md)."""
+the ext_proc messages Envoy sent per request.  A third arm, ``sim-exact16``, is the exact path
+asking the engine for :data:`INTERVAL` tokens per chunk (``exact_stream_interval``: vLLM's
+``stream_interval``, which the simulator follows: the first token alone, then that many per
+chunk).  The exact path is the default when it costs at most :data:`EXACT_CPU_RATIO`
+(docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -31,16 +34,29 @@ PROMPT_TOKENS = 200
 #: The exact path is the default when it costs at most this much CPU per non-stream.
 EXACT_CPU_RATIO = 1.10
 SETTLE_S = 0.15
+#: The third arm's ``exact_stream_interval``.
+INTERVAL = 16
+#: The arms: name -> (model, what its rows call it).
+ARMS = {
+    "exact": ("sim-small", "exact path"),
+    "exact16": ("sim-exact16", f"exact path, exact_stream_interval {INTERVAL}"),
+    "json": ("sim-json", "JSON path"),
+}
 
 
 def rules_with_json_model(rules: dict[str, Any]) -> dict[str, Any]:
-    """The run's rules with ``sim-small`` on the exact path, plus ``sim-json``: the same
-    model on the JSON path."""
+    """The run's rules with ``sim-small`` on the exact path, plus the same model as
+    ``sim-json`` on the JSON path and as ``sim-exact16`` on the exact path with
+    ``exact_stream_interval``."""
     out = copy.deepcopy(rules)
     model = copy.deepcopy(out["models"]["sim-small"])
     model.pop("aliases", None)
-    model["non_streams"] = "json"
-    out["models"]["sim-json"] = model
+    out["models"]["sim-json"] = {**model, "non_streams": "json"}
+    out["models"]["sim-exact16"] = {
+        **model,
+        "non_streams": "exact",
+        "exact_stream_interval": INTERVAL,
+    }
     out["models"]["sim-small"]["non_streams"] = "exact"
     return out
 
@@ -51,13 +67,13 @@ async def measure(b: Bench, stacks: Stacks) -> None:
         system.start_stack,
         stacks.workdir / "non_streams",
         rules_with_json_model(stacks.rules),
-        sim_models=("sim-small", "sim-json"),
+        sim_models=tuple(model for model, _ in ARMS.values()),
     )
     stacks.started.append(stack)
     meter = system.CpuMeter(system.proc_pids(stack, "extproc"))
     n, c = b.plan.fixed_requests, b.plan.fixed_concurrency
     raw: dict[str, Any] = b.raw.setdefault("non_streams", {})
-    for model in ("sim-small", "sim-json"):  # warm both paths
+    for model, _ in ARMS.values():  # warm every path
         warm = Shape(PROMPT_TOKENS, 8, model=model)
         await batch(stack.base_url, KEY, warm, count=30, concurrency=c)
 
@@ -81,16 +97,20 @@ async def measure(b: Bench, stacks: Stacks) -> None:
         what = f"{out} output tokens" + (f" {itl:g} ms apart" if itl else "")
         b.log(f"non_streams: {what}, {n} requests at c={c} per arm x {b.plan.rounds}")
         arms = {
-            "exact": partial(one_round, Shape(PROMPT_TOKENS, out, itl_ms=itl, model="sim-small")),
-            "json": partial(one_round, Shape(PROMPT_TOKENS, out, itl_ms=itl, model="sim-json")),
+            name: partial(one_round, Shape(PROMPT_TOKENS, out, itl_ms=itl, model=model))
+            for name, (model, _) in ARMS.items()
         }
         rounds = await interleave(b.plan.rounds, arms)
         med = {a: {k: med_rounds([r[k] for r in rs]) for k in rs[0]} for a, rs in rounds.items()}
-        ratios = [
-            e["cpu_per_req_us"] / j["cpu_per_req_us"]
-            for e, j in zip(rounds["exact"], rounds["json"], strict=True)
-            if j["cpu_per_req_us"] > 0
-        ]
+        ratios = {
+            arm: [
+                e["cpu_per_req_us"] / j["cpu_per_req_us"]
+                for e, j in zip(rounds[arm], rounds["json"], strict=True)
+                if j["cpu_per_req_us"] > 0
+            ]
+            for arm in ARMS
+            if arm != "json"
+        }
         errors = {a: int(sum(r["errors"] for r in rs)) for a, rs in rounds.items()}
         raw[f"out{out}" + (f"_itl{itl:g}" if itl else "")] = {
             "rounds": rounds,
@@ -98,32 +118,37 @@ async def measure(b: Bench, stacks: Stacks) -> None:
             "ratios": ratios,
             "errors": errors,
         }
-        spread = (
-            f"ratio per round: median {median(ratios):.2f}x, {min(ratios):.2f}-{max(ratios):.2f}x"
-            if ratios
-            else ""
-        )
-        failed = f"failed: exact {errors['exact']}, json {errors['json']}"
-        b.table.add(
-            Row(
-                "13 non_streams",
-                f"processor CPU per non-stream, exact path, {what} (base = JSON path)",
-                "µs",
-                med["exact"]["cpu_per_req_us"],
-                med["json"]["cpu_per_req_us"],
-                goal=Target("ratio", "<=", EXACT_CPU_RATIO),
-                note=", ".join(x for x in (spread, failed if any(errors.values()) else "") if x),
+        failed = "failed: " + ", ".join(f"{a} {n}" for a, n in errors.items())
+        for arm, arm_ratios in ratios.items():
+            spread = (
+                f"ratio per round: median {median(arm_ratios):.2f}x, "
+                f"{min(arm_ratios):.2f}-{max(arm_ratios):.2f}x"
+                if arm_ratios
+                else ""
             )
-        )
-        b.table.add(
-            Row(
-                "13 non_streams",
-                f"gRPC messages Envoy sent per non-stream, {what} (base = JSON path)",
-                "msgs",
-                med["exact"]["msgs_per_req"],
-                med["json"]["msgs_per_req"],
+            label = ARMS[arm][1]
+            b.table.add(
+                Row(
+                    "13 non_streams",
+                    f"processor CPU per non-stream, {label}, {what} (base = JSON path)",
+                    "µs",
+                    med[arm]["cpu_per_req_us"],
+                    med["json"]["cpu_per_req_us"],
+                    goal=Target("ratio", "<=", EXACT_CPU_RATIO),
+                    note=", ".join(
+                        x for x in (spread, failed if any(errors.values()) else "") if x
+                    ),
+                )
             )
-        )
+            b.table.add(
+                Row(
+                    "13 non_streams",
+                    f"gRPC messages Envoy sent per non-stream, {label}, {what} (base = JSON path)",
+                    "msgs",
+                    med[arm]["msgs_per_req"],
+                    med["json"]["msgs_per_req"],
+                )
+            )
 
 
 SCENARIO = Scenario("non_streams", measure)

@@ -92,6 +92,7 @@ class ApiFormat(Protocol):
         model: str | None,
         continuous_usage: bool = False,
         upstream_stream: bool = False,
+        stream_interval: int | None = None,
     ) -> bytes | None:
         """The body to forward, or None when unchanged.
 
@@ -99,7 +100,10 @@ class ApiFormat(Protocol):
         carry it (added when absent, lowered when larger). ``force_usage``: ask a streaming
         upstream for usage (chat/completions). ``model``: the canonical model name.
         ``continuous_usage``: ask the engine for running usage in every chunk (chat/completions
-        on vLLM or SGLang; other APIs ignore it).
+        on vLLM or SGLang; other APIs ignore it). ``upstream_stream``: send a non-stream
+        upstream as a stream with usage (the exact path). ``stream_interval``: with it, ask
+        the engine for that many tokens per chunk (vLLM's ``stream_interval``; chat and
+        completions, other APIs ignore it).
         """
         ...
 

@@ -141,6 +141,7 @@ class EmbeddingsFormat:
         model: str | None,
         continuous_usage: bool = False,
         upstream_stream: bool = False,
+        stream_interval: int | None = None,
     ) -> bytes | None:
         """Only the canonical model: there is no output budget to write."""
         return rewrite_fields(req, budget=None, model=model)

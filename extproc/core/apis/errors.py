@@ -21,6 +21,8 @@ from extproc.core.admission_plan import (
     scope_label,
 )
 from extproc.core.keys import WindowedBucket
+from extproc.core.levels import level_label
+from extproc.core.rules import Limit
 from extproc.errors import ErrorBody, GatewayError, QuotaExceeded, StreamCut
 
 
@@ -37,6 +39,8 @@ def error_headers(err: GatewayError) -> list[tuple[str, str]]:
             out.append(("retry-after", str(retry_seconds(err.retry_after_s))))
             out.append(("retry-after-ms", str(max(1, math.ceil(err.retry_after_s * 1000)))))
         out += err.headers.as_pairs()
+        if err.level:
+            out.append(("x-aiquota-limit-level", err.level))
     elif err.status == 503:
         out.append(("retry-after", "1"))
     return out
@@ -97,13 +101,16 @@ def quota_cut_message(
     delivered: int,
     reset_s: float,
     what: str = "",
+    on: str = "",
 ) -> str:
     """What a client reads when its stream is cut because a quota ran out (``what`` names a
-    budget: ``budget of 50.00 USD per month``; empty: tokens per ``per``)."""
+    budget: ``budget of 50.00 USD per month``; empty: tokens per ``per``; ``on`` the level
+    that ran out, ``organisation acme``: by default the tenant)."""
+    on = on or f"tenant {tenant}"
     head = (
-        f"Budget exhausted on tenant {tenant} ({scope}): {what}"
+        f"Budget exhausted on {on} ({scope}): {what}"
         if what
-        else f"Rate limit reached for tokens per {per} on tenant {tenant} ({scope})"
+        else f"Rate limit reached for tokens per {per} on {on} ({scope})"
     )
     resets = human_duration(reset_s) if what else f"{retry_seconds(reset_s)}s"
     return (
@@ -119,14 +126,15 @@ def quota_cut(
     admitted: list[WindowedBucket],
     delivered: int,
     now_ms: int,
-) -> tuple[str, bool]:
+) -> tuple[str, bool, Limit | None]:
     """The cut's message naming the limit that ran out (the per-token bucket furthest past its
-    limit in the last charge's answer, else the admitted ones), and whether it is a budget."""
+    limit in the last charge's answer, else the admitted ones), whether it is a budget, and
+    that limit (None: none is known)."""
     live = [(b, v) for b, v in charged if b.kind == "tpm" and not b.limit.shadow]
     if not live:
         live = [(b, 0) for b in admitted if b.kind == "tpm" and not b.limit.shadow]
     if not live:
-        return "Rate limit reached for tokens; the stream was stopped.", False
+        return "Rate limit reached for tokens; the stream was stopped.", False, None
     b, v = max(live, key=lambda bv: (bv[1] - bv[0].limit.limit) / max(1, bv[0].limit.limit))
     used = v if v else b.limit.limit
     budget = b.metric == "cost"
@@ -139,11 +147,18 @@ def quota_cut(
         delivered=delivered,
         reset_s=b.reset_s(now_ms),
         what=describe(b.limit) if budget else "",
+        on=level_label(b, tenant),
     )
-    return message, budget
+    return message, budget, b.limit
 
 
-def cut_error(reason: str, message: str | None = None, *, budget: bool = False) -> StreamCut:
+def cut_error(
+    reason: str,
+    message: str | None = None,
+    *,
+    budget: bool = False,
+    limit: Limit | None = None,
+) -> StreamCut:
     """The error a stream cut for ``reason`` (a ``CutReason`` value) carries to the client;
     ``budget``: the quota that ran out is a money or weighted-token budget."""
     if reason == "quota_exhausted":
@@ -152,6 +167,7 @@ def cut_error(reason: str, message: str | None = None, *, budget: bool = False) 
             status=429,
             error_type="budget" if budget else "tokens",
             code="budget_exceeded" if budget else "tpm_limit_exceeded",
+            limit=limit,
         )
     if reason == "quota_backend_unavailable":
         text = "The quota backend is unavailable; the stream was stopped. Retry shortly."
@@ -225,6 +241,8 @@ def anthropic_error_headers(err: GatewayError, *, now_ms: int | None) -> list[tu
         if err.retry_after_s is not None:
             out.append(("retry-after", str(retry_seconds(err.retry_after_s))))
         out += _anthropic_ratelimit_headers(err, now_ms)
+        if err.level:
+            out.append(("x-aiquota-limit-level", err.level))
     elif err.status == 503:
         out.append(("retry-after", "1"))
     return out

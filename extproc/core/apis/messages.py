@@ -339,6 +339,7 @@ class MessagesFormat:
         model: str | None,
         continuous_usage: bool = False,
         upstream_stream: bool = False,
+        stream_interval: int | None = None,
     ) -> bytes | None:
         """Canonical model and ``max_tokens`` lowered to the budget.  ``force_usage`` is moot:
         ``message_start``/``message_delta`` always carry usage."""

@@ -25,9 +25,42 @@ Event = tuple[str | None, dict[str, Any]]
 Assemble = Callable[[list[Event]], dict[str, Any]]
 
 
+def _plain_events(raw: bytes) -> list[Event] | None:
+    """:func:`stream_events` of the usual stream (vLLM's, OpenAI's: LF line ends, each event
+    one ``data: `` line holding one JSON object, every event ended), its JSON parsed in one
+    call; None for any other (the SSE decoder's), or when the payloads are not one object
+    each (then parsed one by one, a malformed one skipped)."""
+    if not raw.endswith(b"\n\n") or b"\r" in raw:
+        return None
+    payloads = []
+    for block in raw.split(b"\n\n"):
+        if not block:
+            continue
+        if not block.startswith(b"data: ") or b"\n" in block:
+            return None  # a comment, an event name, a multi-line event, a stray line end
+        if block != b"data: [DONE]":
+            payload = block[6:]
+            if not (payload.startswith(b"{") and payload.endswith(b"}")):
+                return None
+            payloads.append(payload)
+    try:
+        objs = orjson.loads(b"[" + b",".join(payloads) + b"]")
+    except orjson.JSONDecodeError:
+        return None
+    if len(objs) != len(payloads) or not all(isinstance(obj, dict) for obj in objs):
+        return None
+    return [(None, obj) for obj in objs]
+
+
 def stream_events(raw: bytes) -> list[Event]:
     """The JSON-object events of an SSE stream, in order (``[DONE]``, comments and data
     that is not a JSON object are skipped)."""
+    plain = _plain_events(raw)
+    return plain if plain is not None else decoded_events(raw)
+
+
+def decoded_events(raw: bytes) -> list[Event]:
+    """:func:`stream_events` by the SSE decoder, each payload parsed alone (any stream)."""
     decoder = SSEDecoder(max_event_bytes=max(1, len(raw) + 2))
     try:
         events = decoder.feed(raw) + decoder.flush()

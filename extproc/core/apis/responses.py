@@ -343,6 +343,7 @@ class ResponsesFormat:
         model: str | None,
         continuous_usage: bool = False,
         upstream_stream: bool = False,
+        stream_interval: int | None = None,
     ) -> bytes | None:
         """Canonical model and ``max_output_tokens`` = budget when absent or larger.
         ``force_usage`` is moot: the terminal event always carries usage."""

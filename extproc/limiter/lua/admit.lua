@@ -12,8 +12,11 @@
 --                admission was replayed) takes the admission: its counters are charged once;
 --                a settled one opens no reservation nor concurrency slot.
 -- KEYS[2..n+1]   bucket counters, all sharing one hash tag: a string counter per window for
---                requests ("r") and per-token units ("t": tokens, money, weighted tokens), or a
---                sorted set of leased requests for a concurrency limit ("c")
+--                requests ("r") and per-token units ("t": tokens, money, weighted tokens), a
+--                sorted set of leased requests for a concurrency limit ("c"), or a set of a
+--                team's end users in the window ("u": its member is the name at the bucket's
+--                "previous window" index, never read as a key; a member already in the set
+--                adds nothing, a new one is refused once the set holds the limit)
 -- KEYS[n+2]      the tenant's open reservations (sorted set: ledger -> lease deadline, ms)
 -- KEYS[n+3..]    previous windows' counters of sliding limits (referenced by index below)
 -- ARGV[1]        ledger TTL in ms
@@ -100,12 +103,21 @@ if now > 0 then
 end
 local vals = {}
 local prev = {}
+local known = {}
 for i = 1, n do
   local base = 4 + (i - 1) * W
   prev[i] = 0
   if ARGV[A0 + base] == 'c' then
     redis.call('ZREMRANGEBYSCORE', KEYS[K0 + i + 1], '-inf', now)
     vals[i] = redis.call('ZCARD', KEYS[K0 + i + 1])
+  elseif ARGV[A0 + base] == 'u' then
+    -- the set's size without this request's end user: what adding it makes it is vals + 1
+    local member = KEYS[tonumber(ARGV[A0 + base + 6])]
+    known[i] = redis.call('SISMEMBER', KEYS[K0 + i + 1], member) == 1
+    vals[i] = redis.call('SCARD', KEYS[K0 + i + 1])
+    if known[i] then
+      vals[i] = vals[i] - 1
+    end
   else
     local p = tonumber(ARGV[A0 + base + 6])
     if p > 0 then
@@ -128,7 +140,7 @@ for i = 1, n do
   local base = 4 + (i - 1) * W
   local amount = tonumber(ARGV[A0 + base + 1])
   local limit = tonumber(ARGV[A0 + base + 2])
-  if ARGV[A0 + base + 5] ~= '1' and amount > 0 and vals[i] + amount > limit then
+  if ARGV[A0 + base + 5] ~= '1' and amount > 0 and not known[i] and vals[i] + amount > limit then
     ok = false
   end
 end
@@ -144,7 +156,13 @@ if ok then
     local kind = ARGV[A0 + base]
     local amount = tonumber(ARGV[A0 + base + 1])
     local key = KEYS[K0 + i + 1]
-    if kind == 'c' then
+    if kind == 'u' then
+      if not known[i] then
+        redis.call('SADD', key, KEYS[tonumber(ARGV[A0 + base + 6])])
+        redis.call('PEXPIREAT', key, ARGV[A0 + base + 3])
+      end
+      vals[i] = vals[i] + 1
+    elseif kind == 'c' then
       if not closed then -- a settled request holds no slot
         redis.call('ZADD', key, lease_until, ledger)
         redis.call('PEXPIREAT', key, ARGV[A0 + base + 3])

@@ -68,6 +68,7 @@ class OpenAICompletionsFormat:
         model: str | None,
         continuous_usage: bool = False,
         upstream_stream: bool = False,
+        stream_interval: int | None = None,
     ) -> bytes | None:
         return rewrite_body(
             req,
@@ -76,6 +77,7 @@ class OpenAICompletionsFormat:
             canonical_model=model,
             continuous_usage=continuous_usage,
             upstream_stream=upstream_stream,
+            stream_interval=stream_interval,
         )
 
     def stream_reader(self) -> _Reader:

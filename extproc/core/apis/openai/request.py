@@ -7,6 +7,7 @@ the field that is wrong.  Token budgets are validated here and clamped by
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import orjson
@@ -126,6 +127,28 @@ def effective_output_budget(declared: int | None, model_cap: int) -> int:
     return min(declared, model_cap)
 
 
+#: The most tokens per chunk a client may ask a streaming engine for (vLLM's per-request
+#: ``stream_interval``): the meter charges and cuts chunk by chunk, and the tokens an engine
+#: holds back for its next chunk are unseen when the client leaves; a client's larger value
+#: (100,000: every token but the first held back to the end) is lowered to this.  The same
+#: bound as a model's ``exact_stream_interval``.
+MAX_STREAM_INTERVAL = 16
+
+
+def _client_interval(value: object) -> int | None:
+    """A client's ``stream_interval`` as the engine would read it (an integer, a float with no
+    fraction, a numeric string: pydantic's lax reading), None when it is not a number."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value) if isinstance(value, int | float | str) else None
+    except ValueError:
+        return None
+    if number is None or not math.isfinite(number):
+        return None
+    return int(number)
+
+
 def rewrite_body(
     req: ParsedRequest,
     *,
@@ -134,6 +157,7 @@ def rewrite_body(
     canonical_model: str | None = None,
     continuous_usage: bool = False,
     upstream_stream: bool = False,
+    stream_interval: int | None = None,
 ) -> bytes | None:
     """The mutated body to send upstream, or None when nothing needs to change.
 
@@ -145,7 +169,11 @@ def rewrite_body(
     ``continuous_usage`` asks an engine that can (vLLM, SGLang) for the running usage in every
     chunk (``stream_options.continuous_usage_stats``), which the meter then charges by.
     ``upstream_stream``: a non-stream sent upstream as a stream with usage (the exact path:
-    the gateway reassembles its JSON for the client).
+    the gateway reassembles its JSON for the client); with ``stream_interval``, the engine is
+    asked for that many tokens per chunk (vLLM's per-request ``stream_interval``: fewer
+    chunks, each one ext_proc message); a client's own ``stream_interval`` never goes
+    upstream on the exact path (it would choose what an abandon leaves unseen), and on a
+    stream it is at most :data:`MAX_STREAM_INTERVAL`.
     """
     changed = bool(req.notes.get("normalised"))
     body = req.body
@@ -164,6 +192,21 @@ def rewrite_body(
     if upstream_stream and body.get("stream") is not True:
         body["stream"] = True
         changed = True
+    if upstream_stream and body.get("stream_interval") != stream_interval:
+        # the gateway's alone: a client's (which vLLM ignores for the non-stream it sent)
+        # would choose how many generated tokens an abandon leaves unseen
+        if stream_interval is None:
+            del body["stream_interval"]
+        else:
+            body["stream_interval"] = stream_interval
+        changed = True
+    if req.stream and not upstream_stream and "stream_interval" in body:
+        asked = _client_interval(body["stream_interval"])
+        if asked is None or asked > MAX_STREAM_INTERVAL:
+            # an engine holding tokens back past the bound would leave them unbilled when the
+            # client leaves, and out of the meter's reach until it sends them
+            body["stream_interval"] = MAX_STREAM_INTERVAL
+            changed = True
     if upstream_stream or (
         req.stream and ((force_include_usage and not req.client_include_usage) or continuous_usage)
     ):
