@@ -9,32 +9,28 @@ through which lease renewal and the shutdown cut see the requests in flight."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
-import orjson
 import structlog
 
+from extproc.background import InputNotes, InputStops
 from extproc.clock import Clock
 from extproc.config.runtime import RuntimeConfig
-from extproc.core.admission_plan import RoomHints
 from extproc.core.apis.base import ApiFormat
 from extproc.core.audits import InputAudits
 from extproc.core.decode_rate import DecodeRates
-from extproc.core.keys import input_stops_key
+from extproc.core.room_hints import RoomHints
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import (
     MAX_RIDERS,
     AdmitResult,
     InputNote,
-    InputNoter,
-    InputStopStore,
     Limiter,
     SettleCall,
 )
@@ -63,19 +59,6 @@ class OpenRequest(Protocol):
 
 log = structlog.get_logger("extproc")
 
-#: How often each replica reads the models whose input shortcut another replica stopped (one
-#: HKEYS of one small hash per replica per period, off the requests' path), and writes the
-#: stops it found that Redis did not take yet.
-INPUT_STOPS_REFRESH_S = 1.0
-#: How long a config version's stops live in Redis after the last one was found (a version
-#: no replica runs any more is forgotten).
-INPUT_STOPS_TTL_MS = 30 * 86_400_000
-
-#: Input notes waiting for their call at most (beyond, a note is dropped: the bound stays).
-MAX_INPUT_NOTES = 10_000
-#: How long a note waits for others to share its call.
-INPUT_NOTE_TICK_S = 0.005
-
 
 @dataclass
 class Gateway:
@@ -97,12 +80,6 @@ class Gateway:
     room: RoomHints = field(default_factory=RoomHints)
     # the audit sampler, and the models whose upstream input figures a count contradicted
     input_audits: InputAudits = field(default_factory=InputAudits)
-    # stops found here that Redis has not taken yet: (config version, model) -> what was found
-    _stops_unsent: dict[tuple[str, str], str] = field(default_factory=dict)
-    # writes them and reads the other replicas' every INPUT_STOPS_REFRESH_S while requests
-    # are admitted on a bound (an idle replica makes no call)
-    _stops_loop: asyncio.Task[None] | None = None
-    _bound_seen: bool = False
     # each model's decode rate, learned from its completed responses (abandons it cannot meter)
     decode_rates: DecodeRates = field(default_factory=DecodeRates)
     _settlements: SettlementQueue | None = None
@@ -117,10 +94,6 @@ class Gateway:
     # third of it while their request runs; a processor that dies stops renewing, and the
     # tenant's next admission refunds what it had reserved (the bound on what a SIGKILL leaks).
     _leases: asyncio.Task[None] | None = None
-    # Exact input counts of requests admitted on a bound, on their way to their open ledgers
-    # (so that a reclaim after a SIGKILL refunds the rest of the bound), a few per Redis call
-    _notes: list[InputNote] = field(default_factory=list)
-    _noting: asyncio.Task[None] | None = None
     _bound: dict[str, ApiFormat] = field(default_factory=dict)
     # One usage record per settled request goes here (a Redis Stream; None: off).
     recorder: UsageRecorder | None = None
@@ -128,6 +101,14 @@ class Gateway:
     config_version: str = ""
     # OpenTelemetry traces and metrics (extproc/telemetry/); a no-op unless OTEL_* configure it
     telemetry: Telemetry = NO_TELEMETRY
+    # Background jobs beside the requests (extproc.background): the input shortcut's stops
+    # shared with the other replicas, and the exact input notes on their way to the ledgers
+    stops: InputStops = field(init=False)
+    notes: InputNotes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stops = InputStops(self)
+        self.notes = InputNotes(self)
 
     def install(self, config: RuntimeConfig, version: str) -> None:
         """Swap the rules in (requests in flight keep the ones they started with) and publish
@@ -159,109 +140,26 @@ class Gateway:
         """Whether this request of ``model``, admitted on a bound, is counted exactly at once:
         to check the upstream's input figure (one in ``requests.input_audit_every``), or
         because that model's figures disagreed with a count before (:class:`InputAudits`)."""
-        self._bound_seen = True  # the shortcut is in use: keep the shared stops fresh
-        if self._stops_loop is None:
-            self.keep_input_stops()
+        self.stops.bound_seen()  # the shortcut is in use: keep the shared stops fresh
         return self.input_audits.count_now(model, config.input_audit_every)
 
-    # -- the input shortcut's stops, shared by every replica through Redis -----------------
-
-    def _stop_store(self) -> InputStopStore | None:
-        if getattr(self.limiter, "input_stops", None) is None:
-            return None
-        return cast("InputStopStore", self.limiter)
-
     def stop_input_shortcut(self, model: str, found: dict[str, Any]) -> None:
-        """A count here contradicted ``model``'s upstream input figure (the shortcut already
-        stopped in this process): write it to Redis for every replica, at once in the
-        background, and again at each refresh until Redis takes it."""
-        version = self.config_version
-        entry = {
-            **found,
-            "model": model,
-            "config_version": version,
-            "replica": self.instance,
-            "at_ms": self.clock.now_ms(),
-        }
-        self._stops_unsent[(version, model)] = orjson.dumps(entry).decode()
-        if self._stop_store() is not None:
-            self.track(asyncio.ensure_future(self._write_stops()))
-            self.keep_input_stops()  # retries what Redis did not take
-
-    async def _write_stops(self) -> None:
-        store = self._stop_store()
-        if store is None:
-            return
-        for (version, model), entry in list(self._stops_unsent.items()):
-            key = input_stops_key(self.key_prefix, version)
-            try:
-                first = await store.stop_input_shortcut(key, model, entry, INPUT_STOPS_TTL_MS)
-            except LimiterUnavailable:
-                log.warning("input_shortcut_stop_not_written", model=model, retry_in_s=1.0)
-                return
-            self._stops_unsent.pop((version, model), None)
-            log.info("input_shortcut_stop_written", model=model, first=first)
+        """A count here contradicted ``model``'s upstream input figure: tell every replica
+        (:meth:`extproc.background.InputStops.stop`)."""
+        self.stops.stop(model, found)
 
     async def refresh_input_stops(self) -> list[str]:
-        """Write the stops found here that Redis did not take yet, then read those of this
-        config version (any replica's, this one's before a restart): the models this stopped
-        here now.  One HKEYS; a Redis that does not answer changes nothing (the probation and
-        this process's own audits still hold)."""
-        store = self._stop_store()
-        if store is None:
-            return []
-        if self._stops_unsent:
-            await self._write_stops()
-        version = self.config_version
-        try:
-            names = await store.input_stops(input_stops_key(self.key_prefix, version))
-        except LimiterUnavailable:
-            return []
-        if version != self.config_version:
-            return []  # the rules changed meanwhile: these stops belong to the old version
-        models = self.config.models  # labels and the table: configured models only
-        new = self.input_audits.stopped_elsewhere(n for n in names if n in models)
-        for model in new:
-            self.metrics.input_stops_adopted.labels(model).inc()
-            log.warning(
-                "input_shortcut_stopped_elsewhere",
-                model=model,
-                config_version=version,
-                note="another replica's count contradicted this model's upstream input figure",
-            )
-        return new
-
-    def keep_input_stops(self) -> None:
-        """Start the refresh of the shared stops (once per process, with the first request
-        admitted on a bound or the first stop found here): at once, then every
-        :data:`INPUT_STOPS_REFRESH_S` in which a request was admitted on a bound or a stop
-        waits to be written.  An idle replica makes no call; a model's first requests after a
-        start are counted until one agrees (its probation), so the first read is never late."""
-        if self._stop_store() is None:
-            return
-        if self._stops_loop is None or self._stops_loop.done():
-            loop = asyncio.get_running_loop()
-            self._stops_loop = loop.create_task(self._refresh_loop(), context=contextvars.Context())
-
-    async def _refresh_loop(self) -> None:
-        while True:
-            if self._bound_seen or self._stops_unsent:
-                self._bound_seen = False
-                try:
-                    await self.refresh_input_stops()
-                except Exception:  # never let the loop die: the next period tries again
-                    log.exception("input_stops_refresh_failed")
-            await asyncio.sleep(INPUT_STOPS_REFRESH_S)
+        """Read the stops the other replicas found (:meth:`InputStops.refresh`)."""
+        return await self.stops.refresh()
 
     async def close_input_stops(self) -> None:
-        """Stop the refresh; write what is still unsent, once."""
-        task = self._stops_loop
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if self._stops_unsent:
-            await self._write_stops()
+        """Stop the stops' refresh; write what is still unsent, once."""
+        await self.stops.close()
+
+    def note_input(self, note: InputNote) -> None:
+        """Write a request's exact input into its open ledger, in the background
+        (:meth:`extproc.background.InputNotes.note`)."""
+        self.notes.note(note)
 
     def ledger_id(self, request_id: str) -> str:
         """A ledger id unique to one HTTP request: Envoy's request id, this process, a serial.
@@ -360,32 +258,6 @@ class Gateway:
             # must not log with that request's bound fields.
             loop = asyncio.get_running_loop()
             self._leases = loop.create_task(self._renew_loop(), context=contextvars.Context())
-
-    def note_input(self, note: InputNote) -> None:
-        """Write a request's exact input into its open ledger, in the background (a few
-        milliseconds, many notes per call).  A note that cannot be written (no room in the
-        queue, Redis failing) leaves the bound in the ledger: a SIGKILL then bills it, the
-        over-count it was before; the request's own settlement is not affected."""
-        if getattr(self.limiter, "note_inputs", None) is None:
-            return
-        if len(self._notes) >= MAX_INPUT_NOTES:
-            self.metrics.input_notes.labels("dropped").inc()
-            return
-        self._notes.append(note)
-        if self._noting is None or self._noting.done():
-            loop = asyncio.get_running_loop()
-            self._noting = loop.create_task(self._write_notes(), context=contextvars.Context())
-
-    async def _write_notes(self) -> None:
-        while self._notes:
-            await asyncio.sleep(INPUT_NOTE_TICK_S)  # others join the call
-            notes, self._notes = self._notes, []
-            noter: InputNoter = cast("InputNoter", self.limiter)
-            results = await noter.note_inputs(notes)
-            for r in results:
-                self.metrics.input_notes.labels(
-                    "written" if r else "failed" if r is None else "closed"
-                ).inc()
 
     def open_leases(self) -> dict[str, list[str]]:
         """Ledgers of requests admitted here and not yet settled, each with the concurrency

@@ -29,10 +29,9 @@ shape, at its one error boundary).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
-from types import TracebackType
-from typing import Final, Literal, Protocol, TypeVar
+from typing import Final, TypeVar
 
 from extproc.core import admission_plan, policies
 from extproc.core.actions import (
@@ -42,7 +41,6 @@ from extproc.core.actions import (
     CallAdmit,
     CountExact,
     Decided,
-    DraftRecord,
     DuplicateAdmit,
     FellBack,
     ForwardBody,
@@ -54,8 +52,16 @@ from extproc.core.actions import (
     Reject,
     ShadowRefused,
 )
-from extproc.core.admission_plan import AdmissionPlan, Cost, RoomHints
-from extproc.core.apis.base import ApiFormat, ParsedRequest, RequestLimits
+from extproc.core.admission_calls import (
+    admission_call,
+    draft_record,
+    fallback_model,
+    plan_for,
+    undo,
+)
+from extproc.core.admission_plan import AdmissionPlan
+from extproc.core.admission_rules import AdmissionRules, bound_input
+from extproc.core.apis.base import RequestLimits
 from extproc.core.counters import UTF8BoundCounter
 from extproc.core.events import (
     AdmissionEvent,
@@ -68,9 +74,9 @@ from extproc.core.events import (
 from extproc.core.figures import run_ahead_budget
 from extproc.core.keys import WindowedBucket
 from extproc.core.phase_records import AdmitModel, Admitted, Parsed, PhaseError
-from extproc.core.rules import Adjustment, BucketCharge, Charging
+from extproc.core.room_hints import RoomHints
+from extproc.core.rules import BucketCharge, Charging
 from extproc.core.session import Session
-from extproc.core.tokens import PromptShapeError, PromptTooLarge
 from extproc.errors import (
     BadRequest,
     GatewayError,
@@ -79,86 +85,6 @@ from extproc.errors import (
     RequestTooLarge,
     UnknownModel,
 )
-
-
-class AdmissionRules(Protocol):
-    """What admission reads of the configuration (structural: the core imports no config)."""
-
-    @property
-    def max_body_bytes(self) -> int: ...
-    @property
-    def max_tokens_ceiling(self) -> int: ...
-    @property
-    def max_n(self) -> int: ...
-    @property
-    def unknown_model_action(self) -> str: ...
-    @property
-    def unknown_model_status(self) -> int: ...
-    @property
-    def unknown_model(self) -> AdmitModel: ...
-    @property
-    def models(self) -> Mapping[str, AdmitModel]: ...
-    @property
-    def fallbacks(self) -> Mapping[str, Mapping[str, str]]: ...
-    @property
-    def over_model_cap(self) -> Literal["clamp", "reject"]: ...
-    @property
-    def count_refused_requests(self) -> bool: ...
-    @property
-    def force_include_usage(self) -> bool: ...
-    @property
-    def reservation_lease_ms(self) -> int: ...
-    @property
-    def ledger_ttl_seconds(self) -> int: ...
-    @property
-    def admit_on_bound(self) -> bool: ...
-    @property
-    def bound_headroom(self) -> float: ...
-    @property
-    def bound_below(self) -> float: ...
-    def resolve_model(self, name: str) -> AdmitModel | None: ...
-    def failure_mode_for(self, plan: str) -> str: ...
-    def charging_for(self, plan: str, model: str) -> Charging: ...
-
-
-class _ClientErrors:
-    """What a body's walk (a count, a bound) raises, as the client's error (a class, not
-    ``@contextmanager``: entered once or twice per request, a generator each time costs more
-    than the walk of a short prompt)."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is None:
-            return
-        if isinstance(exc, PromptTooLarge):
-            raise RequestTooLarge(str(exc)) from None
-        if isinstance(exc, PromptShapeError):
-            raise BadRequest(str(exc)) from None
-        if isinstance(exc, RecursionError):
-            raise BadRequest("the request body is nested too deeply") from None
-
-
-#: ``with client_errors:`` maps the walk's errors to the client's.
-client_errors: Final = _ClientErrors()
-
-
-def bound_input(api: ApiFormat, req: ParsedRequest, model: AdmitModel) -> int | None:
-    """An upper bound on the exact input count without running the tokenizer (the same walk,
-    so the same client errors), or None where the model's tokenizer has no proven bound."""
-    bound = model.bound_counter
-    if bound is None:
-        return None
-    with client_errors:
-        return api.count_input(req, bound, model.tokenizer)
 
 
 @dataclass(slots=True)
@@ -297,7 +223,14 @@ class Admission:
         if attempt.refused is not None:
             # A limit on the requested model is exhausted: the plan may name another model
             # that still has room (its own buckets are charged; the client is told in a header).
-            alt = self._fallback(model, attempt, attempt.refused)
+            alt = fallback_model(
+                self.s,
+                self.rules,
+                model,
+                buckets=attempt.buckets,
+                answer=attempt.result,
+                cost=attempt.plan.cost,
+            )
             if alt is None:
                 raise attempt.refused
             s.attempting(alt)
@@ -379,23 +312,6 @@ class Admission:
             )
         )
 
-    def _fallback(
-        self, model: AdmitModel, attempt: _Attempt, refused: QuotaExceeded
-    ) -> AdmitModel | None:
-        """The plan's fallback model for a refusal by a limit on ``model``
-        (:func:`extproc.core.policies.fallback_for`)."""
-        tenant = self.s.tenant
-        assert tenant is not None and attempt.result is not None
-        name = policies.fallback_for(
-            self.rules.fallbacks,
-            tenant=tenant,
-            model=model,
-            buckets=attempt.buckets,
-            values=attempt.result.values,
-            cost=attempt.plan.cost,
-        )
-        return self.rules.models.get(name) if name is not None else None
-
     def _attempt(self, model: AdmitModel, size: int) -> _Flow[_Attempt]:
         """Plan and run the one admission call as ``model``: on an upper bound of the input
         where the counters have ample room (:meth:`_on_bound`), otherwise on the exact count.
@@ -423,32 +339,8 @@ class Admission:
         ev = yield CountExact(model, size)
         if not isinstance(ev, InputCounted):
             raise PhaseError(f"admission waited for the input count, got {ev!r}")
-        plan = self._plan(model, charging, ev.tokens)
+        plan = plan_for(self.s, self.rules, model, charging, ev.tokens)
         return (yield from self._call(model, plan, charging))
-
-    def _plan(self, model: AdmitModel, charging: Charging, input_tokens: int) -> AdmissionPlan:
-        """The admission plan of ``input_tokens`` (raises the client's 400/413 on limits)."""
-        s = self.s
-        req, api = s.req, s.api
-        assert req is not None and api is not None
-        return admission_plan.plan_admission(
-            declared_max_output=req.declared_max_output,
-            sequences=req.sequences,
-            stream=req.stream and api.can_stream,
-            input_tokens=input_tokens,
-            model_name=model.name,
-            model_cap=model.max_output_tokens,
-            max_input_tokens=model.max_input_tokens,
-            over_cap=self.rules.over_model_cap,
-            budget_param=req.budget_fields[0] if req.budget_fields else "max_tokens",
-            charging=charging,
-            exact_json=(
-                not req.stream
-                and api.can_stream
-                and model.exact_non_streams
-                and api.reassembles(req)
-            ),
-        )
 
     def _on_bound(
         self, model: AdmitModel, charging: Charging
@@ -469,7 +361,7 @@ class Admission:
         bound = bound_input(api, req, model)
         if bound is None or not policies.bound_within(bound, model.max_input_tokens):
             return None
-        plan = self._plan(model, charging, bound)
+        plan = plan_for(self.s, self.rules, model, charging, bound)
         if not plan.cost.settle_to_actual:
             return None
         now = self._now_ms()
@@ -509,19 +401,9 @@ class Admission:
             records=self._records,
             lease=rules.reservation_lease_ms,
         )
-        draft = None
-        if lease and self._records:
-            draft = DraftRecord(
-                request_id=s.request_id,
-                tenant=tenant.id,
-                key=key.name,
-                model=model.name,
-                api=api.name,
-                input_tokens=cost.input_tokens,
-                reserved_output=cost.reserved_output if cost.settle_to_actual else 0,
-                admitted_at_ms=now,
-            )
-        call = self._ask(
+        draft = draft_record(s, model, cost, now) if lease and self._records else None
+        call = admission_call(
+            self.rules,
             listed,
             cost,
             charges=charges,
@@ -569,7 +451,8 @@ class Admission:
         )
         if not buckets:
             return
-        call = self._ask(
+        call = admission_call(
+            self.rules,
             buckets,
             admission_plan.RPM_ONLY,
             count_refused=policies.counts_refusal(
@@ -581,30 +464,6 @@ class Admission:
             raise admission_plan.refusal(
                 buckets, res.values, admission_plan.RPM_ONLY, now, tenant=tenant.id, model="*"
             )
-
-    def _ask(
-        self,
-        buckets: list[WindowedBucket],
-        cost: Cost,
-        *,
-        count_refused: bool,
-        now_ms: int = 0,
-        lease_until_ms: int = 0,
-        draft: DraftRecord | None = None,
-        charges: list[BucketCharge] | None = None,
-    ) -> CallAdmit:
-        """The admission call of ``cost`` on ``buckets`` (its answer goes to :meth:`_answer`;
-        ``charges``: their admission charges of ``cost`` when already made)."""
-        return CallAdmit(
-            tuple(buckets),
-            admission_plan.admission_charges(buckets, cost) if charges is None else charges,
-            cost.tpm_amount,
-            count_refused,
-            self.rules.ledger_ttl_seconds * 1000,
-            now_ms=now_ms,
-            lease_until_ms=lease_until_ms,
-            draft=draft,
-        )
 
     def _answer(self, call: CallAdmit, ev: AdmissionEvent | None) -> AdmitAnswered | None:
         """What the limiter's answer to ``call`` means; None: it failed (or could not be asked)
@@ -626,7 +485,7 @@ class Admission:
         if isinstance(ev, AdmitCancelled):
             # The request went away while its call was out: the script may run (or have run)
             # all the same.  The cancel undoes it if it did, or stops it from ever running.
-            self._out.append(KeepCancel(_undo(charges), ttl))
+            self._out.append(KeepCancel(undo(charges), ttl))
             raise _Cancelled
         if not isinstance(ev, AdmitFailed):
             raise PhaseError(f"admission waited for the limiter's answer, got {ev!r}")
@@ -635,17 +494,7 @@ class Admission:
         unmetered = policies.fails_open(failure_mode)
         self._out.append(AdmitError(unmetered))
         if policies.keeps_cancel(maybe_ran=ev.error.maybe_ran):
-            self._out.append(KeepCancel(_undo(charges), ttl))
+            self._out.append(KeepCancel(undo(charges), ttl))
         if unmetered:
             return None
         raise ev.error
-
-
-def _undo(charges: list[BucketCharge]) -> list[Adjustment]:
-    """What undoes an admission's charges if its call ran (concurrency slots aside: the
-    ledger frees them)."""
-    return [
-        Adjustment(c.key, -c.amount, c.expire_at_ms)
-        for c in charges
-        if c.kind != "concurrency" and c.amount
-    ]

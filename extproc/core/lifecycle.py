@@ -1,8 +1,8 @@
 """One request's phase machine: the only place a request's ext_proc phase, its ending, its cut
 reason and whether its settlement has begun change.  The rest of a request's state lives in
-the other machines and records of the core: the session's phase records and flags
-(:mod:`extproc.core.session`), the admission flow (:mod:`extproc.core.admission_flow`), the metered
-stream (:mod:`extproc.core.streaming`) and its meter's phase (:mod:`extproc.core.meter`).
+the other machines and records of the core: the session's phase records and its input's
+standing (:mod:`extproc.core.session`, :mod:`extproc.core.input_state`), the admission flow (:mod:`extproc.core.admission_flow`), the metered
+stream (:mod:`extproc.core.streaming`) and its meter's phase (:mod:`extproc.core.meter_phase`).
 
 States follow the ext_proc phases (an h2-style transition table, :data:`TRANSITIONS`); an input
 not listed for the current state is a protocol violation (Envoy sent messages out of order),

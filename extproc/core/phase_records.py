@@ -29,8 +29,7 @@ from extproc.core.admission_plan import Cost
 from extproc.core.apis.base import ApiFormat, ParsedRequest
 from extproc.core.chunks import Usage as UpstreamUsage
 from extproc.core.keys import WindowedBucket
-from extproc.core.lifecycle import Ending
-from extproc.core.rules import Limit, Rates, Usage
+from extproc.core.rules import Limit, Rates
 from extproc.core.tokens import TokenCounter, TokenizerSpec
 
 # -- what the session needs to know of the configuration (structural: core imports no config) --
@@ -206,18 +205,6 @@ class Reported:
             usage.cached_input_tokens,
             usage.reasoning_tokens,
         )
-
-
-@dataclass(frozen=True, slots=True)
-class Settlement:
-    """What settlement does: ``total`` TPM tokens to hold (None: the admission charge is final),
-    the input and output tokens behind it, and the usage by kind."""
-
-    ending: Ending
-    total: int | None
-    input: int
-    output: int | None
-    usage: Usage
 
 
 class PhaseError(RuntimeError):

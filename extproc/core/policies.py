@@ -3,8 +3,9 @@
 Whoever changes how a request is admitted or billed finds the rule here with its tests
 (``tests/unit/test_core_policies.py``): when admission may decide on a bound of the input, how
 long an admission is leased, whether a refusal counts, what a limiter failure or a full
-settlement backlog does, the fallback model, the shadow report, and the billing record's
-figures.  The admission flow that applies them is :mod:`extproc.core.admission_flow`; the
+settlement backlog does, the fallback model, the shadow report, and the billing record of a
+request reclaimed from a dead processor (a settled request's is planned with its settlement,
+:mod:`extproc.core.settlement`).  The admission flow that applies them is :mod:`extproc.core.admission_flow`; the
 stream's own rules (room after a charge, the unconfirmed charge, the wait for a charge at
 settlement) are in :mod:`extproc.core.streaming`.
 """
@@ -107,31 +108,6 @@ class Billed:
     input: int
     output: int
     money: Decimal | None
-
-
-def billed(
-    *,
-    charged: int,
-    final_total: bool,
-    input_tokens: int,
-    output_tokens: int | None,
-    usage: Usage,
-    requests: int,
-    prices: Rates | None,
-) -> Billed:
-    """The billing record of a settled request that ``charged`` tokens in all (``final_total``:
-    settlement decided that total; else the admission's charge stood): its input is at most
-    what was charged (nothing for a request that charged nothing), its output the settled
-    figure or the rest of the charge, and its money the prices of the usage billed."""
-    inp = min(input_tokens, max(0, charged))
-    out = output_tokens if output_tokens is not None else max(0, charged - inp)
-    money: Decimal | None = None
-    if prices is not None:
-        billed_usage = usage if charged > 0 else Usage()
-        if not final_total and charged > 0:
-            billed_usage = Usage(input=inp, output=out, requests=requests)
-        money = Decimal(prices.units(billed_usage)).scaleb(-6)
-    return Billed(inp, out, money)
 
 
 def reclaimed_billing(

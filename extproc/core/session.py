@@ -9,10 +9,12 @@ never came.
 The rules it applies live by job: which upstream figures are trusted and what an abandoned
 request could have generated in :mod:`extproc.core.figures`, how a response is metered in
 :mod:`extproc.core.classify`, the per-request policies (the fallback model, the shadow-limit
-report, fail-open, the bound, the lease, billing) in :mod:`extproc.core.policies`; what
-settlement charges is :meth:`Session.settlement`; the admission flow that sets the parsed and
-admitted records is :mod:`extproc.core.admission_flow`.  The server layer executes what they decide
-and holds no policy of its own.
+report, fail-open, the bound, the lease) in :mod:`extproc.core.policies`; what settlement
+charges and bills is the pure planner :mod:`extproc.core.settlement`; where the input figure
+stands (admitted on a bound, counted, ...) is one state moved by the table of
+:mod:`extproc.core.input_state`; when a bound is counted and noted is
+:mod:`extproc.core.bound_count`; the admission flow that sets the parsed and admitted records
+is :mod:`extproc.core.admission_flow`.  The server layer executes what they decide.
 """
 
 from __future__ import annotations
@@ -21,115 +23,81 @@ import itertools
 from collections.abc import Callable
 from dataclasses import replace
 
-from extproc.core import admission_plan, end_users
 from extproc.core.account import RequestAccount
-from extproc.core.admission_plan import Cost
-from extproc.core.apis.base import ApiFormat, ParsedRequest
 from extproc.core.classify import classify, parse_status
-from extproc.core.figures import Figure, abandoned_output, bounded_input, bounded_output
+from extproc.core.figures import Figure
+from extproc.core.input_state import (
+    COUNTED_AFTER_BOUND,
+    PENDING,
+    UNCOUNTED,
+    InputEvent,
+    InputState,
+    move,
+)
 from extproc.core.keys import WindowedBucket
 from extproc.core.lifecycle import Closed, Ending, Input, Lifecycle, State
 from extproc.core.phase_records import (
     Admitted,
-    Identified,
-    KeyInfo,
     Metering,
-    ModelInfo,
-    Parsed,
     PhaseError,
     Reported,
-    Requested,
     Responding,
-    Settlement,
     StreamEnd,
-    TenantInfo,
 )
 from extproc.core.rules import Adjustment, UnconfirmedCharge, Usage
+from extproc.core.session_records import SessionRecords
+from extproc.core.settlement import (
+    CountFirst,
+    SettleFacts,
+    SettlementPlan,
+    corrections,
+    input_figure,
+    json_output,
+    settle,
+    stream_output,
+    upstream_input,
+)
 
 #: The order of the upstream figures read in this process (:attr:`Session.report_seq`).
 _REPORTS = itertools.count(1)
 
 
-class Session:
+class Session(SessionRecords):
     """One request: its lifecycle, its phase records (each set once) and its account."""
 
     __slots__ = (
-        "_admitted",
-        "_attempt",
-        "_cost",
         "_count",
         "_count_inline",
         "_counted",
-        "_identified",
+        "_input",
         "_output",
-        "_parsed",
-        "_reported",
-        "_requested",
-        "_responding",
         "_settlement",
         "account",
-        "count_failed",
-        "input_uncounted",
         "life",
         "report_seq",
         "unconfirmed",
     )
 
     def __init__(self) -> None:
+        super().__init__()
         self.life = Lifecycle()
-        self._requested: Requested | None = None
-        self._identified: Identified | None = None
-        self._parsed: Parsed | None = None
-        self._admitted: Admitted | None = None
-        # the model admission is trying the request as, when not the requested one (the
-        # plan's fallback): an error on the way is reported under it
-        self._attempt: ModelInfo | None = None
-        # the request's cost: the admitted one, with the exact input once counted (a request
-        # admitted on a bound); ``_counted`` is that count (None: not taken)
-        self._cost: Cost | None = None
+        # the exact input count of a request admitted on a bound (None: not taken)
         self._counted: int | None = None
-        # billed (or about to be) at the upstream's own input figure without a count
-        self.input_uncounted = False
+        # where the input figure stands (every flag about it is read off this state)
+        self._input = InputState.EXACT
         # the order in which the upstream's figures were read, in this process (0: none yet):
         # which bills a later count vouches for (extproc.core.audits)
         self.report_seq = 0
-        self._responding: Responding | None = None
-        self._reported: Reported | None = None
         self._output: Figure | int | None = None
-        self._settlement: Settlement | None = None
+        self._settlement: SettlementPlan | None = None
         # the exact input count of a request admitted on a bound, taken when a figure needs it
         self._count: Callable[[], int] | None = None
         self._count_inline = True
-        self.count_failed = False
         self.account = RequestAccount()
         # the last stream charge whose answer never came (settlement undoes it if it ran)
         self.unconfirmed: UnconfirmedCharge | None = None
 
     # -- records -----------------------------------------------------------------------------
-
-    def request(self, rec: Requested) -> None:
-        """Request headers: the request's own facts (its id, path and API)."""
-        if self._requested is not None:
-            raise PhaseError("the request's headers were read twice")
-        self._requested = rec
-
-    def identify(self, rec: Identified) -> None:
-        """The caller identified (request headers): who calls, the API, the ledger."""
-        if self._identified is not None:
-            raise PhaseError("the request was identified twice")
-        self._identified = rec
-
-    def parse(self, rec: Parsed) -> None:
-        """The body parsed, with the model it asks for (the one it is admitted as is the
-        admitted record's)."""
-        if self._parsed is not None:
-            raise PhaseError("the request's body was parsed twice")
-        self._parsed = rec
-
-    def attempting(self, model: ModelInfo | None) -> None:
-        """Admission tries the request as ``model`` (a fallback; None: the requested one
-        again): until it is admitted, the request is reported under it."""
-        self._attempt = model
 
     def admit(self, rec: Admitted, usage: Usage | None = None) -> None:
         """Admission said yes; ``usage`` is what it charged (None: nothing, fail-open)."""
@@ -137,6 +105,8 @@ class Session:
             raise PhaseError("the request was admitted twice")
         self._admitted = rec
         self._cost = rec.cost
+        if rec.input_bound:
+            self._input = move(self._input, InputEvent.ON_BOUND)
         if usage is not None:
             self.account.record(list(rec.buckets), usage)
 
@@ -148,52 +118,54 @@ class Session:
         self._count = count
         self._count_inline = inline
 
-    def input_counted(self, exact: int) -> None:
+    def input_counted(self, exact: int, how: InputEvent = InputEvent.COUNTED) -> None:
         """The exact input count of a request admitted on an upper bound (once): it replaces
         the bound in the session's cost, so every later figure (cut messages, settlement,
         records) uses it; what admission charged stays in the admitted record and the
-        account, so settlement refunds the difference."""
+        account, so settlement refunds the difference.  ``how``: counted, the bound kept for a
+        count that failed, or the upstream's figure adopted (:mod:`extproc.core.input_state`)."""
         rec = self._admitted
         if rec is None or not rec.input_bound or rec.cost is None or self._counted is not None:
             raise PhaseError("an exact input count for a request not admitted on a bound")
         if self._settlement is not None:
             raise PhaseError("the input count arrived after settlement was decided")
+        self._input = move(self._input, how)
         self._counted = exact
         self._cost = replace(rec.cost, input_tokens=exact)
-        self.input_uncounted = False  # a figure taken before is checked against this count
+
+    @property
+    def input_state(self) -> InputState:
+        """Where the input figure stands."""
+        return self._input
 
     @property
     def counted_after_bound(self) -> bool:
-        """Admitted on a bound, and the exact count has replaced it since."""
-        rec = self._admitted
-        return rec is not None and rec.input_bound and self._counted is not None
+        """Admitted on a bound, and the exact count (or what stands for it) has replaced it."""
+        return self._input in COUNTED_AFTER_BOUND
 
     @property
     def input_pending(self) -> bool:
         """Admitted on a bound whose exact count has not been taken."""
-        rec = self._admitted
-        return rec is not None and rec.input_bound and self._counted is None
+        return self._input in PENDING
 
-    def _upstream_input(self) -> int | None:
-        """The upstream's input figure, when it stands for a request admitted on a bound without
-        a count: between the fewest tokens the tokenizer can count for that bound (1 at
-        least) and the bound itself, the range the exact count is proven to lie in.  Outside
-        it the figure is checked against the exact count, as on the counted path
-        (:func:`bounded_input`).  An upstream whose figures a count contradicted loses this
-        shortcut: the server counts its requests (:class:`extproc.core.audits.InputAudits`)."""
-        rep, adm = self._reported, self._admitted
-        if rep is None or rep.input is None or adm is None or adm.cost is None:
-            return None
-        pending = adm.input_bound and self._counted is None
-        if pending and max(1, adm.input_floor) <= rep.input <= adm.cost.input_tokens:
-            return rep.input
-        return None
+    @property
+    def input_uncounted(self) -> bool:
+        """Billed (or about to be) at the upstream's own input figure without a count."""
+        return self._input in UNCOUNTED
+
+    @property
+    def count_failed(self) -> bool:
+        """The exact count could not be taken: the bound stands (an over-count)."""
+        return self._input is InputState.KEPT_BOUND
 
     def needs_count(self) -> bool:
         """Whether a figure (settlement, a cut's message, the access log's input) would take
         the exact count now: the server takes it first, off the event loop for a large
         prompt."""
-        return self.input_pending and self._upstream_input() is None
+        adm = self._admitted
+        if adm is None or not self.input_pending:
+            return False
+        return upstream_input(adm, self._counted, self._reported) is None
 
     def _exact_input(self) -> None:
         """Take the exact count of a request admitted on a bound.  A count that fails (it
@@ -203,21 +175,18 @@ class Session:
         cost = self.cost
         assert cost is not None
         exact = cost.input_tokens
+        how = InputEvent.COUNTED
         if self._count is not None and self._count_inline:
             try:
                 exact = self._count()
             except Exception:
-                self.count_failed = True
+                how = InputEvent.COUNT_FAILED
         elif self._count is not None:
             # the server should have counted it off the loop first: never stall the loop, and
             # keep the bound (an over-count, logged at settlement)
-            self.count_failed = True
+            how = InputEvent.COUNT_FAILED
         self._count = None
-        self.input_counted(exact)
-
-    def respond(self, rec: Responding) -> None:
-        """Response headers: status and metering."""
-        self._responding = rec
+        self.input_counted(exact, how)
 
     # -- the request, event by event: the server reports, the session moves its lifecycle ---
 
@@ -335,164 +304,21 @@ class Session:
         self.report_seq = next(_REPORTS)
 
     @property
-    def settled(self) -> Settlement | None:
-        """The settlement's figures once decided (:meth:`settlement`), else None."""
+    def settled(self) -> SettlementPlan | None:
+        """The settlement's plan once decided (:meth:`settlement`), else None."""
         return self._settlement
-
-    @property
-    def identified(self) -> Identified | None:
-        """Set at the request headers."""
-        return self._identified
-
-    @property
-    def parsed(self) -> Parsed | None:
-        """Set at the request body."""
-        return self._parsed
-
-    @property
-    def admitted(self) -> Admitted | None:
-        """Set when admission said yes."""
-        return self._admitted
-
-    @property
-    def responding(self) -> Responding | None:
-        """Set at the response headers."""
-        return self._responding
-
-    @property
-    def reported(self) -> Reported | None:
-        """The upstream's usage, when it gave one."""
-        return self._reported
-
-    # -- derived facts -----------------------------------------------------------------------
-
-    @property
-    def request_id(self) -> str:
-        """Envoy's request id ('' before the headers)."""
-        rec = self._identified or self._requested
-        return rec.request_id if rec else ""
-
-    @property
-    def api(self) -> ApiFormat | None:
-        """The request's API (errors speak its shape): the one the caller's path is routed to
-        once identified, else the one its path names."""
-        rec = self._identified or self._requested
-        return rec.api if rec else None
-
-    @property
-    def tenant(self) -> TenantInfo | None:
-        """The caller's tenant."""
-        return self._identified.tenant if self._identified else None
-
-    @property
-    def key(self) -> KeyInfo | None:
-        """The caller's key."""
-        return self._identified.key if self._identified else None
-
-    @property
-    def ledger(self) -> str:
-        """The request's ledger id in Redis ('' before identification)."""
-        return self._identified.ledger if self._identified else ""
-
-    @property
-    def plan(self) -> str:
-        """The tenant's plan name ('' before identification)."""
-        t = self.tenant
-        return t.plan if t else ""
-
-    @property
-    def model(self) -> ModelInfo | None:
-        """The model served (admitted), else the one admission is trying, else the one asked
-        for."""
-        if self._admitted is not None:
-            return self._admitted.model
-        if self._attempt is not None:
-            return self._attempt
-        return self._parsed.model if self._parsed else None
-
-    @property
-    def req(self) -> ParsedRequest | None:
-        """The parsed request body."""
-        return self._parsed.req if self._parsed else None
-
-    @property
-    def cost(self) -> Cost | None:
-        """The admitted cost, with the exact input once counted (None: not admitted, or
-        admitted unmetered)."""
-        return self._cost
-
-    @property
-    def metered(self) -> bool:
-        """Admitted with counters to settle (not refused, not fail-open, not unmetered)."""
-        return self.cost is not None
-
-    @property
-    def buckets(self) -> tuple[WindowedBucket, ...]:
-        """The buckets admission charged."""
-        return self._admitted.buckets if self._admitted else ()
-
-    @property
-    def slots(self) -> list[str]:
-        """The concurrency sets holding this request (freed at settlement)."""
-        return [b.key for b in self.buckets if b.kind == "concurrency"]
-
-    @property
-    def holds_slots(self) -> bool:
-        """Whether the request takes concurrency slots."""
-        return any(b.kind == "concurrency" for b in self.buckets)
-
-    @property
-    def status(self) -> int | None:
-        """The upstream's (or the gateway's) HTTP status, once known."""
-        return self._responding.status if self._responding else None
-
-    @property
-    def headers_out(self) -> tuple[tuple[str, str], ...]:
-        """Headers added to the response (rate limits, fallback, shadow reports)."""
-        return self._admitted.headers if self._admitted else ()
 
     # -- decisions ---------------------------------------------------------------------------
 
-    def buckets_at(
-        self, prefix: str, now_ms: int, lease_ms: int, model: ModelInfo | None = None
-    ) -> list[WindowedBucket]:
-        """The request's buckets in the windows containing ``now_ms`` (as ``model``: by
-        default the request's)."""
-        tenant, key, req = self.tenant, self.key, self.req
-        model = model or self.model
-        assert tenant is not None and key is not None and model is not None
-        model_key = model.name if model.known else (req.model if req else "*")
-        return admission_plan.buckets_for(
-            prefix=prefix,
-            tenant=tenant.slot,
-            key_name=key.name,
-            model=model_key,
-            limits=tenant.limits_for(key.name),
-            now_ms=now_ms,
-            prices=model.prices,
-            lease_ms=lease_ms,
-            user=self.end_user,
-        )
-
-    @property
-    def end_user(self) -> str:
-        """The end user the request names ("": none; extproc.core.end_users)."""
-        rec, req = self._identified, self.req
-        if rec is None:
-            return ""
-        return end_users.resolve(
-            rec.end_user, rec.end_user_body, req.api if req else "", req.body if req else None
-        )
-
     def json_output(self) -> Figure | None:
         """A JSON response's output figure: the upstream's usage within bounds (decided once)."""
-        if isinstance(self._output, Figure):
-            return self._output
-        rep, cost = self._reported, self.cost
-        if rep is None or rep.output is None or cost is None:
+        cost = self.cost
+        if cost is None:
             return None
-        self._output = bounded_output(rep.output, 0, cost.effective_max_output)
-        return self._output
+        fig = json_output(self._output, self._reported, cost)
+        if fig is not None:
+            self._output = fig
+        return fig
 
     def stream_output(self, end: StreamEnd) -> Figure | int:
         """A stream's output, decided once it is final: the upstream's usage within bounds when
@@ -500,15 +326,7 @@ class Session:
 
         Called for the last response's metadata and again at settlement: the second call
         returns the first answer, so a disagreement is logged and counted once."""
-        if self._output is not None:
-            return self._output
-        rep, cost = self._reported, self.cost
-        if end.complete and not end.cut and rep is not None and rep.output is not None:
-            high = cost.effective_max_output if cost else rep.output
-            out: Figure | int = bounded_output(rep.output, end.counted, high, floor=end.text_events)
-        else:
-            out = end.delivered
-        self._output = out
+        self._output = out = stream_output(self._output, self._reported, self.cost, end)
         return out
 
     @property
@@ -520,23 +338,20 @@ class Session:
         return out.value if isinstance(out, Figure) else out
 
     def input_figure(self) -> Figure | int:
-        """Input to charge: the upstream's figure within bounds around the gateway's count, or
-        the gateway's count when the upstream gave none."""
-        if self.input_pending:
-            upstream = self._upstream_input()
-            if upstream is not None:
-                self.input_uncounted = True
-                return upstream  # the engine's own count, under a proven bound
-            self._exact_input()
-        cost, req, model, rep = self.cost, self.req, self.model, self._reported
-        assert cost is not None
-        if rep is None or rep.input is None:
-            return cost.input_tokens
-        unseen = bool(req is not None and req.notes.get("unseen_input"))
-        if not unseen and (model is None or not model.exact_count):
-            return cost.input_tokens  # an estimate is a deliberate over-count: it stands
-        ceiling = model.max_input_tokens if model else None
-        return bounded_input(rep.input, cost.input_tokens, unseen=unseen, ceiling=ceiling)
+        """Input to charge (:func:`extproc.core.settlement.input_figure`): the upstream's
+        figure within bounds around the gateway's count, or the gateway's count when the
+        upstream gave none."""
+        adm, cost = self._admitted, self._cost
+        assert adm is not None and cost is not None
+        got = input_figure(adm, cost, self._counted, self._reported, self.req)
+        if isinstance(got, CountFirst):
+            self._exact_input()  # the server counts first; this is the fallback
+            got = input_figure(adm, self._cost or cost, self._counted, self._reported, self.req)
+            assert not isinstance(got, CountFirst)
+        figure, uncounted = got
+        if uncounted:  # the engine's own count, under a proven bound
+            self._input = move(self._input, InputEvent.SHOWN_UNCOUNTED)
+        return figure
 
     def input_tokens(self) -> int:
         """The input figure as a number."""
@@ -561,93 +376,59 @@ class Session:
         ending: Ending | None = None,
         abandon_rate: int | None = None,
         abandon_start_ms: int = 0,
-    ) -> Settlement:
-        """The request's final figures (decided once): what the counters must hold, by kind.
+        first_chunk_ms: int = 0,
+        shortcut: bool = False,
+    ) -> SettlementPlan:
+        """The request's settlement (decided once, :func:`extproc.core.settlement.settle`).
         ``abandon_rate``: tokens per second per sequence a request abandoned before a response
         the gateway could meter is billed at (the model's learned decode rate,
         :mod:`extproc.core.decode_rate`), from ``abandon_start_ms`` after admission (its learned
-        time to the first token); None: the model's configured one, from admission."""
+        time to the first token); None: the model's configured one, from admission.
+        ``first_chunk_ms``: when the response's first chunk came (0: not read by chunk);
+        ``shortcut``: the model may be billed at the upstream's input figure without a count."""
         if self._settlement is not None:
             return self._settlement
-        cost = self.cost
-        assert cost is not None
         ending = ending or self.life.ending or Ending.COMPLETED
-        status = self.status
-        if status is not None and not 200 <= status < 300:
-            result = Settlement(ending, 0, 0, 0, Usage())
-        elif not cost.settle_to_actual:
-            # final at admission; settlement only frees concurrency slots
-            total = self.account.total
-            out = max(0, total - cost.input_tokens)
-            result = Settlement(
-                ending, None, cost.input_tokens, None, Usage(input=cost.input_tokens, output=out)
+
+        def facts() -> SettleFacts:
+            adm, cost = self._admitted, self._cost
+            assert adm is not None and cost is not None
+            return SettleFacts(
+                ending=ending,
+                now_ms=now_ms,
+                status=self.status,
+                admitted=adm,
+                cost=cost,
+                counted=self._counted,
+                reported=self._reported,
+                decided_output=self._output,
+                stream=stream,
+                req=self.req,
+                charged=self.account.total,
+                uncounted=self.input_uncounted,
+                shortcut=shortcut,
+                abandon_rate=abandon_rate,
+                abandon_start_ms=abandon_start_ms,
+                first_chunk_ms=first_chunk_ms,
             )
-        else:
-            output: int | None
-            if stream is not None:
-                got = self.stream_output(stream)
-                output = got.value if isinstance(got, Figure) else got
-            elif (fig := self.json_output()) is not None:
-                output = fig.value
-            elif ending in (
-                Ending.CLIENT_DISCONNECTED,
-                Ending.UPSTREAM_RESET,
-                Ending.SHUTDOWN,
-                Ending.INTERNAL_ERROR,
-            ):
-                adm = self._admitted
-                assert adm is not None
-                req = self.req
-                output = abandoned_output(
-                    cost,
-                    req.sequences if req else 1,
-                    now_ms - adm.at_ms - abandon_start_ms,
-                    adm.model.abandoned_tokens_per_second if abandon_rate is None else abandon_rate,
-                )
-            else:
-                output = None  # a JSON response without usage: the reservation stands
-            if output is None:
-                # the reservation stands; an input admitted on a bound is corrected to the
-                # upstream's figure within its proven range, else to its count
-                upstream = self._upstream_input() if self.input_pending else None
-                if upstream is not None:
-                    self.input_counted(upstream)
-                    self.input_uncounted = True
-                self._exact_input()
-                adm, cost = self._admitted, self._cost
-                assert adm is not None and adm.cost is not None and cost is not None
-                charged_in = adm.cost.input_tokens  # what admission charged for the input
-                out = max(0, self.account.total - charged_in)
-                result = Settlement(
-                    ending,
-                    None if charged_in == cost.input_tokens else cost.input_tokens + out,
-                    cost.input_tokens,
-                    None,
-                    Usage(input=cost.input_tokens, output=out, requests=cost.requests),
-                )
-            else:
-                inp = self.input_tokens()
-                result = Settlement(ending, inp + output, inp, output, self._usage(inp, output))
-        self._settlement = result
-        return result
 
-    def _usage(self, inp: int, out: int) -> Usage:
-        """Tokens by kind (cached input and reasoning from the upstream's usage, within the
-        totals)."""
-        rep, cost = self._reported, self.cost
-        return Usage(
-            input=inp,
-            output=out,
-            cached_input=min(rep.cached_input, inp) if rep else 0,
-            reasoning=min(rep.reasoning, out) if rep else 0,
-            requests=cost.requests if cost else 1,
-        )
+        plan = settle(facts())
+        if isinstance(plan, CountFirst):
+            self._exact_input()  # the server counts first; this is the fallback
+            plan = settle(facts())
+            assert not isinstance(plan, CountFirst)
+        if plan.adopt_input is not None:
+            self.input_counted(plan.adopt_input, InputEvent.ADOPTED)
+        elif plan.uncounted:
+            self._input = move(self._input, InputEvent.SHOWN_UNCOUNTED)
+        if plan.output_figure is not None:
+            self._output = plan.output_figure
+        self._settlement = plan
+        return plan
 
-    def adjustments(self, result: Settlement, current: list[WindowedBucket]) -> list[Adjustment]:
+    def adjustments(self, plan: SettlementPlan, current: list[WindowedBucket]) -> list[Adjustment]:
         """Corrections that make every per-token counter hold the settlement's units."""
-        if result.total is None:
-            return []
-        return self.account.adjustments(result.usage, current)
+        return corrections(plan, self.account, current)
 
     def pending_units(self, bucket: WindowedBucket, delivered: int) -> int:
         """Units settlement would still add to ``bucket`` if the stream ended now with

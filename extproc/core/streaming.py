@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Final
 
 from extproc.core import admission_plan
@@ -56,7 +57,64 @@ from extproc.core.session import Session
 #: without it (the charge is then marked unconfirmed: counted once whichever runs first).
 CHARGE_WAIT_SECONDS: Final = 1.0
 
-_Then = Callable[[], list[StreamAction]]
+
+# -- the stream's wait states: what follows once the server answers (data, not closures) -----
+
+
+@dataclass(frozen=True, slots=True)
+class FeedNext:
+    """Then meter this chunk (it came with a charge's answer), unless the stream ended."""
+
+    data: bytes
+    end: bool
+
+
+#: What follows a step once it may go on: nothing more, or the chunk still to meter.
+Then = FeedNext | None
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyStep:
+    """Apply the meter's ``step`` (unless the stream ended meanwhile), then ``then``."""
+
+    step: Step
+    then: Then
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardTerminal:
+    """Forward the terminal event with the final figures (``unless_ended``: not when the stream
+    was cut meanwhile: that cut said it all)."""
+
+    data: bytes
+    unless_ended: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CutCorrupt:
+    """Cut the stream for a corrupt compressed body; ``late``: the side actions of a charge's
+    answer that came with it."""
+
+    late: tuple[StreamAction, ...]
+
+
+#: What resumes once the exact input count is taken.
+Resume = ApplyStep | ForwardTerminal | CutCorrupt
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitingCount:
+    """Waiting for the exact input count (:class:`~extproc.core.events.CountDone`) the final
+    figures need; then ``resume``."""
+
+    resume: Resume
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitingCharge:
+    """Events are held until the charge in flight answers; then apply its step and ``then``."""
+
+    then: Then
 
 
 def room_after(buckets: Iterable[WindowedBucket], values: Iterable[int]) -> int | None:
@@ -81,6 +139,8 @@ class MeteredStream:
     """One metered response stream: its meter, its charges, its cut and its final figures."""
 
     __slots__ = (
+        "_awaiting_charge",
+        "_awaiting_count",
         "_charge_buckets",
         "_decoder",
         "_fail_open",
@@ -89,9 +149,7 @@ class MeteredStream:
         "_last",
         "_lease_ms",
         "_now_ms",
-        "_on_answer",
         "_prefix",
-        "_resume",
         "_seq",
         "_shadowed",
         "meter",
@@ -135,8 +193,9 @@ class MeteredStream:
         self._charge_buckets: tuple[WindowedBucket, ...] = ()
         self._last: tuple[tuple[WindowedBucket, ...], tuple[int, ...]] = ((), ())
         self._shadowed: set[str] = set()
-        self._resume: _Then | None = None  # what follows the input count
-        self._on_answer: Callable[[Step], list[StreamAction]] | None = None  # after a wait
+        # the wait states (None: not waiting): the count's and the charge's
+        self._awaiting_count: AwaitingCount | None = None
+        self._awaiting_charge: AwaitingCharge | None = None
 
     # -- what the server reads -------------------------------------------------------------
 
@@ -154,6 +213,11 @@ class MeteredStream:
     def strict(self) -> bool:
         """Charges are leases (granted only as far as the quota goes)."""
         return self.meter.strict
+
+    @property
+    def waiting(self) -> AwaitingCount | AwaitingCharge | None:
+        """The wait state the stream is in (None: none): for the count, or for the charge."""
+        return self._awaiting_count or self._awaiting_charge
 
     def end(self) -> StreamEnd:
         """What the meter knows for settlement; the upstream's usage goes to the session."""
@@ -182,13 +246,11 @@ class MeteredStream:
             side, step = self._take(ev)
             if ev.late:
                 return side
-            cont, self._on_answer = self._on_answer, None
-            if cont is not None:
-                return side + cont(step)
-            return side + self._apply(step, list)
+            waiting, self._awaiting_charge = self._awaiting_charge, None
+            return side + self._apply(step, waiting.then if waiting is not None else None)
         if t is CountDone:
-            resume, self._resume = self._resume, None
-            return resume() if resume is not None else []
+            counting, self._awaiting_count = self._awaiting_count, None
+            return self._resume(counting.resume) if counting is not None else []
         if t is Trailers:
             return self._trailers()
         if t is CutNow:
@@ -234,14 +296,7 @@ class MeteredStream:
                 data = self._decoder.feed(data) + (self._decoder.flush() if end else b"")
             except zlib.error:
                 late = self._take(answer)[0] if answer is not None else []
-                return self._after_count(
-                    lambda: (
-                        self._cut(
-                            CutReason.UNMETERABLE, "The upstream sent a corrupt compressed body."
-                        )
-                        + late
-                    )
-                )
+                return self._after_count(CutCorrupt(tuple(late)))
         if answer is not None:
             # A charge answered since the last chunk: it may release held events, ask for the
             # next charge, or cut the stream. None of that may be dropped.
@@ -253,9 +308,7 @@ class MeteredStream:
                 or answered.cut_reason
                 or answered.end_stream
             ):
-                return side + self._apply(
-                    answered, lambda: [] if self.s.life.ended else self._feed(data, end)
-                )
+                return side + self._apply(answered, FeedNext(data, end))
             return side + self._feed(data, end)
         return self._feed(data, end)
 
@@ -271,17 +324,10 @@ class MeteredStream:
             # count, when they need it, is asked for then, once).
             if step.forward:
                 if meter.complete and not self._final_sent:
-                    fwd = step.forward
-                    return self._after_count(
-                        lambda: (
-                            []
-                            if self.s.life.ended  # cut meanwhile (shutdown): it said it all
-                            else [Forward(fwd, False, self._terminal_output())]
-                        )
-                    )
+                    return self._after_count(ForwardTerminal(step.forward, unless_ended=True))
                 return [Forward(step.forward)]
             return []
-        return self._apply(step, list)
+        return self._apply(step, None)
 
     def _trailers(self) -> list[StreamAction]:
         if self.s.life.ended:
@@ -291,32 +337,45 @@ class MeteredStream:
             return []
         fwd = step.forward
         if self.complete and not self._final_sent:
-            return self._after_count(lambda: [Forward(fwd, False, self._terminal_output())])
+            return self._after_count(ForwardTerminal(fwd, unless_ended=False))
         return [Forward(fwd, False, self._terminal_output())]
 
-    def _after_count(self, then: _Then) -> list[StreamAction]:
-        """Run ``then`` once the exact input count its figures need is taken (at once when
+    def _after_count(self, resume: Resume) -> list[StreamAction]:
+        """Run ``resume`` once the exact input count its figures need is taken (at once when
         none is needed; else after the server reports :class:`CountDone`)."""
         if self.s.needs_count():
-            self._resume = then
+            self._awaiting_count = AwaitingCount(resume)
             return [CountInput()]
-        return then()
+        return self._resume(resume)
 
-    def _apply(self, step: Step, then: _Then) -> list[StreamAction]:
+    def _resume(self, r: Resume) -> list[StreamAction]:
+        """What waited for the count."""
+        if type(r) is ApplyStep:
+            # cut meanwhile (shutdown): that cut has said it all
+            return [] if self.s.life.ended else self._apply_counted(r.step, r.then)
+        if type(r) is ForwardTerminal:
+            if r.unless_ended and self.s.life.ended:
+                return []  # cut meanwhile (shutdown): it said it all
+            return [Forward(r.data, False, self._terminal_output())]
+        assert isinstance(r, CutCorrupt)
+        reason, message = CutReason.UNMETERABLE, "The upstream sent a corrupt compressed body."
+        return self._cut(reason, message) + list(r.late)
+
+    def _then(self, then: Then) -> list[StreamAction]:
+        """What follows a step: the chunk still to meter, unless the stream ended."""
+        if then is None or self.s.life.ended:
+            return []
+        return self._feed(then.data, then.end)
+
+    def _apply(self, step: Step, then: Then) -> list[StreamAction]:
         """Forward what the meter released, ask for charges, wait when events are held; then
         ``then`` (unless the stream must wait first)."""
         meter = self.meter
         if step.cut_reason is not None or step.end_stream or meter.complete:
-            return self._after_count(
-                lambda: (
-                    []  # cut meanwhile (shutdown): that cut has said it all
-                    if self.s.life.ended
-                    else self._apply_counted(step, then)
-                )
-            )
+            return self._after_count(ApplyStep(step, then))
         return self._apply_counted(step, then)
 
-    def _apply_counted(self, step: Step, then: _Then) -> list[StreamAction]:
+    def _apply_counted(self, step: Step, then: Then) -> list[StreamAction]:
         out: list[StreamAction] = []
         if step.cut_reason is not None:
             if step.forward:
@@ -331,11 +390,11 @@ class MeteredStream:
         if step.charge:
             out.append(self._start_charge(step.charge))
         if not step.blocked:
-            return out + then()
+            return out + self._then(then)
         if not self._in_flight:  # nothing in flight: cannot happen, but never stall a stream
             out.append(StalledWithoutCharge())
             return out + self._apply(self.meter.stop_enforcing(), then)
-        self._on_answer = lambda answered: self._apply(answered, then)
+        self._awaiting_charge = AwaitingCharge(then)
         out.append(AwaitCharge())
         return out
 

@@ -1,4 +1,5 @@
-"""Request headers: who is calling and what the path is for.
+"""Request headers: who is calling (what the path is for is the core's
+:mod:`extproc.core.routing`).
 
 The caller comes from the sources ``identity.sources`` lists, in order:
 
@@ -9,9 +10,7 @@ The caller comes from the sources ``identity.sources`` lists, in order:
   (forwarded to us with ``metadata_options``); a client cannot forge it;
 * ``header``: headers an earlier Envoy filter set after removing the client's own.
 
-A client's own ``x-quota-*`` headers are replaced by ours.  A path is a metered API, an
-allow-listed path (unmetered; ``paths.public`` ones need no identity) or "other", handled by
-``paths.other``.
+A client's own ``x-quota-*`` headers are replaced by ours.
 """
 
 from __future__ import annotations
@@ -19,18 +18,14 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from extproc.config.load import key_digest
 from extproc.config.runtime import ApiKey, RuntimeConfig, Tenant
 from extproc.core import end_users
-from extproc.core.apis.base import ApiFormat
-from extproc.core.apis.registry import api_for_path, normalise_path, path_allowed
-from extproc.errors import AuthenticationError, PathNotAllowed, PermissionDenied
+from extproc.errors import AuthenticationError, PermissionDenied
 
 IDENTITY_HEADERS = ("x-quota-tenant", "x-quota-plan", "x-quota-key", "x-quota-input-tokens")
-
-Route = Literal["metered", "pass", "rpm_only"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,31 +137,6 @@ def _from_headers(cfg: RuntimeConfig, h: dict[str, str]) -> Caller | None:
         return None
     key = h.get(hdr.key_header.lower(), "").strip() if hdr.key_header else None
     return _caller(cfg, tenant, key or None, "header")
-
-
-def route(cfg: RuntimeConfig, path: str, method: str) -> tuple[Route, ApiFormat | None]:
-    """How a request to ``path`` is handled, and its API format when metered."""
-    api = api_for_path(path) if method == "POST" else None
-    if api is not None:
-        return "metered", api
-    if path_allowed(path, cfg.allowed_paths):
-        return "pass", None
-    policy = cfg.other_paths
-    if policy == "reject":
-        raise PathNotAllowed(
-            f"The gateway does not serve {method} {normalise_path(path)}: it is not a metered "
-            "API (chat/completions, completions, responses, messages, embeddings) nor in "
-            "paths.allow."
-        )
-    return ("rpm_only" if policy == "rpm_only" else "pass"), None
-
-
-def public_path(cfg: RuntimeConfig, path: str, method: str) -> bool:
-    """Whether ``path`` passes without an identity: allow-listed (``paths.allow``), listed in
-    ``paths.public`` too, and not a metered API call."""
-    if method == "POST" and api_for_path(path) is not None:
-        return False
-    return path_allowed(path, cfg.allowed_paths) and path_allowed(path, cfg.public_paths)
 
 
 def presented_key(h: dict[str, str]) -> str:

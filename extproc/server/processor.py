@@ -5,16 +5,18 @@ calls :meth:`RequestProcessor.handle` per ProcessingRequest.  Every fact about t
 phase record of the session; most decisions are functions of the core (:mod:`extproc.core.session`,
 :mod:`extproc.core.policies`, :mod:`extproc.core.classify`, :mod:`extproc.core.figures`), which
 this module turns into Envoy messages, limiter calls, metrics and log lines.  It still moves
-the request's lifecycle itself (a stream's moves are the core's :mod:`extproc.core.streaming`)
-and keeps one rule of its own: when a prompt admitted on a bound is counted (the audit, the
-:data:`NOTE_AFTER_S` ledger note and whether a note refunds anything).
+the request's lifecycle itself (a stream's moves are the core's :mod:`extproc.core.streaming`);
+when a prompt admitted on a bound is counted and noted is the core's
+:mod:`extproc.core.bound_count`, executed by :class:`extproc.server.counting.BoundCounting`.
 
-* request headers → :mod:`extproc.server.identity` (caller, path policy)
+* request headers → :mod:`extproc.server.identity` (the caller), the path's handling by the
+  core's :mod:`extproc.core.routing`
 * request body → :mod:`extproc.server.admit` (executes the core's :mod:`extproc.core.admission_flow`)
 * response headers → :func:`extproc.core.classify.classify`; then :mod:`extproc.server.stream`
   executes the core's metered stream, or a JSON body's usage is read
 * the end, whatever it is → :mod:`extproc.server.settle`, in the background, after the last
-  response (with the request's final figures as dynamic metadata) has been sent
+  response (with the request's final figures as dynamic metadata) has been sent: it executes
+  the core's settlement plan (:mod:`extproc.core.settlement`)
 
 Gateway errors raised in any phase become the API's own error response in :meth:`reject`, the
 one place they are mapped.
@@ -28,8 +30,6 @@ from typing import Any
 
 import structlog
 
-from extproc.config.runtime import Model
-from extproc.core.admission_plan import Cost
 from extproc.core.apis.openai import CHAT
 from extproc.core.apis.registry import api_for_path
 from extproc.core.exact import ExactResponse
@@ -40,7 +40,8 @@ from extproc.core.lifecycle import (
     LifecycleError,
 )
 from extproc.core.phase_records import Identified, Reported, Requested, StreamEnd
-from extproc.core.policies import bound_excess_refund, fails_open
+from extproc.core.policies import fails_open
+from extproc.core.routing import public_path, route
 from extproc.core.session import Session
 from extproc.errors import (
     AuthenticationError,
@@ -51,18 +52,10 @@ from extproc.errors import (
 )
 from extproc.errors import UnsupportedEncoding as UnsupportedRequestEncoding
 from extproc.gateway import Gateway
-from extproc.limiter.base import InputNote
 from extproc.server import wire
 from extproc.server.admit import admit_body, admit_rpm_only
-from extproc.server.counting import OFFLOAD_BYTES, count_input
-from extproc.server.identity import (
-    IDENTITY_HEADERS,
-    end_user_hint,
-    identify,
-    presented_key,
-    public_path,
-    route,
-)
+from extproc.server.counting import BoundCounting
+from extproc.server.identity import IDENTITY_HEADERS, end_user_hint, identify, presented_key
 from extproc.server.settle import access_metadata, settle
 from extproc.server.stream import StreamDriver
 from extproc.server.writelock import WriteLock
@@ -72,27 +65,17 @@ log = structlog.get_logger("extproc")
 # Non-streaming JSON bodies read for their usage are buffered up to this size.
 MAX_USAGE_BODY = 8 << 20
 
-#: A request admitted on a bound of its input (not audited) that is still open this many
-#: seconds after its admission is counted, and the count noted in its ledger, so that a
-#: SIGKILL bills its exact input.  Shorter requests settle first and are never counted (the
-#: CPU the bound saves); one SIGKILLed sooner keeps its bound (docs/semantics.md).
-NOTE_AFTER_S = 0.25
-
 
 class RequestProcessor:
     """The phases of one HTTP request."""
 
     __slots__ = (
-        "_body_size",
-        "_counting",
-        "_exact",
         "_exact_response",
         "_first_chunk_ms",
         "_json",
-        "_noting",
         "_settle_pending",
-        "_uncounted_ok",
         "cfg",
+        "counting",
         "driver",
         "gw",
         "s",
@@ -114,17 +97,9 @@ class RequestProcessor:
         self._first_chunk_ms = 0  # when a stream's first body chunk came (the decode rate)
         self.write_lock = WriteLock()
         self.writer: Any = None  # the gRPC context, for a cut at shutdown
-        # the exact input count of a request admitted on a bound, running after its answer
-        self._counting: asyncio.Task[None] | None = None
-        # writing the exact input into the open ledger, a moment after admission (the count
-        # taken for it, when not audited, is kept: settlement reuses it): a timer until then
-        # (most requests settle first and cancel it: no task, no loop turn), then the task
-        self._noting: asyncio.Task[None] | asyncio.TimerHandle | None = None
-        self._exact: int | None = None
-        self._body_size = 0
+        # the count of a prompt admitted on a bound, after admission
+        self.counting = BoundCounting(gw, self.cfg, self.s)
         self._settle_pending = False  # settlement decided, waiting for its response to be sent
-        # whether the upstream's input figure may stand without a count (asked once)
-        self._uncounted_ok: bool | None = None
 
     @property
     def request_id(self) -> str:
@@ -221,11 +196,12 @@ class RequestProcessor:
         except AuthenticationError:
             # a public path (a probe, a model listing) needs no identity; a key that is
             # presented must still be valid
-            if presented_key(h) or not public_path(cfg, path, method):
+            public = public_path(path, method, allowed=cfg.allowed_paths, public=cfg.public_paths)
+            if presented_key(h) or not public:
                 raise
             s.pass_through()
             return wire.continue_request_headers(up, IDENTITY_HEADERS, mode=wire.passthrough_mode())
-        kind, api = route(cfg, path, method)
+        kind, api = route(path, method, allowed=cfg.allowed_paths, other=cfg.other_paths)
         metered_api = gw.bind(api) if api else None
         ledger = ledger_key(gw.key_prefix, caller.tenant.slot, gw.ledger_id(request_id))
         end_user, body_first = end_user_hint(cfg, h, meta)
@@ -267,121 +243,15 @@ class RequestProcessor:
         new_body = await admit_body(self.gw, self.cfg, self.s, body.body, self.started)
         self.s.admission_done()
         self.trace.mark("admitted")
-        s = self.s
-        self._body_size = len(body.body)
-        if s.input_pending and s.cost is not None:  # admitted unmetered (fail-open): no count
-            api, req, model = s.api, s.req, s.model
-            assert api is not None and req is not None and isinstance(model, Model)
-            s.count_input_with(
-                lambda: api.count_input(req, model.counter, model.tokenizer),
-                inline=self._body_size <= OFFLOAD_BYTES,
-            )
-            if self.gw.audit_input(self.cfg, model.name):
-                # Counted now to check the upstream's figure against it; the first step runs
-                # once this answer is being written: off the request's path.
-                self._counting = asyncio.ensure_future(
-                    self._count_exact(self._body_size, note=True)
-                )
-            else:
-                # Counted for the ledger only, if the request is still open after a moment:
-                # should this processor die, the reclaim refunds the bound down to the exact
-                # input (a short request settles first, and is never counted).
-                self._noting = asyncio.get_running_loop().call_later(
-                    NOTE_AFTER_S, self._note_later, self._body_size, s.cost, None
-                )
+        self.counting.admitted(len(body.body))
         return wire.continue_request_body(new_body)
-
-    async def _counted(self, size: int) -> int | None:
-        """The exact input count (a large prompt in a worker thread); None when it cannot
-        finish (the counting threads stayed busy past the deadline)."""
-        s = self.s
-        api, req, model = s.api, s.req, s.model
-        assert api is not None and req is not None and isinstance(model, Model)
-        try:
-            return await count_input(self.gw, self.cfg, api, req, model, size=size)
-        except GatewayError as err:
-            log.warning("input_count_failed", request_id=s.request_id, error=err.message)
-        except Exception:  # the bound stands; the request goes on
-            log.exception("input_count_failed", request_id=s.request_id)
-        return None
-
-    def _note(self, bound: Cost, exact: int) -> None:
-        """Write ``exact`` into the request's open ledger: what admission charged each
-        per-token counter beyond it becomes refundable by a reclaim."""
-        s = self.s
-        if s.settling or exact >= bound.input_tokens:
-            return  # settlement is on its way (it bills the exact input), or nothing to refund
-        self.gw.note_input(InputNote(s.ledger, exact, bound_excess_refund(s.buckets, bound, exact)))
-
-    def _note_later(self, size: int, bound: Cost, exact: int | None) -> None:
-        """:data:`NOTE_AFTER_S` after admission (a timer; settlement cancels it when it comes
-        first): the request is still open, so its exact input goes into its ledger."""
-        if not self.s.settling:
-            self._noting = asyncio.ensure_future(self._note_exact(size, bound, exact))
-
-    async def _note_exact(self, size: int, bound: Cost, exact: int | None = None) -> None:
-        """Note the exact input of a request admitted on ``bound`` in its ledger, counting it
-        now unless ``exact`` is known (settlement reuses the count)."""
-        if self.s.settling:
-            return
-        if exact is None:
-            exact = await self._counted(size)
-            if exact is None:
-                return
-            self._exact = exact
-        self._note(bound, exact)
-
-    async def _count_exact(self, size: int, *, note: bool = False) -> None:
-        """Replace the bound admission charged with the exact count (a large prompt in a worker
-        thread); ``note``: write it into the open ledger too, if the request is still open a
-        moment later (:meth:`_note_exact`).  A count that cannot finish (the counting threads
-        stayed busy past the deadline) leaves the bound: an over-count, never an under-count."""
-        s = self.s
-        exact = self._exact
-        if exact is None:
-            exact = await self._counted(size)
-        cost = s.cost
-        if s.input_pending and cost is not None:
-            s.input_counted(cost.input_tokens if exact is None else exact)
-            if note and exact is not None and not s.settling:
-                self._noting = asyncio.get_running_loop().call_later(
-                    NOTE_AFTER_S, self._note_later, size, cost, exact
-                )
-
-    async def _input_known(self) -> None:
-        """Wait for an exact input count that is running."""
-        task = self._counting
-        if task is not None and not task.done():
-            await asyncio.shield(task)
-
-    async def _figures_ready(self) -> None:
-        """Before a figure is decided (settlement, a cut's message, the access log's input):
-        the exact count it needs, a large prompt's in a worker thread within the counting
-        deadline, never on the event loop."""
-        await self._input_known()
-        s = self.s
-        if s.cost is None:  # fail-open: nothing charged
-            return
-        if s.needs_count() or (s.input_pending and not self._may_bill_uncounted()):
-            await self._count_exact(self._body_size)
-
-    def _may_bill_uncounted(self) -> bool:
-        """Whether the upstream's input figure may be billed without a count: not while the
-        model is in probation, stopped, or has had ``input_audit_every - 1`` such bills since
-        its last agreeing count (:meth:`InputAudits.take_uncounted`; asked once a request)."""
-        if self._uncounted_ok is None:
-            model = self.s.model
-            self._uncounted_ok = isinstance(model, Model) and self.gw.input_audits.take_uncounted(
-                model.name, self.cfg.input_audit_every
-            )
-        return self._uncounted_ok
 
     # -- response --------------------------------------------------------------------------
 
     async def on_response_headers(self, hh: Any) -> wire.ProcessingResponse:
         """Add x-ratelimit-*; choose how the body is metered (:func:`classify`)."""
         s = self.s
-        await self._input_known()
+        await self.counting.input_known()
         how = s.response_headers(
             wire.headers_of(hh),
             end_of_stream=hh.end_of_stream,
@@ -393,27 +263,21 @@ class RequestProcessor:
         if how.kind == "unmetered":  # unmetered path, or admitted unmetered (fail-open)
             return wire.continue_response_headers(headers_out)
         if how.kind == "upstream_error":
-            await self._figures_ready()  # the access log's input figure
+            await self.counting.figures_ready()  # the access log's input figure
             self._settle_later()
             return wire.continue_response_headers(
                 headers_out, metadata=access_metadata(s, output_tokens=0)
             )
         if how.kind == "unmeterable":
             return self._unmeterable(how.reason)
-        # An answer to meter: should its upstream input figure not be billed without a count
-        # (the model's room between counts is used up), count it now, off the answer's path,
-        # so that every figure shown from here on (the access log's, a cut's) is the one
-        # billed; settlement checks again all the same.
-        pending = s.input_pending and s.cost is not None and self._counting is None
-        if pending and not self._may_bill_uncounted():
-            self._counting = asyncio.ensure_future(self._count_exact(self._body_size))
+        self.counting.response_metered()  # count now, when its figure may not stand uncounted
         if how.kind == "stream":  # SSE, or SSE under a missing/odd content type
             self.driver = StreamDriver(
                 self.gw,
                 self.cfg,
                 s,
                 how.decoder,
-                figures_ready=self._figures_ready,
+                figures_ready=self.counting.figures_ready,
                 trace=self.trace,
             )
             self.gw.metrics.active_streams.inc()
@@ -497,7 +361,7 @@ class RequestProcessor:
         if usage is not None:
             s.report(Reported.of(usage))
         if s.json_output() is not None:  # decided once: the access log and settlement read it
-            await self._figures_ready()  # the access log's input figure beside it
+            await self.counting.figures_ready()  # the access log's input figure beside it
         s.response_read()
         self._settle_later()
         return access_metadata(s, output_tokens=s.output_decided)
@@ -506,7 +370,7 @@ class RequestProcessor:
         """The exact path's JSON is rebuilt (its usage reported): the figures, the end."""
         s = self.s
         if s.json_output() is not None:
-            await self._figures_ready()
+            await self.counting.figures_ready()
         s.response_read()
         self._settle_later()
         return access_metadata(s, output_tokens=s.output_decided)
@@ -541,7 +405,7 @@ class RequestProcessor:
         driver, writer = self.driver, self.writer
         if driver is None or writer is None or not self.s.streaming:
             return False
-        await self._figures_ready()  # the cut's final figures
+        await self.counting.figures_ready()  # the cut's final figures
         async with self.write_lock:
             try:
                 for resp in driver.cut(CutReason.SHUTDOWN):
@@ -581,17 +445,12 @@ class RequestProcessor:
             await self._settle_figures()
         finally:
             self.trace.finish(self.s)  # the request's span and metrics, from its records
-            model = self.s.model
-            if self._uncounted_ok and isinstance(model, Model):
-                # billed at the upstream's figure (then a bill holds the room) or counted
-                self.gw.input_audits.release(model.name)
+            self.counting.settled()
 
     async def _settle_figures(self) -> None:
         s = self.s
-        noting = self._noting
-        if noting is not None:
-            noting.cancel()  # a count for the ledger is no use now (settlement counts if it must)
-        await self._figures_ready()
+        self.counting.settling()
+        await self.counting.figures_ready()
         s.settle_ending()
         driver = self.driver
         if driver is not None:

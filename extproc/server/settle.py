@@ -1,5 +1,6 @@
-"""Settlement, executed: once per request, whatever its ending, the session's figures
-(:meth:`extproc.core.session.Session.settlement`) go to the limiter as corrections; settlements
+"""Settlement, executed: once per request, whatever its ending, the core's plan
+(:mod:`extproc.core.settlement`, taken through :meth:`extproc.core.session.Session.settlement`)
+goes to the limiter as corrections; settlements
 Redis could not take are kept and retried until it answers.  Also the request's usage record,
 its ``settled`` log line, and the access log's dynamic metadata.
 
@@ -17,10 +18,10 @@ import structlog
 from extproc.config.runtime import Model, RuntimeConfig
 from extproc.core.figures import Figure
 from extproc.core.lifecycle import Ending
-from extproc.core.phase_records import Settlement, StreamEnd
-from extproc.core.policies import billed
+from extproc.core.phase_records import StreamEnd
 from extproc.core.rules import Adjustment
 from extproc.core.session import Session
+from extproc.core.settlement import InputAudit, SettlementPlan, asks_abandon_rate
 from extproc.errors import LimiterUnavailable
 from extproc.gateway import Gateway
 from extproc.limiter.base import SettleCall
@@ -28,11 +29,6 @@ from extproc.limiter.kept import Kept
 from extproc.records.model import UsageRecord, record_id_for
 
 log = structlog.get_logger("extproc")
-
-#: Endings before any response the gateway could meter: billed by the abandon rule.
-_ABANDONED = frozenset(
-    (Ending.CLIENT_DISCONNECTED, Ending.UPSTREAM_RESET, Ending.SHUTDOWN, Ending.INTERNAL_ERROR)
-)
 
 
 def access_metadata(s: Session, *, output_tokens: int | None = None) -> dict[str, Any]:
@@ -82,17 +78,18 @@ async def settle(
 ) -> None:
     """Settle; the caller calls this once per request (``Lifecycle.begin_settlement``).
     ``first_chunk_ms``: when the response's first body chunk arrived (0: none, or a response
-    not read chunk by chunk), for the model's learned decode rate."""
+    not read chunk by chunk), for the model's learned decode rate.  What settlement does is the
+    core's plan (:func:`extproc.core.settlement.settle`); this executes it."""
     ending = s.ending or Ending.COMPLETED
     gw.metrics.endings.labels(ending.value).inc()
     cost = s.cost
     if cost is None or s.tenant is None:
         return
     now = gw.clock.now_ms()
-    model, adm, req = s.model, s.admitted, s.req
+    model, req = s.model, s.req
     rate: int | None = None
     start = 0
-    if model is not None and stream is None and ending in _ABANDONED:
+    if model is not None and asks_abandon_rate(ending, stream):
         # what the abandon rule bills at: the model's learned decode rate and time to start
         # a non-stream forwarded as sent decodes at the model's JSON speed; a stream (the
         # client's, or the exact path's) at its streams'
@@ -108,52 +105,34 @@ async def settle(
             learned_from=rates.samples(model.name, json=json),
             json=json,
         )
-    result = s.settlement(
-        now, stream=stream, ending=ending, abandon_rate=rate, abandon_start_ms=start
+    plan = s.settlement(
+        now,
+        stream=stream,
+        ending=ending,
+        abandon_rate=rate,
+        abandon_start_ms=start,
+        first_chunk_ms=first_chunk_ms,
+        shortcut=isinstance(model, Model) and model.bound_counter is not None,
     )
-    check = ""  # the usage record's input_check
-    if (
-        ending is Ending.COMPLETED
-        and result.output is not None
-        and model is not None
-        and adm is not None
-        and req is not None
-    ):
+    sample = plan.decode
+    if sample is not None and model is not None:
         rates = gw.decode_rates
-        if first_chunk_ms > 0:
-            # read chunk by chunk: the model's decode rate (first chunk to end) and its time
-            # to start (admission to first chunk)
-            rates.observe(
-                model.name,
-                result.output,
-                req.sequences,
-                now - first_chunk_ms,
-                first_chunk_ms - adm.at_ms,
-            )
-        elif stream is None:
-            # a JSON response: its decode rate over admission to end less the time to start
-            decode_ms = now - adm.at_ms - rates.start_ms(model.name)
-            rates.observe(model.name, result.output, req.sequences, decode_ms, None)
+        decode_ms = sample.decode_ms
+        if sample.less_learned_start:
+            decode_ms -= rates.start_ms(model.name)
+        rates.observe(model.name, sample.tokens, sample.sequences, decode_ms, sample.start_ms)
     if s.count_failed:  # the bound it was admitted on stands: an over-count, never an under-count
         log.error("input_count_failed", request_id=s.request_id, kept="bound")
-    if result.output is not None and result.total is not None and result.total > 0:
-        if stream is not None:
-            log_disagreement(gw, s, "output", s.stream_output(stream))
-        elif (fig := s.json_output()) is not None:
-            log_disagreement(gw, s, "output", fig)
-        inp = s.input_figure()
-        log_disagreement(gw, s, "input", inp)
-        if _has_shortcut(s):
-            check = _audit_input(gw, s, inp)
-    elif s.input_uncounted and result.input is not None and _has_shortcut(s):
-        check = _audit_input(gw, s, result.input)  # an abandoned request, at the engine's figure
-    _record(gw, s, result, now, check)
-    if result.total is None and not s.holds_slots:
-        _log_settled(s, result, s.account.total, 0)
+    for kind, figure in plan.disagreements():
+        log_disagreement(gw, s, kind, figure)
+    audit = plan.audit
+    if audit is not None:
+        _audit_input(gw, s, audit)
+    _record(gw, s, plan, now, audit.check if audit is not None else "")
+    if not plan.calls_limiter:
+        _log_settled(s, plan)
         return
-    total = result.total if result.total is not None else s.account.total
-    adjustments = s.adjustments(result, s.buckets_at(gw.key_prefix, now, cfg.reservation_lease_ms))
-    delta = total - s.account.total
+    adjustments = s.adjustments(plan, s.buckets_at(gw.key_prefix, now, cfg.reservation_lease_ms))
     # Called even with nothing to correct: the ledger is marked settled, so it is never
     # reclaimed as abandoned and a replay is a no-op.
     ttl = cfg.ledger_ttl_seconds * 1000
@@ -161,39 +140,23 @@ async def settle(
         # many requests' settlements per Redis call, retried until Redis takes them
         gw.submit_settlement(SettleCall(s.ledger, adjustments, ttl, unconfirmed=s.unconfirmed))
     else:
-        await _settle_now(gw, s, adjustments, ttl, delta)
-    _count_tokens(gw, s, result, total)
-    _log_settled(s, result, total, delta)
+        await _settle_now(gw, s, adjustments, ttl, plan.delta)
+    _count_tokens(gw, s, plan)
+    _log_settled(s, plan)
 
 
-def _has_shortcut(s: Session) -> bool:
-    """Whether the request's model may be admitted on a bound and billed at the upstream's
-    figure without a count (a tiktoken model): a count that contradicts its upstream's figure,
-    on a bound or counted first, stops that."""
-    model = s.model
-    return s.counted_after_bound or (isinstance(model, Model) and model.bound_counter is not None)
-
-
-def _audit_input(gw: Gateway, s: Session, inp: Figure | int) -> str:
-    """What the request's input figure says of its model's upstream (a model with the
+def _audit_input(gw: Gateway, s: Session, audit: InputAudit) -> None:
+    """Executes what the request's input figure says of its model's upstream (a model with the
     shortcut, :class:`extproc.core.audits.InputAudits`): billed at the upstream's figure without
     a count (a suspect should a later count disagree), a count that agreed (the shortcut is
-    earned or kept), or one that disagreed (the shortcut stops, on every replica).  The usage
-    record's ``input_check``."""
+    earned or kept), or one that disagreed (the shortcut stops, on every replica)."""
     model = s.model.name if s.model else ""
-    if s.input_uncounted:
-        figure = inp.value if isinstance(inp, Figure) else inp
-        adm = s.admitted
-        bound = adm.cost.input_tokens if adm is not None and adm.cost is not None else figure
-        gw.input_audits.billed_uncounted(model, figure, s.report_seq, bound)
-        return "uncounted"
-    if not isinstance(inp, Figure):
-        return ""
-    if inp.disagreement is None:
+    if audit.verdict == "uncounted":
+        gw.input_audits.billed_uncounted(model, audit.figure, s.report_seq, audit.bound)
+    elif audit.verdict == "agreed":
         gw.input_audits.agreed(model, s.report_seq)
-        return ""
-    _stop_input_shortcut(gw, s, inp)
-    return inp.disagreement
+    elif audit.disagreed_with is not None:
+        _stop_input_shortcut(gw, s, audit.disagreed_with)
 
 
 def _stop_input_shortcut(gw: Gateway, s: Session, fig: Figure) -> None:
@@ -255,9 +218,9 @@ async def _settle_now(
         log.warning("settlement_deferred", request_id=s.request_id, delta=delta)
 
 
-def _count_tokens(gw: Gateway, s: Session, result: Settlement, total: int) -> None:
-    gw.metrics.tokens.labels("net").inc(max(0, total))
-    final = result.usage
+def _count_tokens(gw: Gateway, s: Session, plan: SettlementPlan) -> None:
+    gw.metrics.tokens.labels("net").inc(max(0, plan.total))
+    final = plan.usage
     if s.model is not None:
         for kind, n in (
             ("input", final.input),
@@ -269,21 +232,13 @@ def _count_tokens(gw: Gateway, s: Session, result: Settlement, total: int) -> No
                 gw.metrics.model_tokens.labels(s.model.name, kind).inc(n)
 
 
-def _record(gw: Gateway, s: Session, result: Settlement, now_ms: int, check: str = "") -> None:
+def _record(gw: Gateway, s: Session, plan: SettlementPlan, now_ms: int, check: str = "") -> None:
     """The request's billing record, once, at settlement (never blocks: the recorder queues)."""
     cost, tenant, model = s.cost, s.tenant, s.model
     if gw.recorder is None or cost is None or tenant is None:
         return
     priced = model is not None and model.prices is not None and bool(model.currency)
-    bill = billed(
-        charged=result.total if result.total is not None else s.account.total,
-        final_total=result.total is not None,
-        input_tokens=result.input,
-        output_tokens=result.output,
-        usage=result.usage,
-        requests=cost.requests,
-        prices=model.prices if priced and model is not None else None,
-    )
+    bill = plan.billed(cost.requests, model.prices if priced and model is not None else None)
     inp, out, money = bill.input, bill.output, bill.money
     rep = s.reported
     admitted = s.admitted
@@ -300,7 +255,7 @@ def _record(gw: Gateway, s: Session, result: Settlement, now_ms: int, check: str
             reasoning_tokens=rep.reasoning if rep else 0,
             cost=money,
             currency=model.currency if money is not None and model else "",
-            ending=result.ending.value,
+            ending=plan.ending.value,
             status=s.status,
             admitted_at_ms=admitted.at_ms if admitted else 0,
             finished_at_ms=now_ms,
@@ -314,16 +269,16 @@ def _record(gw: Gateway, s: Session, result: Settlement, now_ms: int, check: str
     )
 
 
-def _log_settled(s: Session, result: Settlement, total: int, delta: int) -> None:
+def _log_settled(s: Session, plan: SettlementPlan) -> None:
     log.info(
         "settled",
         request_id=s.request_id,
         tenant=s.tenant.id if s.tenant else None,
         model=s.model.name if s.model else None,
-        ending=result.ending.value,
-        input_tokens=result.input,
-        output_tokens=result.output,
-        charged_total=total,
-        correction=delta,
+        ending=plan.ending.value,
+        input_tokens=plan.input,
+        output_tokens=plan.output,
+        charged_total=plan.total,
+        correction=plan.delta,
         status=s.status,
     )

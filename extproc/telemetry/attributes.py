@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 
 from extproc.core.lifecycle import Ending
-from extproc.core.policies import billed
 from extproc.core.rules import Limit
 from extproc.core.session import Session
 from extproc.errors import GatewayError, QuotaExceeded, StreamCut
@@ -128,17 +127,9 @@ def bill(s: Session) -> Bill | None:
     if result is None or cost is None:
         return None
     charged = s.account.total
-    total = result.total if result.total is not None else charged
+    total = result.total  # the plan's (what the counters hold once settled)
     priced = model is not None and model.prices is not None and bool(model.currency)
-    b = billed(
-        charged=total,
-        final_total=result.total is not None,
-        input_tokens=result.input,
-        output_tokens=result.output,
-        usage=result.usage,
-        requests=cost.requests,
-        prices=model.prices if priced and model is not None else None,
-    )
+    b = result.billed(cost.requests, model.prices if priced and model is not None else None)
     rep = s.reported
     return Bill(
         input=b.input,

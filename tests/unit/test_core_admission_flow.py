@@ -30,8 +30,8 @@ from extproc.core.actions import (
     PushedBack,
     Reject,
 )
-from extproc.core.admission_flow import Admission, bound_input
-from extproc.core.admission_plan import RoomHints
+from extproc.core.admission_flow import Admission
+from extproc.core.admission_rules import bound_input
 from extproc.core.apis.openai import CHAT
 from extproc.core.counters import UTF8BoundCounter
 from extproc.core.events import (
@@ -44,6 +44,7 @@ from extproc.core.events import (
 )
 from extproc.core.lifecycle import Input
 from extproc.core.phase_records import Identified, PhaseError
+from extproc.core.room_hints import RoomHints
 from extproc.core.rules import BucketCharge, Charging
 from extproc.core.session import Session
 from extproc.errors import LimiterUnavailable, QuotaExceeded, RequestTooLarge, UnknownModel

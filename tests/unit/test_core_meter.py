@@ -13,15 +13,8 @@ from hypothesis import strategies as st
 from extproc.core.apis.errors import sse_error_event
 from extproc.core.chunks import Usage
 from extproc.core.lifecycle import CutReason
-from extproc.core.meter import (
-    EMPTY,
-    Enforcement,
-    MeterPhase,
-    Step,
-    StreamInput,
-    StreamMeter,
-    StreamPhase,
-)
+from extproc.core.meter import EMPTY, Step, StreamMeter
+from extproc.core.meter_phase import Enforcement, MeterPhase, StreamInput, StreamPhase
 from extproc.core.tokens import TokenizerSpec
 from extproc.tokenizers import load_counter
 
@@ -551,7 +544,7 @@ def test_lazy_never_blocks_without_a_charge_and_keeps_the_cap(
 
 def test_stream_phase_table_is_total_and_an_ended_stream_stays_ended() -> None:
     """Every (phase, input) pair is listed; FINISHED and CUT absorb every input."""
-    from extproc.core.meter import STREAM_TRANSITIONS, StreamInput, StreamPhase
+    from extproc.core.meter_phase import STREAM_TRANSITIONS, StreamInput, StreamPhase
 
     assert set(STREAM_TRANSITIONS) == {(p, i) for p in StreamPhase for i in StreamInput}
     for ended in (StreamPhase.FINISHED, StreamPhase.CUT):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from extproc.core import policies
 from extproc.core.admission_plan import Cost
 from extproc.core.keys import windowed
-from extproc.core.rules import RATE_SCALE, Limit, Rates, Usage
+from extproc.core.rules import RATE_SCALE, Limit, Rates
 
 pytestmark = pytest.mark.unit
 
@@ -111,46 +111,6 @@ def test_a_refusal_on_a_bound_never_counts(on_bound: bool, configured: bool) -> 
 
 
 figures = st.integers(min_value=0, max_value=100_000)
-
-
-@given(
-    charged=st.integers(min_value=-1000, max_value=200_000),
-    final_total=st.booleans(),
-    inp=figures,
-    out=st.none() | figures,
-    priced=st.booleans(),
-)
-def test_the_billing_record_never_bills_more_input_than_was_charged(
-    charged: int, final_total: bool, inp: int, out: int | None, priced: bool
-) -> None:
-    """The record's input is within what was charged (none when nothing was), its output the
-    settled figure or the rest of the charge, and its money the prices of what it bills."""
-    usage = Usage(input=inp, output=out or 0, requests=1)
-    prices = Rates(input=2 * RATE_SCALE, output=3 * RATE_SCALE, request=0) if priced else None
-    got = policies.billed(
-        charged=charged,
-        final_total=final_total,
-        input_tokens=inp,
-        output_tokens=out,
-        usage=usage,
-        requests=1,
-        prices=prices,
-    )
-    assert 0 <= got.input <= max(0, charged)
-    assert got.input <= inp
-    if out is not None:
-        assert got.output == out
-    else:
-        assert got.output == max(0, charged - got.input)
-    if prices is None:
-        assert got.money is None
-    elif charged <= 0:
-        assert got.money == Decimal(0)
-    elif final_total:
-        assert got.money == Decimal(prices.units(usage)).scaleb(-6)
-    else:
-        billed = Usage(input=got.input, output=got.output, requests=1)
-        assert got.money == Decimal(prices.units(billed)).scaleb(-6)
 
 
 RPM = Limit("rpm", 60, 60, "*", "tenant")

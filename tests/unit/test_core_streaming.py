@@ -36,7 +36,7 @@ from extproc.core.events import (
     Trailers,
 )
 from extproc.core.lifecycle import CutReason, Ending, State
-from extproc.core.meter import StreamPhase
+from extproc.core.meter_phase import StreamPhase
 from extproc.core.streaming import MeteredStream, room_after, unconfirmed_charge
 from extproc.server.processor import RequestProcessor
 from tests.unit.test_processor_flow import event, limiter, start
@@ -217,6 +217,11 @@ def test_any_event_order_keeps_the_stream_contract(
     # whatever happened, the core's answer to "what was delivered" is what the figure says
     end = ms.end()
     assert end.cut is (run.ended_by == "cut")
+    # the stream waits for nothing once over; a duplicate count changes nothing
+    assert ms.waiting is None
+    forwarded = run.forwarded
+    run.feed(CountDone())
+    assert run.forwarded == forwarded and ms.waiting is None
     del proc
 
 

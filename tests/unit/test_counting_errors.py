@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.core.admission_flow import client_errors as _client_errors
+from extproc.core.admission_rules import client_errors as _client_errors
 from extproc.core.tokens import PromptShapeError, PromptTooLarge
 from extproc.errors import BadRequest, RequestTooLarge
 

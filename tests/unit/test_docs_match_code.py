@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from extproc.background import INPUT_STOPS_REFRESH_S
 from extproc.bench.vllm import RUN_AHEAD_BOUND
 from extproc.config.schema import (
     ConfigFile,
@@ -25,6 +26,7 @@ from extproc.config.schema import (
     TokenizerModel,
 )
 from extproc.core.audits import MAX_STOPPED_MODELS
+from extproc.core.bound_count import NOTE_AFTER_S
 from extproc.core.figures import (
     ABANDONED_TOKENS_PER_SECOND,
     INPUT_SLACK_TOKENS,
@@ -34,10 +36,8 @@ from extproc.core.figures import (
     OUTPUT_TOLERANCE,
 )
 from extproc.core.tokens import TokenizerSpec
-from extproc.gateway import INPUT_STOPS_REFRESH_S
 from extproc.limiter.base import MAX_RIDERS
 from extproc.limiter.batch import DEFAULT_MAX_BATCH
-from extproc.server.processor import NOTE_AFTER_S
 from extproc.settings import Settings
 
 pytestmark = pytest.mark.unit

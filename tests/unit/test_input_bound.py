@@ -19,8 +19,7 @@ from hypothesis import strategies as st
 from extproc.clock import FakeClock
 from extproc.config import load_config_text
 from extproc.config.runtime import Model
-from extproc.core.admission_flow import bound_input
-from extproc.core.admission_plan import MAX_ROOM_HINTS, RoomHints
+from extproc.core.admission_rules import bound_input
 from extproc.core.apis.base import RequestLimits
 from extproc.core.apis.registry import api_for_path
 from extproc.core.audits import InputAudits
@@ -31,6 +30,7 @@ from extproc.core.counters import (
     upper_bound_counter,
 )
 from extproc.core.lifecycle import Closed
+from extproc.core.room_hints import MAX_ROOM_HINTS, RoomHints
 from extproc.core.rules import BucketCharge
 from extproc.core.tokens import TokenizerSpec
 from extproc.errors import GatewayError

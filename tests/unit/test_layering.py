@@ -361,3 +361,100 @@ def test_the_bases_check_finds_a_mixin_stack() -> None:
     )
     found = package_bases(ast.parse(src), {"A", "B", "P"})
     assert found["B"] == ["A", "Limiter"] and "P" not in found
+
+
+# -- the shape of the request's code: core decides, server executes ------------------------
+
+#: No module of the core or the server layer is longer than this (a newcomer reads one job).
+MAX_MODULE_LINES = 500
+
+
+@pytest.mark.parametrize("package", ["core", "server"])
+def test_no_module_of_the_core_or_the_server_is_over_the_limit(package: str) -> None:
+    """Every module of extproc/core and extproc/server is at most MAX_MODULE_LINES long."""
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / package).rglob("*.py")
+        if (n := len(p.read_text("utf-8").splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"over {MAX_MODULE_LINES} lines: {long}"
+
+
+#: The session's methods the server layer calls: its entry points.  Everything else the
+#: server needs of the session is read (properties), never moved.  A new call must be added
+#: here on purpose (and is better a new event of the core).
+SESSION_ENTRY_POINTS = frozenset(
+    {
+        # the request, as Envoy reports it
+        "request_headers",
+        "request",
+        "identify",
+        "pass_through",
+        "request_body",
+        "admit",
+        "admission_done",
+        "answered",
+        "response_headers",
+        "response_body",
+        "report",
+        "response_read",
+        "response_trailers",
+        "close",
+        # the count of a prompt admitted on a bound (extproc.core.bound_count)
+        "count_input_with",
+        "input_counted",
+        "needs_count",
+        # figures and settlement (extproc.core.settlement)
+        "json_output",
+        "input_tokens",
+        "begin_settlement",
+        "settle_ending",
+        "settlement",
+        "adjustments",
+        "buckets_at",
+    }
+)
+
+
+def session_calls(path: Path, methods: Collection[str]) -> set[str]:
+    """The names among ``methods`` that ``path`` calls as ``<anything>.name(...)``."""
+    tree = ast.parse(path.read_text("utf-8"))
+    return {
+        node.func.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in methods
+    }
+
+
+def session_methods() -> set[str]:
+    """The session's methods (not its properties), its own and its records' base's."""
+    from extproc.core.session import Session
+
+    return {
+        name
+        for klass in Session.__mro__
+        if klass.__module__.startswith("extproc.core")
+        for name, value in vars(klass).items()
+        if callable(value) and not isinstance(value, property) and not name.startswith("__")
+    }
+
+
+def test_the_server_calls_the_session_through_its_entry_points_only() -> None:
+    """extproc/server calls no session method outside SESSION_ENTRY_POINTS (a call by a name
+    the session has counts, whatever the object: a name clash must be renamed, not allowed)."""
+    methods = session_methods()
+    assert "settlement" in methods and "identified" not in methods  # properties are reads
+    calls = {
+        str(p.relative_to(ROOT)): sorted(session_calls(p, methods) - SESSION_ENTRY_POINTS)
+        for p in (ROOT / "server").rglob("*.py")
+    }
+    assert not {k: v for k, v in calls.items() if v}, calls
+
+
+def test_the_entry_point_check_sees_a_mutator_call(tmp_path: Path) -> None:
+    """The check finds a server module calling a session method that is not an entry point."""
+    f = tmp_path / "x.py"
+    f.write_text("def f(s):\n    s.input_figure()\n    s.settlement(0)\n")
+    assert session_calls(f, session_methods()) - SESSION_ENTRY_POINTS == {"input_figure"}
