@@ -241,6 +241,11 @@ class RecordingLimiter:
         self._check()
         return await self.inner.count_slots(keys, now_ms)
 
+    async def count_members(self, keys: list[str]) -> list[int]:
+        """Count members."""
+        self._check()
+        return await self.inner.count_members(keys)
+
     async def stop_input_shortcut(self, key: str, model: str, entry: str, ttl_ms: int) -> bool:
         """Record a model's stopped input shortcut (shared by the gateways on this limiter)."""
         self._check()

@@ -317,6 +317,10 @@ class Limiter(Protocol):
         """Live (unexpired) slots of these concurrency sets."""
         ...
 
+    async def count_members(self, keys: list[str]) -> list[int]:
+        """Members of these sets (a team's distinct end users in a window; 0 when missing)."""
+        ...
+
     async def ping(self) -> bool:
         """Whether the backend answers."""
         ...

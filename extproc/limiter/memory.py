@@ -399,27 +399,22 @@ class MemoryLimiter:
 
     async def read(self, keys: list[str]) -> list[int]:
         """Counter values; 0 for a missing key (or one that is not a counter, as MGET)."""
-        if not keys:
-            return []
-        self.round_trips += 1
+        self.round_trips += 1 if keys else 0
         now = self.clock.now_ms()
-        out: list[int] = []
-        for key in keys:
-            entry = self.keys.entry(key, now)
-            out.append(entry.value if isinstance(entry, Counter) else 0)
-        return out
+        return [e.value if isinstance(e := self.keys.entry(k, now), Counter) else 0 for k in keys]
 
     async def count_slots(self, keys: list[str], now_ms: int) -> list[int]:
         """Slots of each concurrency set whose lease runs past ``now_ms``."""
-        if not keys:
-            return []
-        self.round_trips += 1
+        return self._count(keys, lambda z: sum(1 for s in z.members.values() if s > now_ms))
+
+    async def count_members(self, keys: list[str]) -> list[int]:
+        """Members of each set (``admit``'s sets of a team's end users)."""
+        return self._count(keys, lambda z: len(z.members))
+
+    def _count(self, keys: list[str], count: Callable[[Scored], int]) -> list[int]:
+        self.round_trips += 1 if keys else 0
         now = self.clock.now_ms()
-        out: list[int] = []
-        for key in keys:
-            z = self.keys.typed(key, Scored, now)
-            out.append(sum(1 for s in z.members.values() if s > now_ms) if z is not None else 0)
-        return out
+        return [count(z) if (z := self.keys.typed(k, Scored, now)) is not None else 0 for k in keys]
 
     async def rls_check(self, counters: Sequence[RlsCount]) -> tuple[bool, list[int]]:
         """The RLS API's check (``rls.lua``; :class:`extproc.limiter.base.RlsCounter`): every

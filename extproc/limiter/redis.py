@@ -45,6 +45,7 @@ from extproc.limiter.failover import Failover
 from extproc.limiter.journal import DEFAULT_WINDOW_S
 from extproc.limiter.packing import use_hiredis_packing
 from extproc.limiter.redis_url import async_client
+from extproc.limiter.set_reads import SetReads
 
 if TYPE_CHECKING:
     from extproc.metrics import Metrics
@@ -56,7 +57,7 @@ DEFAULT_MAX_CONNECTIONS = 128
 _SCRIPTS = ("admit", "charge", "settle", "note", "input_stop")
 
 
-class RedisLimiter:
+class RedisLimiter(SetReads):
     """:class:`extproc.limiter.base.Limiter` over Redis (single server or Cluster)."""
 
     def __init__(
@@ -421,21 +422,6 @@ class RedisLimiter:
             "a read", "read", lambda: client.mget(keys), slot=self.caller.slot(keys[0])
         )
         return [int(v) if v is not None else 0 for v in vals]
-
-    async def count_slots(self, keys: list[str], now_ms: int) -> list[int]:
-        """ZCOUNT of each concurrency set over leases still running."""
-        if not keys:
-            return []
-        client = self.caller.client
-
-        async def run() -> Any:
-            pipe = client.pipeline(transaction=False)
-            for k in keys:
-                pipe.zcount(k, f"({now_ms}", "+inf")
-            return await pipe.execute()
-
-        vals = await self.caller.call("a read", "read", run, slot=self.caller.slot(keys[0]))
-        return [int(v) for v in vals]
 
     async def ping(self) -> bool:
         """PING, bypassing the breaker."""

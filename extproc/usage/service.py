@@ -114,12 +114,11 @@ class UsageServicer(usage_pb2_grpc.UsageServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{'key' if key_name else 'tenant'} is not in team {request.team!r}",
             )
-        # the tenant's, its key's and its levels' (organisation, team); an end user's with
-        # end_user (a team's set of distinct end users is not a counter: not shown)
+        # the tenant's, its key's and its levels' (organisation, team, and how many distinct
+        # end users the team's window holds against its cap: a count, never the ids); an end
+        # user's with end_user
         limits = tuple(
-            lim
-            for lim in tenant.limits_for(key_name)
-            if (request.end_user or lim.scope != "user") and lim.metric != "users"
+            lim for lim in tenant.limits_for(key_name) if request.end_user or lim.scope != "user"
         )
         if request.model:
             model = cfg.resolve_model(request.model)
@@ -170,7 +169,7 @@ class UsageServicer(usage_pb2_grpc.UsageServicer):
             lim
             for t in teams
             for lim in cfg.level_limits.get(("team", t), ())
-            if ((request.end_user and team) or lim.scope != "user") and lim.metric != "users"
+            if (request.end_user and team) or lim.scope != "user"
         )
         if request.model:
             model = cfg.resolve_model(request.model)
@@ -239,15 +238,18 @@ class UsageServicer(usage_pb2_grpc.UsageServicer):
 
     async def _values(self, buckets: list[WindowedBucket], now_ms: int) -> list[int]:
         """What each bucket holds now: counters (a sliding one with its previous window's
-        share) and the live slots of concurrency limits."""
-        counters = [b for b in buckets if b.kind != "concurrency"]
+        share), the live slots of concurrency limits and the size of a team's set of distinct
+        end users (its members are never read)."""
+        counters = [b for b in buckets if b.kind not in ("concurrency", "users")]
         keys = [b.key for b in counters] + [b.prev_key for b in counters if b.prev_key]
         read = dict(zip(keys, await self.gw.limiter.read(keys), strict=True))
         slots = [b.key for b in buckets if b.kind == "concurrency"]
         live = dict(zip(slots, await self.gw.limiter.count_slots(slots, now_ms), strict=True))
+        sets = [b.key for b in buckets if b.kind == "users"]
+        live |= dict(zip(sets, await self.gw.limiter.count_members(sets), strict=True))
         out: list[int] = []
         for b in buckets:
-            if b.kind == "concurrency":
+            if b.kind in ("concurrency", "users"):
                 out.append(live[b.key])
                 continue
             prev = read[b.prev_key] * b.prev_weight // SLIDING_SCALE if b.prev_key else 0
@@ -255,7 +257,7 @@ class UsageServicer(usage_pb2_grpc.UsageServicer):
         return out
 
 
-_UNITS = {"rpm": "requests", "tpm": "tokens", "concurrency": "requests"}
+_UNITS = {"rpm": "requests", "tpm": "tokens", "concurrency": "requests", "users": "end users"}
 
 
 def add_usage_service(server: Any, gateway: Gateway, guard: PortGuard | None = None) -> None:

@@ -174,12 +174,26 @@ def test_example_levels_hold_and_name_themselves(hstack: Stack, rds: redis.Redis
     assert levels["user=research/u1"] == counter(rds, "u.research.u1")
     assert (mine["organisation"], mine["team"]) == ("acme", "research")
     whole = usage(hstack, "--organisation", "acme", admin=True)
-    levels = {b["level"]: b["used"] for b in whole["buckets"]}
+    levels = {b["level"]: b["used"] for b in whole["buckets"] if b["metric"] == "tpm"}
     assert levels == {
         "organisation=acme": counter(rds, "o"),
         "team=research": counter(rds, "g.research"),
         "team=product": counter(rds, "g.product"),
     }
+    # research's distinct end users in this minute against its cap: a count, no ids (product
+    # has no end-user limits: no such row)
+    idx = int(time.time() * 1000) // 60_000
+    distinct = rds.scard(f"{TAG}:users:g.research:*:60:{idx}")
+    assert 3 <= distinct <= 5  # u1, u2, u3 were admitted; u4, u5 maybe
+    (users,) = [b for b in whole["buckets"] if b["metric"] == "users"]
+    assert (users["level"], users["used"], users["limit"]) == ("team=research", distinct, 1000)
+    assert (users["unit"], users["period"], users["remaining"]) == (
+        "end users",
+        "minute",
+        1000 - distinct,
+    )
+    assert not any(b["level"].startswith("user=") for b in whole["buckets"])
+    assert [b["used"] for b in mine["buckets"] if b["metric"] == "users"] == [distinct]
     denied = usage(hstack, "--key", "sk-acme-product", "--team", "research", check=False)
     assert "PERMISSION_DENIED" in denied["error"]
 

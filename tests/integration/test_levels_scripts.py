@@ -111,6 +111,13 @@ async def test_a_team_caps_its_distinct_end_users(backend: Backend) -> None:
         False,
         True,
     ]
+    # what GetUsage shows against the cap: the set's size (the limiter reads a count, never
+    # the members); a refused new end user was not added
+    users = next(
+        b for b in windowed(prefix, acme.slot, "research", limits, now) if b.kind == "users"
+    )
+    assert await backend.limiter.count_members([users.key]) == [2]
+    assert await backend.limiter.count_members([users.key.replace(":60:", ":3600:")]) == [0]
 
 
 async def test_concurrency_weighted_and_shadow_limits_at_levels(backend: Backend) -> None:

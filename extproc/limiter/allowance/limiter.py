@@ -103,6 +103,10 @@ class AllowanceLimiter:
         """Live concurrency slots (never held in allowances)."""
         return await self.inner.count_slots(keys, now_ms)
 
+    async def count_members(self, keys: list[str]) -> list[int]:
+        """A team's distinct end users (never held in allowances)."""
+        return await self.inner.count_members(keys)
+
     def _eligible(self, c: BucketCharge) -> bool:
         if c.kind not in ("rpm", "tpm") or c.shadow or c.prev_key:
             return False
