@@ -198,8 +198,10 @@ async def run(
     words: int = 6,
     seed_used: int | None = None,
     redis_down: bool = False,
+    rules: str | None = None,
+    user: str | None = None,
 ) -> tuple[RequestProcessor, list[Any], Any]:
-    cfg = load_config_text(RULES % (streaming, tpm, "open" if redis_down else "closed"))
+    cfg = load_config_text(rules or RULES % (streaming, tpm, "open" if redis_down else "closed"))
     mem = MemoryLimiter(FakeClock())
     lim = RecordingLimiter(mem)
     lim.down = redis_down  # every call fails, as an unreachable Redis does
@@ -216,6 +218,7 @@ async def run(
             "max_tokens": 40,
             "messages": [{"role": "user", "content": "hi"}],
         }
+        | ({"user": user} if user else {})
     )
     [resp] = await proc.handle(
         pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
@@ -370,6 +373,75 @@ async def test_a_cut_carries_its_reason_and_limit() -> None:
     no_key_text(span)
     [(cut, point)] = tel.metrics()["ai_quota.stream.cuts"][1]
     assert cut["ai_quota.cut.reason"] == "quota_exhausted" and point.value == 1
+
+
+# -- levels: the organisation and team, never the end user ------------------------------------
+
+LEVEL_RULES = """
+models:
+  m: {tokenizer: {kind: tiktoken, encoding: cl100k_base}, max_output_tokens: 50}
+charging: {charge_every_tokens: 4}
+plans:
+  p: {limits: [{model: "*", per: hour, rpm: 100, tpm: 100000}]}
+organisations:
+  o1: {limits: [{per: hour, tpm: 100000}]}
+teams:
+  g1:
+    organisation: o1
+    limits: [{per: hour, tpm: 100000}]
+    end_users: {limits: [{per: hour, tpm: %d}]}
+tenants:
+  t: {plan: p, keys: [{name: k1, plaintext: sk-secret-text-t, team: g1}]}
+"""
+END_USER = "enduser-7f3a"  # the body's user: it must appear nowhere in the telemetry
+
+
+def no_end_user(tel: Telemetry, span: ReadableSpan) -> None:
+    """The end user's id is in no attribute of the span, of its events, or of any metric."""
+    texts = [str(v) for v in (span.attributes or {}).values()]
+    texts += [str(v) for ev in span.events for v in (ev.attributes or {}).values()]
+    texts += [
+        f"{k}={v}"
+        for _, points in tel.metrics().values()
+        for attrs, _ in points
+        for k, v in attrs.items()
+    ]
+    assert texts and not [t for t in texts if END_USER in t]
+
+
+async def test_a_span_names_the_levels_and_never_the_end_user() -> None:
+    """A key of team g1 in organisation o1, the body naming an end user: the span carries
+    ai_quota.organisation / ai_quota.team (configuration ids) and nothing names the end user,
+    though a limit of the end user's own was charged."""
+    tel = Telemetry()
+    proc, _, _ = await run(tel, rules=LEVEL_RULES % 100000, user=END_USER)
+    assert any(END_USER in b.key for b in proc.s.buckets)  # its own counter was charged
+    [span] = tel.finished()
+    a = dict(span.attributes or {})
+    assert a["ai_quota.decision"] == "admitted" and a["ai_quota.ending"] == "completed"
+    assert a["ai_quota.organisation"] == "o1"
+    assert a["ai_quota.team"] == "g1"
+    labels = a["ai_quota.limits"]
+    assert isinstance(labels, tuple) and any("/user/" in str(x) for x in labels)
+    no_end_user(tel, span)
+    no_key_text(span)
+
+
+async def test_a_refusal_by_the_end_users_limit_names_the_team_not_the_user() -> None:
+    """Refused by the end user's own limit: the span's refused limit is of scope ``user`` and
+    its owner the team; the end user's id is still nowhere (the 429's message names it, for
+    the client who sent it)."""
+    tel = Telemetry()
+    _, [resp], _ = await run(tel, rules=LEVEL_RULES % 5, user=END_USER)
+    assert resp.immediate_response.status.code == 429
+    assert END_USER in resp.immediate_response.body.decode()
+    [span] = tel.finished()
+    a = dict(span.attributes or {})
+    assert a["ai_quota.decision"] == "refused"
+    assert a["ai_quota.refused.limit.scope"] == "user"
+    assert a["ai_quota.refused.limit.owner"] == "g1"
+    assert (a["ai_quota.organisation"], a["ai_quota.team"]) == ("o1", "g1")
+    no_end_user(tel, span)
 
 
 # -- Envoy's tracer ---------------------------------------------------------------------------
