@@ -182,13 +182,31 @@ def rotate_key(
     ends now, or after ``grace`` seconds (never later than it would have).  Returns the old
     and the new key."""
     old = active_key(state, key_id, now)
-    new = StoredKey(new_id, old.name, old.tenant, new_digest, now)
+    new = StoredKey(new_id, old.name, old.tenant, new_digest, now, team=old.team)
     keys = {k: v for k, v in state.keys.items() if k != old.id}
     if grace > 0:
         ends = now + grace if old.expires_at is None else min(old.expires_at, now + grace)
         keys[old.id] = replace(old, expires_at=ends)
     keys[new.id] = new
     return replace(state, keys=keys), (old, new)
+
+
+def set_key_team(
+    state: StoreState, rules: FileRules, key_id: str, team: str, now: float
+) -> tuple[StoreState, StoredKey]:
+    """Move a store key to ``team`` ("": its tenant's), with a rotated predecessor of the same
+    name still in its grace (one key's requests count in one team); checked with the levels in
+    force (the team exists, in the tenant's organisation).  Returns the moved key."""
+    if team:
+        check_id(team, "team")
+    key = active_key(state, key_id, now)
+    keys = dict(state.keys)
+    for k in state.keys.values():
+        if k.tenant == key.tenant and k.name == key.name and k.active(now):
+            keys[k.id] = replace(k, team=team)
+    out = replace(state, keys=keys)
+    check_merged(rules, out, now)
+    return out, keys[key.id]
 
 
 def revoke_key(state: StoreState, key_id: str) -> tuple[StoreState, StoredKey]:
@@ -298,6 +316,11 @@ def delete_tenant(state: StoreState, rules: FileRules, tid: str) -> tuple[StoreS
 def key_fields(key: StoredKey) -> dict[str, Any]:
     """What the audit log says of a key (never its digest)."""
     return {"tenant": key.tenant, "key": key.name, "key_id": key.id}
+
+
+def key_team_fields(key: StoredKey) -> dict[str, Any]:
+    """What the audit log says of a key moved to a team."""
+    return {**key_fields(key), "team": key.team}
 
 
 # -- views ------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
     ai-quota admin create-key --tenant acme --name ci --token-file admin.token
     ai-quota admin rotate-key key_0123456789abcdef --grace 300
     ai-quota admin revoke-key key_0123456789abcdef
+    ai-quota admin set-key-team key_0123456789abcdef --team research
     ai-quota admin set-tenant --tenant acme --plan standard --limit '{per: minute, rpm: 10}'
     ai-quota admin delete-tenant --tenant acme
     ai-quota admin list | get --tenant acme | version
@@ -77,6 +78,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("revoke-key", parents=[common], help="revoke a key on every replica")
     p.add_argument("key_id")
     p.set_defaults(admin_call=_revoke_key)
+
+    p = sub.add_parser("set-key-team", parents=[common], help="move a key to another team")
+    p.add_argument("key_id")
+    p.add_argument("--team", default="", help="its new team (default: its tenant's)")
+    p.set_defaults(admin_call=_set_key_team)
 
     p = sub.add_parser(
         "set-tenant", parents=[common], help="create a tenant or replace its plan and limits"
@@ -218,6 +224,11 @@ def _rotate_key(stub: Any, a: argparse.Namespace, md: Any, t: float) -> Any:
 
 def _revoke_key(stub: Any, a: argparse.Namespace, md: Any, t: float) -> Any:
     return stub.RevokeKey(admin_pb2.RevokeKeyRequest(key_id=a.key_id), metadata=md, timeout=t)
+
+
+def _set_key_team(stub: Any, a: argparse.Namespace, md: Any, t: float) -> Any:
+    req = admin_pb2.SetKeyTeamRequest(key_id=a.key_id, team=a.team)
+    return stub.SetKeyTeam(req, metadata=md, timeout=t)
 
 
 def _delete_tenant(stub: Any, a: argparse.Namespace, md: Any, t: float) -> Any:

@@ -302,13 +302,19 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
         audit = self._audit(context, "revoke_key", changes.key_fields)
         stored, key = await self.store.update(change, audit=audit)
-        log.info(
-            "admin_key_revoked",
-            tenant=key.tenant,
-            key=key.name,
-            key_id=key.id,
-            version=stored.version,
-        )
+        log.info("admin_key_revoked", **changes.key_fields(key), version=stored.version)
+        return admin_pb2.ChangeResponse(version=stored.version)
+
+    @_rpc
+    async def SetKeyTeam(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
+        """Move a store key to another team (docs/semantics.md, "Levels")."""
+
+        def change(state: StoreState) -> tuple[StoreState, StoredKey]:
+            return changes.set_key_team(state, self.rules, request.key_id, request.team, self.now())
+
+        audit = self._audit(context, "set_key_team", changes.key_team_fields)
+        stored, key = await self.store.update(change, audit=audit)
+        log.info("admin_key_team_set", **changes.key_team_fields(key), version=stored.version)
         return admin_pb2.ChangeResponse(version=stored.version)
 
     # -- tenants ------------------------------------------------------------------------

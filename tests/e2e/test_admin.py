@@ -209,3 +209,93 @@ def test_levels_set_at_run_time_hold_and_are_named(admin_stack: tuple[Stack, int
         check=False,
     )
     assert gone.returncode == 1 and "FAILED_PRECONDITION" in gone.stderr, gone.stderr
+
+
+def test_a_key_moved_to_another_team_counts_there_from_then_on(
+    admin_stack: tuple[Stack, int, Path],
+) -> None:
+    """``ai-quota admin set-key-team``: a key refused by its team's limit is moved to another
+    team of its organisation and goes on there; what it used stays in the old team's counter
+    (the new team's starts from its requests after the move), the organisation's and the key's
+    own counters hold both, each equal to what the simulator generated; a team of another
+    organisation is refused; a rotation keeps the key's team."""
+    import httpx
+    import redis
+
+    stack, port, token = admin_stack
+    admin(port, token, "set-organisation", "--name", "o-mv", "--limit", "{per: day, tpm: 100000}")
+    admin(port, token, "set-organisation", "--name", "o-other")
+    for team, org, tpm in (("tm-a", "o-mv", 200), ("tm-b", "o-mv", 100000), ("tm-x", "o-other", 0)):
+        limits = ["--limit", f"{{per: day, tpm: {tpm}}}"] if tpm else []
+        admin(port, token, "set-team", "--name", team, "--organisation", org, *limits)
+    admin(port, token, "set-tenant", "--tenant", "t-mv", "--plan", "big", "--organisation", "o-mv")
+    key = admin(port, token, "create-key", "--tenant", "t-mv", "--name", "k", "--team", "tm-a")
+    sdk = client(stack, key["api_key"])
+    before: set[str] = set()
+    after: set[str] = set()
+
+    def send(ids: set[str]) -> str:
+        """One request: "" when admitted (its id kept), else the refusing level."""
+        rid = f"mv-{time.time_ns()}"
+        try:
+            sdk.chat.completions.create(
+                model="sim-small", messages=MSG, max_tokens=40, extra_headers={"x-request-id": rid}
+            )
+        except openai.AuthenticationError:
+            return "unknown key"  # a replica that has not caught up with the store yet
+        except openai.RateLimitError as exc:
+            return str(exc.response.headers.get("x-aiquota-limit-level", ""))
+        ids.add(rid)
+        return ""
+
+    until(lambda: send(before) == "team=tm-a")
+    rds = redis.Redis(port=stack.ports.redis, decode_responses=True)
+
+    def used(scope: str) -> int:
+        return sum(int(rds.get(k) or 0) for k in rds.scan_iter(f"aiq:{{@o.o-mv}}:tpm:{scope}:*"))
+
+    def truth(ids: set[str]) -> int:
+        recs = httpx.get(f"{stack.sim_url}/sim/requests").json()["requests"]
+        mine = [r for r in recs if r["client_request_id"] in ids or r["request_id"] in ids]
+        assert len(mine) == len(ids)
+        return sum(r["prompt_tokens_reported"] + r["tokens_sent"] for r in mine)
+
+    def settled() -> bool:
+        states = [rds.hget(k, "state") for k in rds.scan_iter("aiq:{@o.o-mv}:req:*")]
+        return all(s in ("settled", "reclaimed") for s in states)
+
+    until(settled)
+    team_a = used("g.tm-a")
+    assert 200 - 100 < team_a <= 200 and team_a == truth(before)
+
+    moved = admin(port, token, "set-key-team", key["key_id"], "--team", "tm-b")
+    assert moved["version"] > key["version"]
+    streak = [0]  # consecutive admissions: both replicas (Envoy alternates) run the move
+
+    def goes_on() -> bool:
+        streak[0] = streak[0] + 1 if send(after) == "" else 0
+        return streak[0] >= 4
+
+    until(goes_on)
+    until(settled)
+    assert used("g.tm-a") == team_a  # what it used stays in the old team's window
+    assert used("g.tm-b") == truth(after) > 0  # the new team's: its requests since the move
+    assert used("o") == used("t.t-mv") == team_a + used("g.tm-b")  # the tenant's go on
+    view = admin(port, token, "get", "--tenant", "t-mv")
+    assert {k["name"]: k["team"] for k in view["keys"]} == {"k": "tm-b"}
+    rotated = admin(port, token, "rotate-key", key["key_id"])
+    view = admin(port, token, "get", "--tenant", "t-mv")
+    assert {k["key_id"]: k["team"] for k in view["keys"]} == {rotated["key_id"]: "tm-b"}
+    refused = subprocess.run(
+        [
+            *(sys.executable, "-m", "extproc", "admin", "set-key-team", rotated["key_id"]),
+            *("--team", "tm-x", "--address", f"127.0.0.1:{port}", "--token-file", str(token)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert refused.returncode == 1 and "INVALID_ARGUMENT" in refused.stderr, refused.stderr
+    assert "more than one organisation" in refused.stderr
+    rds.close()

@@ -3,6 +3,7 @@ and with which domain error, and the gRPC status each error answers with."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -64,7 +65,7 @@ def test_rotate_key_keeps_the_old_key_for_the_grace_only_once() -> None:
     one the old key goes; a rotated key cannot be rotated again."""
     state = StoreState(keys={"key_1": stored("key_1", name="ci")})
     new, (old, fresh) = changes.rotate_key(
-        state, "key_1", new_id="key_2", new_digest="d", grace=60, now=NOW
+        state, "key_1", new_id="key_2", new_digest=changes.digest("s2"), grace=60, now=NOW
     )
     assert (old.id, fresh.id, fresh.name, fresh.tenant) == ("key_1", "key_2", "ci", "acme")
     assert new.keys["key_1"].expires_at == NOW + 60
@@ -76,6 +77,60 @@ def test_rotate_key_keeps_the_old_key_for_the_grace_only_once() -> None:
         changes.rotate_key(state, "key_x", new_id="key_4", new_digest="d", grace=0, now=NOW)
     with pytest.raises(InvalidArgument, match="grace_seconds"):
         changes.check_grace(changes.MAX_GRACE_S + 1)
+
+
+def level_rules() -> FileRules:
+    """The rules above with organisations o1 (teams a, b) and o2 (team c); acme in o1."""
+    doc = {
+        **RULES,
+        "organisations": {"o1": {}, "o2": {}},
+        "teams": {
+            "a": {"organisation": "o1"},
+            "b": {"organisation": "o1"},
+            "c": {"organisation": "o2"},
+        },
+        "tenants": {
+            "acme": {
+                "plan": "basic",
+                "organisation": "o1",
+                "keys": [{"name": "acme-1", "plaintext": "sk-acme"}],
+            }
+        },
+    }
+    return file_rules_from_text(
+        yaml.safe_dump(doc), source="r.yaml", base_dir=Path("."), version_of=config_version
+    )
+
+
+def test_set_key_team_moves_a_store_key_and_its_rotated_predecessor() -> None:
+    """A key moves to another team of its tenant's organisation, with the rotated secret still
+    in its grace (one key, one team); "" puts it back in its tenant's team; a team of another
+    organisation, an unknown team, a rotated key's old id and an unknown id are refused; a
+    rotation keeps the key's team."""
+    rules = level_rules()
+    key = replace(stored("key_1", name="ci"), team="a")
+    state, _ = changes.create_key(StoreState(), rules, key, NOW)
+    state, (old, new) = changes.rotate_key(
+        state, "key_1", new_id="key_2", new_digest=changes.digest("s2"), grace=60, now=NOW
+    )
+    assert new.team == "a"  # a rotation keeps the key's team
+    moved, got = changes.set_key_team(state, rules, "key_2", "b", NOW)
+    assert got.id == "key_2" and got.team == "b"
+    assert {k.id: k.team for k in moved.keys.values()} == {"key_1": "b", "key_2": "b"}
+    assert {k.team for k in state.keys.values()} == {"a"}  # the input state is left alone
+    back, got = changes.set_key_team(moved, rules, "key_2", "", NOW)
+    assert got.team == "" and {k.team for k in back.keys.values()} == {""}
+    with pytest.raises(InvalidArgument, match="more than one organisation"):
+        changes.set_key_team(state, rules, "key_2", "c", NOW)
+    with pytest.raises(InvalidArgument, match="unknown team 'zz'"):
+        changes.set_key_team(state, rules, "key_2", "zz", NOW)
+    with pytest.raises(InvalidArgument, match="team"):
+        changes.set_key_team(state, rules, "key_2", "bad name!", NOW)
+    with pytest.raises(FailedPrecondition, match="rotated"):
+        changes.set_key_team(state, rules, "key_1", "b", NOW)
+    with pytest.raises(NotFound):
+        changes.set_key_team(state, rules, "acme-1", "b", NOW)  # a file key has no key id
+    assert old.id == "key_1"
 
 
 def test_revoke_and_delete_remove_only_what_the_store_holds() -> None:
