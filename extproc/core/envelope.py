@@ -239,7 +239,14 @@ class Reject:
 
 @dataclass(frozen=True, slots=True)
 class Settle:
-    """Settle in the background, after the current response is sent (once)."""
+    """The response is over: settle (the server asks :class:`ResponseOver`, which answers
+    once)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StartSettlement:
+    """Settlement begins (the first time it is asked): the server starts it in the
+    background, after the current response is sent."""
 
 
 EnvelopeAction = (
@@ -252,6 +259,7 @@ EnvelopeAction = (
     | Unmetered
     | Reject
     | Settle
+    | StartSettlement
 )
 
 Actions = tuple[EnvelopeAction, ...]
@@ -294,7 +302,7 @@ def handle(s: Session, event: EnvelopeEvent) -> Actions:
             s.stream_closed(how, stream_complete=complete)
             return (Settle(),)
         case ResponseOver():
-            return (Settle(),) if s.begin_settlement() else _NONE
+            return (StartSettlement(),) if s.begin_settlement() else _NONE
         case SettlementStarts():
             s.settle_ending()
     return _NONE

@@ -233,7 +233,7 @@ class RequestProcessor:
         """Settle in the background, once, after the current response is sent: at :meth:`sent`
         with a :attr:`writer` (nothing runs between the writes of those responses: a cut's
         error event and its immediate response), else at once."""
-        if not self.s.handle(ev.ResponseOver()):
+        if not self.s.handle(ev.ResponseOver()):  # StartSettlement, the first time only
             return
         if self.driver is not None:
             self.gw.metrics.active_streams.dec()

@@ -78,7 +78,7 @@ def test_a_json_body_is_read_then_settled_once_with_its_output() -> None:
     assert s.output_decided == 7
     assert s.handle(ev.ResponseDone()) == (ev.Settle(),)
     assert s.ended
-    assert s.handle(ev.ResponseOver()) == (ev.Settle(),)
+    assert s.handle(ev.ResponseOver()) == (ev.StartSettlement(),)
     assert s.handle(ev.ResponseOver()) == ()  # once
     s.handle(ev.SettlementStarts())
     assert s.ending is Ending.COMPLETED
@@ -193,6 +193,7 @@ def test_any_order_of_events_asks_for_settlement_once(
             answers = [a for a in actions if isinstance(a, ev.ForwardHeaders | ev.Reject)]
             assert len(answers) == 1
         if name == "over":
+            assert all(a == ev.StartSettlement() for a in actions)
             settles += len(actions)
     for action in s.handle(ev.StreamClosed(how)):
         assert action == ev.Settle()
