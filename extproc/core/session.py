@@ -23,8 +23,10 @@ import itertools
 from collections.abc import Callable
 from dataclasses import replace
 
+from extproc.core import envelope
 from extproc.core.account import RequestAccount
 from extproc.core.classify import classify, parse_status
+from extproc.core.envelope import EnvelopeAction, EnvelopeEvent
 from extproc.core.figures import Figure
 from extproc.core.input_state import (
     COUNTED_AFTER_BOUND,
@@ -189,6 +191,11 @@ class Session(SessionRecords):
         self.input_counted(exact, how)
 
     # -- the request, event by event: the server reports, the session moves its lifecycle ---
+
+    def handle(self, event: EnvelopeEvent) -> tuple[EnvelopeAction, ...]:
+        """One event of the request's envelope: the session moves; the server executes the
+        actions returned, in order (:mod:`extproc.core.envelope`)."""
+        return envelope.handle(self, event)
 
     def request_headers(self) -> None:
         """The request's headers arrived."""
@@ -358,7 +365,7 @@ class Session(SessionRecords):
         got = self.input_figure()
         return got.value if isinstance(got, Figure) else got
 
-    def close(self, how: Closed, *, stream_complete: bool = False) -> Ending:
+    def stream_closed(self, how: Closed, *, stream_complete: bool = False) -> Ending:
         """The gRPC stream closed. A stream whose terminal event reached the client completed,
         whoever closed first; one closed before its end was abandoned by the client (Envoy
         closes the processor's stream the same way for a client that leaves and an upstream

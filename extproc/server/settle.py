@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from extproc.config.runtime import Model, RuntimeConfig
+from extproc.core.envelope import Figures
 from extproc.core.figures import Figure
 from extproc.core.lifecycle import Ending
 from extproc.core.phase_records import StreamEnd
@@ -50,6 +51,13 @@ def access_metadata(s: Session, *, output_tokens: int | None = None) -> dict[str
         if cost is not None and (reported or s.input_pending):
             out["input_tokens"] = s.input_tokens()
     return out
+
+
+def figures_metadata(s: Session, which: Figures) -> dict[str, Any] | None:
+    """The access log's figures an answer of the envelope carries (:class:`Figures`)."""
+    if which is Figures.NONE:
+        return None
+    return access_metadata(s, output_tokens=0 if which is Figures.NO_OUTPUT else None)
 
 
 def log_disagreement(gw: Gateway, s: Session, kind: str, figure: Figure | int) -> None:

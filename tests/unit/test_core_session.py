@@ -184,7 +184,7 @@ def test_abandoned_request_pays_what_could_have_been_made(ms: int) -> None:
     """A request abandoned before its response pays input plus what the upstream could have
     generated while it ran, never more than the reservation."""
     s = admitted_session(stream=False)
-    s.close(Closed.CANCELLED)
+    s.stream_closed(Closed.CANCELLED)
     result = s.settlement(ms)
     cost = s.cost
     assert cost is not None
@@ -201,7 +201,7 @@ def test_the_abandon_rate_is_the_models(model: str, rate: int, ms: int) -> None:
     generates until Envoy's reset aborts it (docs/engine-tests.md)."""
     s = admitted_session(model=model, stream=False)
     assert s.model is not None and s.model.abandoned_tokens_per_second == rate
-    s.close(Closed.CANCELLED)
+    s.stream_closed(Closed.CANCELLED)
     result = s.settlement(ms)
     assert result.output == min(500, -(-ms * rate // 1000))
     assert result.total == 20 + result.output
@@ -213,7 +213,7 @@ def test_terminal_event_seen_means_completed_whoever_closes(how: Closed) -> None
     s = admitted_session()
     s.life.advance(Input.RESPONSE_HEADERS)
     s.life.advance(Input.STREAM_START)
-    assert s.close(how, stream_complete=True) is Ending.COMPLETED
+    assert s.stream_closed(how, stream_complete=True) is Ending.COMPLETED
 
 
 @pytest.mark.parametrize("how", [Closed.EOF, Closed.CANCELLED])
@@ -223,7 +223,7 @@ def test_a_stream_closed_mid_way_is_a_client_disconnect(how: Closed) -> None:
     s = admitted_session()
     s.life.advance(Input.RESPONSE_HEADERS)
     s.life.advance(Input.STREAM_START)
-    assert s.close(how) is Ending.CLIENT_DISCONNECTED
+    assert s.stream_closed(how) is Ending.CLIENT_DISCONNECTED
 
 
 @given(delivered=st.integers(0, 2_000), charged=st.integers(0, 2_000))
@@ -410,7 +410,7 @@ def test_any_order_of_events_moves_the_session_by_its_table_only(
         if was_ended:
             assert s.ended, "an ended response stays ended"
     assert began <= 1
-    assert s.close(how) is not None
+    assert s.stream_closed(how) is not None
     assert s.ending is not None
 
 

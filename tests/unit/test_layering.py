@@ -385,30 +385,17 @@ def test_no_module_of_the_core_or_the_server_is_over_the_limit(package: str) -> 
 #: here on purpose (and is better a new event of the core).
 SESSION_ENTRY_POINTS = frozenset(
     {
-        # the request, as Envoy reports it
-        "request_headers",
-        "request",
-        "identify",
-        "pass_through",
-        "request_body",
+        # the request's envelope, event by event (extproc.core.envelope): headers, body,
+        # admission's yes, answers, response headers, body, trailers, close, settlement's start
+        "handle",
+        # not the session's: the limiter's own ``admit`` (a name the session also has)
         "admit",
-        "admission_done",
-        "answered",
-        "response_headers",
-        "response_body",
-        "report",
-        "response_read",
-        "response_trailers",
-        "close",
         # the count of a prompt admitted on a bound (extproc.core.bound_count)
         "count_input_with",
         "input_counted",
         "needs_count",
-        # figures and settlement (extproc.core.settlement)
-        "json_output",
+        # settlement (extproc.core.settlement)
         "input_tokens",
-        "begin_settlement",
-        "settle_ending",
         "settlement",
         "adjustments",
         "buckets_at",
@@ -458,3 +445,17 @@ def test_the_entry_point_check_sees_a_mutator_call(tmp_path: Path) -> None:
     f = tmp_path / "x.py"
     f.write_text("def f(s):\n    s.input_figure()\n    s.settlement(0)\n")
     assert session_calls(f, session_methods()) - SESSION_ENTRY_POINTS == {"input_figure"}
+
+
+#: The processor is a loop that feeds the session events and executes its actions: no longer.
+PROCESSOR_MAX_LINES = 250
+
+
+def test_the_processor_is_a_dispatch_loop() -> None:
+    """extproc/server/processor.py stays a dispatch loop (at most PROCESSOR_MAX_LINES lines),
+    and moves the session only through its envelope's events (``s.handle``): the lifecycle's
+    own moves are the core's."""
+    path = ROOT / "server" / "processor.py"
+    lines = len(path.read_text("utf-8").splitlines())
+    assert lines <= PROCESSOR_MAX_LINES, f"processor.py: {lines} lines"
+    assert session_calls(path, session_methods()) <= {"handle"}
