@@ -18,6 +18,7 @@ from extproc.core.admission_plan import admission_charges, compute_cost, refusal
 from extproc.core.keys import ledger_key, windowed
 from extproc.core.rules import Charging
 from extproc.limiter.base import AdmitCall
+from tests.levels_support import check_levels_hold
 from tests.limiters import Backend
 
 pytestmark = pytest.mark.integration
@@ -200,7 +201,6 @@ async def test_random_hierarchies_never_over_and_refusals_name_a_level_out(
     import yaml
 
     from extproc.config.load import load_config_text
-    from extproc.core.levels import level_of
 
     for seed in range(12):
         rnd = random.Random(seed)
@@ -236,38 +236,15 @@ async def test_random_hierarchies_never_over_and_refusals_name_a_level_out(
         prefix = f"lr{uuid.uuid4().hex[:6]}"
         if time.time() % 60 > 55:  # the counters of a seed live in one minute's window
             time.sleep(60 - time.time() % 60 + 0.1)
-        now = int(time.time() * 1000)
-        totals: dict[str, int] = {}
-        limits: dict[str, int] = {}
-        for n in range(30):
-            key, user, tokens = f"k{rnd.randrange(teams)}", rnd.choice("abc"), rnd.randint(1, 600)
-            bs = windowed(prefix, x.slot, key, x.limits_for(key), now, user=user)
-            cost = compute_cost(
-                input_tokens=tokens, per_choice_max=0, n=1, stream=False, charging=Charging()
-            )
-            res = await backend.limiter.admit(
-                AdmitCall(
-                    ledger_key(prefix, x.slot, f"r{n}"),
-                    admission_charges(bs, cost),
-                    tpm_charged=tokens,
-                    count_refused=False,
-                    ledger_ttl_ms=60_000,
-                )
-            )
-            for b in bs:
-                limits[b.key] = b.limit.limit
-            if res.admitted:
-                for b in bs:
-                    if b.kind == "tpm":
-                        totals[b.key] = totals.get(b.key, 0) + tokens
-                continue
-            err = refusal(bs, res.values, cost, now, tenant="x", model="m")
-            out = [
-                level_of(b, "x")
-                for b, v in zip(bs, res.values, strict=True)
-                if b.kind == "tpm" and v + tokens > b.limit.limit
-            ]
-            assert tuple(err.level.split("=", 1)) in out, (seed, err.message)
-        for k, total in totals.items():
-            assert total <= limits[k], (seed, k)
-            assert await backend.probe.counter(k) == total, (seed, k)
+        requests = [
+            (f"k{rnd.randrange(teams)}", rnd.choice("abc"), rnd.randint(1, 600)) for _ in range(30)
+        ]
+        await check_levels_hold(
+            backend.limiter,
+            x,
+            requests,
+            prefix=prefix,
+            now=int(time.time() * 1000),
+            counter=backend.probe.counter,
+            why=seed,
+        )

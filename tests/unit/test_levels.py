@@ -20,10 +20,10 @@ from extproc.config.runtime import RuntimeConfig
 from extproc.core import admission_plan, end_users
 from extproc.core.admission_plan import admission_charges, compute_cost, refusal
 from extproc.core.keys import ledger_key, open_key, user_segment, windowed
-from extproc.core.levels import level_of
 from extproc.core.rules import Charging
 from extproc.limiter.base import AdmitCall
 from extproc.limiter.memory import MemoryLimiter
+from tests.levels_support import check_levels_hold
 
 pytestmark = pytest.mark.unit
 
@@ -268,46 +268,19 @@ def test_no_level_is_ever_over_and_a_refusal_names_a_level_really_out(
     tenant = cfg.tenants["x"]
     teams = len(doc["teams"])
     lim = MemoryLimiter(FakeClock(NOW))
-    totals: dict[str, int] = {}
-    limits: dict[str, int] = {}
-    now = NOW
+
+    async def counter(key: str) -> int | None:
+        return lim.counter(key)
 
     async def run() -> None:
-        for n, (k, user, tokens) in enumerate(requests):
-            key = f"k{k % teams}"
-            bs = windowed("aiq", tenant.slot, key, tenant.limits_for(key), now, user=user)
-            cost = compute_cost(
-                input_tokens=tokens, per_choice_max=0, n=1, stream=False, charging=Charging()
-            )
-            led = ledger_key("aiq", tenant.slot, f"r{n}")
-            res = await lim.admit(
-                AdmitCall(
-                    led,
-                    admission_charges(bs, cost),
-                    tpm_charged=tokens,
-                    count_refused=False,
-                    ledger_ttl_ms=60_000,
-                )
-            )
-            for b in bs:
-                limits[b.key] = b.limit.limit
-            if res.admitted:
-                for b in bs:
-                    if b.kind == "tpm":
-                        totals[b.key] = totals.get(b.key, 0) + tokens
-                continue
-            err = refusal(bs, res.values, cost, now, tenant="x", model="m")
-            kind, ident = err.level.split("=", 1)
-            out = [
-                b
-                for b, v in zip(bs, res.values, strict=True)
-                if b.kind == "tpm" and v + tokens > b.limit.limit
-            ]
-            assert out, "refused with every level in room"
-            assert any(level_of(b, "x") == (kind, ident) for b in out), err.message
-        for key, total in totals.items():
-            assert total <= limits[key], key
-            assert lim.counter(key) == total
+        await check_levels_hold(
+            lim,
+            tenant,
+            [(f"k{k % teams}", user, tokens) for k, user, tokens in requests],
+            prefix="aiq",
+            now=NOW,
+            counter=counter,
+        )
 
     asyncio.run(run())
 
