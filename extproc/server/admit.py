@@ -1,8 +1,9 @@
 """Admission, executed: the core's :class:`~extproc.core.admission_flow.Admission` decides, this
 module runs what it asks for.
 
-The loop starts the admission on the request body (or on an ``rpm_only`` path), executes its
-actions in order and feeds it the answer of the last one: the exact input count
+The loop feeds the session the request body (or an ``rpm_only`` path's start), which starts its
+admission, executes the actions in order and feeds the session the answer of the last one
+(:meth:`extproc.core.session.Session.handle`): the exact input count
 (:mod:`extproc.server.counting`, a large prompt in a worker thread) or the admission call's
 answer.  The call itself (:func:`limiter_admit`) carries the settlements waiting for their
 batch, notes the counters' values for the next bound, and hands the records of dead
@@ -39,14 +40,15 @@ from extproc.core.actions import (
     Reject,
     ShadowRefused,
 )
-from extproc.core.admission_flow import Admission
 from extproc.core.events import (
     AdmissionEvent,
     AdmitAnswered,
     AdmitBacklogged,
     AdmitCancelled,
     AdmitFailed,
+    BodyArrived,
     InputCounted,
+    RpmOnlyArrived,
 )
 from extproc.core.session import Session
 from extproc.errors import LimiterUnavailable
@@ -60,36 +62,23 @@ from extproc.server.reclaim import record_reclaimed
 log = structlog.get_logger("extproc")
 
 
-def _admission(gw: Gateway, cfg: RuntimeConfig, s: Session) -> Admission:
-    return Admission(
-        s,
-        cfg,
-        key_prefix=gw.key_prefix,
-        room=gw.room,
-        records=gw.recorder is not None,
-        now_ms=gw.clock.now_ms,
-    )
-
-
 async def admit_body(
     gw: Gateway, cfg: RuntimeConfig, s: Session, raw: bytes, started: float
 ) -> bytes | None:
     """Admit the request (raise a :class:`GatewayError` when not); the body to forward."""
-    adm = _admission(gw, cfg, s)
-    return await _execute(gw, cfg, s, adm, adm.body(raw), started=started)
+    return await _execute(gw, cfg, s, s.handle(BodyArrived(raw)), started=started)
 
 
 async def admit_rpm_only(gw: Gateway, cfg: RuntimeConfig, s: Session) -> None:
     """An unmetered path under ``paths.other: rpm_only``: one request on the RPM buckets."""
-    adm = _admission(gw, cfg, s)
-    await _execute(gw, cfg, s, adm, adm.rpm_only(), started=time.perf_counter())
+    started = time.perf_counter()
+    await _execute(gw, cfg, s, s.handle(RpmOnlyArrived()), started=started)
 
 
 async def _execute(
     gw: Gateway,
     cfg: RuntimeConfig,
     s: Session,
-    adm: Admission,
     actions: list[AdmissionAction],
     *,
     started: float,
@@ -107,7 +96,7 @@ async def _execute(
         if last is None:
             return None
         if type(last) is CallAdmit:
-            ev: AdmissionEvent = await limiter_admit(gw, cfg, s, adm, last)
+            ev: AdmissionEvent = await limiter_admit(gw, cfg, s, last)
         elif type(last) is ForwardBody:
             return last.body
         elif type(last) is CountExact:
@@ -118,7 +107,7 @@ async def _execute(
             raise last.error
         else:  # pragma: no cover - every action is handled
             raise TypeError(f"unknown admission action {last!r}")
-        actions = adm.handle(ev)
+        actions = s.handle(ev)
 
 
 # -- what admission reports: counted, logged, or kept ------------------------------------------
@@ -217,7 +206,7 @@ _NOTES: dict[type, Callable[[Gateway, Session, Any, float], None]] = {
 
 
 async def limiter_admit(
-    gw: Gateway, cfg: RuntimeConfig, s: Session, adm: Admission, a: CallAdmit
+    gw: Gateway, cfg: RuntimeConfig, s: Session, a: CallAdmit
 ) -> AdmissionEvent:
     """Make the admission call ``a`` and return its answer as the admission's event.
     Settlements waiting for their batch ride on it; requests of dead processors the call
@@ -246,7 +235,7 @@ async def limiter_admit(
         )
         done = res
     except asyncio.CancelledError:
-        for act in adm.handle(AdmitCancelled()):
+        for act in s.handle(AdmitCancelled()):
             note = _NOTES.get(type(act))
             assert note is not None  # only a cancel to keep
             note(gw, s, act, 0.0)
