@@ -12,9 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from extproc.core import admission_plan, policies
-from extproc.core.actions import (
+from extproc.core.admission_plan import AdmissionPlan, Cost
+from extproc.core.admission_rules import AdmissionRules, bound_input
+from extproc.core.admission_vocabulary import (
     AdmissionAction,
+    AdmitAnswered,
+    AdmitBacklogged,
     AdmitError,
+    AdmitFailed,
     CallAdmit,
     Decided,
     DraftRecord,
@@ -24,11 +29,8 @@ from extproc.core.actions import (
     PushedBack,
     ShadowRefused,
 )
-from extproc.core.admission_plan import AdmissionPlan, Cost
-from extproc.core.admission_rules import AdmissionRules, bound_input
 from extproc.core.apis.base import ParsedRequest, RequestLimits
 from extproc.core.counters import UTF8BoundCounter
-from extproc.core.events import AdmitAnswered, AdmitBacklogged, AdmitFailed
 from extproc.core.figures import run_ahead_budget
 from extproc.core.keys import WindowedBucket
 from extproc.core.phase_records import AdmitModel, Admitted

@@ -7,17 +7,17 @@ every legal ``(state, event)`` pair with the step that handles it and the states
 lead to; :meth:`Admission.handle` looks the pair up (anything not listed, such as an answer
 out of turn, a duplicate or a late one, is a :class:`~extproc.core.phase_records.PhaseError`
 and moves nothing), runs the step and moves to the state it names, which the table must list.
-Each step returns the actions the server executes in order (:mod:`extproc.core.actions`); the
-last of a step that waits is the one whose answer is the next event
-(:mod:`extproc.core.events`): :class:`~extproc.core.actions.CountExact` or
-:class:`~extproc.core.actions.CallAdmit`.  The rules, in the order a request meets them:
+Each step returns the actions the server executes in order; the last of a step that waits is
+the one whose answer is the next event: ``CountExact`` or ``CallAdmit`` (the events and the
+actions are admission's vocabulary, :mod:`extproc.core.admission_vocabulary`).  The rules, in
+the order a request meets them:
 
 1. the body's size, its parse (once: :class:`~extproc.core.phase_records.Parsed`), the model it
    asks for (an unknown one rejected or estimated);
 2. an attempt as that model: on an upper bound of the input when the model's tokenizer has a
    proven one, the plan on it settles to actual figures and the counters were last seen with
-   ample room (:func:`~extproc.core.admission_calls.bound_plan`), else on the exact count; a refused bound is
-   counted exactly and asked again, so the bound never turns an answer;
+   ample room (:func:`~extproc.core.admission_calls.bound_plan`), else on the exact count; a
+   refused bound is counted exactly and asked again, so the bound never turns an answer;
 3. the one admission call: its buckets, charges, lease and record draft, whether a refusal
    counts; a failure fails open or refuses as the plan says, a call that may have run (or a
    cancelled one) keeps a cancel;
@@ -28,8 +28,8 @@ last of a step that waits is the one whose answer is the next event
 
 The server owns only the I/O: the count in a worker thread, the limiter call with the
 settlements riding on it, the reclaimed records, metrics and log lines.  Client errors are
-returned as :class:`~extproc.core.actions.Reject` (the server renders them in the API's own
-shape, at its one error boundary).
+returned as :class:`~extproc.core.admission_vocabulary.Reject` (the server renders them in the
+API's own shape, at its one error boundary).
 """
 
 from __future__ import annotations
@@ -40,19 +40,7 @@ from enum import Enum
 from typing import Any, Final
 
 from extproc.core import admission_plan, policies
-from extproc.core.actions import (
-    AdmissionAction,
-    Attempting,
-    CallAdmit,
-    CountExact,
-    DuplicateAdmit,
-    FellBack,
-    InputAdmission,
-    KeepCancel,
-    KeepLeases,
-    LimitDecisions,
-    Reject,
-)
+from extproc.core import admission_vocabulary as av
 from extproc.core.admission_calls import (
     admission_call,
     admitted,
@@ -67,16 +55,6 @@ from extproc.core.admission_calls import (
 )
 from extproc.core.admission_plan import AdmissionPlan
 from extproc.core.admission_rules import AdmissionRules
-from extproc.core.events import (
-    AdmissionEvent,
-    AdmitAnswered,
-    AdmitBacklogged,
-    AdmitCancelled,
-    AdmitFailed,
-    BodyArrived,
-    InputCounted,
-    RpmOnlyArrived,
-)
 from extproc.core.keys import WindowedBucket
 from extproc.core.phase_records import AdmitModel, Parsed, PhaseError
 from extproc.core.room_hints import RoomHints
@@ -105,7 +83,7 @@ class AdmissionState(Enum):
 class _Asked:
     """The admission call out, with what it was planned on (its answer is read against it)."""
 
-    call: CallAdmit
+    call: av.CallAdmit
     plan: AdmissionPlan | None  # None: an rpm_only path's call
     buckets: tuple[WindowedBucket, ...]
     now: int
@@ -113,15 +91,15 @@ class _Asked:
 
 
 #: The notes without a figure of their own, made once (every admission adds two of them).
-_ON_BOUND: Final = InputAdmission("bound")
-_RECOUNTED: Final = InputAdmission("recounted")
-_COUNTED: Final = InputAdmission("exact")
-_KEEP_LEASES: Final = KeepLeases()
+_ON_BOUND: Final = av.InputAdmission("bound")
+_RECOUNTED: Final = av.InputAdmission("recounted")
+_COUNTED: Final = av.InputAdmission("exact")
+_KEEP_LEASES: Final = av.KeepLeases()
 _S = AdmissionState
 #: The limiter's answers to a call out (a cancel aside).
-_Answer = AdmitAnswered | AdmitFailed | AdmitBacklogged
+_Answer = av.AdmitAnswered | av.AdmitFailed | av.AdmitBacklogged
 #: The events that start an admission (fed again: "started twice").
-_STARTS = (BodyArrived, RpmOnlyArrived)
+_STARTS = (av.BodyArrived, av.RpmOnlyArrived)
 
 
 class Admission:
@@ -175,16 +153,16 @@ class Admission:
 
     # -- feeding ---------------------------------------------------------------------------
 
-    def body(self, raw: bytes) -> list[AdmissionAction]:
+    def body(self, raw: bytes) -> list[av.AdmissionAction]:
         """The request body arrived: admit it (the last action forwards it or rejects)."""
-        return self.handle(BodyArrived(raw))
+        return self.handle(av.BodyArrived(raw))
 
-    def rpm_only(self) -> list[AdmissionAction]:
+    def rpm_only(self) -> list[av.AdmissionAction]:
         """An unmetered path under ``paths.other: rpm_only``: one request on the RPM buckets
         (no action left at the end: the request passes; or a rejection)."""
-        return self.handle(RpmOnlyArrived())
+        return self.handle(av.RpmOnlyArrived())
 
-    def handle(self, ev: AdmissionEvent) -> list[AdmissionAction]:
+    def handle(self, ev: av.AdmissionEvent) -> list[av.AdmissionAction]:
         """One event: the step :data:`TRANSITIONS` names for it in the current state runs and
         the admission moves to the state it returns; a client error raised on the way is the
         rejection that ends the admission."""
@@ -195,11 +173,11 @@ class Admission:
                 raise PhaseError("admission started twice")
             raise PhaseError(f"admission cannot take {type(ev).__name__} in state {state.value}")
         step, allowed = entry
-        out: list[AdmissionAction] = []
+        out: list[av.AdmissionAction] = []
         try:
             to = step(self, ev, out)
         except GatewayError as err:
-            out.append(Reject(err))
+            out.append(av.Reject(err))
             to = _S.DONE
         if to not in allowed:  # a step the table does not allow
             raise PhaseError(f"admission may not move from {state.value} to {to.value}")
@@ -208,7 +186,7 @@ class Admission:
 
     # -- the steps: (state, event) -> actions (into ``out``), the next state ----------------
 
-    def _on_body(self, ev: BodyArrived, out: list[AdmissionAction]) -> AdmissionState:
+    def _on_body(self, ev: av.BodyArrived, out: list[av.AdmissionAction]) -> AdmissionState:
         """READY + the body: check and parse it, resolve its model, start the first attempt."""
         req, model = parse_body(self.s, self.rules, ev.raw)
         self.s.parse(Parsed(req, model))
@@ -216,7 +194,7 @@ class Admission:
         self._requested = model
         return self._attempt(model, out)
 
-    def _on_count(self, ev: InputCounted, out: list[AdmissionAction]) -> AdmissionState:
+    def _on_count(self, ev: av.InputCounted, out: list[av.AdmissionAction]) -> AdmissionState:
         """AWAITING_COUNT + the count: the call planned on it."""
         model, charging = self._model, self._charging
         assert model is not None and charging is not None
@@ -224,7 +202,7 @@ class Admission:
         self._ask(model, plan, charging, out)
         return _S.AWAITING_ADMISSION
 
-    def _on_bound_answer(self, ev: _Answer, out: list[AdmissionAction]) -> AdmissionState:
+    def _on_bound_answer(self, ev: _Answer, out: list[av.AdmissionAction]) -> AdmissionState:
         """AWAITING_BOUND_ADMISSION + the answer: admitted on the bound, or (refused) counted
         exactly and asked again."""
         asked = self._answered()
@@ -235,16 +213,16 @@ class Admission:
         model = self._model
         assert model is not None
         out.append(_RECOUNTED)
-        out.append(CountExact(model, self._size))
+        out.append(av.CountExact(model, self._size))
         return _S.AWAITING_COUNT
 
-    def _on_exact_answer(self, ev: _Answer, out: list[AdmissionAction]) -> AdmissionState:
+    def _on_exact_answer(self, ev: _Answer, out: list[av.AdmissionAction]) -> AdmissionState:
         """AWAITING_ADMISSION + the answer: the attempt's outcome."""
         asked = self._answered()
         res, refused = self._read(asked, ev, out, on_bound=False)
         return self._attempted(asked, res, refused, out, on_bound=False)
 
-    def _on_rpm_only(self, ev: RpmOnlyArrived, out: list[AdmissionAction]) -> AdmissionState:
+    def _on_rpm_only(self, ev: av.RpmOnlyArrived, out: list[av.AdmissionAction]) -> AdmissionState:
         """READY on an rpm_only path: the one call on the tenant-wide RPM buckets (none: the
         request passes)."""
         now = self._now_ms()
@@ -263,7 +241,7 @@ class Admission:
         out.append(call)
         return _S.AWAITING_RPM_ADMISSION
 
-    def _on_rpm_answer(self, ev: _Answer, out: list[AdmissionAction]) -> AdmissionState:
+    def _on_rpm_answer(self, ev: _Answer, out: list[av.AdmissionAction]) -> AdmissionState:
         """AWAITING_RPM_ADMISSION + the answer: the request passes, or a 429."""
         asked, tenant = self._answered(), self.s.tenant
         assert tenant is not None
@@ -279,23 +257,24 @@ class Admission:
             )
         return _S.DONE
 
-    def _on_cancel(self, ev: AdmitCancelled, out: list[AdmissionAction]) -> AdmissionState:
+    def _on_cancel(self, ev: av.AdmitCancelled, out: list[av.AdmissionAction]) -> AdmissionState:
         """The request went away while waiting.  A call out may run (or have run) all the
         same: a cancel undoes it if it did, or stops it from ever running."""
         asked = self._asked
         if asked is not None:
             self._asked = None
-            out.append(KeepCancel(undo(asked.call.charges), asked.call.ledger_ttl_ms))
+            out.append(av.KeepCancel(undo(asked.call.charges), asked.call.ledger_ttl_ms))
         return _S.DONE
 
     # -- what the steps share ----------------------------------------------------------------
 
-    def _attempt(self, model: AdmitModel, out: list[AdmissionAction]) -> AdmissionState:
+    def _attempt(self, model: AdmitModel, out: list[av.AdmissionAction]) -> AdmissionState:
         """Try the request as ``model``: the call on an upper bound of the input where the
-        counters have ample room (:func:`~extproc.core.admission_calls.bound_plan`), otherwise the exact count first."""
+        counters have ample room (:func:`~extproc.core.admission_calls.bound_plan`), otherwise
+        the exact count first."""
         tenant = self.s.tenant
         assert tenant is not None
-        out.append(Attempting(tenant.id, model.name))
+        out.append(av.Attempting(tenant.id, model.name))
         charging = self.rules.charging_for(tenant.plan, model.name)
         key = self.s.key
         if key is not None and tenant.strict_for(key.name) and charging.streaming != "strict":
@@ -315,7 +294,7 @@ class Admission:
             self._ask(model, plan, charging, out, on_bound=True, at=(now, buckets, charges))
             return _S.AWAITING_BOUND_ADMISSION
         out.append(_COUNTED)
-        out.append(CountExact(model, self._size))
+        out.append(av.CountExact(model, self._size))
         return _S.AWAITING_COUNT
 
     def _answered(self) -> _Asked:
@@ -328,9 +307,9 @@ class Admission:
     def _attempted(
         self,
         asked: _Asked,
-        res: AdmitAnswered | None,
+        res: av.AdmitAnswered | None,
         refused: QuotaExceeded | None,
-        out: list[AdmissionAction],
+        out: list[av.AdmissionAction],
         *,
         on_bound: bool,
     ) -> AdmissionState:
@@ -362,8 +341,8 @@ class Admission:
             return self._attempt(alt, out)
         headers: tuple[tuple[str, str], ...] = ()
         if first is not None:
-            out.append(LimitDecisions(((first.metric, "fallback"),)))
-            out.append(FellBack(requested.name, model.name, first.code))
+            out.append(av.LimitDecisions(((first.metric, "fallback"),)))
+            out.append(av.FellBack(requested.name, model.name, first.code))
             headers = (
                 ("x-aiquota-fallback-model", model.name),
                 ("x-aiquota-requested-model", requested.name),
@@ -388,7 +367,7 @@ class Admission:
         model: AdmitModel,
         plan: AdmissionPlan,
         charging: Charging,
-        out: list[AdmissionAction],
+        out: list[av.AdmissionAction],
         *,
         on_bound: bool = False,
         at: tuple[int, list[WindowedBucket], list[BucketCharge]] | None = None,
@@ -427,8 +406,8 @@ class Admission:
         out.append(call)
 
     def _read(
-        self, asked: _Asked, ev: _Answer, out: list[AdmissionAction], *, on_bound: bool
-    ) -> tuple[AdmitAnswered | None, QuotaExceeded | None]:
+        self, asked: _Asked, ev: _Answer, out: list[av.AdmissionAction], *, on_bound: bool
+    ) -> tuple[av.AdmitAnswered | None, QuotaExceeded | None]:
         """The answer to the call out (None: fail-open) and its refusal, if refused (counted
         unless the call was on a bound: that one is asked again)."""
         model, tenant = self._model, self.s.tenant
@@ -444,22 +423,22 @@ class Admission:
                 model=model.name,
             )
             if not on_bound:
-                out.append(LimitDecisions(((err.metric, "refused"),)))
+                out.append(av.LimitDecisions(((err.metric, "refused"),)))
             return res, err
         if res is not None:
             # A duplicate can only be our own retried call (ledger ids are unique per HTTP
             # request): the first execution charged, so the request is admitted and metered.
             if res.duplicate:
-                out.append(DuplicateAdmit())
+                out.append(av.DuplicateAdmit())
             if asked.leased:
                 out.append(_KEEP_LEASES)
         return res, None
 
 
 #: A step of the machine: the admission, the event, the list its actions go to; the next state.
-Step = Callable[[Admission, Any, list[AdmissionAction]], AdmissionState]
+Step = Callable[[Admission, Any, list[av.AdmissionAction]], AdmissionState]
 _A = Admission
-_ANSWERS = (AdmitAnswered, AdmitFailed, AdmitBacklogged)
+_ANSWERS = (av.AdmitAnswered, av.AdmitFailed, av.AdmitBacklogged)
 #: Where an attempt starts: the exact count asked for, or the call on a bound out.
 _ATTEMPT_BEGUN = (_S.AWAITING_COUNT, _S.AWAITING_BOUND_ADMISSION)
 #: The states with an admission call out (a cancel there is kept).
@@ -476,11 +455,11 @@ def _to(*states: AdmissionState) -> frozenset[AdmissionState]:
 #: lead to.  A pair not listed (an answer out of turn, a duplicate, a late answer after the
 #: end, a second start) is a PhaseError.
 TRANSITIONS: dict[tuple[AdmissionState, type], tuple[Step, frozenset[AdmissionState]]] = {
-    (_S.READY, BodyArrived): (_A._on_body, _to(*_ATTEMPT_BEGUN)),
-    (_S.READY, RpmOnlyArrived): (_A._on_rpm_only, _to(_S.AWAITING_RPM_ADMISSION)),
-    (_S.AWAITING_COUNT, InputCounted): (_A._on_count, _to(_S.AWAITING_ADMISSION)),
+    (_S.READY, av.BodyArrived): (_A._on_body, _to(*_ATTEMPT_BEGUN)),
+    (_S.READY, av.RpmOnlyArrived): (_A._on_rpm_only, _to(_S.AWAITING_RPM_ADMISSION)),
+    (_S.AWAITING_COUNT, av.InputCounted): (_A._on_count, _to(_S.AWAITING_ADMISSION)),
     # the request went away while its input was counted: nothing is out, nothing to keep
-    (_S.AWAITING_COUNT, AdmitCancelled): (_A._on_cancel, _to()),
+    (_S.AWAITING_COUNT, av.AdmitCancelled): (_A._on_cancel, _to()),
     # refused on the bound: counted exactly and asked again
     **{
         (_S.AWAITING_BOUND_ADMISSION, e): (_A._on_bound_answer, _to(_S.AWAITING_COUNT))
@@ -490,5 +469,5 @@ TRANSITIONS: dict[tuple[AdmissionState, type], tuple[Step, frozenset[AdmissionSt
     **{(_S.AWAITING_ADMISSION, e): (_A._on_exact_answer, _to(*_ATTEMPT_BEGUN)) for e in _ANSWERS},
     **{(_S.AWAITING_RPM_ADMISSION, e): (_A._on_rpm_answer, _to()) for e in _ANSWERS},
     # the request went away while the call was out: a cancel is kept
-    **{(state, AdmitCancelled): (_A._on_cancel, _to()) for state in _CALL_OUT},
+    **{(state, av.AdmitCancelled): (_A._on_cancel, _to()) for state in _CALL_OUT},
 }

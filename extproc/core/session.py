@@ -22,11 +22,16 @@ from typing import overload
 
 from extproc.core import envelope
 from extproc.core.account import RequestAccount
-from extproc.core.actions import AdmissionAction, StreamAction
+from extproc.core.admission_vocabulary import (
+    ADMISSION_EVENTS,
+    AdmissionAction,
+    AdmissionEvent,
+    BodyArrived,
+    RpmOnlyArrived,
+)
 from extproc.core.classify import classify, parse_status
 from extproc.core.encoding import BodyDecoder
 from extproc.core.envelope import EnvelopeAction, EnvelopeEvent
-from extproc.core.events import AdmissionEvent, BodyArrived, RpmOnlyArrived, StreamEvent
 from extproc.core.figures import Figure
 from extproc.core.input_state import (
     COUNTED_AFTER_BOUND,
@@ -59,13 +64,8 @@ from extproc.core.settlement import (
     stream_output,
     upstream_input,
 )
-from extproc.core.sub_machines import (
-    ADMISSION_EVENTS,
-    STREAM_EVENTS,
-    AdmissionMachine,
-    Builders,
-    StreamMachine,
-)
+from extproc.core.stream_vocabulary import STREAM_EVENTS, StreamAction, StreamEvent
+from extproc.core.sub_machines import AdmissionMachine, Builders, StreamMachine
 
 #: The order of the upstream figures read in this process (:attr:`Session.report_seq`).
 _REPORTS = itertools.count(1)

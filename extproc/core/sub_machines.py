@@ -4,7 +4,8 @@ admission (:class:`extproc.core.admission_flow.Admission`) and the metered strea
 
 The session starts each when the request gets there (admission at the body, or on an
 ``rpm_only`` path; the stream when the response's headers say it is metered as one) and hands
-it the events of its vocabulary (:data:`ADMISSION_EVENTS`, :data:`STREAM_EVENTS`); the server
+it the events of its vocabulary (:mod:`extproc.core.admission_vocabulary`,
+:mod:`extproc.core.stream_vocabulary`: each names its event types); the server
 feeds every event to the session and executes the actions that come back.  How a sub-machine is
 built (the rules, the key prefix, the clock it reads) is the server's to inject
 (:class:`Builders`): the core names what it needs here, and imports neither machine (each
@@ -13,42 +14,10 @@ imports the session).  Sans-IO.
 
 from __future__ import annotations
 
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
-from extproc.core.actions import AdmissionAction, StreamAction
-from extproc.core.events import (
-    AdmitAnswered,
-    AdmitBacklogged,
-    AdmitCancelled,
-    AdmitFailed,
-    BodyArrived,
-    BodyChunk,
-    ChargeAbandoned,
-    ChargeAnswered,
-    ChargeFailed,
-    CountDone,
-    CutNow,
-    InputCounted,
-    RpmOnlyArrived,
-    Trailers,
-)
-
-#: The admission's events: the two that start it, then the answers to what it asked.
-ADMISSION_EVENTS: Final = frozenset(
-    (
-        BodyArrived,
-        RpmOnlyArrived,
-        InputCounted,
-        AdmitAnswered,
-        AdmitFailed,
-        AdmitCancelled,
-        AdmitBacklogged,
-    )
-)
-#: The metered stream's events.
-STREAM_EVENTS: Final = frozenset(
-    (BodyChunk, Trailers, ChargeAnswered, ChargeFailed, ChargeAbandoned, CountDone, CutNow)
-)
+from extproc.core.admission_vocabulary import AdmissionAction
+from extproc.core.stream_vocabulary import StreamAction
 
 
 class AdmissionMachine(Protocol):

@@ -14,23 +14,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.core import admission_flow
-from extproc.core.actions import (
-    AdmissionAction,
-    CallAdmit,
-    CountExact,
-    ForwardBody,
-    KeepCancel,
-    Reject,
-)
 from extproc.core.admission_flow import TRANSITIONS, Admission, AdmissionState
-from extproc.core.events import (
+from extproc.core.admission_vocabulary import (
+    AdmissionAction,
     AdmissionEvent,
     AdmitAnswered,
     AdmitBacklogged,
     AdmitCancelled,
     AdmitFailed,
     BodyArrived,
+    CallAdmit,
+    CountExact,
+    ForwardBody,
     InputCounted,
+    KeepCancel,
+    Reject,
     RpmOnlyArrived,
 )
 from extproc.core.phase_records import PhaseError

@@ -503,3 +503,33 @@ def test_the_processor_is_a_dispatch_loop() -> None:
     lines = len(path.read_text("utf-8").splitlines())
     assert lines <= PROCESSOR_MAX_LINES, f"processor.py: {lines} lines"
     assert session_calls(path, session_methods()) <= {"handle"}
+
+
+#: Each machine's vocabulary (its events and actions) is one module, which the machine and the
+#: server's executor of its actions both import whole: the names are never listed twice.
+VOCABULARIES = {
+    "extproc.core.admission_vocabulary": ("core/admission_flow.py", "server/admit.py"),
+    "extproc.core.stream_vocabulary": ("core/streaming.py", "server/stream.py"),
+}
+
+
+def vocabulary_imports(path: Path, vocabulary: str) -> tuple[bool, list[str]]:
+    """Whether ``path`` imports the module ``vocabulary`` whole, and the names it takes from
+    it one by one."""
+    package, _, module = vocabulary.rpartition(".")
+    whole, names = False, []
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module == package:
+            whole |= any(a.name == module for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module == vocabulary:
+            names += [a.name for a in node.names]
+    return whole, names
+
+
+@pytest.mark.parametrize("vocabulary", sorted(VOCABULARIES))
+def test_a_machine_and_its_executor_share_one_vocabulary_module(vocabulary: str) -> None:
+    """admission_flow.py and server/admit.py (streaming.py and server/stream.py) import their
+    vocabulary module whole, and no name of it one by one."""
+    for rel in VOCABULARIES[vocabulary]:
+        whole, names = vocabulary_imports(ROOT / rel, vocabulary)
+        assert whole and not names, f"{rel}: imports {names or 'nothing'} of {vocabulary}"
