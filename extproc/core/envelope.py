@@ -82,7 +82,10 @@ class PassThrough:
 
 @dataclass(frozen=True, slots=True)
 class RequestBody:
-    """The request's body arrived (admission follows)."""
+    """The request's body arrived: the lifecycle's move alone.  The server reports the body as
+    admission's :class:`~extproc.core.admission_vocabulary.BodyArrived`, which makes this
+    move and starts admission; this event is the move for a session without sub-machines (the
+    envelope's own tests)."""
 
 
 @dataclass(frozen=True, slots=True)
