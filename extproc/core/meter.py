@@ -36,7 +36,13 @@ from typing import Final
 from extproc.core.apis.openai.stream import parse_event_data
 from extproc.core.chunks import MalformedChunk, StreamChunk, Usage
 from extproc.core.lifecycle import CutReason
-from extproc.core.meter_phase import Enforcement, MeterPhase, StreamInput, StreamPhase
+from extproc.core.meter_phase import (
+    UPSTREAM_OPEN,
+    Enforcement,
+    MeterPhase,
+    StreamInput,
+    StreamPhase,
+)
 from extproc.core.sse import SSEDecoder, SSEEvent, SSEEventTooLarge
 
 
@@ -91,6 +97,7 @@ class StreamStats:
 
 
 _OPEN: Final = StreamPhase.OPEN
+_UPSTREAM_DONE: Final = StreamPhase.UPSTREAM_DONE  # and no cut decided: a release ends it
 _ENFORCED: Final = Enforcement.ENFORCED
 _EXHAUSTED: Final = Enforcement.EXHAUSTED
 _UNENFORCED: Final = Enforcement.UNENFORCED
@@ -170,7 +177,7 @@ class StreamMeter:
     @property
     def upstream_done(self) -> bool:
         """The upstream's last byte arrived (or the stream was cut)."""
-        return self.phase.stream is not _OPEN
+        return self.phase.stream not in UPSTREAM_OPEN
 
     @property
     def finished(self) -> bool:
@@ -309,7 +316,7 @@ class StreamMeter:
                 if blocked:
                     charge = max(self.every, self.held_tokens - self.lease)
                 elif (
-                    phase.stream is _OPEN
+                    phase.stream in UPSTREAM_OPEN
                     and self.lease * 2 < self.every
                     and enforcement is not _EXHAUSTED
                 ):
@@ -325,11 +332,11 @@ class StreamMeter:
             if (
                 self._charge_in_flight == 0
                 and self.uncharged >= self.batch
-                and phase.stream is _OPEN
+                and phase.stream in UPSTREAM_OPEN
             ):
                 new_charge = self.uncharged
             charge = new_charge
-            if charge and phase.stream is not _OPEN and not blocked:
+            if charge and phase.stream not in UPSTREAM_OPEN and not blocked:
                 # The stream is over: settlement charges the remainder in one call.  (Not
                 # when events are held: those wait for this charge, or they would pass the
                 # 2N cap uncharged.)
@@ -338,7 +345,7 @@ class StreamMeter:
             self._charge_in_flight = charge
         elif not blocked and phase.stream is _OPEN:
             return _forward_step(out)  # the common case: forward, nothing else
-        end = phase.stream is not _OPEN and not blocked and phase.cut_reason is None
+        end = phase.stream is _UPSTREAM_DONE and not blocked  # (a decided cut ends it else)
         if end:
             self.phase = phase.move(StreamInput.RELEASED)
         return Step(forward=out, end_stream=end, charge=charge, blocked=blocked)
@@ -400,7 +407,7 @@ class StreamMeter:
             self._delivered(k, terminal)
             out += raw
         phase = self.phase
-        end = phase.stream is not _OPEN and not phase.ended and phase.cut_reason is None
+        end = phase.stream is _UPSTREAM_DONE
         if end:
             self.phase = phase.move(StreamInput.RELEASED)
         return Step(forward=bytes(out), end_stream=end)

@@ -16,8 +16,13 @@ class StreamPhase(Enum):
     """Where a metered stream is (the stream's side of the meter's phase; the request's is its
     lifecycle)."""
 
+    __hash__ = object.__hash__  # as lifecycle.State's: looked up per move
+
     OPEN = "open"  # the upstream is still sending
     UPSTREAM_DONE = "upstream_done"  # its last byte arrived; held events may still wait
+    OPEN_CUTTING = "open_cutting"  # a cut is decided (not yet made); the upstream still sends
+    DONE_CUTTING = "done_cutting"  # a cut is decided, the upstream's last byte arrived: the
+    # stream ends by that cut, not by releasing what it holds
     FINISHED = "finished"  # every event went out, the stream's end with them
     CUT = "cut"  # the gateway ended it (quota, backend, shutdown...)
 
@@ -25,37 +30,80 @@ class StreamPhase(Enum):
 class StreamInput(Enum):
     """What moves a stream's phase."""
 
+    __hash__ = object.__hash__
+
     UPSTREAM_END = "upstream_end"  # the upstream's last body chunk
     RELEASED = "released"  # nothing is held any more after the upstream's end
+    DECIDE_CUT = "decide_cut"  # the meter (or the caller, failing closed) decides to cut
     CUT = "cut"  # the gateway ends the stream
 
 
 _P, _I = StreamPhase, StreamInput
-#: Every (phase, input) pair: a stream ends once, by release or by cut, and stays ended.
+#: Every (phase, input) pair: a stream ends once, by release or by cut, and stays ended; a
+#: decided cut is the way it ends (a release after it waits for that cut).
 STREAM_TRANSITIONS: dict[tuple[StreamPhase, StreamInput], StreamPhase] = {
     (_P.OPEN, _I.UPSTREAM_END): _P.UPSTREAM_DONE,
     (_P.OPEN, _I.RELEASED): _P.OPEN,  # released before the end: still open
+    (_P.OPEN, _I.DECIDE_CUT): _P.OPEN_CUTTING,
     (_P.OPEN, _I.CUT): _P.CUT,
     (_P.UPSTREAM_DONE, _I.UPSTREAM_END): _P.UPSTREAM_DONE,
     (_P.UPSTREAM_DONE, _I.RELEASED): _P.FINISHED,
+    (_P.UPSTREAM_DONE, _I.DECIDE_CUT): _P.DONE_CUTTING,
     (_P.UPSTREAM_DONE, _I.CUT): _P.CUT,
+    (_P.OPEN_CUTTING, _I.UPSTREAM_END): _P.DONE_CUTTING,
+    (_P.OPEN_CUTTING, _I.RELEASED): _P.OPEN_CUTTING,
+    (_P.OPEN_CUTTING, _I.DECIDE_CUT): _P.OPEN_CUTTING,  # the first reason stands
+    (_P.OPEN_CUTTING, _I.CUT): _P.CUT,
+    (_P.DONE_CUTTING, _I.UPSTREAM_END): _P.DONE_CUTTING,
+    (_P.DONE_CUTTING, _I.RELEASED): _P.DONE_CUTTING,  # it still waits for the cut
+    (_P.DONE_CUTTING, _I.DECIDE_CUT): _P.DONE_CUTTING,
+    (_P.DONE_CUTTING, _I.CUT): _P.CUT,
     (_P.FINISHED, _I.UPSTREAM_END): _P.FINISHED,
     (_P.FINISHED, _I.RELEASED): _P.FINISHED,
-    (_P.FINISHED, _I.CUT): _P.FINISHED,  # it had ended: nothing left to cut
+    (_P.FINISHED, _I.DECIDE_CUT): _P.FINISHED,  # it had ended: nothing left to cut
+    (_P.FINISHED, _I.CUT): _P.FINISHED,
     (_P.CUT, _I.UPSTREAM_END): _P.CUT,
     (_P.CUT, _I.RELEASED): _P.CUT,
+    (_P.CUT, _I.DECIDE_CUT): _P.CUT,
     (_P.CUT, _I.CUT): _P.CUT,
 }
+#: The upstream still sends (a cut decided or not).
+UPSTREAM_OPEN = frozenset((_P.OPEN, _P.OPEN_CUTTING))
+#: A cut is decided or made: the phase carries its reason (and only then).
+CUTTING = frozenset((_P.OPEN_CUTTING, _P.DONE_CUTTING, _P.CUT))
 
 
 class Enforcement(Enum):
     """What the meter's charges still do (the quota's side of its phase)."""
+
+    __hash__ = object.__hash__
 
     ENFORCED = "enforced"  # charges are asked as tokens pass; events may be held for them
     EXHAUSTED = "exhausted"  # a charge found the quota gone (strict: granted less than asked):
     # lazy cuts at the next event before the terminal one, strict renews no more early
     UNENFORCED = "unenforced"  # metering only (enforcement off, or fail-open after a limiter
     # failure): nothing held, nothing charged
+
+
+class EnforcementInput(Enum):
+    """What moves the enforcement."""
+
+    __hash__ = object.__hash__
+
+    EXHAUSTED = "exhausted"  # a charge found the quota gone
+    FAILED_OPEN = "failed_open"  # the limiter failed and the plan fails open
+
+
+_E, _EI = Enforcement, EnforcementInput
+#: Every (enforcement, input) pair: unenforced is never left, exhausted only for it.
+ENFORCEMENT_TRANSITIONS: dict[tuple[Enforcement, EnforcementInput], Enforcement] = {
+    (_E.ENFORCED, _EI.EXHAUSTED): _E.EXHAUSTED,
+    (_E.ENFORCED, _EI.FAILED_OPEN): _E.UNENFORCED,
+    (_E.EXHAUSTED, _EI.EXHAUSTED): _E.EXHAUSTED,
+    (_E.EXHAUSTED, _EI.FAILED_OPEN): _E.UNENFORCED,
+    (_E.UNENFORCED, _EI.EXHAUSTED): _E.UNENFORCED,  # meaningless once unenforced
+    (_E.UNENFORCED, _EI.FAILED_OPEN): _E.UNENFORCED,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +113,11 @@ class MeterPhase:
     event reached the client, and the cut's reason once one is decided.  Every flag the meter
     shows is read from it.
 
-    Invariants (the moves keep them; a test checks them over event orders): an ended stream
-    stays ended; ``CUT`` carries its reason; a stream that ``FINISHED`` was never cut; the
-    first cut's reason stands; ``UNENFORCED`` is never left and ``EXHAUSTED`` is left only
-    for it."""
+    Every move is a transition table's (:data:`STREAM_TRANSITIONS`,
+    :data:`ENFORCEMENT_TRANSITIONS`).  Invariants (the tables keep them; a test checks them
+    over event orders): an ended stream stays ended; the reason is set exactly in the cutting
+    phases (:data:`CUTTING`) and the first one stands; a stream that ``FINISHED`` was never
+    cut; ``UNENFORCED`` is never left and ``EXHAUSTED`` is left only for it."""
 
     stream: StreamPhase = StreamPhase.OPEN
     enforcement: Enforcement = Enforcement.ENFORCED
@@ -80,36 +129,36 @@ class MeterPhase:
         """Every event went out, or the gateway cut the stream."""
         return self.stream is StreamPhase.FINISHED or self.stream is StreamPhase.CUT
 
-    def move(self, inp: StreamInput) -> MeterPhase:
-        """The stream's own moves (:data:`STREAM_TRANSITIONS`); a cut names its reason (the
-        quota's, when none was decided before)."""
+    def move(self, inp: StreamInput, reason: CutReason | None = None) -> MeterPhase:
+        """The stream's move by :data:`STREAM_TRANSITIONS`, the only rule of where it goes; a
+        decided cut carries ``reason`` (the first stands: the table stays put), a cut made
+        without one names the quota."""
         to = STREAM_TRANSITIONS[(self.stream, inp)]
         if to is self.stream:
             return self
-        if to is StreamPhase.FINISHED and self.cut_reason is not None:
-            return self  # a decided cut ends it: released, it still waits for that cut
         if to is StreamPhase.CUT:
             return replace(self, stream=to, cut_reason=self.cut_reason or CutReason.QUOTA_EXHAUSTED)
+        if inp is StreamInput.DECIDE_CUT:
+            return replace(self, stream=to, cut_reason=reason or CutReason.QUOTA_EXHAUSTED)
         return replace(self, stream=to)
 
     def decide_cut(self, reason: CutReason) -> MeterPhase:
-        """The meter (or the caller, failing closed) decided to cut: the first reason stands;
-        a finished stream has nothing left to cut."""
-        if self.cut_reason is not None or self.stream is StreamPhase.FINISHED:
-            return self
-        return replace(self, cut_reason=reason)
+        """The meter (or the caller, failing closed) decided to cut (:data:`STREAM_TRANSITIONS`:
+        the first reason stands; a finished stream has nothing left to cut)."""
+        return self.move(StreamInput.DECIDE_CUT, reason)
+
+    def enforcing(self, inp: EnforcementInput) -> MeterPhase:
+        """The enforcement's move by :data:`ENFORCEMENT_TRANSITIONS`."""
+        to = ENFORCEMENT_TRANSITIONS[(self.enforcement, inp)]
+        return self if to is self.enforcement else replace(self, enforcement=to)
 
     def exhaust(self) -> MeterPhase:
         """A charge found the quota gone (meaningless once unenforced)."""
-        if self.enforcement is Enforcement.ENFORCED:
-            return replace(self, enforcement=Enforcement.EXHAUSTED)
-        return self
+        return self.enforcing(EnforcementInput.EXHAUSTED)
 
     def unenforce(self) -> MeterPhase:
         """Meter without charging from now on (fail-open)."""
-        if self.enforcement is Enforcement.UNENFORCED:
-            return self
-        return replace(self, enforcement=Enforcement.UNENFORCED)
+        return self.enforcing(EnforcementInput.FAILED_OPEN)
 
     def terminal(self) -> MeterPhase:
         """The API's terminal event reached the client."""

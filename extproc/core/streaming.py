@@ -1,17 +1,19 @@
 """A metered response stream, driven by events: the session's stream part, sans-IO.
 
-The server feeds :class:`MeteredStream` the events it sees (:mod:`extproc.core.events`: a body
-chunk with the limiter's answer that came before it, trailers, an awaited charge's answer, the
-input count done, a shutdown cut) and executes the actions it returns
-(:mod:`extproc.core.actions`), in order.  Every decision is taken here: what passes, when to
-charge and on which buckets, what a charge's answer means (the room it leaves, a shadow limit
-crossed, fail-open or a cut when the limiter fails), the cut's message, the final figures and
-the request's lifecycle moves (its end, its cut).  The server owns only the I/O: the charge
-task, the wait for it, the count off the event loop, the bytes to Envoy, metrics and logs.
+The server feeds :class:`MeteredStream`, through the session, the events it sees (a body chunk
+with the limiter's answer that came before it, trailers, an awaited charge's answer, the input
+count done, a shutdown cut) and executes the actions it returns, in order; both are its
+vocabulary, :mod:`extproc.core.stream_vocabulary`.  Every decision is taken here: what
+passes, when to charge and on which buckets, what a charge's answer means (the room it leaves,
+a shadow limit crossed, fail-open or a cut when the limiter fails), the cut's message, the
+final figures and the request's lifecycle moves (its end, its cut).  The server owns only the
+I/O: the charge task, the wait for it, the count off the event loop, the bytes to Envoy,
+metrics and logs.
 
 A step that needs something the server must await (the exact input count before a figure, the
 answer of the charge that holds events) returns the request for it as its last action and
-resumes when the matching event (:class:`~extproc.core.events.CountDone`, the answer) arrives.
+resumes when the matching event (:class:`~extproc.core.stream_vocabulary.CountDone`, the
+answer) arrives.
 """
 
 from __future__ import annotations
@@ -22,30 +24,10 @@ from dataclasses import dataclass
 from typing import Final
 
 from extproc.core import admission_plan
-from extproc.core.actions import (
-    AwaitCharge,
-    ChargeError,
-    CountInput,
-    Cut,
-    Forward,
-    ShadowExceeded,
-    StalledWithoutCharge,
-    StartCharge,
-    StreamAction,
-)
+from extproc.core import stream_vocabulary as sv
 from extproc.core.apis.errors import cut_error, quota_cut
 from extproc.core.apis.responses import ResponsesFormat
 from extproc.core.encoding import BodyDecoder
-from extproc.core.events import (
-    BodyChunk,
-    ChargeAbandoned,
-    ChargeAnswered,
-    ChargeFailed,
-    CountDone,
-    CutNow,
-    StreamEvent,
-    Trailers,
-)
 from extproc.core.keys import WindowedBucket
 from extproc.core.lifecycle import CutReason, Ending, Input
 from extproc.core.meter import Step, StreamMeter
@@ -95,7 +77,7 @@ class CutCorrupt:
     """Cut the stream for a corrupt compressed body; ``late``: the side actions of a charge's
     answer that came with it."""
 
-    late: tuple[StreamAction, ...]
+    late: tuple[sv.StreamAction, ...]
 
 
 #: What resumes once the exact input count is taken.
@@ -104,8 +86,9 @@ Resume = ApplyStep | ForwardTerminal | CutCorrupt
 
 @dataclass(frozen=True, slots=True)
 class AwaitingCount:
-    """Waiting for the exact input count (:class:`~extproc.core.events.CountDone`) the final
-    figures need; then ``resume``."""
+    """Waiting for the exact input count
+    (:class:`~extproc.core.stream_vocabulary.CountDone`) the final figures need; then
+    ``resume``."""
 
     resume: Resume
 
@@ -235,37 +218,37 @@ class MeteredStream:
 
     # -- events ----------------------------------------------------------------------------
 
-    def handle(self, ev: StreamEvent) -> list[StreamAction]:
+    def handle(self, ev: sv.StreamEvent) -> list[sv.StreamAction]:
         """Take one event; return what the server must do, in order."""
         t = type(ev)
-        if t is BodyChunk:
-            assert isinstance(ev, BodyChunk)
+        if t is sv.BodyChunk:
+            assert isinstance(ev, sv.BodyChunk)
             return self.chunk(ev.data, ev.end, ev.answer)
-        if t is ChargeAnswered or t is ChargeFailed:
-            assert isinstance(ev, ChargeAnswered | ChargeFailed)
+        if t is sv.ChargeAnswered or t is sv.ChargeFailed:
+            assert isinstance(ev, sv.ChargeAnswered | sv.ChargeFailed)
             side, step = self._take(ev)
             if ev.late:
                 return side
             waiting, self._awaiting_charge = self._awaiting_charge, None
             return side + self._apply(step, waiting.then if waiting is not None else None)
-        if t is CountDone:
+        if t is sv.CountDone:
             counting, self._awaiting_count = self._awaiting_count, None
             return self._resume(counting.resume) if counting is not None else []
-        if t is Trailers:
+        if t is sv.Trailers:
             return self._trailers()
-        if t is CutNow:
-            assert isinstance(ev, CutNow)
+        if t is sv.CutNow:
+            assert isinstance(ev, sv.CutNow)
             return self._cut(ev.reason, ev.message)
-        if t is ChargeAbandoned:
+        if t is sv.ChargeAbandoned:
             if self._in_flight and self._seq > 0:
                 self.s.unconfirmed = unconfirmed_charge(self._seq, self._charge_buckets)
             return []
         raise TypeError(f"not a stream event: {ev!r}")  # pragma: no cover - typed
 
     def chunk(
-        self, data: bytes, end: bool, answer: ChargeAnswered | ChargeFailed | None = None
-    ) -> list[StreamAction]:
-        """``handle(BodyChunk(data, end, answer))`` without building the event: the per-chunk
+        self, data: bytes, end: bool, answer: sv.ChargeAnswered | sv.ChargeFailed | None = None
+    ) -> list[sv.StreamAction]:
+        """``handle(sv.BodyChunk(data, end, answer))`` without building the event: the per-chunk
         call (as h2's ``receive_data``).  The chunk is the request's response body event too:
         the session's lifecycle takes it first."""
         life = self.s.life
@@ -281,13 +264,13 @@ class MeteredStream:
                 and (not meter.complete or self._final_sent)
             ):
                 # The common case: forward what completed, no charge, no wait.
-                return [Forward(step.forward)] if step.forward else []
+                return [sv.Forward(step.forward)] if step.forward else []
             return self._stepped(step)
         return self._chunk(data, end, answer)
 
     def _chunk(
-        self, data: bytes, end: bool, answer: ChargeAnswered | ChargeFailed | None
-    ) -> list[StreamAction]:
+        self, data: bytes, end: bool, answer: sv.ChargeAnswered | sv.ChargeFailed | None
+    ) -> list[sv.StreamAction]:
         if self.s.life.ended:
             # the answer still counts (its units are in Redis): bookkeeping only
             return self._take(answer)[0] if answer is not None else []
@@ -312,10 +295,10 @@ class MeteredStream:
             return side + self._feed(data, end)
         return self._feed(data, end)
 
-    def _feed(self, data: bytes, end: bool) -> list[StreamAction]:
+    def _feed(self, data: bytes, end: bool) -> list[sv.StreamAction]:
         return self._stepped(self.meter.feed(data, end))
 
-    def _stepped(self, step: Step) -> list[StreamAction]:
+    def _stepped(self, step: Step) -> list[sv.StreamAction]:
         """What follows the meter's ``step`` for a body chunk."""
         meter = self.meter
         if step.charge == 0 and not (step.blocked or step.cut_reason or step.end_stream):
@@ -325,11 +308,11 @@ class MeteredStream:
             if step.forward:
                 if meter.complete and not self._final_sent:
                     return self._after_count(ForwardTerminal(step.forward, unless_ended=True))
-                return [Forward(step.forward)]
+                return [sv.Forward(step.forward)]
             return []
         return self._apply(step, None)
 
-    def _trailers(self) -> list[StreamAction]:
+    def _trailers(self) -> list[sv.StreamAction]:
         if self.s.life.ended:
             return []
         step = self.meter.feed(b"", False)
@@ -338,17 +321,17 @@ class MeteredStream:
         fwd = step.forward
         if self.complete and not self._final_sent:
             return self._after_count(ForwardTerminal(fwd, unless_ended=False))
-        return [Forward(fwd, False, self._terminal_output())]
+        return [sv.Forward(fwd, False, self._terminal_output())]
 
-    def _after_count(self, resume: Resume) -> list[StreamAction]:
+    def _after_count(self, resume: Resume) -> list[sv.StreamAction]:
         """Run ``resume`` once the exact input count its figures need is taken (at once when
         none is needed; else after the server reports :class:`CountDone`)."""
-        if self.s.needs_count():
+        if self.s.needs_count:
             self._awaiting_count = AwaitingCount(resume)
-            return [CountInput()]
+            return [sv.CountInput()]
         return self._resume(resume)
 
-    def _resume(self, r: Resume) -> list[StreamAction]:
+    def _resume(self, r: Resume) -> list[sv.StreamAction]:
         """What waited for the count."""
         if type(r) is ApplyStep:
             # cut meanwhile (shutdown): that cut has said it all
@@ -356,18 +339,18 @@ class MeteredStream:
         if type(r) is ForwardTerminal:
             if r.unless_ended and self.s.life.ended:
                 return []  # cut meanwhile (shutdown): it said it all
-            return [Forward(r.data, False, self._terminal_output())]
+            return [sv.Forward(r.data, False, self._terminal_output())]
         assert isinstance(r, CutCorrupt)
         reason, message = CutReason.UNMETERABLE, "The upstream sent a corrupt compressed body."
         return self._cut(reason, message) + list(r.late)
 
-    def _then(self, then: Then) -> list[StreamAction]:
+    def _then(self, then: Then) -> list[sv.StreamAction]:
         """What follows a step: the chunk still to meter, unless the stream ended."""
         if then is None or self.s.life.ended:
             return []
         return self._feed(then.data, then.end)
 
-    def _apply(self, step: Step, then: Then) -> list[StreamAction]:
+    def _apply(self, step: Step, then: Then) -> list[sv.StreamAction]:
         """Forward what the meter released, ask for charges, wait when events are held; then
         ``then`` (unless the stream must wait first)."""
         meter = self.meter
@@ -375,27 +358,27 @@ class MeteredStream:
             return self._after_count(ApplyStep(step, then))
         return self._apply_counted(step, then)
 
-    def _apply_counted(self, step: Step, then: Then) -> list[StreamAction]:
-        out: list[StreamAction] = []
+    def _apply_counted(self, step: Step, then: Then) -> list[sv.StreamAction]:
+        out: list[sv.StreamAction] = []
         if step.cut_reason is not None:
             if step.forward:
-                out.append(Forward(step.forward))
+                out.append(sv.Forward(step.forward))
             out += self._cut(step.cut_reason)
             return out
         if step.forward or step.end_stream:
             if step.end_stream:
                 self.s.life.advance(Input.END)
             final = self._final_output() if step.end_stream else self._terminal_output()
-            out.append(Forward(step.forward, step.end_stream, final))
+            out.append(sv.Forward(step.forward, step.end_stream, final))
         if step.charge:
             out.append(self._start_charge(step.charge))
         if not step.blocked:
             return out + self._then(then)
         if not self._in_flight:  # nothing in flight: cannot happen, but never stall a stream
-            out.append(StalledWithoutCharge())
+            out.append(sv.StalledWithoutCharge())
             return out + self._apply(self.meter.stop_enforcing(), then)
         self._awaiting_charge = AwaitingCharge(then)
-        out.append(AwaitCharge())
+        out.append(sv.AwaitCharge())
         return out
 
     # -- figures ---------------------------------------------------------------------------
@@ -419,7 +402,7 @@ class MeteredStream:
 
     # -- charges ---------------------------------------------------------------------------
 
-    def _start_charge(self, amount: int) -> StartCharge:
+    def _start_charge(self, amount: int) -> sv.StartCharge:
         # per-token buckets only, in the order the limiter returns their values
         now = self._now_ms()
         self._charge_buckets = tuple(
@@ -427,7 +410,7 @@ class MeteredStream:
         )
         self._seq += 1
         self._in_flight = True
-        return StartCharge(
+        return sv.StartCharge(
             self._seq,
             self._charge_buckets,
             admission_plan.token_charges(list(self._charge_buckets), amount),
@@ -435,31 +418,31 @@ class MeteredStream:
             self.meter.strict,
         )
 
-    def _take(self, ev: ChargeAnswered | ChargeFailed) -> tuple[list[StreamAction], Step]:
+    def _take(self, ev: sv.ChargeAnswered | sv.ChargeFailed) -> tuple[list[sv.StreamAction], Step]:
         """Apply a charge's answer to the account and the meter."""
         self._in_flight = False
         meter = self.meter
         buckets = self._charge_buckets
-        if isinstance(ev, ChargeFailed):
+        if isinstance(ev, sv.ChargeFailed):
             if ev.maybe_ran:  # it may still run once Redis answers: settlement takes it back
                 self.s.unconfirmed = unconfirmed_charge(self._seq, buckets)
             meter.on_charge_failed()
             if self._fail_open:
-                return [ChargeError(unmetered=True)], meter.stop_enforcing()
-            return [ChargeError(unmetered=False)], meter.fail(CutReason.BACKEND_UNAVAILABLE)
+                return [sv.ChargeError(unmetered=True)], meter.stop_enforcing()
+            return [sv.ChargeError(unmetered=False)], meter.fail(CutReason.BACKEND_UNAVAILABLE)
         self.s.account.record_output(list(buckets), ev.granted)
         self._last = (buckets, ev.values)
-        side: list[StreamAction] = []
+        side: list[sv.StreamAction] = []
         for b, v in zip(buckets, ev.values, strict=True):
             if b.limit.shadow and v > b.limit.limit and b.key not in self._shadowed:
                 # a shadow limit taken past its limit: counted and logged once, never cut
                 self._shadowed.add(b.key)
-                side.append(ShadowExceeded(b.metric, admission_plan.describe(b.limit), v))
+                side.append(sv.ShadowExceeded(b.metric, admission_plan.describe(b.limit), v))
         return side, meter.on_charge(ev.granted, ev.exhausted, room_after(buckets, ev.values))
 
     # -- cutting ---------------------------------------------------------------------------
 
-    def _cut(self, reason: CutReason, message: str | None = None) -> list[StreamAction]:
+    def _cut(self, reason: CutReason, message: str | None = None) -> list[sv.StreamAction]:
         """End the stream now with the API's error event for ``reason``."""
         s, meter = self.s, self.meter
         api = s.api
@@ -490,4 +473,4 @@ class MeteredStream:
         else:
             data = meter.cut(api.cut_events(err))
         charged = s.account.total
-        return [Cut(reason, data, err, self._final_output(), meter.delivered, charged)]
+        return [sv.Cut(reason, data, err, self._final_output(), meter.delivered, charged)]

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from extproc.core.actions import DraftRecord
+from extproc.core.admission_vocabulary import DraftRecord
 
 SCHEMA_VERSION = "1"
 
@@ -174,8 +174,8 @@ RECLAIMED = "reclaimed"
 @dataclass(frozen=True, slots=True)
 class RecordDraft(DraftRecord):
     """What admission knows of a request's record (admission's own
-    :class:`~extproc.core.actions.DraftRecord`, the same fields), kept in its ledger while it
-    is open.
+    :class:`~extproc.core.admission_vocabulary.DraftRecord`, the same fields), kept in its
+    ledger while it is open.
 
     If the processor dies, the tenant's next admission reclaims the reservation and hands the
     draft back, with the tokens the ledger had charged by then, so that a record is still

@@ -1,8 +1,9 @@
 """Admission, executed: the core's :class:`~extproc.core.admission_flow.Admission` decides, this
 module runs what it asks for.
 
-The loop starts the admission on the request body (or on an ``rpm_only`` path), executes its
-actions in order and feeds it the answer of the last one: the exact input count
+The loop feeds the session the request body (or an ``rpm_only`` path's start), which starts its
+admission, executes the actions in order and feeds the session the answer of the last one
+(:meth:`extproc.core.session.Session.handle`): the exact input count
 (:mod:`extproc.server.counting`, a large prompt in a worker thread) or the admission call's
 answer.  The call itself (:func:`limiter_admit`) carries the settlements waiting for their
 batch, notes the counters' values for the next bound, and hands the records of dead
@@ -21,33 +22,7 @@ from typing import Any
 import structlog
 
 from extproc.config.runtime import RuntimeConfig
-from extproc.core.actions import (
-    AdmissionAction,
-    AdmitError,
-    Attempting,
-    CallAdmit,
-    CountExact,
-    Decided,
-    DuplicateAdmit,
-    FellBack,
-    ForwardBody,
-    InputAdmission,
-    KeepCancel,
-    KeepLeases,
-    LimitDecisions,
-    PushedBack,
-    Reject,
-    ShadowRefused,
-)
-from extproc.core.admission_flow import Admission
-from extproc.core.events import (
-    AdmissionEvent,
-    AdmitAnswered,
-    AdmitBacklogged,
-    AdmitCancelled,
-    AdmitFailed,
-    InputCounted,
-)
+from extproc.core import admission_vocabulary as av
 from extproc.core.session import Session
 from extproc.errors import LimiterUnavailable
 from extproc.gateway import Gateway
@@ -60,44 +35,31 @@ from extproc.server.reclaim import record_reclaimed
 log = structlog.get_logger("extproc")
 
 
-def _admission(gw: Gateway, cfg: RuntimeConfig, s: Session) -> Admission:
-    return Admission(
-        s,
-        cfg,
-        key_prefix=gw.key_prefix,
-        room=gw.room,
-        records=gw.recorder is not None,
-        now_ms=gw.clock.now_ms,
-    )
-
-
 async def admit_body(
     gw: Gateway, cfg: RuntimeConfig, s: Session, raw: bytes, started: float
 ) -> bytes | None:
     """Admit the request (raise a :class:`GatewayError` when not); the body to forward."""
-    adm = _admission(gw, cfg, s)
-    return await _execute(gw, cfg, s, adm, adm.body(raw), started=started)
+    return await _execute(gw, cfg, s, s.handle(av.BodyArrived(raw)), started=started)
 
 
 async def admit_rpm_only(gw: Gateway, cfg: RuntimeConfig, s: Session) -> None:
     """An unmetered path under ``paths.other: rpm_only``: one request on the RPM buckets."""
-    adm = _admission(gw, cfg, s)
-    await _execute(gw, cfg, s, adm, adm.rpm_only(), started=time.perf_counter())
+    started = time.perf_counter()
+    await _execute(gw, cfg, s, s.handle(av.RpmOnlyArrived()), started=started)
 
 
 async def _execute(
     gw: Gateway,
     cfg: RuntimeConfig,
     s: Session,
-    adm: Admission,
-    actions: list[AdmissionAction],
+    actions: list[av.AdmissionAction],
     *,
     started: float,
 ) -> bytes | None:
     """Execute the admission's actions until it forwards the body (returned), rejects
     (raised) or ends (None)."""
     while True:
-        last: AdmissionAction | None = None
+        last: av.AdmissionAction | None = None
         for a in actions:
             note = _NOTES.get(type(a))
             if note is not None:
@@ -106,42 +68,42 @@ async def _execute(
                 last = a  # the one that ends the step: always the last
         if last is None:
             return None
-        if type(last) is CallAdmit:
-            ev: AdmissionEvent = await limiter_admit(gw, cfg, s, adm, last)
-        elif type(last) is ForwardBody:
+        if type(last) is av.CallAdmit:
+            ev: av.AdmissionEvent = await limiter_admit(gw, cfg, s, last)
+        elif type(last) is av.ForwardBody:
             return last.body
-        elif type(last) is CountExact:
+        elif type(last) is av.CountExact:
             api, req = s.api, s.req
             assert api is not None and req is not None
-            ev = InputCounted(await count_input(gw, cfg, api, req, last.model, size=last.size))
-        elif type(last) is Reject:
+            ev = av.InputCounted(await count_input(gw, cfg, api, req, last.model, size=last.size))
+        elif type(last) is av.Reject:
             raise last.error
         else:  # pragma: no cover - every action is handled
             raise TypeError(f"unknown admission action {last!r}")
-        actions = adm.handle(ev)
+        actions = s.handle(ev)
 
 
 # -- what admission reports: counted, logged, or kept ------------------------------------------
 
 
-def _attempting(gw: Gateway, s: Session, a: Attempting, started: float) -> None:
+def _attempting(gw: Gateway, s: Session, a: av.Attempting, started: float) -> None:
     structlog.contextvars.bind_contextvars(tenant=a.tenant, model=a.model)
 
 
-def _input_admission(gw: Gateway, s: Session, a: InputAdmission, started: float) -> None:
+def _input_admission(gw: Gateway, s: Session, a: av.InputAdmission, started: float) -> None:
     gw.metrics.input_admissions.labels(a.how).inc()
 
 
-def _limit_decisions(gw: Gateway, s: Session, a: LimitDecisions, started: float) -> None:
+def _limit_decisions(gw: Gateway, s: Session, a: av.LimitDecisions, started: float) -> None:
     for metric, decision in a.decisions:
         gw.metrics.limit_decisions.labels(metric, decision).inc()
 
 
-def _keep_leases(gw: Gateway, s: Session, a: KeepLeases, started: float) -> None:
+def _keep_leases(gw: Gateway, s: Session, a: av.KeepLeases, started: float) -> None:
     gw.keep_leases()
 
 
-def _decided(gw: Gateway, s: Session, a: Decided, started: float) -> None:
+def _decided(gw: Gateway, s: Session, a: av.Decided, started: float) -> None:
     gw.metrics.decisions.labels("admitted", "ok").inc()
     gw.metrics.admission_seconds.observe(time.perf_counter() - started)
     log.info(
@@ -161,7 +123,7 @@ def _decided(gw: Gateway, s: Session, a: Decided, started: float) -> None:
     )
 
 
-def _shadow_refused(gw: Gateway, s: Session, a: ShadowRefused, started: float) -> None:
+def _shadow_refused(gw: Gateway, s: Session, a: av.ShadowRefused, started: float) -> None:
     log.info(
         "shadow_limit_exceeded",
         request_id=s.request_id,
@@ -171,7 +133,7 @@ def _shadow_refused(gw: Gateway, s: Session, a: ShadowRefused, started: float) -
     )
 
 
-def _fell_back(gw: Gateway, s: Session, a: FellBack, started: float) -> None:
+def _fell_back(gw: Gateway, s: Session, a: av.FellBack, started: float) -> None:
     log.info(
         "fallback",
         request_id=s.request_id,
@@ -181,50 +143,50 @@ def _fell_back(gw: Gateway, s: Session, a: FellBack, started: float) -> None:
     )
 
 
-def _duplicate(gw: Gateway, s: Session, a: DuplicateAdmit, started: float) -> None:
+def _duplicate(gw: Gateway, s: Session, a: av.DuplicateAdmit, started: float) -> None:
     gw.metrics.duplicate_hits.labels("admit").inc()
 
 
-def _keep_cancel(gw: Gateway, s: Session, a: KeepCancel, started: float) -> None:
+def _keep_cancel(gw: Gateway, s: Session, a: av.KeepCancel, started: float) -> None:
     gw.settlements.keep(Kept(s.ledger, a.undo, a.ledger_ttl_ms, s.request_id, cancel=True))
 
 
-def _admit_error(gw: Gateway, s: Session, a: AdmitError, started: float) -> None:
+def _admit_error(gw: Gateway, s: Session, a: av.AdmitError, started: float) -> None:
     gw.metrics.limiter_errors.labels("admit").inc()
     if a.unmetered:
         log.warning("limiter_unavailable_fail_open", request_id=s.request_id)
 
 
-def _pushed_back(gw: Gateway, s: Session, a: PushedBack, started: float) -> None:
+def _pushed_back(gw: Gateway, s: Session, a: av.PushedBack, started: float) -> None:
     gw.metrics.settlement_pushback.labels("unmetered" if a.unmetered else "refused").inc()
     log.warning("settlement_backlog_full", request_id=s.request_id, fail_open=a.unmetered)
 
 
 #: Each reported action's executor, by the action's type (one lookup per action).
 _NOTES: dict[type, Callable[[Gateway, Session, Any, float], None]] = {
-    Attempting: _attempting,
-    InputAdmission: _input_admission,
-    LimitDecisions: _limit_decisions,
-    KeepLeases: _keep_leases,
-    Decided: _decided,
-    ShadowRefused: _shadow_refused,
-    FellBack: _fell_back,
-    DuplicateAdmit: _duplicate,
-    KeepCancel: _keep_cancel,
-    AdmitError: _admit_error,
-    PushedBack: _pushed_back,
+    av.Attempting: _attempting,
+    av.InputAdmission: _input_admission,
+    av.LimitDecisions: _limit_decisions,
+    av.KeepLeases: _keep_leases,
+    av.Decided: _decided,
+    av.ShadowRefused: _shadow_refused,
+    av.FellBack: _fell_back,
+    av.DuplicateAdmit: _duplicate,
+    av.KeepCancel: _keep_cancel,
+    av.AdmitError: _admit_error,
+    av.PushedBack: _pushed_back,
 }
 
 
 async def limiter_admit(
-    gw: Gateway, cfg: RuntimeConfig, s: Session, adm: Admission, a: CallAdmit
-) -> AdmissionEvent:
+    gw: Gateway, cfg: RuntimeConfig, s: Session, a: av.CallAdmit
+) -> av.AdmissionEvent:
     """Make the admission call ``a`` and return its answer as the admission's event.
     Settlements waiting for their batch ride on it; requests of dead processors the call
     reclaimed get their usage records here.  A cancelled call keeps the cancel admission asks
     for before the cancellation goes on."""
     if gw.settlements_full():
-        return AdmitBacklogged()
+        return av.AdmitBacklogged()
     # Settlements waiting for their batch ride on this call (applied first, at no extra round
     # trip); whatever happens to the call, they go back to the batcher (applied or not).
     riders = gw.riders_for(s.ledger)
@@ -246,13 +208,13 @@ async def limiter_admit(
         )
         done = res
     except asyncio.CancelledError:
-        for act in adm.handle(AdmitCancelled()):
+        for act in s.handle(av.AdmitCancelled()):
             note = _NOTES.get(type(act))
             assert note is not None  # only a cancel to keep
             note(gw, s, act, 0.0)
         raise
     except LimiterUnavailable as exc:
-        return AdmitFailed(exc)
+        return av.AdmitFailed(exc)
     finally:
         if riders:
             gw.riders_done(riders, done)
@@ -263,4 +225,4 @@ async def limiter_admit(
         asyncio.get_running_loop().call_soon(
             record_reclaimed, gw, cfg, res.reclaimed, context=contextvars.Context()
         )
-    return AdmitAnswered(res.admitted, res.duplicate, res.values)
+    return av.AdmitAnswered(res.admitted, res.duplicate, res.values)

@@ -1,7 +1,8 @@
 """A metered response stream, executed: events fed to the core's stream, its actions run.
 
 The driver feeds each upstream body chunk (with the answer of a charge that finished since the
-chunk before) to :class:`extproc.core.streaming.MeteredStream` and executes what it returns:
+chunk before) to the session, whose metered stream (:class:`extproc.core.streaming.MeteredStream`)
+takes it, and executes what it returns:
 forward bytes, start one charge at a time in the background, wait for it when events are
 held, take the exact input count off the event loop when a figure needs it, render a cut as
 the API's error event then an aborted response, count and log.  It decides nothing itself.
@@ -18,31 +19,10 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from extproc.config.runtime import RuntimeConfig
-from extproc.core.actions import (
-    AwaitCharge,
-    ChargeError,
-    CountInput,
-    Cut,
-    Forward,
-    ShadowExceeded,
-    StalledWithoutCharge,
-    StartCharge,
-    StreamAction,
-)
-from extproc.core.encoding import BodyDecoder
-from extproc.core.events import (
-    ChargeAbandoned,
-    ChargeAnswered,
-    ChargeFailed,
-    CountDone,
-    CutNow,
-    StreamEvent,
-    Trailers,
-)
+from extproc.core import stream_vocabulary as sv
 from extproc.core.lifecycle import CutReason
 from extproc.core.meter import StreamMeter
 from extproc.core.phase_records import StreamEnd
-from extproc.core.policies import fails_open
 from extproc.core.session import Session
 from extproc.core.streaming import CHARGE_WAIT_SECONDS, MeteredStream
 from extproc.errors import LimiterUnavailable
@@ -68,22 +48,16 @@ class StreamDriver:
         gw: Gateway,
         cfg: RuntimeConfig,
         s: Session,
-        decoder: BodyDecoder | None = None,
         *,
         figures_ready: Callable[[], Awaitable[None]] | None = None,
         trace: RequestTrace = NOOP_TRACE,
     ) -> None:
         self.gw, self.cfg, self.s = gw, cfg, s
         self.trace = trace
-        self.stream = MeteredStream(
-            s,
-            decoder,
-            force_include_usage=cfg.force_include_usage,
-            key_prefix=gw.key_prefix,
-            lease_ms=cfg.reservation_lease_ms,
-            fail_open=fails_open(cfg.failure_mode_for(s.plan)),
-            now_ms=gw.clock.now_ms,
-        )
+        stream = s.stream  # started by the session with the response's headers
+        assert isinstance(stream, MeteredStream)
+        #: the session's metered stream (read here: fed only through the session)
+        self.stream = stream
         # takes the exact input count a figure needs (a large prompt's off the event loop)
         self._figures_ready = figures_ready
         self._task: asyncio.Task[ChargeResult] | None = None
@@ -102,11 +76,11 @@ class StreamDriver:
         """Responses for one upstream body chunk."""
         task = self._task
         answer = self._answer() if task is not None and task.done() else None
-        actions = self.stream.chunk(data, end, answer)
+        actions = self.s.handle(sv.BodyChunk(data, end, answer))
         if len(actions) == 1:
             a = actions[0]
             # the common case: forward, no Redis, no await (and the stream goes on)
-            if type(a) is Forward and not a.end_stream:  # checked by identity (mypy narrows it)
+            if type(a) is sv.Forward and not a.end_stream:  # checked by identity (mypy narrows it)
                 out = a.output_tokens
                 meta = None if out is None else self._metadata(out)
                 return [_streamed_body(a.data, False, meta)]
@@ -116,7 +90,7 @@ class StreamDriver:
 
     async def trailers(self) -> list[wire.ProcessingResponse]:
         """Upstream trailers: flush what the meter holds before they pass."""
-        return await self._run(self.stream.handle(Trailers()))
+        return await self._run(self.s.handle(sv.Trailers()))
 
     @property
     def complete(self) -> bool:
@@ -131,15 +105,15 @@ class StreamDriver:
         """End the stream now with the API's error event for ``reason`` (the input count is
         taken: the caller awaited it)."""
         out: list[wire.ProcessingResponse] = []
-        for a in self.stream.handle(CutNow(reason)):
-            assert isinstance(a, Cut)
+        for a in self.s.handle(sv.CutNow(reason)):
+            assert isinstance(a, sv.Cut)
             out += self._render_cut(a)
         self.ended = self.stream.ended
         return out
 
     # -- executing -------------------------------------------------------------------------
 
-    async def _run(self, actions: list[StreamAction]) -> list[wire.ProcessingResponse]:
+    async def _run(self, actions: list[sv.StreamAction]) -> list[wire.ProcessingResponse]:
         """Execute ``actions`` in order; a wait's answer feeds the stream and its actions
         follow."""
         out: list[wire.ProcessingResponse] = []
@@ -148,34 +122,34 @@ class StreamDriver:
         while i < len(todo):
             a = todo[i]
             i += 1
-            if isinstance(a, Forward):
+            if isinstance(a, sv.Forward):
                 meta = None if a.output_tokens is None else self._metadata(a.output_tokens)
                 out.append(_streamed_body(a.data, a.end_stream, meta))
-            elif isinstance(a, StartCharge):
+            elif isinstance(a, sv.StartCharge):
                 self._start_charge(a)
-            elif isinstance(a, AwaitCharge):
-                todo = todo[i:] + self.stream.handle(await self._wait_answer())
+            elif isinstance(a, sv.AwaitCharge):
+                todo = todo[i:] + self.s.handle(await self._wait_answer())
                 i = 0
-            elif isinstance(a, CountInput):
+            elif isinstance(a, sv.CountInput):
                 if self._figures_ready is not None:
                     await self._figures_ready()
-                todo = todo[i:] + self.stream.handle(CountDone())
+                todo = todo[i:] + self.s.handle(sv.CountDone())
                 i = 0
-            elif isinstance(a, Cut):
+            elif isinstance(a, sv.Cut):
                 out += self._render_cut(a)
             else:
                 self._note(a)
         return out
 
-    def _note(self, a: StreamAction) -> None:
+    def _note(self, a: sv.StreamAction) -> None:
         """Count and log what the stream reported."""
         s = self.s
-        if isinstance(a, ChargeError):
+        if isinstance(a, sv.ChargeError):
             self.gw.metrics.limiter_errors.labels("charge").inc()
             if a.unmetered:
                 self.trace.mark("stream_unmetered")
                 log.warning("limiter_unavailable_stream_unmetered", request_id=s.request_id)
-        elif isinstance(a, ShadowExceeded):
+        elif isinstance(a, sv.ShadowExceeded):
             self.gw.metrics.limit_decisions.labels(a.metric, "shadow_cut").inc()
             log.info(
                 "shadow_limit_exceeded",
@@ -185,13 +159,13 @@ class StreamDriver:
                 used=a.used,
                 would="cut",
             )
-        elif isinstance(a, StalledWithoutCharge):
+        elif isinstance(a, sv.StalledWithoutCharge):
             log.error("blocked_without_charge", request_id=s.request_id)
 
     def _metadata(self, output_tokens: int) -> dict[str, object]:
         return access_metadata(self.s, output_tokens=output_tokens)
 
-    def _render_cut(self, a: Cut) -> list[wire.ProcessingResponse]:
+    def _render_cut(self, a: sv.Cut) -> list[wire.ProcessingResponse]:
         s = self.s
         self.trace.cut(a)
         self.gw.metrics.stream_cuts.labels(a.reason.value).inc()
@@ -213,7 +187,7 @@ class StreamDriver:
 
     # -- charges ---------------------------------------------------------------------------
 
-    def _start_charge(self, a: StartCharge) -> None:
+    def _start_charge(self, a: sv.StartCharge) -> None:
         self.gw.metrics.stream_charges.labels("strict" if a.strict else "lazy").inc()
         self.trace.charge(a.seq, a.amount, strict=a.strict)
         self._task = asyncio.ensure_future(
@@ -227,7 +201,7 @@ class StreamDriver:
             )
         )
 
-    def _answer(self, *, late: bool = False) -> ChargeAnswered | ChargeFailed:
+    def _answer(self, *, late: bool = False) -> sv.ChargeAnswered | sv.ChargeFailed:
         """The finished charge task's answer, as the stream's event."""
         task = self._task
         assert task is not None and task.done()
@@ -236,11 +210,11 @@ class StreamDriver:
             res = task.result()
         except LimiterUnavailable as exc:
             self.trace.charge_answered(None)
-            return ChargeFailed(exc.maybe_ran, late=late)
+            return sv.ChargeFailed(exc.maybe_ran, late=late)
         self.trace.charge_answered(res.granted, exhausted=res.exhausted)
-        return ChargeAnswered(res.granted, res.exhausted, res.values, late=late)
+        return sv.ChargeAnswered(res.granted, res.exhausted, res.values, late=late)
 
-    async def _wait_answer(self) -> StreamEvent:
+    async def _wait_answer(self) -> sv.StreamEvent:
         task = self._task
         assert task is not None
         if not task.done():
@@ -254,7 +228,7 @@ class StreamDriver:
         if not task.done():
             await asyncio.wait([task])
         if self._task is task:
-            for a in self.stream.handle(self._answer(late=True)):
+            for a in self.s.handle(self._answer(late=True)):
                 self._note(a)
 
     async def settle_charge(self) -> None:
@@ -268,4 +242,4 @@ class StreamDriver:
         except Exception as exc:  # settlement must still run
             log.warning("pending_charge_lost", request_id=self.s.request_id, error=repr(exc))
         if self._task is not None:
-            self.stream.handle(ChargeAbandoned())
+            self.s.handle(sv.ChargeAbandoned())

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from extproc.core.actions import Cut
     from extproc.core.session import Session
+    from extproc.core.stream_vocabulary import Cut
     from extproc.errors import GatewayError
 
 

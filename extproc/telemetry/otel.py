@@ -24,8 +24,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from extproc.core.actions import Cut
 from extproc.core.session import Session
+from extproc.core.stream_vocabulary import Cut
 from extproc.errors import GatewayError
 from extproc.telemetry import attributes as attrs
 from extproc.telemetry.base import RequestTrace, Telemetry

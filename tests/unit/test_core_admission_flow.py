@@ -15,9 +15,16 @@ from hypothesis import strategies as st
 
 from extproc.config import load_config_text
 from extproc.config.runtime import RuntimeConfig
-from extproc.core.actions import (
+from extproc.core.admission_flow import Admission
+from extproc.core.admission_rules import bound_input
+from extproc.core.admission_vocabulary import (
     AdmissionAction,
+    AdmissionEvent,
+    AdmitAnswered,
+    AdmitBacklogged,
+    AdmitCancelled,
     AdmitError,
+    AdmitFailed,
     Attempting,
     CallAdmit,
     CountExact,
@@ -25,23 +32,14 @@ from extproc.core.actions import (
     FellBack,
     ForwardBody,
     InputAdmission,
+    InputCounted,
     KeepCancel,
     LimitDecisions,
     PushedBack,
     Reject,
 )
-from extproc.core.admission_flow import Admission
-from extproc.core.admission_rules import bound_input
 from extproc.core.apis.openai import CHAT
 from extproc.core.counters import UTF8BoundCounter
-from extproc.core.events import (
-    AdmissionEvent,
-    AdmitAnswered,
-    AdmitBacklogged,
-    AdmitCancelled,
-    AdmitFailed,
-    InputCounted,
-)
 from extproc.core.lifecycle import Input
 from extproc.core.phase_records import Identified, PhaseError
 from extproc.core.room_hints import RoomHints

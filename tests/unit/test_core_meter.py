@@ -14,7 +14,17 @@ from extproc.core.apis.errors import sse_error_event
 from extproc.core.chunks import Usage
 from extproc.core.lifecycle import CutReason
 from extproc.core.meter import EMPTY, Step, StreamMeter
-from extproc.core.meter_phase import Enforcement, MeterPhase, StreamInput, StreamPhase
+from extproc.core.meter_phase import (
+    CUTTING,
+    ENFORCEMENT_TRANSITIONS,
+    STREAM_TRANSITIONS,
+    UPSTREAM_OPEN,
+    Enforcement,
+    EnforcementInput,
+    MeterPhase,
+    StreamInput,
+    StreamPhase,
+)
 from extproc.core.tokens import TokenizerSpec
 from extproc.tokenizers import load_counter
 
@@ -543,13 +553,59 @@ def test_lazy_never_blocks_without_a_charge_and_keeps_the_cap(
 
 
 def test_stream_phase_table_is_total_and_an_ended_stream_stays_ended() -> None:
-    """Every (phase, input) pair is listed; FINISHED and CUT absorb every input."""
-    from extproc.core.meter_phase import STREAM_TRANSITIONS, StreamInput, StreamPhase
-
+    """Every (phase, input) pair is listed, in both tables; FINISHED and CUT absorb every
+    input; a decided cut is never left but for the cut; UNENFORCED absorbs every input."""
     assert set(STREAM_TRANSITIONS) == {(p, i) for p in StreamPhase for i in StreamInput}
     for ended in (StreamPhase.FINISHED, StreamPhase.CUT):
         assert {STREAM_TRANSITIONS[(ended, i)] for i in StreamInput} == {ended}
     assert STREAM_TRANSITIONS[(StreamPhase.OPEN, StreamInput.CUT)] is StreamPhase.CUT
+    for cutting in CUTTING:
+        assert {STREAM_TRANSITIONS[(cutting, i)] for i in StreamInput} <= CUTTING
+    assert set(ENFORCEMENT_TRANSITIONS) == {(e, i) for e in Enforcement for i in EnforcementInput}
+    unenforced = Enforcement.UNENFORCED
+    assert {ENFORCEMENT_TRANSITIONS[(unenforced, i)] for i in EnforcementInput} == {unenforced}
+
+
+@given(
+    moves=st.lists(
+        st.one_of(
+            st.tuples(st.sampled_from(list(StreamInput)), st.sampled_from(list(CutReason))),
+            st.sampled_from(list(EnforcementInput)),
+            st.just("terminal"),
+        ),
+        max_size=16,
+    )
+)
+def test_the_phase_moves_by_its_tables_only(
+    moves: list[tuple[StreamInput, CutReason] | EnforcementInput | str],
+) -> None:
+    """Any order of inputs (duplicates, a release or a cut after the end, a second decision):
+    the phase goes where its tables say and nowhere else, a reason is set exactly while
+    cutting and the first one stands, a cut without a decision names the quota."""
+    ph = MeterPhase()
+    for move in moves:
+        before = ph
+        if isinstance(move, tuple):
+            inp, reason = move
+            ph = ph.move(inp, reason)
+            assert ph.stream is STREAM_TRANSITIONS[(before.stream, inp)]
+            assert ph.enforcement is before.enforcement
+            if before.cut_reason is not None:
+                assert ph.cut_reason is before.cut_reason
+            elif ph.stream is StreamPhase.CUT:
+                assert ph.cut_reason is CutReason.QUOTA_EXHAUSTED
+            elif ph.stream in CUTTING:
+                assert inp is StreamInput.DECIDE_CUT and ph.cut_reason is reason
+        elif isinstance(move, EnforcementInput):
+            ph = ph.enforcing(move)
+            assert ph.enforcement is ENFORCEMENT_TRANSITIONS[(before.enforcement, move)]
+            assert ph.stream is before.stream
+        else:
+            ph = ph.terminal()
+            assert ph.terminal_sent and ph.stream is before.stream
+        assert (ph.cut_reason is not None) == (ph.stream in CUTTING)
+        if ph == before:
+            assert ph is before  # a move that changes nothing keeps the value
 
 
 # -- the phase and its derived flags -------------------------------------------------------
@@ -559,20 +615,17 @@ def _check_flags(m: StreamMeter, before: MeterPhase) -> None:
     """The flags read the phase, and the phase only moves the ways its invariants allow."""
     ph = m.phase
     assert m.finished == (ph.stream in (StreamPhase.FINISHED, StreamPhase.CUT))
-    assert m.upstream_done == (ph.stream is not StreamPhase.OPEN)
+    assert m.upstream_done == (ph.stream not in UPSTREAM_OPEN)
     assert m.complete == ph.terminal_sent
     assert m.exhausted == (ph.enforcement is Enforcement.EXHAUSTED)
     assert m.enforce == (ph.enforcement is not Enforcement.UNENFORCED)
     assert m.cut_reason is ph.cut_reason
-    if ph.stream is StreamPhase.CUT:
-        assert ph.cut_reason is not None
-    if ph.stream is StreamPhase.FINISHED:
-        assert ph.cut_reason is None
+    assert (ph.cut_reason is not None) == (ph.stream in CUTTING)  # a reason iff cutting
     # moves: an ended stream stays ended; facts once true stay true; the first reason stands
     if before.ended:
         assert ph.stream is before.stream
-    if before.stream is not StreamPhase.OPEN:
-        assert ph.stream is not StreamPhase.OPEN
+    if before.stream not in UPSTREAM_OPEN:
+        assert ph.stream not in UPSTREAM_OPEN
     if before.terminal_sent:
         assert ph.terminal_sent
     if before.cut_reason is not None:

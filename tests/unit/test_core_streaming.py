@@ -15,9 +15,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.core.actions import (
+from extproc.core.lifecycle import CutReason, Ending, State
+from extproc.core.meter_phase import StreamPhase
+from extproc.core.stream_vocabulary import (
     AwaitCharge,
+    BodyChunk,
+    ChargeAbandoned,
+    ChargeAnswered,
     ChargeError,
+    ChargeFailed,
+    CountDone,
     CountInput,
     Cut,
     Forward,
@@ -25,18 +32,9 @@ from extproc.core.actions import (
     StalledWithoutCharge,
     StartCharge,
     StreamAction,
-)
-from extproc.core.events import (
-    BodyChunk,
-    ChargeAbandoned,
-    ChargeAnswered,
-    ChargeFailed,
-    CountDone,
     StreamEvent,
     Trailers,
 )
-from extproc.core.lifecycle import CutReason, Ending, State
-from extproc.core.meter_phase import StreamPhase
 from extproc.core.streaming import MeteredStream, room_after, unconfirmed_charge
 from extproc.server.processor import RequestProcessor
 from tests.unit.test_processor_flow import event, limiter, start

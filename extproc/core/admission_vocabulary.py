@@ -1,113 +1,109 @@
-"""What a metered stream asks the server to do: the actions :class:`MeteredStream` returns.
+"""Admission's vocabulary: the events the server feeds
+:class:`~extproc.core.admission_flow.Admission` (through the session) and the actions it returns.
 
-The server executes them in order and computes nothing itself: bytes to forward (with the
-final figures when ``output_tokens`` is set), a charge to start, a cut to render, a count to
-take before the stream can go on, a wait on the charge in flight, and what to count and log.
+Events: the body (or an ``rpm_only`` path) that starts it, then the answers to what it asked
+(the exact input count; the limiter's answer to the admission call: answered, failed,
+cancelled, or not made for the settlement backlog).  Actions: what the server does, in order;
+:class:`CountExact` and :class:`CallAdmit` are always last: their answer is the next event.
+Both sides import this module whole (``from extproc.core import admission_vocabulary as av``).
+Sans-IO.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 from extproc.core.keys import WindowedBucket
-from extproc.core.lifecycle import CutReason
 from extproc.core.phase_records import AdmitModel
 from extproc.core.rules import Adjustment, BucketCharge
-from extproc.errors import GatewayError, StreamCut
+from extproc.errors import GatewayError, LimiterUnavailable
+
+# -- events: what the server saw ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BodyArrived:
+    """The request body arrived (``raw``, as the client sent it): admission starts."""
+
+    raw: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RpmOnlyArrived:
+    """An unmetered path under ``paths.other: rpm_only`` reached the body phase: admission
+    starts, one request on the RPM buckets."""
+
+
+@dataclass(frozen=True, slots=True)
+class InputCounted:
+    """The exact input count :class:`~extproc.core.admission_vocabulary.CountExact` asked for."""
+
+    tokens: int
 
 
 @dataclass(slots=True)
-class Forward:
-    """Send ``data`` to the client (``end_stream`` on the response's last bytes); when
-    ``output_tokens`` is set, the response carries the request's final figures with it."""
+class AdmitAnswered:
+    """The limiter answered the admission call: ``admitted``, ``duplicate`` (our own retried
+    call found it done) and each bucket's value (after charging when admitted).  (Not
+    frozen: every request makes one.)"""
 
-    data: bytes
-    end_stream: bool = False
-    output_tokens: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StartCharge:
-    """Ask the limiter for ``amount`` output tokens on ``buckets`` (``charges``: what each
-    counter takes; charge number ``seq``; ``strict``: a lease, granted only as far as the
-    quota goes)."""
-
-    seq: int
-    buckets: tuple[WindowedBucket, ...]
-    charges: list[BucketCharge]
-    amount: int
-    strict: bool
+    admitted: bool
+    duplicate: bool
+    values: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
-class AwaitCharge:
-    """Events are held until the charge in flight answers: wait for it, then report it."""
+class AdmitFailed:
+    """The limiter could not answer the admission call (``error.maybe_ran``: it may still run
+    once Redis answers)."""
+
+    error: LimiterUnavailable
 
 
 @dataclass(frozen=True, slots=True)
-class CountInput:
-    """A figure is about to be decided and needs the exact input count (off the event loop for
-    a large prompt): take it, then report :class:`~extproc.core.events.CountDone`."""
+class AdmitCancelled:
+    """The request went away while its admission call was out (the call may run all the
+    same)."""
 
 
 @dataclass(frozen=True, slots=True)
-class Cut:
-    """End the stream with ``data`` (the API's error event), carrying the final figures
-    (``output_tokens``), then abort the response with ``error``'s status."""
-
-    reason: CutReason
-    data: bytes
-    error: StreamCut
-    output_tokens: int
-    delivered: int
-    charged: int
+class AdmitBacklogged:
+    """The call was not made: the settlements waiting for Redis reached their backlog."""
 
 
-@dataclass(frozen=True, slots=True)
-class ShadowExceeded:
-    """A shadow limit this stream took past its limit (once per limit): count and log it."""
-
-    metric: str
-    limit: str
-    used: int
-
-
-@dataclass(frozen=True, slots=True)
-class ChargeError:
-    """The limiter failed a charge: count it; ``unmetered``: the stream goes on unmetered
-    (fail-open), log it."""
-
-    unmetered: bool
-
-
-@dataclass(frozen=True, slots=True)
-class StalledWithoutCharge:
-    """The stream waited on a charge that was never started: log it (it stops enforcing)."""
-
-
-StreamAction = (
-    Forward
-    | StartCharge
-    | AwaitCharge
-    | CountInput
-    | Cut
-    | ShadowExceeded
-    | ChargeError
-    | StalledWithoutCharge
+AdmissionEvent = (
+    BodyArrived
+    | RpmOnlyArrived
+    | InputCounted
+    | AdmitAnswered
+    | AdmitFailed
+    | AdmitCancelled
+    | AdmitBacklogged
+)
+#: Admission's event types (the session routes these to the admission).
+ADMISSION_EVENTS: Final = frozenset(
+    (
+        BodyArrived,
+        RpmOnlyArrived,
+        InputCounted,
+        AdmitAnswered,
+        AdmitFailed,
+        AdmitCancelled,
+        AdmitBacklogged,
+    )
 )
 
-
-# -- admission: what :class:`~extproc.core.admission_flow.Admission` asks the server to do ---------
-# The server executes them in order; :class:`CountExact` and :class:`CallAdmit` are always
-# last: their answer is the next event (:mod:`extproc.core.events`).  Those every request
-# makes are plain (not frozen) dataclasses: cheaper to build, and nothing changes them.
+# -- actions: what the server does, in order ----------------------------------------------------
+# Those every request makes are plain (not frozen) dataclasses: cheaper to build, and nothing
+# changes them.
 
 
 @dataclass(slots=True)
 class CountExact:
     """Count the request's input exactly with ``model``'s tokenizer (a body of ``size`` bytes:
     a large one in a worker thread), then report
-    :class:`~extproc.core.events.InputCounted`."""
+    :class:`~extproc.core.admission_vocabulary.InputCounted`."""
 
     model: AdmitModel
     size: int
