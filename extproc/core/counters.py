@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import re
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from extproc.core.chat_template import ChatTemplate
@@ -39,6 +41,13 @@ class TiktokenCounter:
     Special-token text such as ``<|endoftext|>`` in a prompt is counted as the ordinary
     text it is and never raises. Long texts are encoded in pieces
     (:func:`split_for_counting`); each forced cut adds ``HARD_CUT_SLACK_TOKENS``.
+
+    ``fast``: a count of a text that equals ``len(encoding.encode_ordinary(text))`` and is
+    cheaper but holds the GIL (``bpe-openai``, chosen and checked by
+    :func:`extproc.tokenizers.fast_bpe.fast_counter`).  It counts the pieces on the main
+    thread (the event loop's, which holds the GIL while it counts anyway); in any other thread
+    (a large prompt offloaded so the loop keeps running) tiktoken counts, as it releases the GIL.
+    The pieces and the result are the same either way.
     """
 
     def __init__(
@@ -48,12 +57,14 @@ class TiktokenCounter:
         name: str | None = None,
         max_chars: int = DEFAULT_MAX_CHARS,
         max_piece_chars: int = DEFAULT_MAX_PIECE_CHARS,
+        fast: Callable[[str], int] | None = None,
     ) -> None:
-        """Wrap a loaded ``tiktoken.Encoding``."""
+        """Wrap a loaded ``tiktoken.Encoding`` (and a faster equal count, if any)."""
         self.encoding = encoding
         self.name = name or f"tiktoken:{encoding.name}"
         self.max_chars = max_chars
         self.max_piece_chars = max_piece_chars
+        self.fast = fast
         self._longest: int | None = None
 
     @property
@@ -70,6 +81,12 @@ class TiktokenCounter:
     def count(self, text: str) -> int:
         """Return the token count of ``text`` (exact unless a forced cut was needed)."""
         check_size(text, self.max_chars, self.name)
+        fast = self.fast
+        if fast is not None and threading.get_ident() == threading.main_thread().ident:
+            if len(text) <= self.max_piece_chars:
+                return fast(text)
+            split = split_for_counting(text, self.max_piece_chars)
+            return sum(map(fast, split.pieces)) + split.hard_cuts * HARD_CUT_SLACK_TOKENS
         if len(text) <= self.max_piece_chars:
             return len(self.encoding.encode_ordinary(text))
         split = split_for_counting(text, self.max_piece_chars)

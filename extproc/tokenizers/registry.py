@@ -16,6 +16,7 @@ from extproc.core.tokens import (
     TokenCounter,
     TokenizerSpec,
 )
+from extproc.tokenizers.fast_bpe import fast_counter
 from extproc.tokenizers.huggingface import load_chat_template, load_huggingface_tokenizer
 from extproc.tokenizers.tiktoken_files import (
     BUNDLED_ENCODING,
@@ -64,7 +65,11 @@ def load_counter(
             encoding = load_tiktoken_encoding(spec.encoding, spec.path, model)
         name = f"tiktoken:{spec.encoding}" + (f"@{spec.path}" if spec.path else "")
         return TiktokenCounter(
-            encoding, name=name, max_chars=max_chars, max_piece_chars=max_piece_chars
+            encoding,
+            name=name,
+            max_chars=max_chars,
+            max_piece_chars=max_piece_chars,
+            fast=fast_counter(spec.encoding, encoding),
         )
     if spec.kind == "huggingface":
         assert spec.path is not None

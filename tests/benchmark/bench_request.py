@@ -134,6 +134,35 @@ async def batch_cpu(
     return 1e6 * cpu / count
 
 
+def open_gateway(
+    url: str, *, allowances: bool
+) -> tuple[Gateway, Limiter, RedisLimiter, UsageRecorder]:
+    """The gateway as ``ai-quota serve`` builds it on the Redis at ``url`` (with allowances as
+    ``AIQ_ALLOWANCES=1`` and the bench's window cap); also its limiter, the Redis limiter
+    under it and the usage-record writer, for closing."""
+    cfg = load_config_text(orjson.dumps(bench_rules()).decode())
+    clock, metrics = SystemClock(), Metrics()
+    redis_lim = RedisLimiter.from_url(
+        url,
+        timeout_ms=cfg.redis_timeout_ms,
+        cooldown_ms=cfg.breaker_cooldown_ms,
+        clock=clock,
+        metrics=metrics,
+    )
+    lim: Limiter = redis_lim
+    if allowances:
+        lim = AllowanceLimiter(
+            redis_lim,
+            AllowanceSettings(max_window_s=86_400, lease_ms=cfg.reservation_lease_ms),
+            clock=clock,
+            metrics=metrics,
+        )
+    recorder = UsageRecorder.from_url(url, "aiq:usage", maxlen=1_000_000, metrics=metrics)
+    gw = Gateway(config=cfg, limiter=lim, clock=clock, metrics=metrics, recorder=recorder)
+    gw.install(cfg, "micro")
+    return gw, lim, redis_lim, recorder
+
+
 async def run(
     requests: int,
     concurrency: int,
@@ -147,26 +176,7 @@ async def run(
     with tempfile.TemporaryDirectory(prefix="aiq-req-micro-") as tmp:
         proc, port = _start_redis(Path(tmp))
         url = f"redis://127.0.0.1:{port}/0"
-        cfg = load_config_text(orjson.dumps(bench_rules()).decode())
-        clock, metrics = SystemClock(), Metrics()
-        redis_lim = RedisLimiter.from_url(
-            url,
-            timeout_ms=cfg.redis_timeout_ms,
-            cooldown_ms=cfg.breaker_cooldown_ms,
-            clock=clock,
-            metrics=metrics,
-        )
-        lim: Limiter = redis_lim
-        if allowances:  # as extproc.app.start with AIQ_ALLOWANCES=1 (the bench's window cap)
-            lim = AllowanceLimiter(
-                redis_lim,
-                AllowanceSettings(max_window_s=86_400, lease_ms=cfg.reservation_lease_ms),
-                clock=clock,
-                metrics=metrics,
-            )
-        recorder = UsageRecorder.from_url(url, "aiq:usage", maxlen=1_000_000, metrics=metrics)
-        gw = Gateway(config=cfg, limiter=lim, clock=clock, metrics=metrics, recorder=recorder)
-        gw.install(cfg, "micro")
+        gw, lim, redis_lim, recorder = open_gateway(url, allowances=allowances)
         real = ExternalProcessorServicer(gw)
         arms: dict[str, tuple[Process, Gateway | None]] = {
             "gateway": (real.Process, gw),
