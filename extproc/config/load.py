@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import cast
 
 from pydantic import ValidationError
 
@@ -19,14 +20,16 @@ from extproc.config.source import YamlSyntaxError, locate, parse_rules, render_p
 from extproc.core.counters import upper_bound_counter
 from extproc.core.rules import (
     RATE_SCALE,
-    WINDOW_SECONDS,
+    WINDOW_NAMES,
     Charging,
     Limit,
     Metric,
     Period,
     Rates,
+    window_seconds,
 )
 from extproc.core.tokens import TokenizerSpec, delta_counter
+from extproc.core.waiting import WaitRule
 from extproc.tokenizers.errors import TokenizerLoadError
 from extproc.tokenizers.registry import TokenizerRegistry
 
@@ -150,12 +153,12 @@ class _LimitMaker:
         e = self.e
         timed = metric != "concurrency"
         period: Period | None = None
-        if timed and (e.per in ("week", "month") or e.time_zone != "UTC"):
-            period = e.per
+        if timed and e.per in WINDOW_NAMES and (e.per in ("week", "month") or e.time_zone != "UTC"):
+            period = cast(Period, e.per)
         return Limit(
             metric,
             value,
-            WINDOW_SECONDS.get(e.per, 0) if timed else 0,
+            window_seconds(e.per) if timed else 0,
             self.model,
             e.scope,
             period=period,
@@ -489,6 +492,18 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         plaintext_keys=plaintext,
         plan_failure_modes={n: p.failure_mode for n, p in cfg.plans.items() if p.failure_mode},
         fallbacks=fallbacks,
+        plan_waits={
+            n: WaitRule(
+                max_ms=round(p.wait.max_seconds * 1000),
+                max_waiters=p.wait.max_waiters,
+                priority=p.wait.priority,
+                max_priority=p.wait.max_priority,
+                boost_ms=round(p.wait.priority_boost_seconds * 1000),
+            )
+            for n, p in cfg.plans.items()
+            if p.wait is not None
+        },
+        max_waiters_per_replica=cfg.requests.max_waiters_per_replica,
     )
 
 

@@ -14,6 +14,7 @@ from extproc.config.schema import EndUserPolicy, IdentityPolicy
 from extproc.core.figures import ABANDONED_TOKENS_PER_SECOND
 from extproc.core.rules import Charging, Limit, Rates
 from extproc.core.tokens import TokenCounter, TokenizerSpec
+from extproc.core.waiting import WaitRule
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +170,9 @@ class RuntimeConfig:
     plan_failure_modes: dict[str, Literal["closed", "open"]] = field(default_factory=dict)
     # plan -> requested model -> fallback model (canonical names)
     fallbacks: dict[str, dict[str, str]] = field(default_factory=dict)
+    # plan -> its wait for room (docs/semantics.md, "Waiting"); absent: refused at once
+    plan_waits: dict[str, WaitRule] = field(default_factory=dict)
+    max_waiters_per_replica: int = 1000
     # allow-listed paths that pass without an identity (load balancer probes, model listings)
     public_paths: tuple[str, ...] = ()
 

@@ -7,9 +7,16 @@ into :class:`extproc.config.runtime.RuntimeConfig`.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 IDENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -187,7 +194,8 @@ class LimitEntry(Strict):
 
     model: str = "*"
     scope: Literal["tenant", "key"] = "tenant"
-    per: WindowName = "minute"
+    # a named window, or a length in seconds ("10s": 1 to 86400 seconds, fixed in UTC)
+    per: WindowName | Annotated[str, StringConstraints(pattern=r"^[1-9][0-9]{0,4}s$")] = "minute"
     time_zone: str = "UTC"  # days, weeks and months follow this zone's calendar
     rpm: int | None = Field(default=None, ge=0)
     tpm: int | None = Field(default=None, ge=0)
@@ -215,6 +223,11 @@ class LimitEntry(Strict):
             raise ValueError("'currency' applies to a 'budget' only")
         if self.currency is not None and self.currency not in CURRENCIES:
             raise ValueError(f"unknown currency {self.currency!r} (an ISO 4217 code)")
+        if self.per[:-1].isdigit():
+            if int(self.per[:-1]) > 86_400:
+                raise ValueError(f"a window of {self.per} is longer than a day: name it ('day')")
+            if self.time_zone != "UTC":
+                raise ValueError("a window of a length in seconds is in UTC (no 'time_zone')")
         if self.window == "sliding" and (self.per == "month" or self.time_zone != "UTC"):
             raise ValueError(
                 "a sliding window needs a fixed length: per second, minute, hour, day or week, "
@@ -236,6 +249,23 @@ class LimitEntry(Strict):
         return v
 
 
+class WaitEntry(Strict):
+    """Waiting instead of an immediate 429 (docs/semantics.md, "Waiting"): a request over a
+    rate limit (RPM or TPM over a window shorter than a day, or concurrency) waits for its turn
+    up to ``max_seconds``; one whose turn would come later is refused at once."""
+
+    max_seconds: float = Field(gt=0, le=120, allow_inf_nan=False)
+    # live tickets the tenant's queue may hold (beyond it: an immediate 429)
+    max_waiters: int = Field(default=100, ge=1, le=1000)
+    # the plan's priority class (higher first); the request header x-aiquota-priority may ask
+    # for another, up to max_priority (0: the header is ignored)
+    priority: int = Field(default=0, ge=0, le=9)
+    max_priority: int = Field(default=0, ge=0, le=9)
+    # a class-c ticket queues as if it had arrived c x this earlier: no lower-class waiter is
+    # passed by a higher-class one that arrived more than (difference x this) after it
+    priority_boost_seconds: float = Field(default=5.0, ge=0, le=3600, allow_inf_nan=False)
+
+
 class PlanEntry(Strict):
     """A plan: the limits every tenant on it gets, and optional charging overrides."""
 
@@ -247,6 +277,8 @@ class PlanEntry(Strict):
     # requested model -> the model to serve instead when a limit on the requested one refuses
     # at admission (never mid-stream); the answer says so in x-aiquota-fallback-model
     fallback: dict[str, str] = Field(default_factory=dict)
+    # wait for room instead of an immediate 429 (None: refuse at once)
+    wait: WaitEntry | None = None
 
 
 class KeyEntry(Strict):
@@ -403,6 +435,9 @@ class RequestsPolicy(Strict):
     # range the bound proves, without counting; one in input_audit_every is counted anyway, and
     # a model whose figure a count contradicts is counted from then on (1: count every one).
     input_audit_every: int = Field(default=16, ge=1, le=1_000_000)
+    # Requests one processor holds waiting for their turn (plans with ``wait``) at most;
+    # beyond it a request over its limit is refused at once.
+    max_waiters_per_replica: int = Field(default=1000, ge=0, le=100_000)
 
 
 class FailurePolicy(Strict):

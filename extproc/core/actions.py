@@ -13,6 +13,7 @@ from extproc.core.keys import WindowedBucket
 from extproc.core.lifecycle import CutReason
 from extproc.core.phase_records import AdmitModel
 from extproc.core.rules import Adjustment, BucketCharge
+from extproc.core.waiting import QueueCall
 from extproc.errors import GatewayError, StreamCut
 
 
@@ -142,6 +143,40 @@ class CallAdmit:
     now_ms: int = 0
     lease_until_ms: int = 0
     draft: DraftRecord | None = None
+    #: the request may wait for its turn (docs/semantics.md, "Waiting")
+    queue: QueueCall | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """The request holds a ticket in its tenant's queue: sleep until ``until_ms`` (unix ms),
+    keeping Envoy's message timeout from firing, then report
+    :class:`~extproc.core.events.TurnCame`; a replica already holding its most waiters reports
+    :class:`~extproc.core.events.WaitDeclined` at once.  A client that hangs up meanwhile
+    leaves the queue (``ticket`` from ``queue``) at once."""
+
+    until_ms: int
+    ticket: str
+    queue: tuple[str, str, str]
+    first: bool  # the request's first wait (a log line, the waiters gauge)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaveQueue:
+    """Take the request's ``ticket`` out of its tenant's ``queue`` (it will not wait)."""
+
+    ticket: str
+    queue: tuple[str, str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class WaitOver:
+    """The request's wait is over: ``outcome`` ``admitted`` or ``refused`` after waiting
+    ``waited_ms``, or refused at once (``unservable``: its turn is beyond its maximum wait,
+    ``queue_full``, ``replica_full``): count it."""
+
+    outcome: str
+    waited_ms: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +288,9 @@ class Reject:
 AdmissionAction = (
     CountExact
     | CallAdmit
+    | Wait
+    | LeaveQueue
+    | WaitOver
     | KeepCancel
     | KeepLeases
     | Attempting

@@ -16,6 +16,7 @@ from extproc.core.keys import WindowedBucket
 from extproc.core.phase_records import AdmitModel
 from extproc.core.rules import Adjustment, BucketCharge, Charging
 from extproc.core.session import Session
+from extproc.core.waiting import QueueCall
 
 
 def plan_for(
@@ -51,6 +52,7 @@ def admission_call(
     lease_until_ms: int = 0,
     draft: DraftRecord | None = None,
     charges: list[BucketCharge] | None = None,
+    queue: QueueCall | None = None,
 ) -> CallAdmit:
     """The admission call of ``cost`` on ``buckets`` (``charges``: their admission charges of
     ``cost`` when already made); the flow reads its answer."""
@@ -63,6 +65,7 @@ def admission_call(
         now_ms=now_ms,
         lease_until_ms=lease_until_ms,
         draft=draft,
+        queue=queue,
     )
 
 

@@ -47,10 +47,13 @@ from extproc.core.actions import (
     InputAdmission,
     KeepCancel,
     KeepLeases,
+    LeaveQueue,
     LimitDecisions,
     PushedBack,
     Reject,
     ShadowRefused,
+    Wait,
+    WaitOver,
 )
 from extproc.core.admission_calls import (
     admission_call,
@@ -70,13 +73,16 @@ from extproc.core.events import (
     AdmitCancelled,
     AdmitFailed,
     InputCounted,
+    TurnCame,
+    WaitDeclined,
 )
 from extproc.core.figures import run_ahead_budget
-from extproc.core.keys import WindowedBucket
+from extproc.core.keys import WindowedBucket, tenant_tag
 from extproc.core.phase_records import AdmitModel, Admitted, Parsed, PhaseError
 from extproc.core.room_hints import RoomHints
 from extproc.core.rules import BucketCharge, Charging
 from extproc.core.session import Session
+from extproc.core.waiting import NEVER, QueueCall, bucket_kinds, queue_keys, ticket_score
 from extproc.errors import (
     BadRequest,
     GatewayError,
@@ -99,6 +105,7 @@ class _Attempt:
     result: AdmitAnswered | None = None
     refused: QuotaExceeded | None = None
     on_bound: bool = False  # admitted on an upper bound of the input: count exactly after
+    waited_ms: int = -1  # how long it waited for its turn (-1: its plan does not wait)
 
 
 class _Cancelled(Exception):
@@ -114,13 +121,14 @@ _KEEP_LEASES: Final = KeepLeases()
 _T = TypeVar("_T")
 #: A step of the flow: it yields the actions the server answers with an event (the last of a
 #: list), is sent each answer, and adds the others to the list as it goes.
-_Flow = Generator[CountExact | CallAdmit, AdmissionEvent | None, _T]
+_Flow = Generator[CountExact | CallAdmit | Wait, AdmissionEvent | None, _T]
 
 
 class Admission:
     """One request's admission: fed events, returns actions (see the module's docstring)."""
 
     __slots__ = (
+        "_arrival",
         "_begun",
         "_flow",
         "_now_ms",
@@ -151,6 +159,7 @@ class Admission:
         self._flow: _Flow[None] | None = None
         self._begun = False
         self._out: list[AdmissionAction] = []  # the actions of the step running
+        self._arrival = 0  # when the request first asked (its wait's deadline counts from it)
 
     # -- feeding ---------------------------------------------------------------------------
 
@@ -266,6 +275,8 @@ class Admission:
             if shadow.exceeded:
                 self._out.append(ShadowRefused(shadow.exceeded))
             headers += shadow.headers()
+        if attempt.waited_ms >= 0:
+            headers += (("x-ratelimit-waited-ms", str(attempt.waited_ms)),)
         floor = 0
         if attempt.on_bound and isinstance(served.bound_counter, UTF8BoundCounter):
             floor = served.bound_counter.fewest_tokens(plan.cost.input_tokens)
@@ -278,6 +289,7 @@ class Admission:
                 headers,
                 input_bound=attempt.on_bound,
                 input_floor=floor,
+                waited_ms=max(0, attempt.waited_ms),
             ),
             admission_plan.admission_usage(cost) if cost is not None else None,
         )
@@ -402,6 +414,21 @@ class Admission:
             lease=rules.reservation_lease_ms,
         )
         draft = draft_record(s, model, cost, now) if lease and self._records else None
+        count_refused = policies.counts_refusal(
+            on_bound=on_bound, configured=rules.count_refused_requests
+        )
+        rule = rules.plan_waits.get(tenant.plan)
+        queue: QueueCall | None = None
+        if rule is not None:
+            if not self._arrival:
+                self._arrival = now
+            queue = QueueCall(
+                queue_keys(tenant_tag(self._prefix, tenant.slot), tenant.slot),
+                ticket_score(self._arrival, rule.priority_for(s.priority_asked), rule.boost_ms),
+                self._arrival + rule.max_ms,
+                bucket_kinds(listed),
+                cap=rule.max_waiters,
+            )
         call = admission_call(
             self.rules,
             listed,
@@ -410,20 +437,57 @@ class Admission:
             now_ms=now,
             lease_until_ms=now + lease if lease else 0,
             draft=draft,
-            count_refused=policies.counts_refusal(
-                on_bound=on_bound, configured=rules.count_refused_requests
-            ),
+            count_refused=count_refused,
+            queue=queue,
         )
         res = self._answer(call, (yield call))
+        declined = False
+        waits = 0
+        while res is not None and res.wait and queue is not None:
+            # a ticket until its turn: sleep, then ask again in the windows of then
+            ev = yield Wait(res.turn_ms, s.ledger, queue.keys, first=waits == 0)
+            waits += 1
+            if isinstance(ev, WaitDeclined):
+                self._out.append(LeaveQueue(s.ledger, queue.keys))
+                declined = True
+                break
+            if not isinstance(ev, TurnCame):
+                raise PhaseError(f"admission waited for its turn, got {ev!r}")
+            now = self._now_ms()
+            listed = s.buckets_at(self._prefix, now, rules.reservation_lease_ms, model)
+            buckets = tuple(listed)
+            queue = replace(queue, buckets=bucket_kinds(listed))
+            draft = draft_record(s, model, cost, now) if lease and self._records else None
+            call = admission_call(
+                self.rules,
+                listed,
+                cost,
+                now_ms=now,
+                lease_until_ms=now + lease if lease else 0,
+                draft=draft,
+                count_refused=count_refused,
+                queue=queue,
+            )
+            res = self._answer(call, (yield call))
         out = _Attempt(plan, charging, buckets, now, res, on_bound=on_bound)
+        waited = now - self._arrival if rule is not None else -1
+        out.waited_ms = waited
         if res is not None and not res.admitted and not res.duplicate:
             err = admission_plan.refusal(
                 list(buckets), res.values, cost, now, tenant=tenant.id, model=model.name
             )
+            if queue is not None and (declined or res.turn_ms != 0 or waits):
+                err = _wait_refusal(err, res, now, declined=declined, waited=waited)
+                how = "replica_full" if declined else "queue_full" if res.queue_full else ""
+                if not how:
+                    how = "refused" if waits else "unservable"
+                self._out.append(WaitOver(how, waited))
             if not on_bound:
                 self._out.append(LimitDecisions(((err.metric, "refused"),)))
             out.refused = err
         elif res is not None:
+            if waits:
+                self._out.append(WaitOver("admitted", waited))
             # A duplicate can only be our own retried call (ledger ids are unique per HTTP
             # request): the first execution charged, so the request is admitted and metered.
             if res.duplicate:
@@ -498,3 +562,29 @@ class Admission:
         if unmetered:
             return None
         raise ev.error
+
+
+def _wait_refusal(
+    err: QuotaExceeded, res: AdmitAnswered, now_ms: int, *, declined: bool, waited: int
+) -> QuotaExceeded:
+    """A waiting request's 429: its ``retry-after`` is the turn it would have needed (when
+    one was computed), and the message says why it does not wait."""
+    turn = res.turn_ms
+    if turn > now_ms:
+        err.retry_after_s = (turn - now_ms) / 1000.0
+    if declined:
+        why = "this gateway replica holds its most waiting requests"
+    elif res.queue_full:
+        why = "the tenant's queue of waiting requests is full"
+    elif turn == NEVER:
+        why = "the request alone exceeds the limit"
+    elif turn > now_ms:
+        why = (
+            f"its turn would come in {(turn - now_ms) / 1000.0:.3f}s, beyond the plan's "
+            "maximum wait"
+        )
+    else:
+        why = "its maximum wait is over"
+    waited_s = f" after waiting {waited / 1000.0:.3f}s" if waited > 0 else ""
+    err.message = f"{err.message} Not queued{waited_s}: {why}."
+    return err

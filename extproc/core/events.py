@@ -95,6 +95,11 @@ class AdmitAnswered:
     admitted: bool
     duplicate: bool
     values: tuple[int, ...]
+    #: a waiting request: it holds a ticket until ``turn_ms`` (``wait``); refused, the turn it
+    #: would have needed (0: none, -1: never) and whether its tenant's queue was full
+    wait: bool = False
+    turn_ms: int = 0
+    queue_full: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,4 +121,22 @@ class AdmitBacklogged:
     """The call was not made: the settlements waiting for Redis reached their backlog."""
 
 
-AdmissionEvent = InputCounted | AdmitAnswered | AdmitFailed | AdmitCancelled | AdmitBacklogged
+@dataclass(frozen=True, slots=True)
+class TurnCame:
+    """The request's expected turn came (the server slept until it): ask again."""
+
+
+@dataclass(frozen=True, slots=True)
+class WaitDeclined:
+    """The replica holds its most waiters already: the request does not wait."""
+
+
+AdmissionEvent = (
+    InputCounted
+    | AdmitAnswered
+    | AdmitFailed
+    | AdmitCancelled
+    | AdmitBacklogged
+    | TurnCame
+    | WaitDeclined
+)

@@ -19,9 +19,20 @@ WINDOW_SECONDS: dict[str, int] = {
     "day": 86400,
     "week": 7 * 86400,
 }
+
+
+def window_seconds(per: str) -> int:
+    """A fixed window's length: a named one (0 for a month) or ``<n>s``."""
+    if per.endswith("s") and per[:-1].isdigit():
+        return int(per[:-1])
+    return WINDOW_SECONDS.get(per, 0)
+
+
 #: A fixed window's name by its length (the reverse of ``WINDOW_SECONDS``).
 _PERIOD_NAMES: dict[int, str] = {v: k for k, v in WINDOW_SECONDS.items()}
 Period = Literal["second", "minute", "hour", "day", "week", "month"]
+#: The named windows (a window may also be a length in seconds, ``"10s"``).
+WINDOW_NAMES: frozenset[str] = frozenset(("second", "minute", "hour", "day", "week", "month"))
 #: ``users``: a team's distinct end users per window (a set; docs/semantics.md, "Levels")
 Metric = Literal["rpm", "tpm", "cost", "concurrency", "users"]
 #: Whose counter a limit is: the tenant's, each key's, or a level's (docs/semantics.md,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -34,10 +34,13 @@ from extproc.core.actions import (
     InputAdmission,
     KeepCancel,
     KeepLeases,
+    LeaveQueue,
     LimitDecisions,
     PushedBack,
     Reject,
     ShadowRefused,
+    Wait,
+    WaitOver,
 )
 from extproc.core.admission_flow import Admission
 from extproc.core.events import (
@@ -47,6 +50,8 @@ from extproc.core.events import (
     AdmitCancelled,
     AdmitFailed,
     InputCounted,
+    TurnCame,
+    WaitDeclined,
 )
 from extproc.core.session import Session
 from extproc.errors import LimiterUnavailable
@@ -71,12 +76,25 @@ def _admission(gw: Gateway, cfg: RuntimeConfig, s: Session) -> Admission:
     )
 
 
+#: What a held request asks Envoy for on its message (``override_message_timeout``): Envoy's
+#: ``max_message_timeout`` (``ai-quota envoy-config``) is this, and the longest wait
+#: (``wait.max_seconds``, at most 50 s) fits in it with room for the last admission call.
+HOLD_TIMEOUT_MS = 60_000
+
+
 async def admit_body(
-    gw: Gateway, cfg: RuntimeConfig, s: Session, raw: bytes, started: float
+    gw: Gateway,
+    cfg: RuntimeConfig,
+    s: Session,
+    raw: bytes,
+    started: float,
+    *,
+    hold: Callable[[], Awaitable[None]] | None = None,
 ) -> bytes | None:
-    """Admit the request (raise a :class:`GatewayError` when not); the body to forward."""
+    """Admit the request (raise a :class:`GatewayError` when not); the body to forward.
+    ``hold``: asks Envoy for the time a request waiting for its turn needs."""
     adm = _admission(gw, cfg, s)
-    return await _execute(gw, cfg, s, adm, adm.body(raw), started=started)
+    return await _execute(gw, cfg, s, adm, adm.body(raw), started=started, hold=hold)
 
 
 async def admit_rpm_only(gw: Gateway, cfg: RuntimeConfig, s: Session) -> None:
@@ -93,32 +111,91 @@ async def _execute(
     actions: list[AdmissionAction],
     *,
     started: float,
+    hold: Callable[[], Awaitable[None]] | None = None,
 ) -> bytes | None:
     """Execute the admission's actions until it forwards the body (returned), rejects
     (raised) or ends (None)."""
-    while True:
-        last: AdmissionAction | None = None
-        for a in actions:
-            note = _NOTES.get(type(a))
-            if note is not None:
-                note(gw, s, a, started)
-            else:
-                last = a  # the one that ends the step: always the last
-        if last is None:
-            return None
-        if type(last) is CallAdmit:
-            ev: AdmissionEvent = await limiter_admit(gw, cfg, s, adm, last)
-        elif type(last) is ForwardBody:
-            return last.body
-        elif type(last) is CountExact:
-            api, req = s.api, s.req
-            assert api is not None and req is not None
-            ev = InputCounted(await count_input(gw, cfg, api, req, last.model, size=last.size))
-        elif type(last) is Reject:
-            raise last.error
-        else:  # pragma: no cover - every action is handled
-            raise TypeError(f"unknown admission action {last!r}")
-        actions = adm.handle(ev)
+    held = False  # counted among the replica's waiters
+    try:
+        while True:
+            last: AdmissionAction | None = None
+            for a in actions:
+                note = _NOTES.get(type(a))
+                if note is not None:
+                    note(gw, s, a, started)
+                else:
+                    last = a  # the one that ends the step: always the last
+            if last is None:
+                return None
+            if type(last) is Wait:
+                if last.first:
+                    if gw.waiting >= cfg.max_waiters_per_replica:
+                        actions = adm.handle(WaitDeclined())
+                        continue
+                    held = True
+                    gw.waiting += 1
+                    gw.metrics.waiters.inc()
+                    _log_wait(gw, s, last)
+                    if hold is not None:
+                        await hold()
+                actions = adm.handle(await _sleep_until_turn(gw, last))
+                continue
+            if type(last) is ForwardBody:
+                return last.body
+            actions = adm.handle(await _step(gw, cfg, s, adm, last))
+    finally:
+        if held:
+            gw.waiting -= 1
+            gw.metrics.waiters.dec()
+
+
+async def _step(
+    gw: Gateway, cfg: RuntimeConfig, s: Session, adm: Admission, last: AdmissionAction
+) -> AdmissionEvent:
+    """Execute the action that ends a step (a call, a count); its answer, or raise the
+    rejection."""
+    if type(last) is CallAdmit:
+        return await limiter_admit(gw, cfg, s, adm, last)
+    if type(last) is CountExact:
+        api, req = s.api, s.req
+        assert api is not None and req is not None
+        return InputCounted(await count_input(gw, cfg, api, req, last.model, size=last.size))
+    if type(last) is Reject:
+        raise last.error
+    raise TypeError(f"unknown admission action {last!r}")  # pragma: no cover
+
+
+async def _sleep_until_turn(gw: Gateway, w: Wait) -> AdmissionEvent:
+    """Sleep until the request's turn; a client that hangs up meanwhile (the stream is
+    cancelled) leaves the queue at once."""
+    try:
+        await asyncio.sleep(max(0, w.until_ms - gw.clock.now_ms()) / 1000.0)
+    except asyncio.CancelledError:
+        _leave_later(gw, w.ticket, w.queue)
+        raise
+    return TurnCame()
+
+
+def _leave_later(gw: Gateway, ticket: str, queue: tuple[str, str, str]) -> None:
+    """Take ``ticket`` out of its queue in the background (the request is going away)."""
+    gw.track(asyncio.ensure_future(_leave(gw, ticket, queue)))
+
+
+async def _leave(gw: Gateway, ticket: str, queue: tuple[str, str, str]) -> None:
+    try:
+        await gw.limiter.leave_queue(ticket, queue)
+    except LimiterUnavailable:
+        # the ticket lapses with its lease (a few seconds after its turn)
+        log.warning("queue_leave_failed", ticket=ticket)
+
+
+def _log_wait(gw: Gateway, s: Session, w: Wait) -> None:
+    log.info(
+        "wait",
+        request_id=s.request_id,
+        tenant=s.tenant.id if s.tenant else None,
+        turn_in_ms=max(0, w.until_ms - gw.clock.now_ms()),
+    )
 
 
 # -- what admission reports: counted, logged, or kept ------------------------------------------
@@ -200,6 +277,23 @@ def _pushed_back(gw: Gateway, s: Session, a: PushedBack, started: float) -> None
     log.warning("settlement_backlog_full", request_id=s.request_id, fail_open=a.unmetered)
 
 
+def _leave_queue(gw: Gateway, s: Session, a: LeaveQueue, started: float) -> None:
+    _leave_later(gw, a.ticket, a.queue)
+
+
+def _wait_over(gw: Gateway, s: Session, a: WaitOver, started: float) -> None:
+    gw.metrics.wait_outcomes.labels(a.outcome).inc()
+    if a.outcome in ("admitted", "refused"):
+        gw.metrics.wait_seconds.labels(a.outcome).observe(a.waited_ms / 1000.0)
+    log.info(
+        "wait_over",
+        request_id=s.request_id,
+        tenant=s.tenant.id if s.tenant else None,
+        outcome=a.outcome,
+        waited_ms=a.waited_ms,
+    )
+
+
 #: Each reported action's executor, by the action's type (one lookup per action).
 _NOTES: dict[type, Callable[[Gateway, Session, Any, float], None]] = {
     Attempting: _attempting,
@@ -213,6 +307,8 @@ _NOTES: dict[type, Callable[[Gateway, Session, Any, float], None]] = {
     KeepCancel: _keep_cancel,
     AdmitError: _admit_error,
     PushedBack: _pushed_back,
+    LeaveQueue: _leave_queue,
+    WaitOver: _wait_over,
 }
 
 
@@ -242,6 +338,7 @@ async def limiter_admit(
                 lease_until_ms=a.lease_until_ms,
                 record_draft=draft_json(d) if d is not None else "",
                 settlements=riders,
+                queue=a.queue,
             )
         )
         done = res
@@ -250,6 +347,8 @@ async def limiter_admit(
             note = _NOTES.get(type(act))
             assert note is not None  # only a cancel to keep
             note(gw, s, act, 0.0)
+        if a.queue is not None:  # the call may have taken a ticket
+            _leave_later(gw, s.ledger, a.queue.keys)
         raise
     except LimiterUnavailable as exc:
         return AdmitFailed(exc)
@@ -263,4 +362,6 @@ async def limiter_admit(
         asyncio.get_running_loop().call_soon(
             record_reclaimed, gw, cfg, res.reclaimed, context=contextvars.Context()
         )
-    return AdmitAnswered(res.admitted, res.duplicate, res.values)
+    return AdmitAnswered(
+        res.admitted, res.duplicate, res.values, res.wait, res.turn_ms, res.queue_full
+    )

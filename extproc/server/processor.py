@@ -23,7 +23,7 @@ from extproc.core.session import Session
 from extproc.errors import GatewayError, InternalError
 from extproc.gateway import Gateway
 from extproc.server import wire
-from extproc.server.admit import admit_body
+from extproc.server.admit import HOLD_TIMEOUT_MS, admit_body
 from extproc.server.answer import error_response
 from extproc.server.body import ResponseBody
 from extproc.server.counting import BoundCounting
@@ -127,11 +127,25 @@ class RequestProcessor:
     async def on_request_body(self, body: Any) -> wire.ProcessingResponse:
         """Admit the request. In BUFFERED mode the body is whole even when trailers follow."""
         self.s.handle(ev.RequestBody())
-        new_body = await admit_body(self.gw, self.cfg, self.s, body.body, self.started)
+        new_body = await admit_body(
+            self.gw, self.cfg, self.s, body.body, self.started, hold=self._hold
+        )
         self.s.handle(ev.AdmissionDone())
         self.trace.mark("admitted")
         self.counting.admitted(len(body.body))
         return wire.continue_request_body(new_body)
+
+    async def _hold(self) -> None:
+        """The request waits for its turn: keep Envoy's message timeout from firing."""
+        writer = self.writer
+        if writer is None:
+            return
+        if not self.write_lock.try_acquire():
+            await self.write_lock.acquire()
+        try:
+            await writer.write(wire.override_message_timeout(HOLD_TIMEOUT_MS))
+        finally:
+            self.write_lock.release()
 
     # -- response: the session's envelope actions, executed -----------------------------------
 

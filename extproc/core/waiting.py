@@ -1,0 +1,247 @@
+"""Waiting instead of an immediate 429: the queue rule, sans-IO (docs/semantics.md, "Waiting").
+
+A plan with ``wait`` holds a request over a rate limit (RPM or TPM over a window shorter than
+a day, or concurrency) until its turn, up to the plan's ``max_seconds``.  The order lives in
+Redis, per tenant: a sorted set of tickets (one per waiting request, its ledger), scored by
+arrival time less its priority class times the plan's ``priority_boost_ms`` (a class-``c``
+ticket queues as if it had come ``c`` boosts earlier: a lower class waits behind a higher one
+that came at most that much later, never longer: the no-starvation bound), with a lease each
+(a dead processor's ticket lapses) and the TPM tokens each will charge.
+
+The rule, for one admission call of a request with ``ahead`` units of waiters before it on
+each bucket (every ticket of the tenant for a newcomer; those scored before its own for a
+ticket), in one atomic step (admit.lua mirrors :func:`decide`; the in-memory limiter calls it):
+
+* **admit** when every bucket has room for everyone ahead *and* the request (room that
+  waiters ahead are promised is theirs; a request never jumps the queue);
+* **refuse at once** when a bucket that does not wait (a budget: money, weighted tokens, a day
+  or longer window, distinct end users) has no room for the request, when the request alone
+  exceeds a rate limit, or when its turn (:func:`turn_ms`) comes after its deadline (its
+  arrival plus the plan's maximum wait): the 429 carries that turn as ``retry-after``;
+* otherwise **wait** until its turn: the server sleeps until then and calls again (the same
+  ledger: the call is idempotent).
+
+Turns come from the window arithmetic, counting the units ahead as if they were served first
+(a fluid count: for RPM, exact; for tokens, requests of different sizes may need a window more
+than the arithmetic says, and the request is then told so when it calls again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Final, Literal
+
+from extproc.core.keys import WindowedBucket
+
+#: A rate bucket's kind, as the queue treats it.
+WaitKind = Literal["none", "fixed", "sliding", "concurrency"]
+
+#: How often a request waiting on a concurrency slot asks again (its turn cannot be computed:
+#: it comes when a running request ends).
+CONCURRENCY_POLL_MS: Final = 250
+#: How long a ticket outlives its expected turn before it lapses (its processor died).
+TICKET_LEASE_MS: Final = 3000
+#: A turn never computed (a request alone over a rate limit).
+NEVER: Final = -1
+
+
+class Outcome(IntEnum):
+    """What one admission call decided (admit.lua's status)."""
+
+    REFUSED = 0
+    ADMITTED = 1
+    DUPLICATE = 2
+    WAIT = 3
+
+
+@dataclass(frozen=True, slots=True)
+class QueueBucket:
+    """One bucket of the request as the rule reads it.
+
+    ``value`` is what the limiter judges (sliding: ``current`` + the previous window's share);
+    ``previous`` the previous window's whole counter (sliding only); ``ahead`` the units the
+    waiters before this request will take from it."""
+
+    kind: WaitKind
+    value: int
+    amount: int
+    limit: int
+    ahead: int = 0
+    window_end_ms: int = 0
+    window_ms: int = 0
+    current: int = 0
+    previous: int = 0
+    shadow: bool = False
+
+    def room(self) -> bool:
+        """Room for everyone ahead and the request (a bucket that does not wait: for the
+        request)."""
+        if self.shadow or self.amount <= 0:
+            return True
+        ahead = self.ahead if self.kind != "none" else 0
+        return self.value + ahead + self.amount <= self.limit
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def turn_ms(b: QueueBucket, now_ms: int) -> int:
+    """When ``b`` has room for everyone ahead and the request, by the window arithmetic
+    (``now_ms`` when it has room now; :data:`NEVER` when the request alone exceeds the limit;
+    a concurrency bucket's turn is unknown: ``now_ms`` + :data:`CONCURRENCY_POLL_MS`).
+
+    Fixed window: what does not fit in this window spills into the next ones, ``limit`` per
+    window.  Sliding window: within this window, room grows as the previous window's share
+    shrinks; beyond it the queue drains at ``limit`` per window length."""
+    if b.room():
+        return now_ms
+    if b.amount > b.limit:
+        return NEVER
+    if b.kind == "concurrency":
+        return now_ms + CONCURRENCY_POLL_MS
+    need = b.ahead + b.amount
+    limit, end, length = b.limit, b.window_end_ms, max(1, b.window_ms)
+    if b.kind == "fixed":
+        spill = need - max(0, limit - b.value)
+        return max(now_ms, end + (_ceil_div(spill, limit) - 1) * length)
+    # sliding: at the end of this window only the current part counts
+    spill = need - max(0, limit - b.current)
+    if spill > 0:
+        return max(now_ms, end + _ceil_div(spill * length, limit))
+    # within this window: current + need + previous x (end - t) / length <= limit
+    free = limit - b.current - need  # >= 0 here
+    if b.previous <= 0:
+        return now_ms
+    return max(now_ms, end - (free * length) // b.previous)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The rule's answer: the outcome, the turn (ms; 0 when admitted, :data:`NEVER` when no
+    turn can come) and whether a bucket that does not wait refused."""
+
+    outcome: Outcome
+    turn_ms: int = 0
+    budget: bool = False
+
+
+def decide(
+    buckets: list[QueueBucket],
+    now_ms: int,
+    deadline_ms: int,
+    *,
+    queued: int = 0,
+    cap: int = 0,
+    ticketed: bool = False,
+) -> Decision:
+    """Admit, wait or refuse (see the module's docstring).  ``queued``: live tickets of the
+    tenant; ``cap``: the most it may hold (a newcomer beyond it is refused; 0: no cap);
+    ``ticketed``: the request holds a ticket already."""
+    if all(b.room() for b in buckets):
+        return Decision(Outcome.ADMITTED)
+    turn = now_ms
+    budget = False
+    for b in buckets:
+        if b.room():
+            continue
+        if b.kind == "none":
+            budget = True
+            continue
+        t = turn_ms(b, now_ms)
+        if t == NEVER:
+            return Decision(Outcome.REFUSED, NEVER)
+        turn = max(turn, t)
+    if budget:
+        return Decision(Outcome.REFUSED, 0, budget=True)
+    if turn > deadline_ms:
+        if any(b.kind == "concurrency" and not b.room() for b in buckets) and now_ms < deadline_ms:
+            # a slot may free up any time: one more look at the deadline, if the rates allow
+            rates = [turn_ms(b, now_ms) for b in buckets if b.kind in ("fixed", "sliding")]
+            if max(rates, default=now_ms) <= deadline_ms:
+                return Decision(Outcome.WAIT, deadline_ms)
+        return Decision(Outcome.REFUSED, turn)
+    if not ticketed and cap > 0 and queued >= cap:
+        return Decision(Outcome.REFUSED, turn)
+    return Decision(Outcome.WAIT, turn)
+
+
+def wait_kind(metric: str, window_s: int, *, sliding: bool, period: str | None) -> WaitKind:
+    """How the queue treats a limit: RPM and TPM over a window shorter than a day wait (fixed
+    or sliding), concurrency waits on a slot; budgets (money, weighted tokens, a day or longer,
+    calendar periods) and distinct end users do not."""
+    if metric == "concurrency":
+        return "concurrency"
+    if metric in ("rpm", "tpm") and period is None and 0 < window_s < 86_400:
+        return "sliding" if sliding else "fixed"
+    return "none"
+
+
+def ticket_score(arrival_ms: int, priority: int, boost_ms: int) -> int:
+    """A ticket's place in its tenant's queue: its arrival, less ``priority`` boosts."""
+    return arrival_ms - priority * boost_ms
+
+
+#: A bucket's wait kind as admit.lua reads it.
+KIND_CODES: Final[dict[WaitKind, int]] = {"none": 0, "fixed": 1, "sliding": 2, "concurrency": 3}
+
+
+@dataclass(frozen=True, slots=True)
+class QueueCall:
+    """The queue part of one admission call (admit.lua's queue section): the tenant's queue
+    keys (tickets, their leases, their tokens), the ticket's score, the request's deadline
+    (unix ms), how long a ticket outlives its turn, the tenant's cap of tickets (0: none), and
+    per bucket (the call's order) its wait kind, window end and window length (ms)."""
+
+    keys: tuple[str, str, str]
+    score: int
+    deadline_ms: int
+    buckets: tuple[tuple[WaitKind, int, int], ...]
+    lease_ms: int = TICKET_LEASE_MS
+    cap: int = 0
+    poll_ms: int = CONCURRENCY_POLL_MS
+
+
+def queue_keys(tag: str, slot: str) -> tuple[str, str, str]:
+    """A tenant's queue keys under its hash tag ``tag`` (:func:`extproc.core.keys.tenant_tag`):
+    the tickets, their leases, their tokens."""
+    base = f"{tag}:wait:{slot}"
+    return f"{base}:q", f"{base}:lease", f"{base}:tokens"
+
+
+@dataclass(frozen=True, slots=True)
+class WaitRule:
+    """A plan's ``wait``: the longest wait (ms), the tenant's cap of tickets, the plan's
+    priority class and the highest one the request header may ask for, and the boost (ms)
+    one class is worth."""
+
+    max_ms: int
+    max_waiters: int = 100
+    priority: int = 0
+    max_priority: int = 0
+    boost_ms: int = 5000
+
+    def priority_for(self, asked: str | None) -> int:
+        """The request's class: the header's (a digit up to :attr:`max_priority`) when the
+        plan allows one, else the plan's."""
+        if asked is not None and self.max_priority > 0:
+            a = asked.strip()
+            if a.isdigit() and len(a) == 1:
+                return min(int(a), self.max_priority)
+        return self.priority
+
+
+def bucket_kinds(
+    buckets: Sequence[WindowedBucket],
+) -> tuple[tuple[WaitKind, int, int], ...]:
+    """Each bucket's wait kind, window end and window length (ms), for a :class:`QueueCall`."""
+    return tuple(
+        (
+            wait_kind(b.metric, b.limit.window_s, sliding=b.limit.sliding, period=b.limit.period),
+            b.window_end_ms,
+            b.limit.window_s * 1000,
+        )
+        for b in buckets
+    )
