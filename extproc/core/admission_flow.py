@@ -82,7 +82,7 @@ from extproc.core.phase_records import AdmitModel, Admitted, Parsed, PhaseError
 from extproc.core.room_hints import RoomHints
 from extproc.core.rules import BucketCharge, Charging
 from extproc.core.session import Session
-from extproc.core.waiting import NEVER, QueueCall, bucket_kinds, queue_keys, ticket_score
+from extproc.core.waiting import NEVER, QueueCall, bucket_kinds, priority_offset_ms, queue_keys
 from extproc.errors import (
     BadRequest,
     GatewayError,
@@ -424,7 +424,7 @@ class Admission:
                 self._arrival = now
             queue = QueueCall(
                 queue_keys(tenant_tag(self._prefix, tenant.slot), tenant.slot),
-                ticket_score(self._arrival, rule.priority_for(s.priority_asked), rule.boost_ms),
+                priority_offset_ms(rule.priority_for(s.priority_asked), rule.boost_ms),
                 self._arrival + rule.max_ms,
                 bucket_kinds(listed),
                 cap=rule.max_waiters,

@@ -3,10 +3,11 @@
 A plan with ``wait`` holds a request over a rate limit (RPM or TPM over a window shorter than
 a day, or concurrency) until its turn, up to the plan's ``max_seconds``.  The order lives in
 Redis, per tenant: a sorted set of tickets (one per waiting request, its ledger), scored by
-arrival time less its priority class times the plan's ``priority_boost_ms`` (a class-``c``
-ticket queues as if it had come ``c`` boosts earlier: a lower class waits behind a higher one
-that came at most that much later, never longer: the no-starvation bound), with a lease each
-(a dead processor's ticket lapses) and the TPM tokens each will charge.
+arrival (stamped by Redis's own clock: one order for every replica) less its priority class
+times the plan's ``priority_boost_seconds`` (a class-``c`` ticket queues as if it had come
+``c`` boosts earlier: a lower class waits behind a higher one that came at most that much
+later, never longer: the no-starvation bound), with a lease each (a dead processor's ticket
+lapses) and the TPM tokens each will charge.
 
 The rule, for one admission call of a request with ``ahead`` units of waiters before it on
 each bucket (every ticket of the tenant for a newcomer; those scored before its own for a
@@ -179,9 +180,9 @@ def wait_kind(metric: str, window_s: int, *, sliding: bool, period: str | None) 
     return "none"
 
 
-def ticket_score(arrival_ms: int, priority: int, boost_ms: int) -> int:
-    """A ticket's place in its tenant's queue: its arrival, less ``priority`` boosts."""
-    return arrival_ms - priority * boost_ms
+def priority_offset_ms(priority: int, boost_ms: int) -> int:
+    """How much earlier than its arrival a ticket of class ``priority`` queues."""
+    return priority * boost_ms
 
 
 #: A bucket's wait kind as admit.lua reads it.
@@ -191,12 +192,13 @@ KIND_CODES: Final[dict[WaitKind, int]] = {"none": 0, "fixed": 1, "sliding": 2, "
 @dataclass(frozen=True, slots=True)
 class QueueCall:
     """The queue part of one admission call (admit.lua's queue section): the tenant's queue
-    keys (tickets, their leases, their tokens), the ticket's score, the request's deadline
+    keys (tickets, their leases, their tokens), the ticket's priority offset (a new ticket is
+    scored by its arrival, stamped by Redis's clock, less this), the request's deadline
     (unix ms), how long a ticket outlives its turn, the tenant's cap of tickets (0: none), and
     per bucket (the call's order) its wait kind, window end and window length (ms)."""
 
     keys: tuple[str, str, str]
-    score: int
+    offset_ms: int
     deadline_ms: int
     buckets: tuple[tuple[WaitKind, int, int], ...]
     lease_ms: int = TICKET_LEASE_MS

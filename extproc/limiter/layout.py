@@ -157,7 +157,7 @@ def admission(call: AdmitCall) -> PackedAdmission:
         args.append(0)
         return p
     keys.extend(q.keys)
-    args += (len(keys) - 2, q.score, q.deadline_ms, q.lease_ms, q.cap, q.poll_ms)
+    args += (len(keys) - 2, q.offset_ms, q.deadline_ms, q.lease_ms, q.cap, q.poll_ms)
     for kind, end, length in q.buckets:
         args += (KIND_CODES[kind], end, length)
     args.append(len(args) - p.queue_at)

@@ -60,6 +60,7 @@ class MemoryLimiter:
         self._input_stops: dict[str, dict[str, str]] = {}
         # admit.lua's queues: queue key -> ticket -> (score, lease deadline, tokens)
         self.queues: dict[str, dict[str, tuple[int, int, int]]] = {}
+        self._stamp = 0  # the last ticket's arrival stamp
 
     # -- the protocol ------------------------------------------------------------------------
 
@@ -125,7 +126,11 @@ class MemoryLimiter:
             ok = d.outcome is Outcome.ADMITTED
             turn = d.turn_ms
             if d.outcome is Outcome.WAIT:
-                score = tickets[ledger][0] if ledger in tickets else q.score
+                if ledger in tickets:
+                    score = tickets[ledger][0]
+                else:  # admit.lua's arrival stamp (microseconds), strictly increasing
+                    self._stamp = max(self.clock.now_ms() * 1000, self._stamp + 1)
+                    score = self._stamp - q.offset_ms * 1000
                 tickets[ledger] = (score, turn + q.lease_ms, call.tpm_charged)
                 return AdmitResult(
                     False, False, tuple(vals), tuple(reclaimed), settled, alw[0], True, turn

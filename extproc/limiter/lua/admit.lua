@@ -35,7 +35,9 @@
 --                (0: the request does not wait).  Its values: the absolute KEYS index of the
 --                tenant's queue (sorted set: ticket -> order score), followed in KEYS by the
 --                tickets' leases (sorted set: ticket -> lease deadline) and their TPM tokens
---                (hash); the ticket's score, the request's deadline (unix ms), how long a
+--                (hash, and its field "~last": the last arrival stamp); the ticket's priority
+--                offset (ms: it queues as if it had arrived that much earlier; its arrival is
+--                stamped by Redis's TIME, in microseconds), the request's deadline (unix ms), how long a
 --                ticket outlives its turn (ms), the most tickets the tenant may hold (0: no
 --                cap), the concurrency poll (ms); then per bucket its wait kind (0 does not
 --                wait: refuses at once; 1 fixed window, 2 sliding, 3 concurrency), its window's
@@ -276,7 +278,18 @@ if not ok and qlen > 0 then
   if turn > 0 and turn <= deadline and not mine and cap > 0 and redis.call('ZCARD', Q) >= cap then
     full = 1 -- refused: the tenant's queue is full
   elseif turn > 0 and turn <= deadline then
-    redis.call('ZADD', Q, 'NX', ARGV[q0 + 1], ledger)
+    if not mine then
+      -- arrival order by Redis's own clock (every replica's tickets in one order), strictly
+      -- increasing; a priority class counts as arriving earlier by its offset
+      local t = redis.call('TIME')
+      local stamp = tonumber(t[1]) * 1000000 + tonumber(t[2])
+      local last = tonumber(redis.call('HGET', QT, '~last') or '0')
+      if stamp <= last then
+        stamp = last + 1
+      end
+      redis.call('HSET', QT, '~last', stamp)
+      redis.call('ZADD', Q, stamp - tonumber(ARGV[q0 + 1]) * 1000, ledger)
+    end
     local lapse = turn + tonumber(ARGV[q0 + 3])
     redis.call('ZADD', QL, lapse, ledger)
     redis.call('HSET', QT, ledger, ARGV[A0 + 3])

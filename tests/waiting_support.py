@@ -1,0 +1,139 @@
+"""The waiting rule, checked by simulation: shared by the Hypothesis test on the in-memory
+limiter (tests/unit/test_waiting.py) and the seeded one on the real admit.lua
+(tests/integration/test_waiting_scripts.py).
+
+Requests of several tenants arrive at given times, each over an RPM limit per fixed window
+with a maximum wait; each is driven as the processor drives it: admitted, refused, or told to
+wait until its turn and asked again then (same ledger).  The outcome must be the *ideal* one,
+computed apart per tenant by the plain window arithmetic: requests in arrival order, each
+served at the earliest time from its arrival (and not before the request before it) at which
+its window has room, refused when that is after its deadline.  Equality means: never beyond a
+limit, never a refusal that could have been served within its wait, served in arrival order,
+and one tenant's waiters never move another tenant's outcome."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from extproc.core.admission_plan import admission_charges, buckets_for, compute_cost
+from extproc.core.keys import ledger_key, tenant_tag
+from extproc.core.rules import Charging, Limit
+from extproc.core.waiting import QueueCall, bucket_kinds, queue_keys
+from extproc.limiter.base import AdmitCall, Limiter
+
+PREFIX = "aiqw"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A request's end: admitted at ``at_ms`` (None: refused) after ``calls`` calls; refused,
+    the ``retry_ms`` it was told (its turn less the time of the refusal; 0 none)."""
+
+    at_ms: int | None
+    calls: int
+    retry_ms: int = 0
+
+
+def ideal(
+    arrivals: Sequence[int], *, limit: int, window_ms: int, max_wait_ms: int
+) -> list[int | None]:
+    """Each request's admission time by the window arithmetic (None: refused at once)."""
+    used: dict[int, int] = {}
+    last = 0
+    out: list[int | None] = []
+    for a in arrivals:
+        t = max(a, last)
+        while used.get(t // window_ms, 0) >= limit:
+            t = (t // window_ms + 1) * window_ms
+        if t > a + max_wait_ms:
+            out.append(None)
+            continue
+        used[t // window_ms] = used.get(t // window_ms, 0) + 1
+        last = t
+        out.append(t)
+    return out
+
+
+async def simulate(
+    limiter: Limiter,
+    requests: Sequence[tuple[str, int]],
+    *,
+    limit: int,
+    window_s: int,
+    max_wait_ms: int,
+    run: str,
+) -> list[Outcome]:
+    """Drive each (tenant, arrival ms) through admission and its waits, in time order."""
+    lim = Limit("rpm", limit, window_s, "*", "tenant")
+    cost = compute_cost(input_tokens=1, per_choice_max=0, n=1, stream=False, charging=Charging())
+    events: list[tuple[int, int, int]] = []  # (time, seq, request)
+    for i, (_, at) in enumerate(requests):
+        heapq.heappush(events, (at, i, i))
+    seq = len(requests)
+    calls = [0] * len(requests)
+    out: dict[int, Outcome] = {}
+    while events:
+        now, _, i = heapq.heappop(events)
+        tenant, arrival = requests[i]
+        bs = buckets_for(
+            prefix=PREFIX, tenant=tenant, key_name="k", model="*", limits=(lim,), now_ms=now
+        )
+        queue = QueueCall(
+            queue_keys(tenant_tag(PREFIX, tenant), tenant),
+            0,
+            arrival + max_wait_ms,
+            bucket_kinds(bs),
+        )
+        calls[i] += 1
+        res = await limiter.admit(
+            AdmitCall(
+                ledger_key(PREFIX, tenant, f"{run}.{i}"),
+                admission_charges(bs, cost),
+                tpm_charged=1,
+                count_refused=False,
+                ledger_ttl_ms=600_000,
+                now_ms=now,
+                queue=queue,
+            )
+        )
+        if res.wait:
+            assert res.turn_ms >= now, (i, now, res)
+            seq += 1
+            heapq.heappush(events, (res.turn_ms, seq, i))
+        elif res.admitted:
+            out[i] = Outcome(now, calls[i])
+        else:
+            out[i] = Outcome(None, calls[i], max(0, res.turn_ms - now))
+    return [out[i] for i in range(len(requests))]
+
+
+def check(
+    requests: Sequence[tuple[str, int]],
+    got: Sequence[Outcome],
+    *,
+    limit: int,
+    window_s: int,
+    max_wait_ms: int,
+) -> None:
+    """The simulated outcomes equal the ideal ones, tenant by tenant; a refused request was
+    refused on its first call (never after waiting in vain) with the retry-after of the turn
+    it would have needed."""
+    tenants = sorted({t for t, _ in requests})
+    for tenant in tenants:
+        idx = [i for i, (t, _) in enumerate(requests) if t == tenant]
+        # arrival order (the order of tickets; ties in the order they were given)
+        idx.sort(key=lambda i: (requests[i][1], i))
+        want = ideal(
+            [requests[i][1] for i in idx],
+            limit=limit,
+            window_ms=window_s * 1000,
+            max_wait_ms=max_wait_ms,
+        )
+        for i, w in zip(idx, want, strict=True):
+            o = got[i]
+            assert o.at_ms == w, (tenant, i, requests[i], o, w)
+            if w is None:
+                assert o.calls == 1, (tenant, i, o)
+                assert o.retry_ms > max_wait_ms, (tenant, i, o)
