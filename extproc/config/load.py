@@ -194,7 +194,6 @@ def _prices(p: schema.Pricing | None) -> Rates | None:
 
 
 # Periods from shortest to longest, to find a longer window with a smaller limit.
-_PERIOD_ORDER = ("second", "minute", "hour", "day", "week", "month")
 
 
 def _limit_errors(
@@ -238,7 +237,7 @@ def _limit_errors(
             if (
                 same
                 and a.metric != "concurrency"
-                and _PERIOD_ORDER.index(a.period_name) > _PERIOD_ORDER.index(b.period_name)
+                and _length_s(a) > _length_s(b)
                 and a.limit < b.limit
             ):
                 errors.append(
@@ -247,6 +246,11 @@ def _limit_errors(
                     f"{b.period_name} limit could never be reached"
                 )
     return errors
+
+
+def _length_s(lim: Limit) -> int:
+    """A window's length in seconds (a month as 31 days), to order them."""
+    return lim.window_s or 31 * 86_400
 
 
 def _override_key(lim: Limit) -> tuple[object, ...]:

@@ -7,13 +7,12 @@ into :class:`extproc.config.runtime.RuntimeConfig`.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    StringConstraints,
     field_validator,
     model_validator,
 )
@@ -195,7 +194,7 @@ class LimitEntry(Strict):
     model: str = "*"
     scope: Literal["tenant", "key"] = "tenant"
     # a named window, or a length in seconds ("10s": 1 to 86400 seconds, fixed in UTC)
-    per: WindowName | Annotated[str, StringConstraints(pattern=r"^[1-9][0-9]{0,4}s$")] = "minute"
+    per: str = "minute"
     time_zone: str = "UTC"  # days, weeks and months follow this zone's calendar
     rpm: int | None = Field(default=None, ge=0)
     tpm: int | None = Field(default=None, ge=0)
@@ -234,6 +233,18 @@ class LimitEntry(Strict):
                 "in UTC"
             )
         return self
+
+    @field_validator("per")
+    @classmethod
+    def _per(cls, v: str) -> str:
+        if v in ("second", "minute", "hour", "day", "week", "month") or re.fullmatch(
+            r"[1-9][0-9]{0,4}s", v
+        ):
+            return v
+        raise ValueError(
+            f"unknown window {v[:40]!r}: second, minute, hour, day, week, month, or a length "
+            "in seconds such as '10s'"
+        )
 
     @field_validator("time_zone")
     @classmethod

@@ -44,6 +44,13 @@ WaitKind = Literal["none", "fixed", "sliding", "concurrency"]
 CONCURRENCY_POLL_MS: Final = 250
 #: How long a ticket outlives its expected turn before it lapses (its processor died).
 TICKET_LEASE_MS: Final = 3000
+#: What a held request asks Envoy for on its message (``override_message_timeout``; Envoy takes
+#: one per message): Envoy's ``max_message_timeout`` (``ai-quota envoy-config``) is at least
+#: this, and the longest wait (``wait.max_seconds``, at most 50 s) fits in it with room for the
+#: last admission call.
+HOLD_TIMEOUT_MS: Final = 60_000
+#: The request header that asks for a priority class (a plan's ``wait.max_priority`` caps it).
+PRIORITY_HEADER: Final = "x-aiquota-priority"
 #: A turn never computed (a request alone over a rate limit).
 NEVER: Final = -1
 

@@ -76,12 +76,6 @@ def _admission(gw: Gateway, cfg: RuntimeConfig, s: Session) -> Admission:
     )
 
 
-#: What a held request asks Envoy for on its message (``override_message_timeout``): Envoy's
-#: ``max_message_timeout`` (``ai-quota envoy-config``) is this, and the longest wait
-#: (``wait.max_seconds``, at most 50 s) fits in it with room for the last admission call.
-HOLD_TIMEOUT_MS = 60_000
-
-
 async def admit_body(
     gw: Gateway,
     cfg: RuntimeConfig,

@@ -20,10 +20,11 @@ from extproc.core import envelope as ev
 from extproc.core.lifecycle import Closed, LifecycleError
 from extproc.core.policies import fails_open
 from extproc.core.session import Session
+from extproc.core.waiting import HOLD_TIMEOUT_MS
 from extproc.errors import GatewayError, InternalError
 from extproc.gateway import Gateway
 from extproc.server import wire
-from extproc.server.admit import HOLD_TIMEOUT_MS, admit_body
+from extproc.server.admit import admit_body
 from extproc.server.answer import error_response
 from extproc.server.body import ResponseBody
 from extproc.server.counting import BoundCounting
