@@ -10,26 +10,24 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import cast
 
 from pydantic import ValidationError
 
 from extproc.config import levels, schema
 from extproc.config.runtime import ApiKey, Membership, Model, Plan, RuntimeConfig, Tenant
 from extproc.config.source import YamlSyntaxError, locate, parse_rules, render_path, where
+from extproc.config.waits import wait_rules
 from extproc.core.counters import upper_bound_counter
 from extproc.core.rules import (
     RATE_SCALE,
-    WINDOW_NAMES,
     Charging,
     Limit,
     Metric,
-    Period,
     Rates,
+    window_period,
     window_seconds,
 )
 from extproc.core.tokens import TokenizerSpec, delta_counter
-from extproc.core.waiting import WaitRule
 from extproc.tokenizers.errors import TokenizerLoadError
 from extproc.tokenizers.registry import TokenizerRegistry
 
@@ -152,9 +150,7 @@ class _LimitMaker:
     ) -> Limit:
         e = self.e
         timed = metric != "concurrency"
-        period: Period | None = None
-        if timed and e.per in WINDOW_NAMES and (e.per in ("week", "month") or e.time_zone != "UTC"):
-            period = cast(Period, e.per)
+        period = window_period(e.per, e.time_zone) if timed else None
         return Limit(
             metric,
             value,
@@ -191,9 +187,6 @@ def _weights(w: schema.Weights) -> Rates:
 def _prices(p: schema.Pricing | None) -> Rates | None:
     """Per-million prices as rates: micro-units of the currency per million tokens."""
     return None if p is None else _rates(p, MICRO)
-
-
-# Periods from shortest to longest, to find a longer window with a smaller limit.
 
 
 def _limit_errors(
@@ -234,23 +227,13 @@ def _limit_errors(
                 b.scope,
                 b.shadow,
             )
-            if (
-                same
-                and a.metric != "concurrency"
-                and _length_s(a) > _length_s(b)
-                and a.limit < b.limit
-            ):
+            if same and a.metric != "concurrency" and a.length_s > b.length_s and a.limit < b.limit:
                 errors.append(
                     f"{where}: the {a.metric} limit per {a.period_name} ({a.limit}) is below "
                     f"the one per {b.period_name} ({b.limit}) for model {a.model!r}: the "
                     f"{b.period_name} limit could never be reached"
                 )
     return errors
-
-
-def _length_s(lim: Limit) -> int:
-    """A window's length in seconds (a month as 31 days), to order them."""
-    return lim.window_s or 31 * 86_400
 
 
 def _override_key(lim: Limit) -> tuple[object, ...]:
@@ -496,17 +479,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         plaintext_keys=plaintext,
         plan_failure_modes={n: p.failure_mode for n, p in cfg.plans.items() if p.failure_mode},
         fallbacks=fallbacks,
-        plan_waits={
-            n: WaitRule(
-                max_ms=round(p.wait.max_seconds * 1000),
-                max_waiters=p.wait.max_waiters,
-                priority=p.wait.priority,
-                max_priority=p.wait.max_priority,
-                boost_ms=round(p.wait.priority_boost_seconds * 1000),
-            )
-            for n, p in cfg.plans.items()
-            if p.wait is not None
-        },
+        plan_waits=wait_rules(cfg.plans),
         max_waiters_per_replica=cfg.requests.max_waiters_per_replica,
     )
 

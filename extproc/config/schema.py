@@ -9,13 +9,10 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, field_validator, model_validator
+
+from extproc.config.strict import Strict
+from extproc.config.wait_schema import WaitEntry
 
 IDENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -80,12 +77,6 @@ CURRENCIES = frozenset(
         "KZT",
     ]
 )
-
-
-class Strict(BaseModel):
-    """Base: every model rejects unknown keys and is immutable."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class TokenizerModel(Strict):
@@ -258,23 +249,6 @@ class LimitEntry(Strict):
                 f"unknown time zone {v!r} (an IANA name such as Europe/Berlin)"
             ) from None
         return v
-
-
-class WaitEntry(Strict):
-    """Waiting instead of an immediate 429 (docs/semantics.md, "Waiting"): a request over a
-    rate limit (RPM or TPM over a window shorter than a day, or concurrency) waits for its turn
-    up to ``max_seconds``; one whose turn would come later is refused at once."""
-
-    max_seconds: float = Field(gt=0, le=120, allow_inf_nan=False)
-    # live tickets the tenant's queue may hold (beyond it: an immediate 429)
-    max_waiters: int = Field(default=100, ge=1, le=1000)
-    # the plan's priority class (higher first); the request header x-aiquota-priority may ask
-    # for another, up to max_priority (0: the header is ignored)
-    priority: int = Field(default=0, ge=0, le=9)
-    max_priority: int = Field(default=0, ge=0, le=9)
-    # a class-c ticket queues as if it had arrived c x this earlier: no lower-class waiter is
-    # passed by a higher-class one that arrived more than (difference x this) after it
-    priority_boost_seconds: float = Field(default=5.0, ge=0, le=3600, allow_inf_nan=False)
 
 
 class PlanEntry(Strict):

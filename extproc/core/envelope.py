@@ -8,13 +8,16 @@ session's lifecycle (:mod:`extproc.core.lifecycle`) and records, and returns the
 which body mode, with which figures; when the metered stream (:mod:`extproc.core.streaming`),
 the exact path's rebuild (:mod:`extproc.core.exact`) or a JSON body's read start; when the
 input figure must be ready (:mod:`extproc.core.bound_count`) and when settlement starts.  The
-two sub-machines keep their own vocabularies: admission (:mod:`extproc.core.admission_flow`)
-and the stream meter (:mod:`extproc.core.streaming`).
+session's two sub-machines, admission (:mod:`extproc.core.admission_flow`) and the metered
+stream (:mod:`extproc.core.streaming`), take their own events through the same
+:meth:`~extproc.core.session.Session.handle` (:mod:`extproc.core.sub_machines`); the session
+starts the stream here, with the response's headers.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,6 +41,9 @@ class Session(Protocol):
     def pass_through(self) -> None: ...
     def request_body(self) -> None: ...
     def admission_done(self) -> None: ...
+    def count_input_with(self, count: Callable[[], int], *, inline: bool = True) -> None: ...
+    def input_counted(self, exact: int) -> None: ...
+    def start_stream(self, decoder: Any) -> None: ...
     def answered(self, *, refused: bool) -> None: ...
     def response_headers(
         self, headers: dict[str, str], *, end_of_stream: bool, fail_open: bool
@@ -82,6 +88,24 @@ class RequestBody:
 @dataclass(frozen=True, slots=True)
 class AdmissionDone:
     """Admission said yes (its record is set): the request goes upstream."""
+
+
+@dataclass(frozen=True, slots=True)
+class CountPrepared:
+    """Admitted on an upper bound of the input: ``count`` takes the exact count (``inline``:
+    cheap enough to run on the event loop when a figure needs it; else the server counts in a
+    worker thread first)."""
+
+    count: Callable[[], int]
+    inline: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BoundCounted:
+    """The exact count of a prompt admitted on a bound was taken (or the bound stands for a
+    count that could not finish: ``exact`` is then the bound): it replaces the bound."""
+
+    exact: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +173,8 @@ EnvelopeEvent = (
     | PassThrough
     | RequestBody
     | AdmissionDone
+    | CountPrepared
+    | BoundCounted
     | Answered
     | ResponseHeaders
     | ResponseChunk
@@ -202,9 +228,8 @@ class CountInput:
 
 @dataclass(frozen=True, slots=True)
 class MeterStream:
-    """Meter the response body as a stream, decoded by ``decoder``."""
-
-    decoder: Any
+    """Meter the response body as a stream: the session's metered stream started (it is fed
+    through :meth:`~extproc.core.session.Session.handle`); the server sets up its I/O."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +290,7 @@ EnvelopeAction = (
 Actions = tuple[EnvelopeAction, ...]
 _NONE: Actions = ()
 _STREAMING = ("content-length", "content-encoding")
+_METER_STREAM = MeterStream()
 
 
 def handle(s: Session, event: EnvelopeEvent) -> Actions:
@@ -281,6 +307,10 @@ def handle(s: Session, event: EnvelopeEvent) -> Actions:
             s.request_body()
         case AdmissionDone():
             s.admission_done()
+        case CountPrepared(count, inline):
+            s.count_input_with(count, inline=inline)
+        case BoundCounted(exact):
+            s.input_counted(exact)
         case Answered(refused):
             s.answered(refused=refused)
         case ResponseHeaders():
@@ -330,8 +360,9 @@ def _response_headers(s: Session, event: ResponseHeaders) -> Actions:
         )
         return (Reject(error, CutReason.UNMETERABLE),)
     if kind == "stream":  # SSE, or SSE under a missing/odd content type
+        s.start_stream(how.decoder)  # the stream's machine, fed through the session
         duplex = ForwardHeaders(out, _STREAMING, BodyMode.FULL_DUPLEX, Figures.SO_FAR)
-        return (CountInput(), MeterStream(how.decoder), duplex)
+        return (CountInput(), _METER_STREAM, duplex)
     if kind == "exact":  # a non-stream sent upstream as a stream: JSON rebuilt
         json = (*out, ("content-type", "application/json"))
         duplex = ForwardHeaders(json, _STREAMING, BodyMode.FULL_DUPLEX, Figures.SO_FAR)

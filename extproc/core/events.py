@@ -80,6 +80,19 @@ StreamEvent = (
 
 
 @dataclass(frozen=True, slots=True)
+class BodyArrived:
+    """The request body arrived (``raw``, as the client sent it): admission starts."""
+
+    raw: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RpmOnlyArrived:
+    """An unmetered path under ``paths.other: rpm_only`` reached the body phase: admission
+    starts, one request on the RPM buckets."""
+
+
+@dataclass(frozen=True, slots=True)
 class InputCounted:
     """The exact input count :class:`~extproc.core.actions.CountExact` asked for."""
 
@@ -132,7 +145,9 @@ class WaitDeclined:
 
 
 AdmissionEvent = (
-    InputCounted
+    BodyArrived
+    | RpmOnlyArrived
+    | InputCounted
     | AdmitAnswered
     | AdmitFailed
     | AdmitCancelled

@@ -28,11 +28,18 @@ def window_seconds(per: str) -> int:
     return WINDOW_SECONDS.get(per, 0)
 
 
+def window_period(per: str, tz: str) -> Period | None:
+    """A window that follows a calendar (a week, a month, or a day in a zone other than
+    UTC): its name; None for a fixed length."""
+    for name in ("second", "minute", "hour", "day", "week", "month"):
+        if per == name and (per in ("week", "month") or tz != "UTC"):
+            return name
+    return None
+
+
 #: A fixed window's name by its length (the reverse of ``WINDOW_SECONDS``).
 _PERIOD_NAMES: dict[int, str] = {v: k for k, v in WINDOW_SECONDS.items()}
 Period = Literal["second", "minute", "hour", "day", "week", "month"]
-#: The named windows (a window may also be a length in seconds, ``"10s"``).
-WINDOW_NAMES: frozenset[str] = frozenset(("second", "minute", "hour", "day", "week", "month"))
 #: ``users``: a team's distinct end users per window (a set; docs/semantics.md, "Levels")
 Metric = Literal["rpm", "tpm", "cost", "concurrency", "users"]
 #: Whose counter a limit is: the tenant's, each key's, or a level's (docs/semantics.md,
@@ -141,6 +148,11 @@ class Limit:
     def counts_tokens(self) -> bool:
         """TPM and cost counters are charged per token (admission, stream, settlement)."""
         return self.metric in ("tpm", "cost")
+
+    @property
+    def length_s(self) -> int:
+        """The window's length in seconds, to order windows (a month as 31 days)."""
+        return self.window_s or 31 * 86_400
 
     @property
     def period_name(self) -> str:

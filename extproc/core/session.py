@@ -1,20 +1,16 @@
 """One request as a sans-IO session: its phase records (:mod:`extproc.core.phase_records`, each set
-once), its lifecycle and the decisions that read them.
+once), its lifecycle, its two sub-machines (admission, the metered stream:
+:mod:`extproc.core.sub_machines`), all fed through :meth:`Session.handle`, and the decisions that
+read them.  Besides the records it keeps two accumulators of limiter answers, changed only by
+its own methods (and by its metered stream): the :class:`RequestAccount` (what each counter was
+charged) and the last stream charge whose answer never came.
 
-Besides the records the session keeps two accumulators of limiter answers, changed only by its
-own methods (and by its metered stream, :mod:`extproc.core.streaming`): the
-:class:`RequestAccount` (what each counter was charged) and the last stream charge whose answer
-never came.
-
-The rules it applies live by job: which upstream figures are trusted and what an abandoned
-request could have generated in :mod:`extproc.core.figures`, how a response is metered in
-:mod:`extproc.core.classify`, the per-request policies (the fallback model, the shadow-limit
-report, fail-open, the bound, the lease) in :mod:`extproc.core.policies`; what settlement
-charges and bills is the pure planner :mod:`extproc.core.settlement`; where the input figure
-stands (admitted on a bound, counted, ...) is one state moved by the table of
-:mod:`extproc.core.input_state`; when a bound is counted and noted is
-:mod:`extproc.core.bound_count`; the admission flow that sets the parsed and admitted records
-is :mod:`extproc.core.admission_flow`.  The server layer executes what they decide.
+The rules it applies live by job: trusted upstream figures and abandons in
+:mod:`extproc.core.figures`, how a response is metered in :mod:`extproc.core.classify`, the
+per-request policies in :mod:`extproc.core.policies`, settlement in the pure planner
+:mod:`extproc.core.settlement`, the input figure's standing in :mod:`extproc.core.input_state`,
+a bound's count and note in :mod:`extproc.core.bound_count`, admission in
+:mod:`extproc.core.admission_flow`.  The server layer executes what they decide.
 """
 
 from __future__ import annotations
@@ -22,11 +18,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import replace
+from typing import overload
 
 from extproc.core import envelope
 from extproc.core.account import RequestAccount
+from extproc.core.actions import AdmissionAction, StreamAction
 from extproc.core.classify import classify, parse_status
+from extproc.core.encoding import BodyDecoder
 from extproc.core.envelope import EnvelopeAction, EnvelopeEvent
+from extproc.core.events import AdmissionEvent, BodyArrived, RpmOnlyArrived, StreamEvent
 from extproc.core.figures import Figure
 from extproc.core.input_state import (
     COUNTED_AFTER_BOUND,
@@ -59,6 +59,13 @@ from extproc.core.settlement import (
     stream_output,
     upstream_input,
 )
+from extproc.core.sub_machines import (
+    ADMISSION_EVENTS,
+    STREAM_EVENTS,
+    AdmissionMachine,
+    Builders,
+    StreamMachine,
+)
 
 #: The order of the upstream figures read in this process (:attr:`Session.report_seq`).
 _REPORTS = itertools.count(1)
@@ -68,21 +75,28 @@ class Session(SessionRecords):
     """One request: its lifecycle, its phase records (each set once) and its account."""
 
     __slots__ = (
+        "_admission",
+        "_builders",
         "_count",
         "_count_inline",
         "_counted",
         "_input",
         "_output",
         "_settlement",
+        "_stream",
         "account",
         "life",
         "report_seq",
         "unconfirmed",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, builders: Builders | None = None) -> None:
         super().__init__()
         self.life = Lifecycle()
+        # how the sub-machines are built (None: a session driven by its envelope alone)
+        self._builders = builders
+        self._admission: AdmissionMachine | None = None
+        self._stream: StreamMachine | None = None
         # the exact input count of a request admitted on a bound (None: not taken)
         self._counted: int | None = None
         # where the input figure stands (every flag about it is read off this state)
@@ -160,10 +174,10 @@ class Session(SessionRecords):
         """The exact count could not be taken: the bound stands (an over-count)."""
         return self._input is InputState.KEPT_BOUND
 
+    @property
     def needs_count(self) -> bool:
         """Whether a figure (settlement, a cut's message, the access log's input) would take
-        the exact count now: the server takes it first, off the event loop for a large
-        prompt."""
+        the exact count now: the server takes it first, off the event loop if large."""
         adm = self._admitted
         if adm is None or not self.input_pending:
             return False
@@ -192,10 +206,48 @@ class Session(SessionRecords):
 
     # -- the request, event by event: the server reports, the session moves its lifecycle ---
 
-    def handle(self, event: EnvelopeEvent) -> tuple[EnvelopeAction, ...]:
-        """One event of the request's envelope: the session moves; the server executes the
-        actions returned, in order (:mod:`extproc.core.envelope`)."""
-        return envelope.handle(self, event)
+    @overload
+    def handle(self, event: StreamEvent) -> list[StreamAction]: ...
+    @overload
+    def handle(self, event: AdmissionEvent) -> list[AdmissionAction]: ...
+    @overload
+    def handle(self, event: EnvelopeEvent) -> tuple[EnvelopeAction, ...]: ...
+    def handle(
+        self, event: StreamEvent | AdmissionEvent | EnvelopeEvent
+    ) -> list[StreamAction] | list[AdmissionAction] | tuple[EnvelopeAction, ...]:
+        """One event: the session moves (:mod:`extproc.core.envelope`), or the sub-machine whose
+        event it is; the server executes the actions returned, in order.  The body (or an
+        rpm_only path) starts admission."""
+        t = type(event)
+        if t in STREAM_EVENTS:
+            stream = self._stream
+            if stream is None:
+                raise PhaseError(f"no metered stream takes {t.__name__}")
+            return stream.handle(event)
+        if t in ADMISSION_EVENTS:
+            adm = self._admission
+            if adm is None:
+                if t is not BodyArrived and t is not RpmOnlyArrived:
+                    raise PhaseError(f"admission has not started: {t.__name__}")
+                if self._builders is None:
+                    raise PhaseError("a session built without builders has no admission")
+                if t is BodyArrived:
+                    self.request_body()
+                adm = self._admission = self._builders.admission(self)
+            return adm.handle(event)
+        return envelope.handle(self, event)  # type: ignore[arg-type]
+
+    def start_stream(self, decoder: BodyDecoder | None) -> None:
+        """The response is metered as a stream: its machine starts (given builders)."""
+        if self._stream is not None:
+            raise PhaseError("the metered stream started twice")
+        if self._builders is not None:
+            self._stream = self._builders.stream(self, decoder)
+
+    @property
+    def stream(self) -> StreamMachine | None:
+        """The metered stream's machine, once started."""
+        return self._stream
 
     def request_headers(self) -> None:
         """The request's headers arrived."""

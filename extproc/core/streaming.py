@@ -343,7 +343,7 @@ class MeteredStream:
     def _after_count(self, resume: Resume) -> list[StreamAction]:
         """Run ``resume`` once the exact input count its figures need is taken (at once when
         none is needed; else after the server reports :class:`CountDone`)."""
-        if self.s.needs_count():
+        if self.s.needs_count:
             self._awaiting_count = AwaitingCount(resume)
             return [CountInput()]
         return self._resume(resume)

@@ -32,9 +32,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 from extproc.core.keys import WindowedBucket
+from extproc.errors import QuotaExceeded
 
 #: A rate bucket's kind, as the queue treats it.
 WaitKind = Literal["none", "fixed", "sliding", "concurrency"]
@@ -51,6 +52,8 @@ TICKET_LEASE_MS: Final = 3000
 HOLD_TIMEOUT_MS: Final = 60_000
 #: The request header that asks for a priority class (a plan's ``wait.max_priority`` caps it).
 PRIORITY_HEADER: Final = "x-aiquota-priority"
+#: The response header that tells how long an admitted request of a waiting plan waited.
+WAITED_HEADER: Final = "x-ratelimit-waited-ms"
 #: A turn never computed (a request alone over a rate limit).
 NEVER: Final = -1
 
@@ -254,3 +257,38 @@ def bucket_kinds(
         )
         for b in buckets
     )
+
+
+def wait_refusal(
+    err: QuotaExceeded, res: WaitAnswer, now_ms: int, *, declined: bool, waited_ms: int
+) -> QuotaExceeded:
+    """A waiting request's 429: its ``retry-after`` is the turn it would have needed (when one
+    was computed), and the message says why it does not wait."""
+    turn = res.turn_ms
+    if turn > now_ms:
+        err.retry_after_s = (turn - now_ms) / 1000.0
+    if declined:
+        why = "this gateway replica holds its most waiting requests"
+    elif res.queue_full:
+        why = "the tenant's queue of waiting requests is full"
+    elif turn == NEVER:
+        why = "the request alone exceeds the limit"
+    elif turn > now_ms:
+        why = (
+            f"its turn would come in {(turn - now_ms) / 1000.0:.3f}s, beyond the plan's "
+            "maximum wait"
+        )
+    else:
+        why = "its maximum wait is over"
+    waited = f" after waiting {waited_ms / 1000.0:.3f}s" if waited_ms > 0 else ""
+    err.message = f"{err.message} Not queued{waited}: {why}."
+    return err
+
+
+class WaitAnswer(Protocol):
+    """What a refusal reads of the limiter's answer to a waiting request's call."""
+
+    @property
+    def turn_ms(self) -> int: ...
+    @property
+    def queue_full(self) -> bool: ...

@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 from extproc.clock import Clock, SystemClock
 from extproc.core.keys import EXPIRY_SLACK_MS, open_key
 from extproc.core.rules import RATE_SCALE, Adjustment, BucketCharge, UnconfirmedCharge, ceil_div
-from extproc.core.waiting import Outcome, QueueBucket, decide
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.allowance import sizing
 from extproc.limiter.base import (
@@ -44,6 +43,7 @@ from extproc.limiter.base import (
     any_ledger,
 )
 from extproc.limiter.keyspace import Counter, Keyspace, Ledger, LedgerState, Scored
+from extproc.limiter.memory_queue import MemoryQueues
 
 #: Dead reservations one admission reclaims at most (admit.lua's LIMIT).
 RECLAIM_BATCH = 8
@@ -58,9 +58,7 @@ class MemoryLimiter:
         self.round_trips = 0
         # input_stop.lua's hashes (config version key -> model -> entry); no expiry here
         self._input_stops: dict[str, dict[str, str]] = {}
-        # admit.lua's queues: queue key -> ticket -> (score, lease deadline, tokens)
-        self.queues: dict[str, dict[str, tuple[int, int, int]]] = {}
-        self._stamp = 0  # the last ticket's arrival stamp
+        self.waiting = MemoryQueues()  # admit.lua's queues (docs/semantics.md, "Waiting")
 
     # -- the protocol ------------------------------------------------------------------------
 
@@ -86,58 +84,8 @@ class MemoryLimiter:
                 known.add(i)
         if self.keys.entry(ledger, now) is not None:
             return AdmitResult(False, True, tuple(vals), tuple(reclaimed), settled, alw[0])
-        q = call.queue
-        turn, full = 0, False
-        if q is None:
-            ok = all(
-                b.shadow or b.amount <= 0 or i in known or vals[i] + b.amount <= b.limit
-                for i, b in enumerate(buckets)
-            )
-        else:
-            tickets = self.queues.setdefault(q.keys[0], {})
-            for t in [t for t, (_, lease, _) in tickets.items() if lease <= now_ms]:
-                del tickets[t]
-            order = sorted(tickets, key=lambda t: (tickets[t][0], t))
-            ahead = order[: order.index(ledger)] if ledger in tickets else order
-            ahead_t = sum(tickets[t][2] for t in ahead)
-            qb = [
-                QueueBucket(
-                    kind,
-                    vals[i],
-                    0 if i in known else b.amount,
-                    b.limit,
-                    ahead=(ahead_t if b.kind == "tpm" else len(ahead)) if kind != "none" else 0,
-                    window_end_ms=end,
-                    window_ms=length,
-                    current=vals[i] - prev[i],
-                    previous=self.keys.counter_value(b.prev_key, now) if b.prev_key else 0,
-                    shadow=b.shadow,
-                )
-                for i, (b, (kind, end, length)) in enumerate(zip(buckets, q.buckets, strict=True))
-            ]
-            d = decide(
-                qb,
-                now_ms,
-                q.deadline_ms,
-                queued=len(tickets),
-                cap=q.cap,
-                ticketed=ledger in tickets,
-            )
-            ok = d.outcome is Outcome.ADMITTED
-            turn = d.turn_ms
-            if d.outcome is Outcome.WAIT:
-                if ledger in tickets:
-                    score = tickets[ledger][0]
-                else:  # admit.lua's arrival stamp (microseconds), strictly increasing
-                    self._stamp = max(self.clock.now_ms() * 1000, self._stamp + 1)
-                    score = self._stamp - q.offset_ms * 1000
-                tickets[ledger] = (score, turn + q.lease_ms, call.tpm_charged)
-                return AdmitResult(
-                    False, False, tuple(vals), tuple(reclaimed), settled, alw[0], True, turn
-                )
-            full = ledger not in tickets and 0 < q.cap <= len(tickets) and 0 < turn <= q.deadline_ms
-            tickets.pop(ledger, None)
-        if ok:
+        j = self.waiting.judge(call, vals, prev, known, keys=self.keys, now=now)
+        if j.ok:
             led = self.keys.ledger(ledger, now)
             led.state, led.seq, led.charged = "admitted", 0, call.tpm_charged
             for i, b in enumerate(buckets):
@@ -163,26 +111,17 @@ class MemoryLimiter:
                     led.draft = call.record_draft
             self.keys.expire_at(ledger, now + ledger_ttl_ms, now)
             return AdmitResult(True, False, tuple(vals), tuple(reclaimed), settled, alw[0])
-        if call.count_refused:
+        if call.count_refused and not j.wait:
             for i, b in enumerate(buckets):
                 if b.kind == "rpm":
                     vals[i] = self.keys.incr(b.key, 1, now) + prev[i]
                     self.keys.expire_at(b.key, b.expire_at_ms, now)
-        return AdmitResult(
-            False,
-            False,
-            tuple(vals),
-            tuple(reclaimed),
-            settled,
-            alw[0],
-            turn_ms=turn,
-            queue_full=full,
-        )
+        return AdmitResult(False, False, tuple(vals), tuple(reclaimed), settled, alw[0], *j[1:])
 
     async def leave_queue(self, ledger: str, keys: tuple[str, str, str]) -> bool:
         """leave.lua: the waiting request's ticket leaves its tenant's queue."""
         self.round_trips += 1
-        return self.queues.get(keys[0], {}).pop(ledger, None) is not None
+        return self.waiting.leave(ledger, keys[0])
 
     def _reclaim(
         self, open_set: str, now_ms: int, now: int, alw: list[int], *, only_alw: bool = False

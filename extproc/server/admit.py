@@ -1,8 +1,9 @@
 """Admission, executed: the core's :class:`~extproc.core.admission_flow.Admission` decides, this
 module runs what it asks for.
 
-The loop starts the admission on the request body (or on an ``rpm_only`` path), executes its
-actions in order and feeds it the answer of the last one: the exact input count
+The loop feeds the session the request body (or an ``rpm_only`` path's start), which starts its
+admission, executes the actions in order and feeds the session the answer of the last one
+(:meth:`extproc.core.session.Session.handle`): the exact input count
 (:mod:`extproc.server.counting`, a large prompt in a worker thread) or the admission call's
 answer.  The call itself (:func:`limiter_admit`) carries the settlements waiting for their
 batch, notes the counters' values for the next bound, and hands the records of dead
@@ -16,7 +17,8 @@ import asyncio
 import contextvars
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 
 import structlog
 
@@ -42,66 +44,75 @@ from extproc.core.actions import (
     Wait,
     WaitOver,
 )
-from extproc.core.admission_flow import Admission
 from extproc.core.events import (
     AdmissionEvent,
     AdmitAnswered,
     AdmitBacklogged,
     AdmitCancelled,
     AdmitFailed,
+    BodyArrived,
     InputCounted,
+    RpmOnlyArrived,
     TurnCame,
     WaitDeclined,
 )
 from extproc.core.session import Session
+from extproc.core.waiting import HOLD_TIMEOUT_MS
 from extproc.errors import LimiterUnavailable
 from extproc.gateway import Gateway
 from extproc.limiter.base import AdmitCall, AdmitResult
 from extproc.limiter.kept import Kept
 from extproc.records.model import draft_json
+from extproc.server import wire
 from extproc.server.counting import count_input
 from extproc.server.reclaim import record_reclaimed
+from extproc.server.writelock import WriteLock
 
 log = structlog.get_logger("extproc")
 
 
-def _admission(gw: Gateway, cfg: RuntimeConfig, s: Session) -> Admission:
-    return Admission(
-        s,
-        cfg,
-        key_prefix=gw.key_prefix,
-        room=gw.room,
-        records=gw.recorder is not None,
-        now_ms=gw.clock.now_ms,
-    )
+class Stream(Protocol):
+    """The request's gRPC stream, as a request held for its turn writes to it."""
+
+    writer: Any  # the gRPC context (None: none to write to)
+    write_lock: WriteLock
 
 
 async def admit_body(
-    gw: Gateway,
-    cfg: RuntimeConfig,
-    s: Session,
-    raw: bytes,
-    started: float,
-    *,
-    hold: Callable[[], Awaitable[None]] | None = None,
+    gw: Gateway, cfg: RuntimeConfig, s: Session, raw: bytes, started: float, *, stream: Stream
 ) -> bytes | None:
     """Admit the request (raise a :class:`GatewayError` when not); the body to forward.
-    ``hold``: asks Envoy for the time a request waiting for its turn needs."""
-    adm = _admission(gw, cfg, s)
-    return await _execute(gw, cfg, s, adm, adm.body(raw), started=started, hold=hold)
+    ``stream``: where a request waiting for its turn asks Envoy for the time it needs."""
+    return await _execute(
+        gw, cfg, s, s.handle(BodyArrived(raw)), started=started, hold=partial(_hold, stream)
+    )
+
+
+async def _hold(stream: Stream) -> None:
+    """The request waits for its turn: keep Envoy's message timeout from firing (one override
+    per message: the most ``max_message_timeout`` allows)."""
+    writer = stream.writer
+    if writer is None:
+        return
+    lock = stream.write_lock
+    if not lock.try_acquire():
+        await lock.acquire()
+    try:
+        await writer.write(wire.override_message_timeout(HOLD_TIMEOUT_MS))
+    finally:
+        lock.release()
 
 
 async def admit_rpm_only(gw: Gateway, cfg: RuntimeConfig, s: Session) -> None:
     """An unmetered path under ``paths.other: rpm_only``: one request on the RPM buckets."""
-    adm = _admission(gw, cfg, s)
-    await _execute(gw, cfg, s, adm, adm.rpm_only(), started=time.perf_counter())
+    started = time.perf_counter()
+    await _execute(gw, cfg, s, s.handle(RpmOnlyArrived()), started=started)
 
 
 async def _execute(
     gw: Gateway,
     cfg: RuntimeConfig,
     s: Session,
-    adm: Admission,
     actions: list[AdmissionAction],
     *,
     started: float,
@@ -121,10 +132,18 @@ async def _execute(
                     last = a  # the one that ends the step: always the last
             if last is None:
                 return None
-            if type(last) is Wait:
-                if last.first:
+            if type(last) is CallAdmit:
+                ev: AdmissionEvent = await limiter_admit(gw, cfg, s, last)
+            elif type(last) is ForwardBody:
+                return last.body
+            elif type(last) is CountExact:
+                api, req = s.api, s.req
+                assert api is not None and req is not None
+                ev = InputCounted(await count_input(gw, cfg, api, req, last.model, size=last.size))
+            elif type(last) is Wait:
+                if last.first and not held:
                     if gw.waiting >= cfg.max_waiters_per_replica:
-                        actions = adm.handle(WaitDeclined())
+                        actions = s.handle(WaitDeclined())
                         continue
                     held = True
                     gw.waiting += 1
@@ -132,47 +151,36 @@ async def _execute(
                     _log_wait(gw, s, last)
                     if hold is not None:
                         await hold()
-                actions = adm.handle(await _sleep_until_turn(gw, last))
-                continue
-            if type(last) is ForwardBody:
-                return last.body
-            actions = adm.handle(await _step(gw, cfg, s, adm, last))
+                ev = await _sleep_until_turn(gw, s, last)
+            elif type(last) is Reject:
+                raise last.error
+            else:  # pragma: no cover - every action is handled
+                raise TypeError(f"unknown admission action {last!r}")
+            actions = s.handle(ev)
     finally:
         if held:
             gw.waiting -= 1
             gw.metrics.waiters.dec()
 
 
-async def _step(
-    gw: Gateway, cfg: RuntimeConfig, s: Session, adm: Admission, last: AdmissionAction
-) -> AdmissionEvent:
-    """Execute the action that ends a step (a call, a count); its answer, or raise the
-    rejection."""
-    if type(last) is CallAdmit:
-        return await limiter_admit(gw, cfg, s, adm, last)
-    if type(last) is CountExact:
-        api, req = s.api, s.req
-        assert api is not None and req is not None
-        return InputCounted(await count_input(gw, cfg, api, req, last.model, size=last.size))
-    if type(last) is Reject:
-        raise last.error
-    raise TypeError(f"unknown admission action {last!r}")  # pragma: no cover
-
-
-async def _sleep_until_turn(gw: Gateway, w: Wait) -> AdmissionEvent:
+async def _sleep_until_turn(gw: Gateway, s: Session, w: Wait) -> AdmissionEvent:
     """Sleep until the request's turn; a client that hangs up meanwhile (the stream is
-    cancelled) leaves the queue at once."""
+    cancelled) leaves the queue at once (what admission asks on the cancel)."""
     try:
         await asyncio.sleep(max(0, w.until_ms - gw.clock.now_ms()) / 1000.0)
     except asyncio.CancelledError:
-        _leave_later(gw, w.ticket, w.queue)
+        _cancelled(gw, s)
         raise
     return TurnCame()
 
 
-def _leave_later(gw: Gateway, ticket: str, queue: tuple[str, str, str]) -> None:
-    """Take ``ticket`` out of its queue in the background (the request is going away)."""
-    gw.track(asyncio.ensure_future(_leave(gw, ticket, queue)))
+def _cancelled(gw: Gateway, s: Session) -> None:
+    """The request went away while admission waited: execute what it asks (a cancel to keep,
+    a ticket to take out of the queue)."""
+    for act in s.handle(AdmitCancelled()):
+        note = _NOTES.get(type(act))
+        assert note is not None  # only notes: a cancel to keep, a queue to leave
+        note(gw, s, act, 0.0)
 
 
 async def _leave(gw: Gateway, ticket: str, queue: tuple[str, str, str]) -> None:
@@ -272,7 +280,9 @@ def _pushed_back(gw: Gateway, s: Session, a: PushedBack, started: float) -> None
 
 
 def _leave_queue(gw: Gateway, s: Session, a: LeaveQueue, started: float) -> None:
-    _leave_later(gw, a.ticket, a.queue)
+    """The ticket leaves its queue, in the background (the request is going away, or will
+    not wait)."""
+    gw.track(asyncio.ensure_future(_leave(gw, a.ticket, a.queue)))
 
 
 def _wait_over(gw: Gateway, s: Session, a: WaitOver, started: float) -> None:
@@ -307,7 +317,7 @@ _NOTES: dict[type, Callable[[Gateway, Session, Any, float], None]] = {
 
 
 async def limiter_admit(
-    gw: Gateway, cfg: RuntimeConfig, s: Session, adm: Admission, a: CallAdmit
+    gw: Gateway, cfg: RuntimeConfig, s: Session, a: CallAdmit
 ) -> AdmissionEvent:
     """Make the admission call ``a`` and return its answer as the admission's event.
     Settlements waiting for their batch ride on it; requests of dead processors the call
@@ -337,12 +347,7 @@ async def limiter_admit(
         )
         done = res
     except asyncio.CancelledError:
-        for act in adm.handle(AdmitCancelled()):
-            note = _NOTES.get(type(act))
-            assert note is not None  # only a cancel to keep
-            note(gw, s, act, 0.0)
-        if a.queue is not None:  # the call may have taken a ticket
-            _leave_later(gw, s.ledger, a.queue.keys)
+        _cancelled(gw, s)
         raise
     except LimiterUnavailable as exc:
         return AdmitFailed(exc)

@@ -32,6 +32,7 @@ from extproc.core.bound_count import (
     note,
     note_due,
 )
+from extproc.core.envelope import BoundCounted, CountPrepared
 from extproc.core.phase_records import AdmitModel
 from extproc.core.session import Session
 from extproc.errors import GatewayBusy, GatewayError
@@ -106,9 +107,11 @@ class BoundCounting:
             return
         api, req, model = s.api, s.req, s.model
         assert api is not None and req is not None and isinstance(model, Model)
-        s.count_input_with(
-            lambda: api.count_input(req, model.counter, model.tokenizer),
-            inline=size <= OFFLOAD_BYTES,
+        s.handle(
+            CountPrepared(
+                lambda: api.count_input(req, model.counter, model.tokenizer),
+                inline=size <= OFFLOAD_BYTES,
+            )
         )
         self._run(after_admission(audit=self._gw.audit_input(self._cfg, model.name)))
 
@@ -171,7 +174,7 @@ class BoundCounting:
             exact = await self._counted()
         cost = s.cost
         if s.input_pending and cost is not None:
-            s.input_counted(cost.input_tokens if exact is None else exact)
+            s.handle(BoundCounted(cost.input_tokens if exact is None else exact))
             self._run(after_count(exact, note_after_s=note_after_s, settling=s.settling))
 
     async def input_known(self) -> None:
@@ -188,7 +191,7 @@ class BoundCounting:
         s = self._s
         if s.cost is None:  # fail-open: nothing charged
             return
-        needs, pending = s.needs_count(), s.input_pending
+        needs, pending = s.needs_count, s.input_pending
         # asked only when it decides (it takes room from the model's audits)
         ok = needs or not pending or self._may_bill_uncounted()
         if count_before_figures(needs_count=needs, pending=pending, may_bill_uncounted=ok):

@@ -2,8 +2,9 @@
 and executes the actions it returns (:mod:`extproc.core.envelope`).
 
 The servicer creates one :class:`RequestProcessor` per gRPC stream (one per HTTP request) and
-calls :meth:`RequestProcessor.handle` per ProcessingRequest.  The sub-machines are executed by
-their modules: :mod:`~extproc.server.request_headers`, :mod:`~extproc.server.admit`,
+calls :meth:`RequestProcessor.handle` per ProcessingRequest.  The session's sub-machines
+(admission, the metered stream: built by :mod:`~extproc.server.builders`, fed through the
+session) have their actions executed by their modules: :mod:`~extproc.server.request_headers`, :mod:`~extproc.server.admit`,
 :mod:`~extproc.server.stream`, :mod:`~extproc.server.body`, :mod:`~extproc.server.counting`,
 :mod:`~extproc.server.ending` (settlement in the background, after the last response is sent).
 """
@@ -20,13 +21,13 @@ from extproc.core import envelope as ev
 from extproc.core.lifecycle import Closed, LifecycleError
 from extproc.core.policies import fails_open
 from extproc.core.session import Session
-from extproc.core.waiting import HOLD_TIMEOUT_MS
 from extproc.errors import GatewayError, InternalError
 from extproc.gateway import Gateway
 from extproc.server import wire
 from extproc.server.admit import admit_body
 from extproc.server.answer import error_response
 from extproc.server.body import ResponseBody
+from extproc.server.builders import RequestMachines
 from extproc.server.counting import BoundCounting
 from extproc.server.ending import cut_stream, settle_request
 from extproc.server.request_headers import on_request_headers as request_headers
@@ -65,7 +66,7 @@ class RequestProcessor:
         self.gw = gw
         self.trace = gw.telemetry.open(call)  # the request's span (a no-op with tracing off)
         self.cfg = gw.config  # the rules this request started with (a reload does not move it)
-        self.s = Session()
+        self.s = Session(RequestMachines(gw, self.cfg))  # its sub-machines built on our rules
         self.started = time.perf_counter()
         self.driver: StreamDriver | None = None
         self.body: ResponseBody | None = None  # a JSON body read for usage, or rebuilt
@@ -127,26 +128,11 @@ class RequestProcessor:
 
     async def on_request_body(self, body: Any) -> wire.ProcessingResponse:
         """Admit the request. In BUFFERED mode the body is whole even when trailers follow."""
-        self.s.handle(ev.RequestBody())
-        new_body = await admit_body(
-            self.gw, self.cfg, self.s, body.body, self.started, hold=self._hold
-        )
+        new_body = await admit_body(self.gw, self.cfg, self.s, body.body, self.started, stream=self)
         self.s.handle(ev.AdmissionDone())
         self.trace.mark("admitted")
         self.counting.admitted(len(body.body))
         return wire.continue_request_body(new_body)
-
-    async def _hold(self) -> None:
-        """The request waits for its turn: keep Envoy's message timeout from firing."""
-        writer = self.writer
-        if writer is None:
-            return
-        if not self.write_lock.try_acquire():
-            await self.write_lock.acquire()
-        try:
-            await writer.write(wire.override_message_timeout(HOLD_TIMEOUT_MS))
-        finally:
-            self.write_lock.release()
 
     # -- response: the session's envelope actions, executed -----------------------------------
 
@@ -175,11 +161,9 @@ class RequestProcessor:
                 await self.counting.figures_ready()
             case ev.CountInput():
                 self.counting.response_metered()  # when its figure may not stand uncounted
-            case ev.MeterStream(decoder):
+            case ev.MeterStream():
                 ready = self.counting.figures_ready
-                self.driver = StreamDriver(
-                    gw, self.cfg, s, decoder, figures_ready=ready, trace=self.trace
-                )
+                self.driver = StreamDriver(gw, self.cfg, s, figures_ready=ready, trace=self.trace)
                 gw.metrics.active_streams.inc()
             case ev.RebuildJson(decoder) | ev.ReadJson(decoder):
                 exact = isinstance(action, ev.RebuildJson)

@@ -1,7 +1,8 @@
 """A metered response stream, executed: events fed to the core's stream, its actions run.
 
 The driver feeds each upstream body chunk (with the answer of a charge that finished since the
-chunk before) to :class:`extproc.core.streaming.MeteredStream` and executes what it returns:
+chunk before) to the session, whose metered stream (:class:`extproc.core.streaming.MeteredStream`)
+takes it, and executes what it returns:
 forward bytes, start one charge at a time in the background, wait for it when events are
 held, take the exact input count off the event loop when a figure needs it, render a cut as
 the API's error event then an aborted response, count and log.  It decides nothing itself.
@@ -29,8 +30,8 @@ from extproc.core.actions import (
     StartCharge,
     StreamAction,
 )
-from extproc.core.encoding import BodyDecoder
 from extproc.core.events import (
+    BodyChunk,
     ChargeAbandoned,
     ChargeAnswered,
     ChargeFailed,
@@ -42,7 +43,6 @@ from extproc.core.events import (
 from extproc.core.lifecycle import CutReason
 from extproc.core.meter import StreamMeter
 from extproc.core.phase_records import StreamEnd
-from extproc.core.policies import fails_open
 from extproc.core.session import Session
 from extproc.core.streaming import CHARGE_WAIT_SECONDS, MeteredStream
 from extproc.errors import LimiterUnavailable
@@ -68,22 +68,16 @@ class StreamDriver:
         gw: Gateway,
         cfg: RuntimeConfig,
         s: Session,
-        decoder: BodyDecoder | None = None,
         *,
         figures_ready: Callable[[], Awaitable[None]] | None = None,
         trace: RequestTrace = NOOP_TRACE,
     ) -> None:
         self.gw, self.cfg, self.s = gw, cfg, s
         self.trace = trace
-        self.stream = MeteredStream(
-            s,
-            decoder,
-            force_include_usage=cfg.force_include_usage,
-            key_prefix=gw.key_prefix,
-            lease_ms=cfg.reservation_lease_ms,
-            fail_open=fails_open(cfg.failure_mode_for(s.plan)),
-            now_ms=gw.clock.now_ms,
-        )
+        stream = s.stream  # started by the session with the response's headers
+        assert isinstance(stream, MeteredStream)
+        #: the session's metered stream (read here: fed only through the session)
+        self.stream = stream
         # takes the exact input count a figure needs (a large prompt's off the event loop)
         self._figures_ready = figures_ready
         self._task: asyncio.Task[ChargeResult] | None = None
@@ -102,7 +96,7 @@ class StreamDriver:
         """Responses for one upstream body chunk."""
         task = self._task
         answer = self._answer() if task is not None and task.done() else None
-        actions = self.stream.chunk(data, end, answer)
+        actions = self.s.handle(BodyChunk(data, end, answer))
         if len(actions) == 1:
             a = actions[0]
             # the common case: forward, no Redis, no await (and the stream goes on)
@@ -116,7 +110,7 @@ class StreamDriver:
 
     async def trailers(self) -> list[wire.ProcessingResponse]:
         """Upstream trailers: flush what the meter holds before they pass."""
-        return await self._run(self.stream.handle(Trailers()))
+        return await self._run(self.s.handle(Trailers()))
 
     @property
     def complete(self) -> bool:
@@ -131,7 +125,7 @@ class StreamDriver:
         """End the stream now with the API's error event for ``reason`` (the input count is
         taken: the caller awaited it)."""
         out: list[wire.ProcessingResponse] = []
-        for a in self.stream.handle(CutNow(reason)):
+        for a in self.s.handle(CutNow(reason)):
             assert isinstance(a, Cut)
             out += self._render_cut(a)
         self.ended = self.stream.ended
@@ -154,12 +148,12 @@ class StreamDriver:
             elif isinstance(a, StartCharge):
                 self._start_charge(a)
             elif isinstance(a, AwaitCharge):
-                todo = todo[i:] + self.stream.handle(await self._wait_answer())
+                todo = todo[i:] + self.s.handle(await self._wait_answer())
                 i = 0
             elif isinstance(a, CountInput):
                 if self._figures_ready is not None:
                     await self._figures_ready()
-                todo = todo[i:] + self.stream.handle(CountDone())
+                todo = todo[i:] + self.s.handle(CountDone())
                 i = 0
             elif isinstance(a, Cut):
                 out += self._render_cut(a)
@@ -254,7 +248,7 @@ class StreamDriver:
         if not task.done():
             await asyncio.wait([task])
         if self._task is task:
-            for a in self.stream.handle(self._answer(late=True)):
+            for a in self.s.handle(self._answer(late=True)):
                 self._note(a)
 
     async def settle_charge(self) -> None:
@@ -268,4 +262,4 @@ class StreamDriver:
         except Exception as exc:  # settlement must still run
             log.warning("pending_charge_lost", request_id=self.s.request_id, error=repr(exc))
         if self._task is not None:
-            self.stream.handle(ChargeAbandoned())
+            self.s.handle(ChargeAbandoned())

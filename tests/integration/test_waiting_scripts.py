@@ -30,7 +30,7 @@ _COST = compute_cost(input_tokens=1, per_choice_max=0, n=1, stream=False, chargi
 
 async def _queued(backend: Backend, key: str) -> int:
     if isinstance(backend.limiter, MemoryLimiter):
-        return len(backend.limiter.queues.get(key, {}))
+        return len(backend.limiter.waiting.queues.get(key, {}))
     return await backend.probe.members(key)
 
 

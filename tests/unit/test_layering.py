@@ -385,15 +385,13 @@ def test_no_module_of_the_core_or_the_server_is_over_the_limit(package: str) -> 
 #: here on purpose (and is better a new event of the core).
 SESSION_ENTRY_POINTS = frozenset(
     {
-        # the request's envelope, event by event (extproc.core.envelope): headers, body,
-        # admission's yes, answers, response headers, body, trailers, close, settlement's start
+        # the request, event by event: its envelope (extproc.core.envelope: headers, body,
+        # admission's yes, answers, response headers, body, trailers, close, settlement's
+        # start) and its two sub-machines' events (extproc.core.sub_machines: admission's
+        # start, count and limiter answers; the metered stream's chunks, charge answers...)
         "handle",
         # not the session's: the limiter's own ``admit`` (a name the session also has)
         "admit",
-        # the count of a prompt admitted on a bound (extproc.core.bound_count)
-        "count_input_with",
-        "input_counted",
-        "needs_count",
         # settlement (extproc.core.settlement)
         "input_tokens",
         "settlement",
@@ -445,6 +443,52 @@ def test_the_entry_point_check_sees_a_mutator_call(tmp_path: Path) -> None:
     f = tmp_path / "x.py"
     f.write_text("def f(s):\n    s.input_figure()\n    s.settlement(0)\n")
     assert session_calls(f, session_methods()) - SESSION_ENTRY_POINTS == {"input_figure"}
+
+
+#: Who the server may feed events to: the session (``s``, ``self.s``); the servicer feeds the
+#: processor (``proc``) the ext_proc messages.
+HANDLE_RECEIVERS = frozenset({"s", "self.s", "proc"})
+
+
+def handle_receivers(path: Path) -> set[str]:
+    """What ``path`` calls ``.handle(...)`` on, as written (``s``, ``self.stream``...)."""
+    tree = ast.parse(path.read_text("utf-8"))
+    return {
+        ast.unparse(node.func.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "handle"
+    }
+
+
+def test_the_server_feeds_the_sub_machines_through_the_session() -> None:
+    """Admission and the metered stream are the session's sub-machines: extproc/server feeds
+    every event to the session (``s.handle``), never to a machine of its own, and builds them
+    in one place (extproc/server/builders.py, given to the session)."""
+    fed = {
+        str(p.relative_to(ROOT)): sorted(handle_receivers(p) - HANDLE_RECEIVERS)
+        for p in (ROOT / "server").rglob("*.py")
+    }
+    assert not {k: v for k, v in fed.items() if v}, fed
+    builds = {
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "server").rglob("*.py")
+        if {"Admission", "MeteredStream"}
+        & {
+            ast.unparse(n.func)
+            for n in ast.walk(ast.parse(p.read_text("utf-8")))
+            if isinstance(n, ast.Call)
+        }
+    }
+    assert builds == {"server/builders.py"}, builds
+
+
+def test_the_feeding_check_sees_a_machine_fed_directly(tmp_path: Path) -> None:
+    """The check itself can fail: a stream fed directly is reported, the session is not."""
+    f = tmp_path / "x.py"
+    f.write_text("def f(self, s, ev):\n    self.stream.handle(ev)\n    s.handle(ev)\n")
+    assert handle_receivers(f) - HANDLE_RECEIVERS == {"self.stream"}
 
 
 #: The processor is a loop that feeds the session events and executes its actions: no longer.

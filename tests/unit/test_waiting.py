@@ -151,4 +151,4 @@ def test_simulated_waiting_is_the_ideal_schedule(
         simulate(lim, requests, limit=limit, window_s=window_s, max_wait_ms=max_wait_ms, run="m")
     )
     check(requests, got, limit=limit, window_s=window_s, max_wait_ms=max_wait_ms)
-    assert not any(lim.queues.values())  # every ticket gone: admitted or refused
+    assert not any(lim.waiting.queues.values())  # every ticket gone: admitted or refused
