@@ -131,9 +131,11 @@ def test_waiting_as_the_example_says(wstack: Stack, rds: redis.Redis) -> None:
     for x in a[2:]:  # just after the next boundary
         done = x.started + x.took
         assert w0 + WINDOW <= done < w0 + WINDOW + 2.0, (x, w0)
+        # from its first admission call (after its count) to its admission
         waited = int(x.headers["x-ratelimit-waited-ms"])
-        assert WINDOW * 1000 - 1500 <= waited <= WINDOW * 1000, x
+        assert x.took * 1000 - 2500 <= waited <= x.took * 1000, x
     assert int(a[0].headers["x-ratelimit-waited-ms"]) == 0
+    told = [int(x.headers["x-ratelimit-waited-ms"]) for x in a[2:]]
 
     # -- 6 concurrent from each of wait-a and wait-b, in a window where both start from 0
     w1 = window_start()  # the window after w0's next: wait-a's waiters took that one
@@ -150,6 +152,7 @@ def test_waiting_as_the_example_says(wstack: Stack, rds: redis.Redis) -> None:
             assert float(x.headers["retry-after-ms"]) / 1000 > 15.0, x
         served = [x for x in mine if x.status == 200]
         assert sum(1 for x in served if x.took < 2.0) == 2, served
+        told += [int(x.headers["x-ratelimit-waited-ms"]) for x in served[2:]]
         assert all(w1 + WINDOW <= x.started + x.took < w1 + WINDOW + 2.0 for x in served[2:])
     # the upstream's own records: at most 2 per tenant per window, 4 each in this scenario
     for tenant in ("wait-a", "wait-b"):
@@ -185,8 +188,7 @@ def test_waiting_as_the_example_says(wstack: Stack, rds: redis.Redis) -> None:
         if len(long) >= 6 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert len(long) == 6, usage
-    assert all(8_000 <= r.waited_ms <= 10_000 for r in long), long
+    assert sorted(r.waited_ms for r in long) == sorted(told), (long, told)
 
 
 def test_a_wait_longer_than_envoys_message_timeout_is_held(wstack: Stack) -> None:
