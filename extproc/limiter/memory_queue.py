@@ -73,7 +73,15 @@ class MemoryQueues:
         for t in [t for t, (_, lease, _) in tickets.items() if lease <= now_ms]:
             del tickets[t]
         order = sorted(tickets, key=lambda t: (tickets[t][0], t))
-        ahead = order[: order.index(ledger)] if ledger in tickets else order
+        ticketed = ledger in tickets
+        # a newcomer's place: its arrival stamp (strictly increasing) less its priority offset
+        stamp = max(clock_ms * 1000, self._stamp + 1)
+        score = tickets[ledger][0] if ticketed else stamp - q.offset_ms * 1000
+        ahead = (
+            order[: order.index(ledger)]
+            if ticketed
+            else [t for t in order if tickets[t][0] < score]
+        )
         ahead_t = sum(tickets[t][2] for t in ahead)
         qb = [
             QueueBucket(
@@ -90,14 +98,10 @@ class MemoryQueues:
             )
             for i, (b, (kind, end, length)) in enumerate(zip(call.buckets, q.buckets, strict=True))
         ]
-        ticketed = ledger in tickets
         d = decide(qb, now_ms, q.deadline_ms, queued=len(tickets), cap=q.cap, ticketed=ticketed)
         if d.outcome is Outcome.WAIT:
-            if ticketed:
-                score = tickets[ledger][0]
-            else:
-                self._stamp = max(clock_ms * 1000, self._stamp + 1)
-                score = self._stamp - q.offset_ms * 1000
+            if not ticketed:
+                self._stamp = stamp
             tickets[ledger] = (score, d.turn_ms + q.lease_ms, call.tpm_charged)
             return d, False
         full = not ticketed and 0 < q.cap <= len(tickets) and 0 < d.turn_ms <= q.deadline_ms

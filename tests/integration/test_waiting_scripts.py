@@ -15,7 +15,13 @@ import pytest
 from extproc.core.admission_plan import admission_charges, buckets_for, compute_cost
 from extproc.core.keys import ledger_key, tenant_tag
 from extproc.core.rules import Charging, Limit
-from extproc.core.waiting import TICKET_LEASE_MS, QueueCall, bucket_kinds, queue_keys
+from extproc.core.waiting import (
+    CONCURRENCY_POLL_MS,
+    TICKET_LEASE_MS,
+    QueueCall,
+    bucket_kinds,
+    queue_keys,
+)
 from extproc.limiter import layout
 from extproc.limiter.base import AdmitCall, AdmitResult
 from extproc.limiter.memory import MemoryLimiter
@@ -34,9 +40,19 @@ async def _queued(backend: Backend, key: str) -> int:
     return await backend.probe.members(key)
 
 
-def _call(tenant: str, name: str, now: int, arrival: int, *, cap: int = 0) -> AdmitCall:
+def _call(
+    tenant: str,
+    name: str,
+    now: int,
+    arrival: int,
+    *,
+    cap: int = 0,
+    offset_ms: int = 0,
+    limit: Limit = _LIMIT,
+    lease_ms: int = 0,
+) -> AdmitCall:
     bs = buckets_for(
-        prefix=PREFIX, tenant=tenant, key_name="k", model="*", limits=(_LIMIT,), now_ms=now
+        prefix=PREFIX, tenant=tenant, key_name="k", model="*", limits=(limit,), now_ms=now
     )
     return AdmitCall(
         ledger_key(PREFIX, tenant, name),
@@ -45,9 +61,10 @@ def _call(tenant: str, name: str, now: int, arrival: int, *, cap: int = 0) -> Ad
         count_refused=False,
         ledger_ttl_ms=600_000,
         now_ms=now,
+        lease_until_ms=now + lease_ms if lease_ms else 0,
         queue=QueueCall(
             queue_keys(tenant_tag(PREFIX, tenant), tenant),
-            0,
+            offset_ms,
             arrival + 15_000,
             bucket_kinds(bs),
             cap=cap,
@@ -128,3 +145,45 @@ def test_a_replay_takes_no_ticket() -> None:
     replay = packed.replay()
     assert replay[-1] == 0 and len(replay) == packed.queue_at + 1
     assert packed.args[-1] == len(packed.args) - 1 - packed.queue_at
+
+
+async def test_a_higher_class_goes_ahead_of_one_that_came_within_its_boost(
+    backend: Backend,
+) -> None:
+    lim, t0 = backend.limiter, _window_start()
+    tenant = f"w{uuid.uuid4().hex[:6]}"
+    one = Limit("rpm", 1, 10, "*", "tenant")
+    assert (await lim.admit(_call(tenant, "a", t0, t0, limit=one))).admitted
+    b = await lim.admit(_call(tenant, "b", t0 + 1, t0 + 1, limit=one))
+    assert b.wait and b.turn_ms == t0 + 10_000
+    # c comes later, a class higher (worth 5 s): it queues ahead of b, its turn is b's
+    c = await lim.admit(_call(tenant, "c", t0 + 2, t0 + 2, limit=one, offset_ms=5000))
+    assert c.wait and c.turn_ms == t0 + 10_000
+    # a class-0 newcomer queues behind both
+    d = await lim.admit(_call(tenant, "d", t0 + 3, t0 + 3, limit=one))
+    assert not d.admitted and not d.wait and d.turn_ms == t0 + 30_000  # beyond 15 s: refused
+    # at the boundary b, asking first, finds c ahead: its turn is now the next boundary,
+    # past its deadline (the cost of a higher class: docs/semantics.md, "Waiting"): refused
+    b2 = await lim.admit(_call(tenant, "b", t0 + 10_000, t0 + 1, limit=one))
+    assert not b2.admitted and not b2.wait and b2.turn_ms == t0 + 20_000
+    assert (await lim.admit(_call(tenant, "c", t0 + 10_000, t0 + 2, limit=one))).admitted
+    assert await _queued(backend, queue_keys(tenant_tag(PREFIX, tenant), tenant)[0]) == 0
+
+
+async def test_concurrency_waits_for_a_slot(backend: Backend) -> None:
+    lim, t0 = backend.limiter, _window_start()
+    tenant = f"w{uuid.uuid4().hex[:6]}"
+    slot = Limit("concurrency", 1, 0, "*", "tenant")
+    a = _call(tenant, "a", t0, t0, limit=slot, lease_ms=60_000)
+    assert (await lim.admit(a)).admitted
+    b = await lim.admit(_call(tenant, "b", t0 + 1, t0 + 1, limit=slot, lease_ms=60_000))
+    assert b.wait and b.turn_ms == t0 + 1 + CONCURRENCY_POLL_MS
+    # still running at b's turn: b asks again later
+    again = await lim.admit(_call(tenant, "b", b.turn_ms, t0 + 1, limit=slot, lease_ms=60_000))
+    assert again.wait
+    await lim.settle(a.ledger, [], ledger_ttl_ms=600_000)  # a ends: its slot is free
+    done = await lim.admit(_call(tenant, "b", again.turn_ms, t0 + 1, limit=slot, lease_ms=60_000))
+    assert done.admitted
+    # past the deadline with the slot still held, refused
+    late = await lim.admit(_call(tenant, "c", t0 + 2, t0 - 15_000, limit=slot, lease_ms=60_000))
+    assert not late.admitted and not late.wait

@@ -155,7 +155,7 @@ end
 local closed = found == 'settled'
 -- the queue: lapsed tickets go, then the units of the waiters ahead of this request
 local q0 = #ARGV - qlen
-local Q, QL, QT, mine
+local Q, QL, QT, mine, stamp, score
 local ahead_n, ahead_t = 0, 0
 if qlen > 0 then
   local qk = tonumber(ARGV[q0])
@@ -171,7 +171,13 @@ if qlen > 0 then
   if mine then
     ahead = mine > 0 and redis.call('ZRANGE', Q, 0, mine - 1) or {}
   else
-    ahead = redis.call('ZRANGE', Q, 0, -1)
+    -- a newcomer's place: its arrival by Redis's own clock (every replica's tickets in one
+    -- order), strictly increasing, less its priority offset; those scored before it are ahead
+    local t = redis.call('TIME')
+    stamp = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    stamp = math.max(stamp, tonumber(redis.call('HGET', QT, '~last') or '0') + 1)
+    score = stamp - tonumber(ARGV[q0 + 1]) * 1000
+    ahead = redis.call('ZRANGEBYSCORE', Q, '-inf', string.format('(%.17g', score))
   end
   ahead_n = #ahead
   for j = 1, #ahead, 500 do
@@ -279,16 +285,8 @@ if not ok and qlen > 0 then
     full = 1 -- refused: the tenant's queue is full
   elseif turn > 0 and turn <= deadline then
     if not mine then
-      -- arrival order by Redis's own clock (every replica's tickets in one order), strictly
-      -- increasing; a priority class counts as arriving earlier by its offset
-      local t = redis.call('TIME')
-      local stamp = tonumber(t[1]) * 1000000 + tonumber(t[2])
-      local last = tonumber(redis.call('HGET', QT, '~last') or '0')
-      if stamp <= last then
-        stamp = last + 1
-      end
       redis.call('HSET', QT, '~last', stamp)
-      redis.call('ZADD', Q, stamp - tonumber(ARGV[q0 + 1]) * 1000, ledger)
+      redis.call('ZADD', Q, score, ledger)
     end
     local lapse = turn + tonumber(ARGV[q0 + 3])
     redis.call('ZADD', QL, lapse, ledger)
