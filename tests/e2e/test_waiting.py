@@ -16,6 +16,7 @@ Envoys, so every scenario runs on both replicas and one queue order serves them 
 
 from __future__ import annotations
 
+import signal
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -24,21 +25,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 import redis
 import yaml
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.core.keys import tenant_tag
 from extproc.core.waiting import queue_keys
 from extproc.records.model import UsageRecord
 from extproc.stack import Stack, free_port, port_in_use
-from tests.e2e.conftest import make_stack
+from tests.e2e.conftest import caller_metadata, grpc_channel, make_stack
 
 pytestmark = pytest.mark.e2e
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "config" / "examples" / "waiting.yaml"
 WINDOW = 10.0
+BODY = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 @dataclass
@@ -77,10 +83,9 @@ def ask(stack: Stack, key: str, envoy: int, *, timeout: float = 30.0) -> Answer:
     """One chat completion through Envoy ``envoy`` (an Answer with status 0: the client gave
     up at ``timeout``, closing its connection)."""
     url = f"http://127.0.0.1:{stack.envoy_ports[envoy]}/v1/chat/completions"
-    body = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     start = time.time()
     try:
-        r = httpx.post(url, json=body, headers={"authorization": f"Bearer {key}"}, timeout=timeout)
+        r = httpx.post(url, json=BODY, headers={"authorization": f"Bearer {key}"}, timeout=timeout)
     except httpx.TimeoutException:
         return Answer(key, 0, start, time.time() - start, {})
     return Answer(key, r.status_code, start, time.time() - start, dict(r.headers))
@@ -204,3 +209,67 @@ def test_a_wait_longer_than_envoys_message_timeout_is_held(wstack: Stack) -> Non
     stats = httpx.get(f"http://127.0.0.1:{wstack.ports.envoy_admin}/stats").text
     overrides = [ln for ln in stats.splitlines() if "override_message_timeout" in ln]
     assert any(not ln.endswith(": 0") for ln in overrides), overrides
+
+
+def direct(stack: Stack, replica: int, key: str, rid: str) -> list[Any]:
+    """One request straight to processor ``replica``'s ext_proc stream, as Envoy opens one
+    (headers, then the whole body): the responses it got, and the error that ended it, if any."""
+    hh = pb.HttpHeaders()
+    for k, v in {
+        ":path": "/v1/chat/completions",
+        ":method": "POST",
+        "authorization": f"Bearer {key}",
+        "content-type": "application/json",
+        "x-request-id": rid,
+    }.items():
+        hh.headers.headers.append(base_pb2.HeaderValue(key=k, raw_value=v.encode()))
+    body = httpx.Request("POST", "http://x", json=BODY).content
+    reqs = iter(
+        [
+            pb.ProcessingRequest(request_headers=hh),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)),
+        ]
+    )
+    out: list[Any] = []
+    with grpc_channel(stack, stack.extproc_ports[replica]) as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        try:
+            for r in stub.Process(reqs, metadata=caller_metadata(stack), timeout=40):
+                out.append(r)
+        except grpc.RpcError as exc:
+            out.append(exc)
+    return out
+
+
+def test_a_killed_processors_ticket_lapses_and_holds_nobody_back(
+    wstack: Stack, rds: redis.Redis
+) -> None:
+    """A request held by a processor that dies (SIGKILL) leaves its ticket behind: a waiter
+    behind it is still served at its own turn (room for both), and the dead ticket lapses at
+    its turn plus 3 s (the next admission of the tenant drops it).  Last in this module: it
+    kills a replica."""
+    q = queue_keys(tenant_tag("aiq", "wait-b"), "wait-b")[0]
+    window_start()
+    w = window_start()  # two windows on: wait-b's earlier ones are over
+    assert [x.status for x in burst(wstack, ["sk-wait-b"] * 2)] == [200, 200]
+    with ThreadPoolExecutor(2) as pool:
+        doomed = pool.submit(direct, wstack, 1, "sk-wait-b", "doomed-1")
+        deadline = time.monotonic() + 5
+        while rds.zcard(q) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rds.zcard(q) == 1  # replica 1 holds it, waiting for w + 10 s
+        wstack.signal("extproc1", signal.SIGKILL)
+        assert any(isinstance(r, Exception) for r in doomed.result())  # its stream broke
+        assert rds.zcard(q) == 1  # its ticket stays behind
+        behind = pool.submit(direct, wstack, 0, "sk-wait-b", "behind-1")
+        got = behind.result()
+    done = time.time()
+    bodies = [r for r in got if not isinstance(r, Exception) and r.HasField("request_body")]
+    assert bodies, got  # admitted: its body goes upstream
+    assert w + WINDOW <= done < w + WINDOW + 2.0
+    # the dead ticket lapses at w + 10 s + 3 s: the tenant's next admission after it drops it
+    time.sleep(max(0.0, w + WINDOW + 3.5 - time.time()))
+    assert rds.zcard(q) == 1
+    after = direct(wstack, 0, "sk-wait-b", "after-1")
+    assert any(not isinstance(r, Exception) and r.HasField("request_body") for r in after)
+    assert rds.zcard(q) == 0
