@@ -37,20 +37,28 @@ class Outcome:
 
 
 def ideal(
-    arrivals: Sequence[int], *, limit: int, window_ms: int, max_wait_ms: int
+    arrivals: Sequence[int],
+    *,
+    limit: int,
+    window_ms: int,
+    max_wait_ms: int,
+    sizes: Sequence[int] = (),
 ) -> list[int | None]:
-    """Each request's admission time by the window arithmetic (None: refused at once)."""
+    """Each request's admission time by the window arithmetic (None: refused at once): in
+    arrival order, from its arrival and not before the request admitted before it, the first
+    window with room for it (``sizes``: each one's units, else 1)."""
     used: dict[int, int] = {}
     last = 0
     out: list[int | None] = []
-    for a in arrivals:
+    for i, a in enumerate(arrivals):
+        n = sizes[i] if sizes else 1
         t = max(a, last)
-        while used.get(t // window_ms, 0) >= limit:
+        while n <= limit and used.get(t // window_ms, 0) + n > limit:
             t = (t // window_ms + 1) * window_ms
-        if t > a + max_wait_ms:
+        if n > limit or t > a + max_wait_ms:
             out.append(None)
             continue
-        used[t // window_ms] = used.get(t // window_ms, 0) + 1
+        used[t // window_ms] = used.get(t // window_ms, 0) + n
         last = t
         out.append(t)
     return out
@@ -64,10 +72,11 @@ async def simulate(
     window_s: int,
     max_wait_ms: int,
     run: str,
+    tokens: Sequence[int] = (),
 ) -> list[Outcome]:
-    """Drive each (tenant, arrival ms) through admission and its waits, in time order."""
-    lim = Limit("rpm", limit, window_s, "*", "tenant")
-    cost = compute_cost(input_tokens=1, per_choice_max=0, n=1, stream=False, charging=Charging())
+    """Drive each (tenant, arrival ms) through admission and its waits, in time order; with
+    ``tokens`` (one per request), over a TPM limit instead of an RPM one."""
+    lim = Limit("tpm" if tokens else "rpm", limit, window_s, "*", "tenant")
     events: list[tuple[int, int, int]] = []  # (time, seq, request)
     for i, (_, at) in enumerate(requests):
         heapq.heappush(events, (at, i, i))
@@ -87,11 +96,15 @@ async def simulate(
             bucket_kinds(bs),
         )
         calls[i] += 1
+        n = tokens[i] if tokens else 1
+        cost = compute_cost(
+            input_tokens=n, per_choice_max=0, n=1, stream=False, charging=Charging()
+        )
         res = await limiter.admit(
             AdmitCall(
                 ledger_key(PREFIX, tenant, f"{run}.{i}"),
                 admission_charges(bs, cost),
-                tpm_charged=1,
+                tpm_charged=n,
                 count_refused=False,
                 ledger_ttl_ms=600_000,
                 now_ms=now,
@@ -116,10 +129,11 @@ def check(
     limit: int,
     window_s: int,
     max_wait_ms: int,
+    tokens: Sequence[int] = (),
 ) -> None:
     """The simulated outcomes equal the ideal ones, tenant by tenant; a refused request was
     refused on its first call (never after waiting in vain) with the retry-after of the turn
-    it would have needed."""
+    it would have needed (none for one alone over the limit)."""
     tenants = sorted({t for t, _ in requests})
     for tenant in tenants:
         idx = [i for i, (t, _) in enumerate(requests) if t == tenant]
@@ -130,10 +144,32 @@ def check(
             limit=limit,
             window_ms=window_s * 1000,
             max_wait_ms=max_wait_ms,
+            sizes=[tokens[i] for i in idx] if tokens else (),
         )
         for i, w in zip(idx, want, strict=True):
             o = got[i]
             assert o.at_ms == w, (tenant, i, requests[i], o, w)
             if w is None:
                 assert o.calls == 1, (tenant, i, o)
-                assert o.retry_ms > max_wait_ms, (tenant, i, o)
+                alone_over = bool(tokens) and tokens[i] > limit
+                assert alone_over or o.retry_ms > max_wait_ms, (tenant, i, o)
+
+
+def check_tokens(
+    requests: Sequence[tuple[str, int]],
+    tokens: Sequence[int],
+    got: Sequence[Outcome],
+    *,
+    limit: int,
+    window_s: int,
+    max_wait_ms: int,
+) -> None:
+    """Over a TPM limit, requests of different sizes: the ideal schedule packs them in order
+    (:func:`ideal`), and no window of a tenant holds more than the limit."""
+    check(requests, got, limit=limit, window_s=window_s, max_wait_ms=max_wait_ms, tokens=tokens)
+    used: dict[tuple[str, int], int] = {}
+    for (tenant, _), n, o in zip(requests, tokens, got, strict=True):
+        if o.at_ms is not None:
+            w = (tenant, o.at_ms // (window_s * 1000))
+            used[w] = used.get(w, 0) + n
+    assert all(v <= limit for v in used.values()), used

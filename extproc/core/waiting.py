@@ -22,9 +22,10 @@ ticket), in one atomic step (admit.lua mirrors :func:`decide`; the in-memory lim
 * otherwise **wait** until its turn: the server sleeps until then and calls again (the same
   ledger: the call is idempotent).
 
-Turns come from the window arithmetic, counting the units ahead as if they were served first
-(a fluid count: for RPM, exact; for tokens, requests of different sizes may need a window more
-than the arithmetic says, and the request is then told so when it calls again).
+Turns come from the window arithmetic, counting the waiters ahead as served first: on a fixed
+window they are packed in queue order (:func:`packed_turn`: exact when every request of the
+tenant waits); on a sliding window the count is fluid (a request may find its turn later when
+it asks again, and is told so then).
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ class QueueBucket:
     amount: int
     limit: int
     ahead: int = 0
+    #: the waiters ahead one by one, in queue order (a fixed window's turn packs them in
+    #: order; empty: ``ahead`` is taken as that many units of 1, a request count)
+    sizes: tuple[int, ...] = ()
     window_end_ms: int = 0
     window_ms: int = 0
     current: int = 0
@@ -104,9 +108,11 @@ def turn_ms(b: QueueBucket, now_ms: int) -> int:
     (``now_ms`` when it has room now; :data:`NEVER` when the request alone exceeds the limit;
     a concurrency bucket's turn is unknown: ``now_ms`` + :data:`CONCURRENCY_POLL_MS`).
 
-    Fixed window: what does not fit in this window spills into the next ones, ``limit`` per
-    window.  Sliding window: within this window, room grows as the previous window's share
-    shrinks; beyond it the queue drains at ``limit`` per window length."""
+    Fixed window: the waiters ahead and then the request are packed into this window and the
+    next ones in queue order, each in the first window whose room takes it after the ones
+    before it (a request count: ``limit`` per window).  Sliding window: within this window,
+    room grows as the previous window's share shrinks; beyond it the queue drains at ``limit``
+    per window length (a fluid count)."""
     if b.room():
         return now_ms
     if b.amount > b.limit:
@@ -115,6 +121,8 @@ def turn_ms(b: QueueBucket, now_ms: int) -> int:
         return now_ms + CONCURRENCY_POLL_MS
     need = b.ahead + b.amount
     limit, end, length = b.limit, b.window_end_ms, max(1, b.window_ms)
+    if b.kind == "fixed" and b.sizes:
+        return max(now_ms, packed_turn(b.value, (*b.sizes, b.amount), limit, end, length))
     if b.kind == "fixed":
         spill = need - max(0, limit - b.value)
         return max(now_ms, end + (_ceil_div(spill, limit) - 1) * length)
@@ -127,6 +135,18 @@ def turn_ms(b: QueueBucket, now_ms: int) -> int:
     if b.previous <= 0:
         return now_ms
     return max(now_ms, end - (free * length) // b.previous)
+
+
+def packed_turn(value: int, sizes: Sequence[int], limit: int, end: int, length: int) -> int:
+    """The start of the fixed window the last of ``sizes`` lands in when they are packed in
+    order from this window (``value`` used, ending at ``end``) on, each in the first window
+    with room for it after the ones before it (a window after this one starts empty)."""
+    used, windows = value, 0
+    for n in sizes:
+        if used + n > limit:
+            windows, used = windows + 1, 0
+        used += n
+    return end + (windows - 1) * length if windows else 0
 
 
 @dataclass(frozen=True, slots=True)

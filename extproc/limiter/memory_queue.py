@@ -83,6 +83,7 @@ class MemoryQueues:
             else [t for t in order if tickets[t][0] < score]
         )
         ahead_t = sum(tickets[t][2] for t in ahead)
+        sizes = tuple(tickets[t][2] for t in ahead)
         qb = [
             QueueBucket(
                 kind,
@@ -90,6 +91,7 @@ class MemoryQueues:
                 0 if i in known else b.amount,
                 b.limit,
                 ahead=(ahead_t if b.kind == "tpm" else len(ahead)) if kind != "none" else 0,
+                sizes=sizes if b.kind == "tpm" and kind == "fixed" else (),
                 window_end_ms=end,
                 window_ms=length,
                 current=vals[i] - prev[i],

@@ -26,7 +26,7 @@ from extproc.limiter import layout
 from extproc.limiter.base import AdmitCall, AdmitResult
 from extproc.limiter.memory import MemoryLimiter
 from tests.limiters import Backend
-from tests.waiting_support import PREFIX, check, simulate
+from tests.waiting_support import PREFIX, check, check_tokens, simulate
 
 pytestmark = pytest.mark.integration
 
@@ -96,6 +96,37 @@ async def test_the_schedule_is_the_window_arithmetics(backend: Backend, seed: in
         run=f"s{seed}",
     )
     check(requests, got, limit=limit, window_s=window_s, max_wait_ms=max_wait)
+    for t in tenants:
+        assert await _queued(backend, queue_keys(tenant_tag(PREFIX, t), t)[0]) == 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_token_waits_stay_within_the_limit_and_the_deadline(
+    backend: Backend, seed: int
+) -> None:
+    rnd = random.Random(100 + seed)
+    start = int(time.time() * 1000) + rnd.randrange(10_000)
+    tenants = [f"w{uuid.uuid4().hex[:6]}" for _ in range(2)]
+    reqs = sorted(
+        (
+            (rnd.choice(tenants), start + rnd.randrange(30_000), rnd.randrange(1, 1200))
+            for _ in range(30)
+        ),
+        key=lambda r: r[1],
+    )
+    requests = [(t, at) for t, at, _ in reqs]
+    tokens = [n for _, _, n in reqs]
+    window_s = rnd.choice([1, 5, 10])
+    got = await simulate(
+        backend.limiter,
+        requests,
+        limit=1000,
+        window_s=window_s,
+        max_wait_ms=15_000,
+        run=f"t{seed}",
+        tokens=tokens,
+    )
+    check_tokens(requests, tokens, got, limit=1000, window_s=window_s, max_wait_ms=15_000)
     for t in tenants:
         assert await _queued(backend, queue_keys(tenant_tag(PREFIX, t), t)[0]) == 0
 

@@ -7,14 +7,17 @@ on the real admit.lua in tests/integration/test_waiting_scripts.py)."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc.clock import FakeClock
+from extproc.config.wait_schema import WaitEntry
 from extproc.core.waiting import (
     CONCURRENCY_POLL_MS,
+    HOLD_TIMEOUT_MS,
     NEVER,
     Outcome,
     QueueBucket,
@@ -23,8 +26,9 @@ from extproc.core.waiting import (
     turn_ms,
     wait_kind,
 )
+from extproc.envoy_config import EnvoyPorts, render
 from extproc.limiter.memory import MemoryLimiter
-from tests.waiting_support import check, simulate
+from tests.waiting_support import check, check_tokens, simulate
 
 pytestmark = pytest.mark.unit
 
@@ -152,3 +156,64 @@ def test_simulated_waiting_is_the_ideal_schedule(
     )
     check(requests, got, limit=limit, window_s=window_s, max_wait_ms=max_wait_ms)
     assert not any(lim.waiting.queues.values())  # every ticket gone: admitted or refused
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    reqs=st.lists(
+        st.tuples(st.sampled_from(["wa", "wb"]), st.integers(0, 30_000), st.integers(1, 1200)),
+        min_size=1,
+        max_size=25,
+    ),
+    window_s=st.sampled_from([1, 5, 10]),
+    max_wait_ms=st.sampled_from([0, 5000, 15_000]),
+)
+def test_simulated_token_waits_stay_within_the_limit_and_the_deadline(
+    reqs: list[tuple[str, int, int]], window_s: int, max_wait_ms: int
+) -> None:
+    start = 1_900_000_000_000
+    requests = [(t, start + at) for t, at, _ in reqs]
+    tokens = [n for _, _, n in reqs]
+    lim = MemoryLimiter(FakeClock(start))
+    got = asyncio.run(
+        simulate(
+            lim,
+            requests,
+            limit=1000,
+            window_s=window_s,
+            max_wait_ms=max_wait_ms,
+            run="t",
+            tokens=tokens,
+        )
+    )
+    check_tokens(requests, tokens, got, limit=1000, window_s=window_s, max_wait_ms=max_wait_ms)
+    assert not any(lim.waiting.queues.values())
+
+
+def _walk(node: object, key: str) -> list[object]:
+    """Every value under ``key`` anywhere in a rendered config."""
+    found: list[object] = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == key:
+                found.append(v)
+            found += _walk(v, key)
+    elif isinstance(node, list):
+        for v in node:
+            found += _walk(v, key)
+    return found
+
+
+def test_envoy_lets_the_longest_wait_through() -> None:
+    """The hold asks Envoy for HOLD_TIMEOUT_MS, which max_message_timeout must allow (Envoy
+    ignores a larger override); the longest wait and its last call fit in it, and under the
+    listener's stream_idle_timeout; the committed bootstrap says the same."""
+    cfg = render(EnvoyPorts())
+    (mmt,) = _walk(cfg, "max_message_timeout")
+    assert mmt == f"{HOLD_TIMEOUT_MS // 1000}s"
+    longest = WaitEntry.model_fields["max_seconds"].metadata
+    le = next(m.le for m in longest if hasattr(m, "le"))
+    (idle,) = _walk(cfg, "stream_idle_timeout")
+    assert le * 1000 + 5000 <= HOLD_TIMEOUT_MS <= int(str(idle).removesuffix("s")) * 1000
+    committed = Path(__file__).resolve().parents[2] / "envoy" / "envoy.yaml"
+    assert f"max_message_timeout: {mmt}" in committed.read_text()

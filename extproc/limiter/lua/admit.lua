@@ -156,7 +156,7 @@ local closed = found == 'settled'
 -- the queue: lapsed tickets go, then the units of the waiters ahead of this request
 local q0 = #ARGV - qlen
 local Q, QL, QT, mine, stamp, score
-local ahead_n, ahead_t = 0, 0
+local ahead_n, ahead_t, sizes = 0, 0, {}
 if qlen > 0 then
   local qk = tonumber(ARGV[q0])
   Q, QL, QT = KEYS[qk], KEYS[qk + 1], KEYS[qk + 2]
@@ -183,7 +183,8 @@ if qlen > 0 then
   for j = 1, #ahead, 500 do
     local part = redis.call('HMGET', QT, unpack(ahead, j, math.min(j + 499, #ahead)))
     for _, v in ipairs(part) do
-      ahead_t = ahead_t + tonumber(v or '0')
+      sizes[#sizes + 1] = tonumber(v or '0')
+      ahead_t = ahead_t + sizes[#sizes]
     end
   end
 end
@@ -249,7 +250,19 @@ if not ok and qlen > 0 then
         local need = ahead + amount
         local ending = tonumber(ARGV[q0 + 7 + (i - 1) * 3])
         local len = math.max(1, tonumber(ARGV[q0 + 8 + (i - 1) * 3]))
-        if wk == 1 then
+        if wk == 1 and ARGV[A0 + base] == 't' then
+          -- the waiters ahead, then this request, packed in order from this window on
+          local used, windows = vals[i], 0
+          sizes[#sizes + 1] = amount
+          for _, sz in ipairs(sizes) do
+            if used + sz > limit then
+              windows, used = windows + 1, 0
+            end
+            used = used + sz
+          end
+          sizes[#sizes] = nil
+          t = ending + (windows - 1) * len
+        elseif wk == 1 then
           local spill = need - math.max(0, limit - vals[i])
           t = ending + (math.ceil(spill / limit) - 1) * len
         else
