@@ -73,10 +73,11 @@ async def simulate(
     max_wait_ms: int,
     run: str,
     tokens: Sequence[int] = (),
+    sliding: bool = False,
 ) -> list[Outcome]:
     """Drive each (tenant, arrival ms) through admission and its waits, in time order; with
     ``tokens`` (one per request), over a TPM limit instead of an RPM one."""
-    lim = Limit("tpm" if tokens else "rpm", limit, window_s, "*", "tenant")
+    lim = Limit("tpm" if tokens else "rpm", limit, window_s, "*", "tenant", sliding=sliding)
     events: list[tuple[int, int, int]] = []  # (time, seq, request)
     for i, (_, at) in enumerate(requests):
         heapq.heappush(events, (at, i, i))
@@ -122,6 +123,53 @@ async def simulate(
     return [out[i] for i in range(len(requests))]
 
 
+def ideal_sliding(
+    arrivals: Sequence[int],
+    *,
+    limit: int,
+    window_ms: int,
+    max_wait_ms: int,
+    sizes: Sequence[int] = (),
+) -> list[int | None]:
+    """:func:`ideal` on a sliding window: the first millisecond from its arrival (and not
+    before the request admitted before it) at which the window's count, plus the previous
+    window's weighted as the limiter weighs it, plus the request, is within the limit (found
+    by bisection: within a window the previous one's share only falls)."""
+    admitted: list[tuple[int, int]] = []
+    last = 0
+    out: list[int | None] = []
+
+    def value(x: int, start: int) -> int:
+        cur = sum(n for t, n in admitted if start <= t < start + window_ms)
+        prev = sum(n for t, n in admitted if start - window_ms <= t < start)
+        weight = (start + window_ms - x) * 1_000_000 // window_ms
+        return cur + prev * weight // 1_000_000
+
+    for i, a in enumerate(arrivals):
+        n = sizes[i] if sizes else 1
+        t, found = max(a, last), None
+        while n <= limit and t <= a + max_wait_ms and found is None:
+            start = t - t % window_ms
+            end = start + window_ms
+            if value(end - 1, start) + n <= limit:
+                lo, hi = t, end - 1
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if value(mid, start) + n <= limit:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                found = lo
+            t = end
+        if found is None or found > a + max_wait_ms:
+            out.append(None)
+            continue
+        admitted.append((found, n))
+        last = found
+        out.append(found)
+    return out
+
+
 def check(
     requests: Sequence[tuple[str, int]],
     got: Sequence[Outcome],
@@ -130,6 +178,7 @@ def check(
     window_s: int,
     max_wait_ms: int,
     tokens: Sequence[int] = (),
+    sliding: bool = False,
 ) -> None:
     """The simulated outcomes equal the ideal ones, tenant by tenant; a refused request was
     refused on its first call (never after waiting in vain) with the retry-after of the turn
@@ -139,7 +188,7 @@ def check(
         idx = [i for i, (t, _) in enumerate(requests) if t == tenant]
         # arrival order (the order of tickets; ties in the order they were given)
         idx.sort(key=lambda i: (requests[i][1], i))
-        want = ideal(
+        want = (ideal_sliding if sliding else ideal)(
             [requests[i][1] for i in idx],
             limit=limit,
             window_ms=window_s * 1000,

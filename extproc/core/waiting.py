@@ -22,10 +22,11 @@ ticket), in one atomic step (admit.lua mirrors :func:`decide`; the in-memory lim
 * otherwise **wait** until its turn: the server sleeps until then and calls again (the same
   ledger: the call is idempotent).
 
-Turns come from the window arithmetic, counting the waiters ahead as served first: on a fixed
-window they are packed in queue order (:func:`packed_turn`: exact when every request of the
-tenant waits); on a sliding window the count is fluid (a request may find its turn later when
-it asks again, and is told so then).
+Turns come from the window arithmetic, counting the waiters ahead as served first, one by one
+in queue order, each at the first moment its window has room for it: on a fixed window the
+first window with room (:func:`packed_turn`), on a sliding window the first millisecond, as the
+limiter floors the previous window's share (:func:`sliding_turn`).  Exact when every request of
+the tenant waits.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final, Literal, Protocol
 
-from extproc.core.keys import WindowedBucket
+from extproc.core.keys import SLIDING_SCALE, WindowedBucket
 from extproc.errors import QuotaExceeded
 
 #: A rate bucket's kind, as the queue treats it.
@@ -126,15 +127,41 @@ def turn_ms(b: QueueBucket, now_ms: int) -> int:
     if b.kind == "fixed":
         spill = need - max(0, limit - b.value)
         return max(now_ms, end + (_ceil_div(spill, limit) - 1) * length)
-    # sliding: at the end of this window only the current part counts
-    spill = need - max(0, limit - b.current)
-    if spill > 0:
-        return max(now_ms, end + _ceil_div(spill * length, limit))
-    # within this window: current + need + previous x (end - t) / length <= limit
-    free = limit - b.current - need  # >= 0 here
-    if b.previous <= 0:
-        return now_ms
-    return max(now_ms, end - (free * length) // b.previous)
+    sizes = b.sizes or (1,) * b.ahead
+    return sliding_turn((*sizes, b.amount), b.current, b.previous, limit, end, length, now_ms)
+
+
+def sliding_turn(  # noqa: PLR0917 - a sliding bucket's whole state
+    sizes: Sequence[int],
+    current: int,
+    previous: int,
+    limit: int,
+    end: int,
+    length: int,
+    now_ms: int,
+) -> int:
+    """When the last of ``sizes`` is admitted on a sliding window, each in queue order at the
+    first millisecond (not before the one before it) its window has room for it: the window's
+    own count (``current``, ending at ``end``) plus the previous window's count (``previous``)
+    weighted as the limiter weighs it (its share of the window still to come, in parts per
+    million, floored, then the product floored), plus the request, within ``limit``; a window
+    after this one starts with this one's count as its previous."""
+    t, start = now_ms, end - length
+    for n in sizes:
+        while True:
+            room = limit - current - n
+            if room >= 0:
+                at = start
+                if previous > room:  # the previous window's share must fall to ``room``
+                    w = _ceil_div((room + 1) * SLIDING_SCALE, previous) - 1
+                    at = end - _ceil_div((w + 1) * length, SLIDING_SCALE) + 1
+                t = max(t, at)
+                if t < end:
+                    current += n
+                    break
+            previous, current, start, end = current, 0, end, end + length
+            t = max(t, start)
+    return t
 
 
 def packed_turn(value: int, sizes: Sequence[int], limit: int, end: int, length: int) -> int:

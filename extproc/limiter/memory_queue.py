@@ -91,7 +91,7 @@ class MemoryQueues:
                 0 if i in known else b.amount,
                 b.limit,
                 ahead=(ahead_t if b.kind == "tpm" else len(ahead)) if kind != "none" else 0,
-                sizes=sizes if b.kind == "tpm" and kind == "fixed" else (),
+                sizes=sizes if b.kind == "tpm" and kind in ("fixed", "sliding") else (),
                 window_end_ms=end,
                 window_ms=length,
                 current=vals[i] - prev[i],

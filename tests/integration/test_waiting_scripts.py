@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
+from typing import Any
 
 import pytest
 
@@ -127,6 +128,29 @@ async def test_token_waits_stay_within_the_limit_and_the_deadline(
         tokens=tokens,
     )
     check_tokens(requests, tokens, got, limit=1000, window_s=window_s, max_wait_ms=15_000)
+    for t in tenants:
+        assert await _queued(backend, queue_keys(tenant_tag(PREFIX, t), t)[0]) == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_sliding_windows_serve_the_ideal_schedule(backend: Backend, seed: int) -> None:
+    rnd = random.Random(200 + seed)
+    start = int(time.time() * 1000) + rnd.randrange(10_000)
+    tenants = [f"w{uuid.uuid4().hex[:6]}" for _ in range(2)]
+    requests = sorted(
+        ((rnd.choice(tenants), start + rnd.randrange(30_000)) for _ in range(30)),
+        key=lambda r: r[1],
+    )
+    limit, window_s = rnd.choice([1, 3, 7]), rnd.choice([1, 5, 10])
+    tokens = [rnd.randrange(1, limit + 2) for _ in requests] if seed % 2 else []
+    kw: dict[str, Any] = {
+        "limit": limit,
+        "window_s": window_s,
+        "max_wait_ms": 15_000,
+        "tokens": tokens,
+    }
+    got = await simulate(backend.limiter, requests, run=f"sl{seed}", sliding=True, **kw)
+    check(requests, got, sliding=True, **kw)
     for t in tenants:
         assert await _queued(backend, queue_keys(tenant_tag(PREFIX, t), t)[0]) == 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -88,9 +89,11 @@ def test_sliding_turn_inside_and_beyond_the_window() -> None:
     b = QueueBucket(
         "sliding", 9, 2, 10, window_end_ms=10_000, window_ms=10_000, current=4, previous=10
     )
-    # room when 4 + 2 + 10 x (10000 - t) / 10000 <= 10: t >= 6000
-    assert turn_ms(b, 5000) == 6000
-    # 8 ahead: 4 + 10 = 14 > 10: 4 spill into the next window at 10 per 10 s: 4 s after its start
+    # the limiter floors the previous window's weight (ppm) and share: room when
+    # floor(10 x floor((10000 - t) x 100) / 1e6) <= 4, from t = 5001
+    assert turn_ms(b, 5000) == 5001
+    # 8 ahead: 6 of them fit in this window as the share falls (the last at 9001), 2 in the
+    # next one (at 10001 and 11001, the previous window now 10), then this one's 2 at 13001
     b8 = QueueBucket(
         "sliding",
         9,
@@ -102,7 +105,7 @@ def test_sliding_turn_inside_and_beyond_the_window() -> None:
         current=4,
         previous=10,
     )
-    assert turn_ms(b8, 5000) == 14_000
+    assert turn_ms(b8, 5000) == 13_001
 
 
 def test_concurrency_polls_until_the_deadline() -> None:
@@ -187,6 +190,36 @@ def test_simulated_token_waits_stay_within_the_limit_and_the_deadline(
         )
     )
     check_tokens(requests, tokens, got, limit=1000, window_s=window_s, max_wait_ms=max_wait_ms)
+    assert not any(lim.waiting.queues.values())
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    reqs=st.lists(
+        st.tuples(st.sampled_from(["wa", "wb"]), st.integers(0, 30_000), st.integers(1, 3)),
+        min_size=1,
+        max_size=25,
+    ),
+    limit=st.integers(1, 3),
+    window_s=st.sampled_from([1, 5, 10]),
+    max_wait_ms=st.sampled_from([0, 999, 5000, 15_000]),
+    tpm=st.booleans(),
+)
+def test_simulated_sliding_waiting_is_the_ideal_schedule(
+    reqs: list[tuple[str, int, int]], limit: int, window_s: int, max_wait_ms: int, tpm: bool
+) -> None:
+    start = 1_900_000_000_000
+    requests = [(t, start + at) for t, at, _ in reqs]
+    tokens = [n for _, _, n in reqs] if tpm else []
+    lim = MemoryLimiter(FakeClock(start))
+    kw: dict[str, Any] = {
+        "limit": limit,
+        "window_s": window_s,
+        "max_wait_ms": max_wait_ms,
+        "tokens": tokens,
+    }
+    got = asyncio.run(simulate(lim, requests, run="s", sliding=True, **kw))
+    check(requests, got, sliding=True, **kw)
     assert not any(lim.waiting.queues.values())
 
 

@@ -153,6 +153,10 @@ if redis.call('HEXISTS', ledger, 'adm') == 1 or found == 'admitted' or found == 
 end
 -- settled before this admission ran (only a journal replay does that): count, open nothing
 local closed = found == 'settled'
+-- ceil(a / b) of positive integers (exact below 2^52 here)
+local function cdiv(a, b)
+  return math.floor((a + b - 1) / b)
+end
 -- the queue: lapsed tickets go, then the units of the waiters ahead of this request
 local q0 = #ARGV - qlen
 local Q, QL, QT, mine, stamp, score
@@ -266,13 +270,37 @@ if not ok and qlen > 0 then
           local spill = need - math.max(0, limit - vals[i])
           t = ending + (math.ceil(spill / limit) - 1) * len
         else
-          local cur = vals[i] - prev[i]
-          local spill = need - math.max(0, limit - cur)
-          if spill > 0 then
-            t = ending + math.ceil(spill * len / limit)
-          elseif (raw[i] or 0) > 0 then
-            t = ending - math.floor((limit - cur - need) * len / raw[i])
+          -- sliding (extproc/core/waiting.py sliding_turn): each waiter ahead, then this
+          -- request, at the first ms its window has room for it, not before the one before it
+          local cur, prv = vals[i] - prev[i], raw[i] or 0
+          local e = ending
+          local s0, at = e - len, now
+          local tokens = ARGV[A0 + base] == 't'
+          local total = tokens and #sizes or ahead_n
+          for u = 1, total + 1 do
+            local sz = amount
+            if u <= total then
+              sz = tokens and sizes[u] or 1
+            end
+            while true do
+              local room = limit - cur - sz
+              if room >= 0 then
+                local x = s0
+                if prv > room then
+                  local w = cdiv((room + 1) * 1000000, prv) - 1
+                  x = e - cdiv((w + 1) * len, 1000000) + 1
+                end
+                at = math.max(at, x)
+                if at < e then
+                  cur = cur + sz
+                  break
+                end
+              end
+              prv, cur, s0, e = cur, 0, e, e + len
+              at = math.max(at, s0)
+            end
           end
+          t = at
         end
         t = math.max(now, t)
         rates = math.max(rates, t)
