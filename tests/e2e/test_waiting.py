@@ -124,6 +124,10 @@ def metric(stack: Stack, name: str, **labels: str) -> float:
 
 
 def test_waiting_as_the_example_says(wstack: Stack, rds: redis.Redis) -> None:
+    # warm both replicas (tokenizers, connections) in a window no scenario uses
+    for envoy in (0, 1):
+        for key in ("sk-nowait", "sk-wait-b"):
+            assert ask(wstack, key, envoy).status == 200
     # -- sk-nowait: the 3rd concurrent request is refused at once; sk-wait-a: 4 all answered
     w0 = window_start()
     got = burst(wstack, ["sk-nowait"] * 3 + ["sk-wait-a"] * 4)
