@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from extproc.config import levels, schema
 from extproc.config.runtime import ApiKey, Membership, Model, Plan, RuntimeConfig, Tenant
 from extproc.config.source import YamlSyntaxError, locate, parse_rules, render_path, where
-from extproc.config.waits import wait_rules
+from extproc.config.waits import key_wait_rules, wait_rules
 from extproc.core.counters import upper_bound_counter
 from extproc.core.rules import (
     RATE_SCALE,
@@ -480,6 +480,7 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         plan_failure_modes={n: p.failure_mode for n, p in cfg.plans.items() if p.failure_mode},
         fallbacks=fallbacks,
         plan_waits=wait_rules(cfg.plans),
+        key_waits=key_wait_rules(cfg.tenants),
         max_waiters_per_replica=cfg.requests.max_waiters_per_replica,
     )
 

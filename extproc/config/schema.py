@@ -273,6 +273,7 @@ class KeyEntry(Strict):
     team: str | None = None  # the team the key is in (default: its tenant's)
     sha256: str | None = None
     plaintext: str | None = Field(default=None, description="DEMO ONLY: never put real keys here")
+    wait: WaitEntry | None = None  # this key's wait, over its plan's (docs/semantics.md)
 
     @field_validator("sha256")
     @classmethod

@@ -44,9 +44,9 @@ class Waits(Generic[_A]):
         now: int,
     ) -> QueueCall | None:
         """The call's queue when the tenant's plan waits (None: it does not)."""
-        tenant = s.tenant
-        assert tenant is not None
-        rule = rules.plan_waits.get(tenant.plan)
+        tenant, key = s.tenant, s.key
+        assert tenant is not None and key is not None
+        rule = rules.wait_for(tenant.plan, tenant.id, key.name)
         if rule is None:
             return None
         self.arrival = self.arrival or now

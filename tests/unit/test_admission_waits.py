@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 
+from extproc.config import load_config_text
 from extproc.core.actions import (
     AdmissionAction,
     CallAdmit,
@@ -50,7 +51,7 @@ class Clock:
 
 
 def waiting() -> tuple[Admission, Clock]:
-    cfg = replace(config(on_bound=False), plan_waits={"p": WaitRule(15_000)})
+    cfg = replace(config(on_bound=False), key_waits={("t", "k"): WaitRule(15_000)})
     s = session(cfg)
     clock = Clock()
     adm = Admission(s, cfg, key_prefix="aiq", room=Room(True), records=True, now_ms=clock)
@@ -150,3 +151,27 @@ def test_a_plan_that_does_not_wait_gives_no_queue() -> None:
     adm.handle(BodyArrived(BODY))
     call = last(adm.handle(InputCounted(EXACT)))
     assert isinstance(call, CallAdmit) and call.queue is None
+
+
+def test_a_keys_own_wait_is_over_its_plans() -> None:
+    cfg = load_config_text(
+        """
+models:
+  m: {tokenizer: {kind: tiktoken, encoding: cl100k_base}, max_output_tokens: 100}
+plans:
+  p: {limits: [{per: 10s, rpm: 2}], wait: {max_seconds: 15}}
+  q: {limits: [{per: 10s, rpm: 2}]}
+tenants:
+  a:
+    plan: p
+    keys: [{name: a1, plaintext: sk-a1, wait: {max_seconds: 3}}, {name: a2, plaintext: sk-a2}]
+  b:
+    plan: q
+    keys: [{name: b1, plaintext: sk-b1, wait: {max_seconds: 5, priority: 2}}, {name: b2, plaintext: sk-b2}]
+"""
+    )
+    assert cfg.wait_for("p", "a", "a1") == WaitRule(3000, boost_ms=5000)
+    assert cfg.wait_for("p", "a", "a2") == WaitRule(15_000, boost_ms=5000)
+    b1 = cfg.wait_for("q", "b", "b1")
+    assert b1 is not None and b1.max_ms == 5000 and b1.priority == 2
+    assert cfg.wait_for("q", "b", "b2") is None  # its plan does not wait
