@@ -33,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from extproc.core.waiting import HOLD_TIMEOUT_MS
 from extproc.envoy_tracing import EnvoyTracing, otel_cluster, tracing_config
 
 ACCESS_LOG_FORMAT: dict[str, str] = {
@@ -279,7 +280,9 @@ def _hcm(name: str, with_filter: bool, p: EnvoyPorts) -> dict[str, Any]:
                     },
                     "allow_mode_override": True,
                     "message_timeout": f"{p.message_timeout_ms / 1000:g}s",
-                    "max_message_timeout": f"{max(20.0, 2 * p.message_timeout_ms / 1000):g}s",
+                    # a request held for its turn (a plan's ``wait``) asks for this on its
+                    # message (override_message_timeout, extproc.core.waiting.HOLD_TIMEOUT_MS)
+                    "max_message_timeout": f"{max_message_timeout_s(p.message_timeout_ms):g}s",
                     "metadata_options": {
                         "receiving_namespaces": {"untyped": ["ai_quota"]},
                         **(
@@ -361,6 +364,13 @@ def _listener(name: str, port: int, with_filter: bool, p: EnvoyPorts) -> dict[st
         "per_connection_buffer_limit_bytes": p.max_body_bytes,
         "filter_chains": [{"filters": [_hcm(name, with_filter, p)]}],
     }
+
+
+def max_message_timeout_s(message_timeout_ms: int) -> float:
+    """Envoy's ``max_message_timeout``: what a request waiting for its turn asks for (60 s:
+    the longest wait, 50 s, and its last admission call), and at least twice the message
+    timeout."""
+    return max(HOLD_TIMEOUT_MS / 1000, 2 * message_timeout_ms / 1000)
 
 
 def render(p: EnvoyPorts) -> dict[str, Any]:

@@ -72,6 +72,7 @@ class Gateway:
     draining: bool = False
     pending: set[asyncio.Task[Any]] = field(default_factory=set)
     active: set[OpenRequest] = field(default_factory=set)
+    waiting: int = 0  # requests held waiting for their turn (docs/semantics.md, "Waiting")
     instance: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     # Large prompts are counted in worker threads, this many at a time.
     count_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))

@@ -77,6 +77,25 @@ class Metrics:
             ["kind", "outcome"],
             registry=r,
         )
+        # waiting instead of an immediate 429 (docs/semantics.md, "Waiting")
+        self.waiters = Gauge(
+            "aiq_waiters", "Requests this processor holds waiting for their turn", registry=r
+        )
+        self.wait_seconds = Histogram(
+            "aiq_wait_seconds",
+            "How long requests waited for their turn, by outcome (admitted, refused)",
+            ["outcome"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 15, 20, 30, 45, 60),
+            registry=r,
+        )
+        self.wait_outcomes = Counter(
+            "aiq_wait_outcomes",
+            "Requests of waiting plans over a rate limit, by outcome: admitted (after "
+            "waiting), refused (after waiting), unservable (refused at once: the turn is "
+            "beyond the maximum wait), queue_full, replica_full",
+            ["outcome"],
+            registry=r,
+        )
         self.admission_seconds = Histogram(
             "aiq_admission_seconds",
             "Time from request body to decision",

@@ -231,6 +231,11 @@ class RecordingLimiter:
         self._check()
         await self.inner.renew(ledgers, until_ms, held=held)
 
+    async def leave_queue(self, ledger: str, keys: tuple[str, str, str]) -> bool:
+        """Leave a queue."""
+        self._check()
+        return await self.inner.leave_queue(ledger, keys)
+
     async def read(self, keys: list[str]) -> list[int]:
         """Read."""
         self._check()

@@ -16,15 +16,16 @@ from pydantic import ValidationError
 from extproc.config import levels, schema
 from extproc.config.runtime import ApiKey, Membership, Model, Plan, RuntimeConfig, Tenant
 from extproc.config.source import YamlSyntaxError, locate, parse_rules, render_path, where
+from extproc.config.waits import key_wait_rules, wait_rules
 from extproc.core.counters import upper_bound_counter
 from extproc.core.rules import (
     RATE_SCALE,
-    WINDOW_SECONDS,
     Charging,
     Limit,
     Metric,
-    Period,
     Rates,
+    window_period,
+    window_seconds,
 )
 from extproc.core.tokens import TokenizerSpec, delta_counter
 from extproc.tokenizers.errors import TokenizerLoadError
@@ -149,13 +150,11 @@ class _LimitMaker:
     ) -> Limit:
         e = self.e
         timed = metric != "concurrency"
-        period: Period | None = None
-        if timed and (e.per in ("week", "month") or e.time_zone != "UTC"):
-            period = e.per
+        period = window_period(e.per, e.time_zone) if timed else None
         return Limit(
             metric,
             value,
-            WINDOW_SECONDS.get(e.per, 0) if timed else 0,
+            window_seconds(e.per) if timed else 0,
             self.model,
             e.scope,
             period=period,
@@ -188,10 +187,6 @@ def _weights(w: schema.Weights) -> Rates:
 def _prices(p: schema.Pricing | None) -> Rates | None:
     """Per-million prices as rates: micro-units of the currency per million tokens."""
     return None if p is None else _rates(p, MICRO)
-
-
-# Periods from shortest to longest, to find a longer window with a smaller limit.
-_PERIOD_ORDER = ("second", "minute", "hour", "day", "week", "month")
 
 
 def _limit_errors(
@@ -232,12 +227,7 @@ def _limit_errors(
                 b.scope,
                 b.shadow,
             )
-            if (
-                same
-                and a.metric != "concurrency"
-                and _PERIOD_ORDER.index(a.period_name) > _PERIOD_ORDER.index(b.period_name)
-                and a.limit < b.limit
-            ):
+            if same and a.metric != "concurrency" and a.length_s > b.length_s and a.limit < b.limit:
                 errors.append(
                     f"{where}: the {a.metric} limit per {a.period_name} ({a.limit}) is below "
                     f"the one per {b.period_name} ({b.limit}) for model {a.model!r}: the "
@@ -489,6 +479,9 @@ def compile_config(cfg: schema.ConfigFile, *, source: str, base_dir: Path) -> Ru
         plaintext_keys=plaintext,
         plan_failure_modes={n: p.failure_mode for n, p in cfg.plans.items() if p.failure_mode},
         fallbacks=fallbacks,
+        plan_waits=wait_rules(cfg.plans),
+        key_waits=key_wait_rules(cfg.tenants),
+        max_waiters_per_replica=cfg.requests.max_waiters_per_replica,
     )
 
 

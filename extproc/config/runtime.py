@@ -14,6 +14,7 @@ from extproc.config.schema import EndUserPolicy, IdentityPolicy
 from extproc.core.figures import ABANDONED_TOKENS_PER_SECOND
 from extproc.core.rules import Charging, Limit, Rates
 from extproc.core.tokens import TokenCounter, TokenizerSpec
+from extproc.core.waiting import WaitRule
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +170,11 @@ class RuntimeConfig:
     plan_failure_modes: dict[str, Literal["closed", "open"]] = field(default_factory=dict)
     # plan -> requested model -> fallback model (canonical names)
     fallbacks: dict[str, dict[str, str]] = field(default_factory=dict)
+    # plan -> its wait for room (docs/semantics.md, "Waiting"); absent: refused at once
+    plan_waits: dict[str, WaitRule] = field(default_factory=dict)
+    # (tenant, key name) -> the key's own wait, over its plan's
+    key_waits: dict[tuple[str, str], WaitRule] = field(default_factory=dict)
+    max_waiters_per_replica: int = 1000
     # allow-listed paths that pass without an identity (load balancer probes, model listings)
     public_paths: tuple[str, ...] = ()
 
@@ -176,6 +182,11 @@ class RuntimeConfig:
         """The configured model for ``name`` or one of its aliases."""
         canonical = self.aliases.get(name, name)
         return self.models.get(canonical)
+
+    def wait_for(self, plan: str, tenant: str, key: str) -> WaitRule | None:
+        """The wait of a request of ``tenant``'s ``key`` on ``plan``: the key's, else the
+        plan's (None: refused at once)."""
+        return self.key_waits.get((tenant, key)) or self.plan_waits.get(plan)
 
     def failure_mode_for(self, plan: str) -> Literal["closed", "open"]:
         """What to do when Redis is unreachable: the plan's choice, else the file's."""

@@ -9,7 +9,10 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from extproc.config.strict import Strict
+from extproc.config.wait_schema import WaitEntry
 
 IDENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -74,12 +77,6 @@ CURRENCIES = frozenset(
         "KZT",
     ]
 )
-
-
-class Strict(BaseModel):
-    """Base: every model rejects unknown keys and is immutable."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class TokenizerModel(Strict):
@@ -187,7 +184,8 @@ class LimitEntry(Strict):
 
     model: str = "*"
     scope: Literal["tenant", "key"] = "tenant"
-    per: WindowName = "minute"
+    # a named window, or a length in seconds ("10s": 1 to 86400 seconds, fixed in UTC)
+    per: str = "minute"
     time_zone: str = "UTC"  # days, weeks and months follow this zone's calendar
     rpm: int | None = Field(default=None, ge=0)
     tpm: int | None = Field(default=None, ge=0)
@@ -215,12 +213,29 @@ class LimitEntry(Strict):
             raise ValueError("'currency' applies to a 'budget' only")
         if self.currency is not None and self.currency not in CURRENCIES:
             raise ValueError(f"unknown currency {self.currency!r} (an ISO 4217 code)")
+        if self.per[:-1].isdigit():
+            if int(self.per[:-1]) > 86_400:
+                raise ValueError(f"a window of {self.per} is longer than a day: name it ('day')")
+            if self.time_zone != "UTC":
+                raise ValueError("a window of a length in seconds is in UTC (no 'time_zone')")
         if self.window == "sliding" and (self.per == "month" or self.time_zone != "UTC"):
             raise ValueError(
                 "a sliding window needs a fixed length: per second, minute, hour, day or week, "
                 "in UTC"
             )
         return self
+
+    @field_validator("per")
+    @classmethod
+    def _per(cls, v: str) -> str:
+        if v in ("second", "minute", "hour", "day", "week", "month") or re.fullmatch(
+            r"[1-9][0-9]{0,4}s", v
+        ):
+            return v
+        raise ValueError(
+            f"unknown window {v[:40]!r}: second, minute, hour, day, week, month, or a length "
+            "in seconds such as '10s'"
+        )
 
     @field_validator("time_zone")
     @classmethod
@@ -247,6 +262,8 @@ class PlanEntry(Strict):
     # requested model -> the model to serve instead when a limit on the requested one refuses
     # at admission (never mid-stream); the answer says so in x-aiquota-fallback-model
     fallback: dict[str, str] = Field(default_factory=dict)
+    # wait for room instead of an immediate 429 (None: refuse at once)
+    wait: WaitEntry | None = None
 
 
 class KeyEntry(Strict):
@@ -256,6 +273,7 @@ class KeyEntry(Strict):
     team: str | None = None  # the team the key is in (default: its tenant's)
     sha256: str | None = None
     plaintext: str | None = Field(default=None, description="DEMO ONLY: never put real keys here")
+    wait: WaitEntry | None = None  # this key's wait, over its plan's (docs/semantics.md)
 
     @field_validator("sha256")
     @classmethod
@@ -403,6 +421,9 @@ class RequestsPolicy(Strict):
     # range the bound proves, without counting; one in input_audit_every is counted anyway, and
     # a model whose figure a count contradicts is counted from then on (1: count every one).
     input_audit_every: int = Field(default=16, ge=1, le=1_000_000)
+    # Requests one processor holds waiting for their turn (plans with ``wait``) at most;
+    # beyond it a request over its limit is refused at once.
+    max_waiters_per_replica: int = Field(default=1000, ge=0, le=100_000)
 
 
 class FailurePolicy(Strict):

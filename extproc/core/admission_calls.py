@@ -10,6 +10,7 @@ The machine that uses them is :mod:`extproc.core.admission_flow`.  Sans-IO."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from extproc.core import admission_plan, policies
 from extproc.core.admission_plan import AdmissionPlan, Cost
@@ -37,7 +38,14 @@ from extproc.core.phase_records import AdmitModel, Admitted
 from extproc.core.room_hints import RoomHints
 from extproc.core.rules import Adjustment, BucketCharge, Charging
 from extproc.core.session import Session
-from extproc.errors import BadRequest, LimiterUnavailable, RequestTooLarge, UnknownModel
+from extproc.core.waiting import WAITED_HEADER, QueueCall
+from extproc.errors import (
+    BadRequest,
+    LimiterUnavailable,
+    QuotaExceeded,
+    RequestTooLarge,
+    UnknownModel,
+)
 
 
 def parse_body(s: Session, rules: AdmissionRules, raw: bytes) -> tuple[ParsedRequest, AdmitModel]:
@@ -118,6 +126,7 @@ def admission_call(
     lease_until_ms: int = 0,
     draft: DraftRecord | None = None,
     charges: list[BucketCharge] | None = None,
+    queue: QueueCall | None = None,
 ) -> CallAdmit:
     """The admission call of ``cost`` on ``buckets`` (``charges``: their admission charges of
     ``cost`` when already made); the flow reads its answer."""
@@ -130,6 +139,68 @@ def admission_call(
         now_ms=now_ms,
         lease_until_ms=lease_until_ms,
         draft=draft,
+        queue=queue,
+    )
+
+
+@dataclass(slots=True)
+class Asked:
+    """The admission call out, with what it was planned on (its answer is read against it)."""
+
+    call: CallAdmit
+    plan: AdmissionPlan | None  # None: an rpm_only path's call
+    buckets: tuple[WindowedBucket, ...]
+    now: int
+    leased: bool
+    on_bound: bool = False
+    queue: QueueCall | None = None  # the plan waits (docs/semantics.md, "Waiting")
+
+
+def ask_call(  # noqa: PLR0917 - the call's whole plan
+    s: Session,
+    rules: AdmissionRules,
+    model: AdmitModel,
+    plan: AdmissionPlan,
+    listed: list[WindowedBucket],
+    now: int,
+    charges: list[BucketCharge] | None,
+    records: bool,
+    on_bound: bool,
+    queue: QueueCall | None,
+) -> Asked:
+    """The one admission call of ``plan`` on ``listed`` at ``now`` (``charges``: theirs when
+    already made; ``records``: usage records are written, a lease keeps a draft)."""
+    cost = plan.cost
+    lease = policies.lease_ms(
+        settle_to_actual=cost.settle_to_actual,
+        holds_slots=any(b.kind == "concurrency" for b in listed),
+        records=records,
+        lease=rules.reservation_lease_ms,
+    )
+    call = admission_call(
+        rules,
+        listed,
+        cost,
+        charges=charges,
+        now_ms=now,
+        lease_until_ms=now + lease if lease else 0,
+        draft=draft_record(s, model, cost, now) if lease and records else None,
+        count_refused=policies.counts_refusal(
+            on_bound=on_bound, configured=rules.count_refused_requests
+        ),
+        queue=queue,
+    )
+    return Asked(call, plan, tuple(listed), now, bool(lease), on_bound, queue)
+
+
+def refusal_of(s: Session, asked: Asked, res: AdmitAnswered, model: str) -> QuotaExceeded:
+    """The 429 of a refused call (``model``: the model it was asked as, ``*`` for an
+    rpm_only path's)."""
+    tenant = s.tenant
+    assert tenant is not None
+    cost = asked.plan.cost if asked.plan is not None else admission_plan.RPM_ONLY
+    return admission_plan.refusal(
+        list(asked.buckets), res.values, cost, asked.now, tenant=tenant.id, model=model
     )
 
 
@@ -235,10 +306,12 @@ def admitted(
     headers: tuple[tuple[str, str], ...],
     on_bound: bool,
     out: list[AdmissionAction],
+    waited_ms: int = -1,
 ) -> None:
     """Admission said yes as ``served`` (``res`` None: unmetered, the plan failed open): the
     admitted record goes to the session; the shadow report, the decision and the body to
-    forward (last) go to ``out``."""
+    forward (last) go to ``out``.  ``waited_ms``: how long it waited for its turn (-1: its
+    plan does not wait; else it is told in ``x-ratelimit-waited-ms``)."""
     api, tenant, key, req = s.api, s.tenant, s.key, s.req
     assert api is not None and tenant is not None and key is not None and req is not None
     cost = plan.cost if res is not None else None
@@ -255,11 +328,22 @@ def admitted(
         if shadow.exceeded:
             out.append(ShadowRefused(shadow.exceeded))
         headers += shadow.headers()
+    if waited_ms >= 0:
+        headers += ((WAITED_HEADER, str(waited_ms)),)
     floor = 0
     if on_bound and isinstance(served.bound_counter, UTF8BoundCounter):
         floor = served.bound_counter.fewest_tokens(plan.cost.input_tokens)
     s.admit(
-        Admitted(served, cost, buckets, now_ms, headers, input_bound=on_bound, input_floor=floor),
+        Admitted(
+            served,
+            cost,
+            buckets,
+            now_ms,
+            headers,
+            input_bound=on_bound,
+            input_floor=floor,
+            waited_ms=max(0, waited_ms),
+        ),
         admission_plan.admission_usage(cost) if cost is not None else None,
     )
     out.append(

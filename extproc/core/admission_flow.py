@@ -26,35 +26,41 @@ the order a request meets them:
 5. the admitted record (its model, cost, buckets, headers, bound), the run-ahead budget, the
    shadow report and the body to forward.
 
+A plan that waits (docs/semantics.md, "Waiting") may answer with a ticket: AWAITING_TURN until
+``TurnCame`` (asked again) or ``WaitDeclined`` (asked once more, without a wait).
+
 The server owns only the I/O: the count in a worker thread, the limiter call with the
 settlements riding on it, the reclaimed records, metrics and log lines.  Client errors are
-returned as :class:`~extproc.core.admission_vocabulary.Reject` (the server renders them in the
-API's own shape, at its one error boundary).
+returned as :class:`~extproc.core.admission_vocabulary.Reject` (the server renders them in the API's own
+shape, at its one error boundary).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from enum import Enum
 from typing import Any, Final
 
 from extproc.core import admission_plan, policies
 from extproc.core import admission_vocabulary as av
 from extproc.core.admission_calls import (
+    Asked,
     admission_call,
     admitted,
+    ask_call,
     bound_plan,
-    draft_record,
     fallback_model,
     parse_body,
     plan_for,
     read_answer,
+    refusal_of,
     rpm_buckets,
     undo,
 )
 from extproc.core.admission_plan import AdmissionPlan
 from extproc.core.admission_rules import AdmissionRules
+from extproc.core.admission_wait import Waits
 from extproc.core.keys import WindowedBucket
 from extproc.core.phase_records import AdmitModel, Parsed, PhaseError
 from extproc.core.room_hints import RoomHints
@@ -72,22 +78,12 @@ class AdmissionState(Enum):
     __hash__ = object.__hash__  # as lifecycle.State's: looked up per event
 
     READY = "ready"  # nothing asked yet: the body (or an rpm_only path) starts it
-    AWAITING_COUNT = "awaiting_count"  # CountExact is out: the exact input count comes next
+    AWAITING_COUNT = "awaiting_count"  # av.CountExact is out: the exact input count comes next
     AWAITING_ADMISSION = "awaiting_admission"  # the call planned on the exact count is out
     AWAITING_BOUND_ADMISSION = "awaiting_bound_admission"  # the call planned on a bound is out
     AWAITING_RPM_ADMISSION = "awaiting_rpm_admission"  # an rpm_only path's one call is out
+    AWAITING_TURN = "awaiting_turn"  # a ticket in the tenant's queue: Wait is out until its turn
     DONE = "done"  # forwarded, rejected, passed (rpm_only) or cancelled: nothing more is taken
-
-
-@dataclass(slots=True)
-class _Asked:
-    """The admission call out, with what it was planned on (its answer is read against it)."""
-
-    call: av.CallAdmit
-    plan: AdmissionPlan | None  # None: an rpm_only path's call
-    buckets: tuple[WindowedBucket, ...]
-    now: int
-    leased: bool
 
 
 #: The notes without a figure of their own, made once (every admission adds two of them).
@@ -117,6 +113,7 @@ class Admission:
         "_room",
         "_size",
         "_state",
+        "_w",
         "rules",
         "s",
     )
@@ -142,9 +139,10 @@ class Admission:
         self._requested: AdmitModel | None = None  # the model the body asks for
         self._model: AdmitModel | None = None  # the model of the attempt under way
         self._charging: Charging | None = None  # its charging (a level may make it strict)
-        self._asked: _Asked | None = None  # the admission call out, while one is
+        self._asked: Asked | None = None  # the admission call out, while one is
         # the requested model's refusal while its fallback is tried (its answer if that fails)
         self._first_refusal: QuotaExceeded | None = None
+        self._w: Waits[Asked] = Waits()  # its waiting for its turn (a plan that waits)
 
     @property
     def state(self) -> AdmissionState:
@@ -206,6 +204,9 @@ class Admission:
         """AWAITING_BOUND_ADMISSION + the answer: admitted on the bound, or (refused) counted
         exactly and asked again."""
         asked = self._answered()
+        if type(ev) is av.AdmitAnswered and ev.wait and asked.queue is not None:
+            out.append(self._w.wait(asked, ev, self.s.ledger, asked.queue))
+            return _S.AWAITING_TURN
         res, refused = self._read(asked, ev, out, on_bound=True)
         if refused is None:
             out.append(_ON_BOUND)
@@ -219,8 +220,23 @@ class Admission:
     def _on_exact_answer(self, ev: _Answer, out: list[av.AdmissionAction]) -> AdmissionState:
         """AWAITING_ADMISSION + the answer: the attempt's outcome."""
         asked = self._answered()
+        if type(ev) is av.AdmitAnswered and ev.wait and asked.queue is not None:
+            out.append(self._w.wait(asked, ev, self.s.ledger, asked.queue))
+            return _S.AWAITING_TURN
         res, refused = self._read(asked, ev, out, on_bound=False)
         return self._attempted(asked, res, refused, out, on_bound=False)
+
+    def _on_turn(
+        self, ev: av.TurnCame | av.WaitDeclined, out: list[av.AdmissionAction]
+    ) -> AdmissionState:
+        """AWAITING_TURN + its turn came: the same plan asked again, in now's windows; or the
+        replica holds its most waiters: asked once more without a wait (admitted if there is
+        room now, else refused and its ticket gone)."""
+        asked, model, charging = self._w.take(), self._model, self._charging
+        assert asked.plan is not None and model is not None and charging is not None
+        self._w.declined = type(ev) is av.WaitDeclined
+        self._ask(model, asked.plan, charging, out, on_bound=asked.on_bound)
+        return _S.AWAITING_BOUND_ADMISSION if asked.on_bound else _S.AWAITING_ADMISSION
 
     def _on_rpm_only(self, ev: av.RpmOnlyArrived, out: list[av.AdmissionAction]) -> AdmissionState:
         """READY on an rpm_only path: the one call on the tenant-wide RPM buckets (none: the
@@ -237,24 +253,16 @@ class Admission:
                 on_bound=False, configured=self.rules.count_refused_requests
             ),
         )
-        self._asked = _Asked(call, None, tuple(buckets), now, leased=False)
+        self._asked = Asked(call, None, tuple(buckets), now, leased=False)
         out.append(call)
         return _S.AWAITING_RPM_ADMISSION
 
     def _on_rpm_answer(self, ev: _Answer, out: list[av.AdmissionAction]) -> AdmissionState:
         """AWAITING_RPM_ADMISSION + the answer: the request passes, or a 429."""
-        asked, tenant = self._answered(), self.s.tenant
-        assert tenant is not None
+        asked = self._answered()
         res = read_answer(self.rules, self.s.plan, asked.call, ev, out)
         if res is not None and not res.admitted and not res.duplicate:
-            raise admission_plan.refusal(
-                list(asked.buckets),
-                res.values,
-                admission_plan.RPM_ONLY,
-                asked.now,
-                tenant=tenant.id,
-                model="*",
-            )
+            raise refusal_of(self.s, asked, res, "*")
         return _S.DONE
 
     def _on_cancel(self, ev: av.AdmitCancelled, out: list[av.AdmissionAction]) -> AdmissionState:
@@ -264,6 +272,10 @@ class Admission:
         if asked is not None:
             self._asked = None
             out.append(av.KeepCancel(undo(asked.call.charges), asked.call.ledger_ttl_ms))
+        elif self._w.held is not None:
+            asked = self._w.take()
+        if asked is not None and asked.queue is not None:  # it may hold a ticket: it leaves
+            out.append(av.LeaveQueue(self.s.ledger, asked.queue.keys))
         return _S.DONE
 
     # -- what the steps share ----------------------------------------------------------------
@@ -297,7 +309,7 @@ class Admission:
         out.append(av.CountExact(model, self._size))
         return _S.AWAITING_COUNT
 
-    def _answered(self) -> _Asked:
+    def _answered(self) -> Asked:
         """The call out, answered: no longer out (a cancel from here keeps nothing of it)."""
         asked = self._asked
         assert asked is not None
@@ -306,7 +318,7 @@ class Admission:
 
     def _attempted(
         self,
-        asked: _Asked,
+        asked: Asked,
         res: av.AdmitAnswered | None,
         refused: QuotaExceeded | None,
         out: list[av.AdmissionAction],
@@ -359,6 +371,7 @@ class Admission:
             headers=headers,
             on_bound=on_bound,
             out=out,
+            waited_ms=self._w.waited_ms(asked.now, asked.queue),
         )
         return _S.DONE
 
@@ -381,32 +394,14 @@ class Admission:
             listed = s.buckets_at(self._prefix, now, rules.reservation_lease_ms, model)
         else:
             now, listed, charges = at
-        buckets = tuple(listed)
-        cost = plan.cost
-        lease = policies.lease_ms(
-            settle_to_actual=cost.settle_to_actual,
-            holds_slots=any(b.kind == "concurrency" for b in buckets),
-            records=self._records,
-            lease=rules.reservation_lease_ms,
+        queue = self._w.queue(s, rules, self._prefix, listed, now)
+        self._asked = asked = ask_call(
+            s, rules, model, plan, listed, now, charges, self._records, on_bound, queue
         )
-        draft = draft_record(s, model, cost, now) if lease and self._records else None
-        call = admission_call(
-            self.rules,
-            listed,
-            cost,
-            charges=charges,
-            now_ms=now,
-            lease_until_ms=now + lease if lease else 0,
-            draft=draft,
-            count_refused=policies.counts_refusal(
-                on_bound=on_bound, configured=rules.count_refused_requests
-            ),
-        )
-        self._asked = _Asked(call, plan, buckets, now, leased=bool(lease))
-        out.append(call)
+        out.append(asked.call)
 
     def _read(
-        self, asked: _Asked, ev: _Answer, out: list[av.AdmissionAction], *, on_bound: bool
+        self, asked: Asked, ev: _Answer, out: list[av.AdmissionAction], *, on_bound: bool
     ) -> tuple[av.AdmitAnswered | None, QuotaExceeded | None]:
         """The answer to the call out (None: fail-open) and its refusal, if refused (counted
         unless the call was on a bound: that one is asked again)."""
@@ -414,17 +409,14 @@ class Admission:
         assert asked.plan is not None and model is not None and tenant is not None
         res = read_answer(self.rules, self.s.plan, asked.call, ev, out)
         if res is not None and not res.admitted and not res.duplicate:
-            err = admission_plan.refusal(
-                list(asked.buckets),
-                res.values,
-                asked.plan.cost,
-                asked.now,
-                tenant=tenant.id,
-                model=model.name,
-            )
+            err = refusal_of(self.s, asked, res, model.name)
+            if asked.queue is not None:
+                err = self._w.answered(err, res, asked.now, out) or err
             if not on_bound:
                 out.append(av.LimitDecisions(((err.metric, "refused"),)))
             return res, err
+        if res is not None and asked.queue is not None:
+            self._w.answered(None, res, asked.now, out)
         if res is not None:
             # A duplicate can only be our own retried call (ledger ids are unique per HTTP
             # request): the first execution charged, so the request is admitted and metered.
@@ -441,6 +433,8 @@ _A = Admission
 _ANSWERS = (av.AdmitAnswered, av.AdmitFailed, av.AdmitBacklogged)
 #: Where an attempt starts: the exact count asked for, or the call on a bound out.
 _ATTEMPT_BEGUN = (_S.AWAITING_COUNT, _S.AWAITING_BOUND_ADMISSION)
+#: The states of a call out after a turn.
+_ASKED = (_S.AWAITING_ADMISSION, _S.AWAITING_BOUND_ADMISSION)
 #: The states with an admission call out (a cancel there is kept).
 _CALL_OUT = (_S.AWAITING_ADMISSION, _S.AWAITING_BOUND_ADMISSION, _S.AWAITING_RPM_ADMISSION)
 
@@ -461,12 +455,23 @@ TRANSITIONS: dict[tuple[AdmissionState, type], tuple[Step, frozenset[AdmissionSt
     # the request went away while its input was counted: nothing is out, nothing to keep
     (_S.AWAITING_COUNT, av.AdmitCancelled): (_A._on_cancel, _to()),
     # refused on the bound: counted exactly and asked again
+    # or told to wait for its turn (a plan that waits)
     **{
-        (_S.AWAITING_BOUND_ADMISSION, e): (_A._on_bound_answer, _to(_S.AWAITING_COUNT))
+        (_S.AWAITING_BOUND_ADMISSION, e): (
+            _A._on_bound_answer,
+            _to(_S.AWAITING_COUNT, _S.AWAITING_TURN),
+        )
         for e in _ANSWERS
     },
-    # refused, with a fallback model: its attempt
-    **{(_S.AWAITING_ADMISSION, e): (_A._on_exact_answer, _to(*_ATTEMPT_BEGUN)) for e in _ANSWERS},
+    # refused, with a fallback model: its attempt; or told to wait for its turn
+    **{
+        (_S.AWAITING_ADMISSION, e): (_A._on_exact_answer, _to(*_ATTEMPT_BEGUN, _S.AWAITING_TURN))
+        for e in _ANSWERS
+    },
+    # the turn came (or the replica declined the wait): the same plan asked again
+    **{(_S.AWAITING_TURN, e): (_A._on_turn, _to(*_ASKED)) for e in (av.TurnCame, av.WaitDeclined)},
+    # the request went away while waiting: its ticket leaves the queue
+    (_S.AWAITING_TURN, av.AdmitCancelled): (_A._on_cancel, _to()),
     **{(_S.AWAITING_RPM_ADMISSION, e): (_A._on_rpm_answer, _to()) for e in _ANSWERS},
     # the request went away while the call was out: a cancel is kept
     **{(state, av.AdmitCancelled): (_A._on_cancel, _to()) for state in _CALL_OUT},

@@ -17,6 +17,7 @@ from typing import Final
 from extproc.core.keys import WindowedBucket
 from extproc.core.phase_records import AdmitModel
 from extproc.core.rules import Adjustment, BucketCharge
+from extproc.core.waiting import QueueCall
 from extproc.errors import GatewayError, LimiterUnavailable
 
 # -- events: what the server saw ----------------------------------------------------------------
@@ -51,6 +52,11 @@ class AdmitAnswered:
     admitted: bool
     duplicate: bool
     values: tuple[int, ...]
+    #: a waiting request: it holds a ticket until ``turn_ms`` (``wait``); refused, the turn it
+    #: would have needed (0: none, -1: never) and whether its tenant's queue was full
+    wait: bool = False
+    turn_ms: int = 0
+    queue_full: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +78,16 @@ class AdmitBacklogged:
     """The call was not made: the settlements waiting for Redis reached their backlog."""
 
 
+@dataclass(frozen=True, slots=True)
+class TurnCame:
+    """The request's expected turn came (the server slept until it): ask again."""
+
+
+@dataclass(frozen=True, slots=True)
+class WaitDeclined:
+    """The replica holds its most waiters already: the request does not wait."""
+
+
 AdmissionEvent = (
     BodyArrived
     | RpmOnlyArrived
@@ -80,6 +96,8 @@ AdmissionEvent = (
     | AdmitFailed
     | AdmitCancelled
     | AdmitBacklogged
+    | TurnCame
+    | WaitDeclined
 )
 #: Admission's event types (the session routes these to the admission).
 ADMISSION_EVENTS: Final = frozenset(
@@ -91,6 +109,8 @@ ADMISSION_EVENTS: Final = frozenset(
         AdmitFailed,
         AdmitCancelled,
         AdmitBacklogged,
+        TurnCame,
+        WaitDeclined,
     )
 )
 
@@ -138,6 +158,40 @@ class CallAdmit:
     now_ms: int = 0
     lease_until_ms: int = 0
     draft: DraftRecord | None = None
+    #: the request may wait for its turn (docs/semantics.md, "Waiting")
+    queue: QueueCall | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """The request holds a ticket in its tenant's queue: sleep until ``until_ms`` (unix ms),
+    keeping Envoy's message timeout from firing, then report
+    :class:`TurnCame`; a replica already holding its most waiters reports
+    :class:`WaitDeclined` at once.  A client that hangs up meanwhile
+    leaves the queue (``ticket`` from ``queue``) at once."""
+
+    until_ms: int
+    ticket: str
+    queue: tuple[str, str, str]
+    first: bool  # the request's first wait (a log line, the waiters gauge)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaveQueue:
+    """Take the request's ``ticket`` out of its tenant's ``queue`` (it will not wait)."""
+
+    ticket: str
+    queue: tuple[str, str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class WaitOver:
+    """The request's wait is over: ``outcome`` ``admitted`` or ``refused`` after waiting
+    ``waited_ms``, or refused at once (``unservable``: its turn is beyond its maximum wait,
+    ``queue_full``, ``replica_full``): count it."""
+
+    outcome: str
+    waited_ms: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +303,9 @@ class Reject:
 AdmissionAction = (
     CountExact
     | CallAdmit
+    | Wait
+    | LeaveQueue
+    | WaitOver
     | KeepCancel
     | KeepLeases
     | Attempting

@@ -128,6 +128,8 @@ class Identified:
     # is asked first
     end_user: str = ""
     end_user_body: bool = True
+    # the priority class the request header asks for (a waiting plan's; None: none asked)
+    priority: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +158,8 @@ class Admitted:
     # most its vocabulary's longest token in bytes): an upstream figure the counted path would
     # refuse for any count from here to the bound is checked against the count
     input_floor: int = 0
+    # how long the request waited for its turn (docs/semantics.md, "Waiting")
+    waited_ms: int = 0
 
 
 MeteringKind = Literal[

@@ -19,6 +19,24 @@ WINDOW_SECONDS: dict[str, int] = {
     "day": 86400,
     "week": 7 * 86400,
 }
+
+
+def window_seconds(per: str) -> int:
+    """A fixed window's length: a named one (0 for a month) or ``<n>s``."""
+    if per.endswith("s") and per[:-1].isdigit():
+        return int(per[:-1])
+    return WINDOW_SECONDS.get(per, 0)
+
+
+def window_period(per: str, tz: str) -> Period | None:
+    """A window that follows a calendar (a week, a month, or a day in a zone other than
+    UTC): its name; None for a fixed length."""
+    for name in ("second", "minute", "hour", "day", "week", "month"):
+        if per == name and (per in ("week", "month") or tz != "UTC"):
+            return name
+    return None
+
+
 #: A fixed window's name by its length (the reverse of ``WINDOW_SECONDS``).
 _PERIOD_NAMES: dict[int, str] = {v: k for k, v in WINDOW_SECONDS.items()}
 Period = Literal["second", "minute", "hour", "day", "week", "month"]
@@ -130,6 +148,11 @@ class Limit:
     def counts_tokens(self) -> bool:
         """TPM and cost counters are charged per token (admission, stream, settlement)."""
         return self.metric in ("tpm", "cost")
+
+    @property
+    def length_s(self) -> int:
+        """The window's length in seconds, to order windows (a month as 31 days)."""
+        return self.window_s or 31 * 86_400
 
     @property
     def period_name(self) -> str:

@@ -215,6 +215,12 @@ class SessionRecords:
         )
 
     @property
+    def priority_asked(self) -> str | None:
+        """The priority class the request header asks for (None: none)."""
+        rec = self._identified
+        return rec.priority if rec is not None else None
+
+    @property
     def end_user(self) -> str:
         """The end user the request names ("": none; extproc.core.end_users)."""
         rec, req = self._identified, self.req

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from extproc.core.rules import Adjustment, BucketCharge, UnconfirmedCharge
+from extproc.core.waiting import QueueCall
 
 #: Most settlements riding on one admission (its script blocks Redis while it runs).
 MAX_RIDERS = 32
@@ -46,6 +47,12 @@ class AdmitResult:
     settled: tuple[bool, ...] = ()
     #: never-opened allowance units of dead replicas this call gave back (their leases ran out)
     allowance_reclaimed: int = 0
+    #: a waiting request (:attr:`AdmitCall.queue`) not admitted: True it holds a ticket until
+    #: ``turn_ms``; refused, ``turn_ms`` is the turn it would have needed (0: none computed,
+    #: -1: never) and ``queue_full`` whether the tenant's queue was at its cap
+    wait: bool = False
+    turn_ms: int = 0
+    queue_full: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +80,8 @@ class AdmitCall(NamedTuple):
     the TPM tokens it charges (recorded in the ledger), whether a refused request still counts
     in its RPM buckets, the ledger's TTL; with a lease (``lease_until_ms``), the reservation
     stays open until settled and ``record_draft`` is kept in the ledger meanwhile (``now_ms``:
-    the time a reclaim judges leases by); ``settlements`` ride on the call.  (A named tuple:
+    the time a reclaim judges leases by); ``settlements`` ride on the call; with a ``queue``,
+    a request over a rate limit may be told to wait (:mod:`extproc.core.waiting`).  (A named tuple:
     one is made per request, at a fifth of a frozen dataclass's cost.)"""
 
     ledger: str
@@ -85,6 +93,8 @@ class AdmitCall(NamedTuple):
     lease_until_ms: int = 0
     record_draft: str = ""
     settlements: Sequence[SettleCall] = ()
+    #: the request may wait for its turn (docs/semantics.md, "Waiting"): its queue
+    queue: QueueCall | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,6 +317,11 @@ class Limiter(Protocol):
     ) -> None:
         """Extend the leases of these open reservations, and of the concurrency slots
         ``held[ledger]`` names, to ``until_ms``."""
+        ...
+
+    async def leave_queue(self, ledger: str, keys: tuple[str, str, str]) -> bool:
+        """Remove a waiting request's ticket (``ledger``) from its tenant's queue ``keys``
+        (:class:`extproc.core.waiting.QueueCall`); True when one was there.  Idempotent."""
         ...
 
     async def read(self, keys: list[str]) -> list[int]:

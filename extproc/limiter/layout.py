@@ -17,6 +17,7 @@ from typing import Any
 
 from extproc.core.keys import open_key
 from extproc.core.rules import BucketCharge
+from extproc.core.waiting import KIND_CODES
 from extproc.limiter.base import (
     AdmitCall,
     AdmitResult,
@@ -119,11 +120,12 @@ class PackedAdmission(Packed):
 
     first_bucket: int = 0
     buckets: int = 0
+    queue_at: int = 0  # where the queue section starts (its length is the last argument)
 
     def replay(self) -> list[Any]:
         """The arguments it is journalled with: every bucket shadow (counted, never refused
-        by a new master)."""
-        out = list(self.args)
+        by a new master), without the queue (a replay admits: no ticket is taken)."""
+        out = [*self.args[: self.queue_at], 0]
         for i in range(self.buckets):
             out[self.first_bucket + ADMIT_BUCKET_ARGS * i + ADMIT_SHADOW_AT] = 1
         return out
@@ -149,6 +151,16 @@ def admission(call: AdmitCall) -> PackedAdmission:
         else:
             args += (0, 0)
     args += (call.now_ms, call.lease_until_ms, call.record_draft)
+    p.queue_at = len(args)
+    q = call.queue
+    if q is None:
+        args.append(0)
+        return p
+    keys.extend(q.keys)
+    args += (len(keys) - 2, q.offset_ms, q.deadline_ms, q.lease_ms, q.cap, q.poll_ms)
+    for kind, end, length in q.buckets:
+        args += (KIND_CODES[kind], end, length)
+    args.append(len(args) - p.queue_at)
     return p
 
 
@@ -164,6 +176,7 @@ def admit_result(res: Any) -> AdmitResult:
     """``admit.lua``'s answer: {status, values, reclaimed drafts, riders settled, allowance
     units reclaimed}."""
     status = int(res[0])
+    turn = int(res[5]) if len(res) > 5 else 0
     return AdmitResult(
         admitted=status == 1,
         duplicate=status == 2,
@@ -171,6 +184,9 @@ def admit_result(res: Any) -> AdmitResult:
         reclaimed=reclaimed(res[2] if len(res) > 2 else []),
         settled=tuple(bool(int(v)) for v in (res[3] if len(res) > 3 else [])),
         allowance_reclaimed=int(res[4]) if len(res) > 4 else 0,
+        wait=status == 3,
+        turn_ms=turn,
+        queue_full=len(res) > 6 and int(res[6]) == 1,
     )
 
 

@@ -43,6 +43,7 @@ from extproc.limiter.base import (
     any_ledger,
 )
 from extproc.limiter.keyspace import Counter, Keyspace, Ledger, LedgerState, Scored
+from extproc.limiter.memory_queue import MemoryQueues
 
 #: Dead reservations one admission reclaims at most (admit.lua's LIMIT).
 RECLAIM_BATCH = 8
@@ -57,6 +58,7 @@ class MemoryLimiter:
         self.round_trips = 0
         # input_stop.lua's hashes (config version key -> model -> entry); no expiry here
         self._input_stops: dict[str, dict[str, str]] = {}
+        self.waiting = MemoryQueues()  # admit.lua's queues (docs/semantics.md, "Waiting")
 
     # -- the protocol ------------------------------------------------------------------------
 
@@ -82,11 +84,8 @@ class MemoryLimiter:
                 known.add(i)
         if self.keys.entry(ledger, now) is not None:
             return AdmitResult(False, True, tuple(vals), tuple(reclaimed), settled, alw[0])
-        ok = all(
-            b.shadow or b.amount <= 0 or i in known or vals[i] + b.amount <= b.limit
-            for i, b in enumerate(buckets)
-        )
-        if ok:
+        j = self.waiting.judge(call, vals, prev, known, keys=self.keys, now=now)
+        if j.ok:
             led = self.keys.ledger(ledger, now)
             led.state, led.seq, led.charged = "admitted", 0, call.tpm_charged
             for i, b in enumerate(buckets):
@@ -112,12 +111,17 @@ class MemoryLimiter:
                     led.draft = call.record_draft
             self.keys.expire_at(ledger, now + ledger_ttl_ms, now)
             return AdmitResult(True, False, tuple(vals), tuple(reclaimed), settled, alw[0])
-        if call.count_refused:
+        if call.count_refused and not j.wait:
             for i, b in enumerate(buckets):
                 if b.kind == "rpm":
                     vals[i] = self.keys.incr(b.key, 1, now) + prev[i]
                     self.keys.expire_at(b.key, b.expire_at_ms, now)
-        return AdmitResult(False, False, tuple(vals), tuple(reclaimed), settled, alw[0])
+        return AdmitResult(False, False, tuple(vals), tuple(reclaimed), settled, alw[0], *j[1:])
+
+    async def leave_queue(self, ledger: str, keys: tuple[str, str, str]) -> bool:
+        """leave.lua: the waiting request's ticket leaves its tenant's queue."""
+        self.round_trips += 1
+        return self.waiting.leave(ledger, keys[0])
 
     def _reclaim(
         self, open_set: str, now_ms: int, now: int, alw: list[int], *, only_alw: bool = False

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 DEFAULT_MAX_CONNECTIONS = 128
 
 #: The request path's scripts (the allowance store and the RLS counter register their own).
-_SCRIPTS = ("admit", "charge", "settle", "note", "input_stop")
+_SCRIPTS = ("admit", "charge", "settle", "note", "input_stop", "leave")
 
 
 class RedisLimiter(SetReads):
@@ -214,6 +214,12 @@ class RedisLimiter(SetReads):
         elif call.settlements:
             self._journal_settlements(call.settlements, where)
         return result
+
+    async def leave_queue(self, ledger: str, keys: tuple[str, str, str]) -> bool:
+        """Run ``leave.lua``: the waiting request's ticket leaves its tenant's queue."""
+        packed = layout.Packed(list(keys), [ledger])
+        res = await self.caller.run("a queue leave", "leave", packed, self.caller.owner(ledger))
+        return bool(int(res))
 
     def rides_with(self, ledger: str) -> Callable[[str], bool]:
         """Which settlements (by ledger) may ride on ``ledger``'s admission: any on a single

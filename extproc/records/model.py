@@ -43,6 +43,7 @@ FIELDS: tuple[str, ...] = (
     "organisation",
     "team",
     "end_user",
+    "waited_ms",
 )
 
 #: ``input_check``: how the input was billed, when it was not simply counted (docs/
@@ -58,6 +59,7 @@ _INTS = (
     "reasoning_tokens",
     "admitted_at_ms",
     "finished_at_ms",
+    "waited_ms",
 )
 
 
@@ -104,6 +106,8 @@ class UsageRecord:
     organisation: str = ""
     team: str = ""
     end_user: str = ""
+    # how long the request waited for its turn before admission (docs/semantics.md, "Waiting")
+    waited_ms: int = 0
 
     def to_fields(self) -> dict[str, str]:
         """The flat string fields of the stream entry (None is written as an empty string)."""

@@ -16,30 +16,59 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, Protocol
 
 import structlog
 
 from extproc.config.runtime import RuntimeConfig
 from extproc.core import admission_vocabulary as av
 from extproc.core.session import Session
+from extproc.core.waiting import HOLD_TIMEOUT_MS
 from extproc.errors import LimiterUnavailable
 from extproc.gateway import Gateway
 from extproc.limiter.base import AdmitCall, AdmitResult
 from extproc.limiter.kept import Kept
 from extproc.records.model import draft_json
+from extproc.server import wire
 from extproc.server.counting import count_input
 from extproc.server.reclaim import record_reclaimed
+from extproc.server.writelock import WriteLock
 
 log = structlog.get_logger("extproc")
 
 
+class Stream(Protocol):
+    """The request's gRPC stream, as a request held for its turn writes to it."""
+
+    writer: Any  # the gRPC context (None: none to write to)
+    write_lock: WriteLock
+
+
 async def admit_body(
-    gw: Gateway, cfg: RuntimeConfig, s: Session, raw: bytes, started: float
+    gw: Gateway, cfg: RuntimeConfig, s: Session, raw: bytes, started: float, *, stream: Stream
 ) -> bytes | None:
-    """Admit the request (raise a :class:`GatewayError` when not); the body to forward."""
-    return await _execute(gw, cfg, s, s.handle(av.BodyArrived(raw)), started=started)
+    """Admit the request (raise a :class:`GatewayError` when not); the body to forward.
+    ``stream``: where a request waiting for its turn asks Envoy for the time it needs."""
+    return await _execute(
+        gw, cfg, s, s.handle(av.BodyArrived(raw)), started=started, hold=partial(_hold, stream)
+    )
+
+
+async def _hold(stream: Stream) -> None:
+    """The request waits for its turn: keep Envoy's message timeout from firing (one override
+    per message: the most ``max_message_timeout`` allows)."""
+    writer = stream.writer
+    if writer is None:
+        return
+    lock = stream.write_lock
+    if not lock.try_acquire():
+        await lock.acquire()
+    try:
+        await writer.write(wire.override_message_timeout(HOLD_TIMEOUT_MS))
+    finally:
+        lock.release()
 
 
 async def admit_rpm_only(gw: Gateway, cfg: RuntimeConfig, s: Session) -> None:
@@ -55,32 +84,90 @@ async def _execute(
     actions: list[av.AdmissionAction],
     *,
     started: float,
+    hold: Callable[[], Awaitable[None]] | None = None,
 ) -> bytes | None:
     """Execute the admission's actions until it forwards the body (returned), rejects
     (raised) or ends (None)."""
-    while True:
-        last: av.AdmissionAction | None = None
-        for a in actions:
-            note = _NOTES.get(type(a))
-            if note is not None:
-                note(gw, s, a, started)
-            else:
-                last = a  # the one that ends the step: always the last
-        if last is None:
-            return None
-        if type(last) is av.CallAdmit:
-            ev: av.AdmissionEvent = await limiter_admit(gw, cfg, s, last)
-        elif type(last) is av.ForwardBody:
-            return last.body
-        elif type(last) is av.CountExact:
-            api, req = s.api, s.req
-            assert api is not None and req is not None
-            ev = av.InputCounted(await count_input(gw, cfg, api, req, last.model, size=last.size))
-        elif type(last) is av.Reject:
-            raise last.error
-        else:  # pragma: no cover - every action is handled
-            raise TypeError(f"unknown admission action {last!r}")
-        actions = s.handle(ev)
+    held = False  # counted among the replica's waiters
+    try:
+        while True:
+            last: av.AdmissionAction | None = None
+            for a in actions:
+                note = _NOTES.get(type(a))
+                if note is not None:
+                    note(gw, s, a, started)
+                else:
+                    last = a  # the one that ends the step: always the last
+            if last is None:
+                return None
+            if type(last) is av.CallAdmit:
+                ev: av.AdmissionEvent = await limiter_admit(gw, cfg, s, last)
+            elif type(last) is av.ForwardBody:
+                return last.body
+            elif type(last) is av.CountExact:
+                api, req = s.api, s.req
+                assert api is not None and req is not None
+                ev = av.InputCounted(
+                    await count_input(gw, cfg, api, req, last.model, size=last.size)
+                )
+            elif type(last) is av.Wait:
+                if last.first and not held:
+                    if gw.waiting >= cfg.max_waiters_per_replica:
+                        actions = s.handle(av.WaitDeclined())
+                        continue
+                    held = True
+                    gw.waiting += 1
+                    gw.metrics.waiters.inc()
+                    _log_wait(gw, s, last)
+                    if hold is not None:
+                        await hold()
+                ev = await _sleep_until_turn(gw, s, last)
+            elif type(last) is av.Reject:
+                raise last.error
+            else:  # pragma: no cover - every action is handled
+                raise TypeError(f"unknown admission action {last!r}")
+            actions = s.handle(ev)
+    finally:
+        if held:
+            gw.waiting -= 1
+            gw.metrics.waiters.dec()
+
+
+async def _sleep_until_turn(gw: Gateway, s: Session, w: av.Wait) -> av.AdmissionEvent:
+    """Sleep until the request's turn; a client that hangs up meanwhile (the stream is
+    cancelled) leaves the queue at once (what admission asks on the cancel)."""
+    try:
+        await asyncio.sleep(max(0, w.until_ms - gw.clock.now_ms()) / 1000.0)
+    except asyncio.CancelledError:
+        _cancelled(gw, s)
+        raise
+    return av.TurnCame()
+
+
+def _cancelled(gw: Gateway, s: Session) -> None:
+    """The request went away while admission waited: execute what it asks (a cancel to keep,
+    a ticket to take out of the queue)."""
+    for act in s.handle(av.AdmitCancelled()):
+        note = _NOTES.get(type(act))
+        assert note is not None  # only notes: a cancel to keep, a queue to leave
+        note(gw, s, act, 0.0)
+
+
+async def _leave(gw: Gateway, ticket: str, queue: tuple[str, str, str]) -> None:
+    try:
+        await gw.limiter.leave_queue(ticket, queue)
+    except LimiterUnavailable:
+        # the ticket lapses with its lease (a few seconds after its turn)
+        log.warning("queue_leave_failed", ticket=ticket)
+
+
+def _log_wait(gw: Gateway, s: Session, w: av.Wait) -> None:
+    log.info(
+        "wait",
+        request_id=s.request_id,
+        tenant=s.tenant.id if s.tenant else None,
+        turn_in_ms=max(0, w.until_ms - gw.clock.now_ms()),
+    )
 
 
 # -- what admission reports: counted, logged, or kept ------------------------------------------
@@ -162,6 +249,25 @@ def _pushed_back(gw: Gateway, s: Session, a: av.PushedBack, started: float) -> N
     log.warning("settlement_backlog_full", request_id=s.request_id, fail_open=a.unmetered)
 
 
+def _leave_queue(gw: Gateway, s: Session, a: av.LeaveQueue, started: float) -> None:
+    """The ticket leaves its queue, in the background (the request is going away, or will
+    not wait)."""
+    gw.track(asyncio.ensure_future(_leave(gw, a.ticket, a.queue)))
+
+
+def _wait_over(gw: Gateway, s: Session, a: av.WaitOver, started: float) -> None:
+    gw.metrics.wait_outcomes.labels(a.outcome).inc()
+    if a.outcome in ("admitted", "refused"):
+        gw.metrics.wait_seconds.labels(a.outcome).observe(a.waited_ms / 1000.0)
+    log.info(
+        "wait_over",
+        request_id=s.request_id,
+        tenant=s.tenant.id if s.tenant else None,
+        outcome=a.outcome,
+        waited_ms=a.waited_ms,
+    )
+
+
 #: Each reported action's executor, by the action's type (one lookup per action).
 _NOTES: dict[type, Callable[[Gateway, Session, Any, float], None]] = {
     av.Attempting: _attempting,
@@ -175,6 +281,8 @@ _NOTES: dict[type, Callable[[Gateway, Session, Any, float], None]] = {
     av.KeepCancel: _keep_cancel,
     av.AdmitError: _admit_error,
     av.PushedBack: _pushed_back,
+    av.LeaveQueue: _leave_queue,
+    av.WaitOver: _wait_over,
 }
 
 
@@ -204,14 +312,12 @@ async def limiter_admit(
                 lease_until_ms=a.lease_until_ms,
                 record_draft=draft_json(d) if d is not None else "",
                 settlements=riders,
+                queue=a.queue,
             )
         )
         done = res
     except asyncio.CancelledError:
-        for act in s.handle(av.AdmitCancelled()):
-            note = _NOTES.get(type(act))
-            assert note is not None  # only a cancel to keep
-            note(gw, s, act, 0.0)
+        _cancelled(gw, s)
         raise
     except LimiterUnavailable as exc:
         return av.AdmitFailed(exc)
@@ -225,4 +331,6 @@ async def limiter_admit(
         asyncio.get_running_loop().call_soon(
             record_reclaimed, gw, cfg, res.reclaimed, context=contextvars.Context()
         )
-    return av.AdmitAnswered(res.admitted, res.duplicate, res.values)
+    return av.AdmitAnswered(
+        res.admitted, res.duplicate, res.values, res.wait, res.turn_ms, res.queue_full
+    )

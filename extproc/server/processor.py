@@ -128,7 +128,7 @@ class RequestProcessor:
 
     async def on_request_body(self, body: Any) -> wire.ProcessingResponse:
         """Admit the request. In BUFFERED mode the body is whole even when trailers follow."""
-        new_body = await admit_body(self.gw, self.cfg, self.s, body.body, self.started)
+        new_body = await admit_body(self.gw, self.cfg, self.s, body.body, self.started, stream=self)
         self.s.handle(ev.AdmissionDone())
         self.trace.mark("admitted")
         self.counting.admitted(len(body.body))

@@ -16,6 +16,7 @@ from extproc.core.keys import ledger_key
 from extproc.core.phase_records import Identified, Requested
 from extproc.core.routing import public_path, route
 from extproc.core.session import Session
+from extproc.core.waiting import PRIORITY_HEADER
 from extproc.errors import AuthenticationError, BadRequest
 from extproc.errors import UnsupportedEncoding as UnsupportedRequestEncoding
 from extproc.gateway import Gateway
@@ -67,6 +68,7 @@ async def on_request_headers(
         ledger,
         end_user=end_user,
         end_user_body=body_first,
+        priority=h.get(PRIORITY_HEADER),
     )
     s.handle(CallerIdentified(identified))
     if kind != "metered":

@@ -273,6 +273,7 @@ def _record(gw: Gateway, s: Session, plan: SettlementPlan, now_ms: int, check: s
             organisation=tenant.organisation,
             team=tenant.team_of(s.key.name) if s.key else "",
             end_user=s.end_user,
+            waited_ms=admitted.waited_ms if admitted else 0,
         )
     )
 

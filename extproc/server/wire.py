@@ -28,6 +28,14 @@ _Mode = processing_mode_pb2.ProcessingMode
 METADATA_NAMESPACE = "ai_quota"
 
 
+def override_message_timeout(ms: int) -> ProcessingResponse:
+    """Ask Envoy for ``ms`` more on the message it waits on (a request held for its turn:
+    ``max_message_timeout`` must allow it; Envoy takes one override per message)."""
+    r = _PR()
+    r.override_message_timeout.FromMilliseconds(ms)
+    return r
+
+
 def headers_of(hh: Any) -> dict[str, str]:
     """Header map with lower-case names (values from ``raw_value``; Envoy leaves ``value`` empty)."""
     out: dict[str, str] = {}

@@ -62,6 +62,7 @@ POLICIES: dict[str, tuple[str, Callable[[dict[str, Any]], bool]]] = {
         ),
     ),
     "fallback": ("fallback.yaml", lambda d: any(p.get("fallback") for p in d["plans"].values())),
+    "waiting": ("waiting.yaml", lambda d: any(p.get("wait") for p in d["plans"].values())),
     "JWT identity": ("jwt-identity.yaml", lambda d: "jwt" in d["identity"]["sources"]),
     "levels": (
         "hierarchy.yaml",

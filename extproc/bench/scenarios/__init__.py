@@ -26,6 +26,7 @@ from extproc.bench.scenarios import (
     streaming,
     telemetry,
     tokenizer,
+    waiting,
     workers,
 )
 from extproc.bench.scenarios.base import Scenario
@@ -50,6 +51,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     telemetry.SCENARIO,
     peer.SCENARIO,
     levels.SCENARIO,
+    waiting.SCENARIO,
 )
 
 #: The section names, as ``--only`` and ``--skip`` take them.

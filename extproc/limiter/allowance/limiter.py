@@ -146,7 +146,8 @@ class AllowanceLimiter:
         ledger, buckets, settlements = call.ledger, call.buckets, call.settlements
         now = self.clock.now_ms()
         self._start_sweeper()
-        local = all(self._eligible(c) for c in buckets) and bool(buckets)
+        # a request that may wait goes to Redis: its tenant's queue decides (waiters first)
+        local = all(self._eligible(c) for c in buckets) and bool(buckets) and call.queue is None
         if local:
             self.taker.observe(buckets, now)
         plan = self._plan(buckets, now, eligible=True) if local and not settlements else None
@@ -336,6 +337,10 @@ class AllowanceLimiter:
         """The wrapped limiter's (Redis)."""
         read = getattr(self.inner, "input_stops", None)
         return list(await read(key)) if read is not None else []
+
+    async def leave_queue(self, ledger: str, keys: tuple[str, str, str]) -> bool:
+        """The wrapped limiter's (queues live in Redis)."""
+        return await self.inner.leave_queue(ledger, keys)
 
     async def renew(
         self, ledgers: list[str], until_ms: int, *, held: dict[str, list[str]] | None = None

@@ -30,6 +30,18 @@
 --                1e6)
 -- then           now (unix ms), lease deadline (unix ms; 0 = no lease), and the request's
 --                usage-record draft ("" for none), kept in the ledger while it is open
+-- then           the queue section (waiting, docs/semantics.md "Waiting"; the rule is
+--                extproc/core/waiting.py's decide, mirrored here), q values, and last q itself
+--                (0: the request does not wait).  Its values: the absolute KEYS index of the
+--                tenant's queue (sorted set: ticket -> order score), followed in KEYS by the
+--                tickets' leases (sorted set: ticket -> lease deadline) and their TPM tokens
+--                (hash, and its field "~last": the last arrival stamp); the ticket's priority
+--                offset (ms: it queues as if it had arrived that much earlier; its arrival is
+--                stamped by Redis's TIME, in microseconds), the request's deadline (unix ms), how long a
+--                ticket outlives its turn (ms), the most tickets the tenant may hold (0: no
+--                cap), the concurrency poll (ms); then per bucket its wait kind (0 does not
+--                wait: refuses at once; 1 fixed window, 2 sliding, 3 concurrency), its window's
+--                end (unix ms) and length (ms).  The ticket is the request's ledger.
 --
 -- Concurrency: a slot is the ledger in the set, scored by its lease deadline; slots whose
 -- lease ran out (their processor died) are dropped before counting.  Settlement removes the
@@ -51,14 +63,18 @@
 -- each as a reclaimed request's: its record is written once, as for a ledger of its own.
 --
 -- Returns {status, {value per bucket}, {ledger, draft, charged, input, ...}, {rider results},
--- allowance units reclaimed}:
+-- allowance units reclaimed, turn, full}:
 -- status 1 admitted (values after charging), 0 refused (values as found), 2 duplicate
--- request id (nothing charged; values as found); per rider 1 applied, 0 already settled.
+-- request id (nothing charged; values as found), 3 wait (a ticket is kept until its turn, unix
+-- ms); per rider 1 applied, 0 already settled.  A refusal of a waiting request carries the
+-- turn it would have needed (0: none computed, -1: never) and 1 when the tenant's queue was
+-- full (its cap of tickets).
 local riders, K0, A0 = settle_all(1, 1)
 K0 = K0 - 1
 A0 = A0 - 1
 local W = 8
-local n = (#ARGV - A0 - 6) / W
+local qlen = tonumber(ARGV[#ARGV])
+local n = (#ARGV - A0 - 7 - qlen) / W
 local open = KEYS[K0 + n + 2]
 local tail = 4 + n * W
 local now = tonumber(ARGV[A0 + tail] or '0')
@@ -103,6 +119,7 @@ if now > 0 then
 end
 local vals = {}
 local prev = {}
+local raw = {}
 local known = {}
 for i = 1, n do
   local base = 4 + (i - 1) * W
@@ -122,6 +139,7 @@ for i = 1, n do
     local p = tonumber(ARGV[A0 + base + 6])
     if p > 0 then
       local before = tonumber(redis.call('GET', KEYS[p]) or '0')
+      raw[i] = before
       prev[i] = math.floor(before * tonumber(ARGV[A0 + base + 7]) / 1000000)
     end
     vals[i] = tonumber(redis.call('GET', KEYS[K0 + i + 1]) or '0') + prev[i]
@@ -131,20 +149,200 @@ local ledger = KEYS[K0 + 1]
 local found = redis.call('HGET', ledger, 'state')
 if redis.call('HEXISTS', ledger, 'adm') == 1 or found == 'admitted' or found == 'reclaimed'
     or found == 'cancelled' then
-  return {2, vals, reclaimed, riders, alw}
+  return {2, vals, reclaimed, riders, alw, 0, 0}
 end
 -- settled before this admission ran (only a journal replay does that): count, open nothing
 local closed = found == 'settled'
+-- ceil(a / b) of positive integers (exact below 2^52 here)
+local function cdiv(a, b)
+  return math.floor((a + b - 1) / b)
+end
+-- the queue: lapsed tickets go, then the units of the waiters ahead of this request
+local q0 = #ARGV - qlen
+local Q, QL, QT, mine, stamp, score
+local ahead_n, ahead_t, sizes = 0, 0, {}
+if qlen > 0 then
+  local qk = tonumber(ARGV[q0])
+  Q, QL, QT = KEYS[qk], KEYS[qk + 1], KEYS[qk + 2]
+  local lapsed = redis.call('ZRANGEBYSCORE', QL, '-inf', now)
+  for _, t in ipairs(lapsed) do
+    redis.call('ZREM', Q, t)
+    redis.call('ZREM', QL, t)
+    redis.call('HDEL', QT, t)
+  end
+  mine = redis.call('ZRANK', Q, ledger)
+  local ahead
+  if mine then
+    ahead = mine > 0 and redis.call('ZRANGE', Q, 0, mine - 1) or {}
+  else
+    -- a newcomer's place: its arrival by Redis's own clock (every replica's tickets in one
+    -- order), strictly increasing, less its priority offset; those scored before it are ahead
+    local t = redis.call('TIME')
+    stamp = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    stamp = math.max(stamp, tonumber(redis.call('HGET', QT, '~last') or '0') + 1)
+    score = stamp - tonumber(ARGV[q0 + 1]) * 1000
+    ahead = redis.call('ZRANGEBYSCORE', Q, '-inf', string.format('(%.17g', score))
+  end
+  ahead_n = #ahead
+  for j = 1, #ahead, 500 do
+    local part = redis.call('HMGET', QT, unpack(ahead, j, math.min(j + 499, #ahead)))
+    for _, v in ipairs(part) do
+      sizes[#sizes + 1] = tonumber(v or '0')
+      ahead_t = ahead_t + sizes[#sizes]
+    end
+  end
+end
+local function wait_kind(i)
+  if qlen == 0 then
+    return 0
+  end
+  return tonumber(ARGV[q0 + 6 + (i - 1) * 3])
+end
+-- units of the waiters ahead on bucket i (none on a bucket that does not wait)
+local function ahead_of(i)
+  local wk = wait_kind(i)
+  if wk == 0 then
+    return 0
+  end
+  if ARGV[A0 + 4 + (i - 1) * W] == 't' then
+    return ahead_t
+  end
+  return ahead_n
+end
 local ok = true
 for i = 1, n do
   local base = 4 + (i - 1) * W
   local amount = tonumber(ARGV[A0 + base + 1])
   local limit = tonumber(ARGV[A0 + base + 2])
-  if ARGV[A0 + base + 5] ~= '1' and amount > 0 and not known[i] and vals[i] + amount > limit then
+  if ARGV[A0 + base + 5] ~= '1' and amount > 0 and not known[i]
+      and vals[i] + ahead_of(i) + amount > limit then
     ok = false
   end
 end
+local function leave()
+  if qlen > 0 and mine then
+    redis.call('ZREM', Q, ledger)
+    redis.call('ZREM', QL, ledger)
+    redis.call('HDEL', QT, ledger)
+  end
+end
+local turn, full = 0, 0
+if not ok and qlen > 0 then
+  -- wait or refuse at once (extproc/core/waiting.py: decide, turn_ms)
+  local deadline = tonumber(ARGV[q0 + 2])
+  local poll = tonumber(ARGV[q0 + 5])
+  local budget, never, conc = false, false, false
+  local rates = now
+  turn = now
+  for i = 1, n do
+    local base = 4 + (i - 1) * W
+    local amount = tonumber(ARGV[A0 + base + 1])
+    local limit = tonumber(ARGV[A0 + base + 2])
+    local wk = wait_kind(i)
+    local ahead = ahead_of(i)
+    if ARGV[A0 + base + 5] ~= '1' and amount > 0 and not known[i]
+        and vals[i] + ahead + amount > limit then
+      local t = now
+      if wk == 0 then
+        budget = true
+      elseif amount > limit then
+        never = true
+      elseif wk == 3 then
+        conc = true
+        t = now + poll
+      else
+        local need = ahead + amount
+        local ending = tonumber(ARGV[q0 + 7 + (i - 1) * 3])
+        local len = math.max(1, tonumber(ARGV[q0 + 8 + (i - 1) * 3]))
+        if wk == 1 and ARGV[A0 + base] == 't' then
+          -- the waiters ahead, then this request, packed in order from this window on
+          local used, windows = vals[i], 0
+          sizes[#sizes + 1] = amount
+          for _, sz in ipairs(sizes) do
+            if used + sz > limit then
+              windows, used = windows + 1, 0
+            end
+            used = used + sz
+          end
+          sizes[#sizes] = nil
+          t = ending + (windows - 1) * len
+        elseif wk == 1 then
+          local spill = need - math.max(0, limit - vals[i])
+          t = ending + (math.ceil(spill / limit) - 1) * len
+        else
+          -- sliding (extproc/core/waiting.py sliding_turn): each waiter ahead, then this
+          -- request, at the first ms its window has room for it, not before the one before it
+          local cur, prv = vals[i] - prev[i], raw[i] or 0
+          local e = ending
+          local s0, at = e - len, now
+          local tokens = ARGV[A0 + base] == 't'
+          local total = tokens and #sizes or ahead_n
+          for u = 1, total + 1 do
+            local sz = amount
+            if u <= total then
+              sz = tokens and sizes[u] or 1
+            end
+            while true do
+              local room = limit - cur - sz
+              if room >= 0 then
+                local x = s0
+                if prv > room then
+                  local w = cdiv((room + 1) * 1000000, prv) - 1
+                  x = e - cdiv((w + 1) * len, 1000000) + 1
+                end
+                at = math.max(at, x)
+                if at < e then
+                  cur = cur + sz
+                  break
+                end
+              end
+              prv, cur, s0, e = cur, 0, e, e + len
+              at = math.max(at, s0)
+            end
+          end
+          t = at
+        end
+        t = math.max(now, t)
+        rates = math.max(rates, t)
+      end
+      turn = math.max(turn, t)
+    end
+  end
+  if never then
+    turn = -1
+    leave()
+  elseif budget then
+    turn = 0
+    leave()
+  elseif turn > deadline then
+    if conc and now < deadline and rates <= deadline then
+      turn = deadline -- a slot may free up any time: one more look at the deadline
+    else
+      leave()
+    end
+  end
+  local cap = tonumber(ARGV[q0 + 4])
+  if turn > 0 and turn <= deadline and not mine and cap > 0 and redis.call('ZCARD', Q) >= cap then
+    full = 1 -- refused: the tenant's queue is full
+  elseif turn > 0 and turn <= deadline then
+    if not mine then
+      redis.call('HSET', QT, '~last', stamp)
+      redis.call('ZADD', Q, score, ledger)
+    end
+    local lapse = turn + tonumber(ARGV[q0 + 3])
+    redis.call('ZADD', QL, lapse, ledger)
+    redis.call('HSET', QT, ledger, ARGV[A0 + 3])
+    for _, k in ipairs({Q, QL, QT}) do -- outlive the last lease (never shortened)
+      local ttl = redis.call('PTTL', k)
+      if ttl < 0 or now + ttl < lapse + 60000 then
+        redis.call('PEXPIREAT', k, lapse + 60000)
+      end
+    end
+    return {3, vals, reclaimed, riders, alw, turn, 0}
+  end
+end
 if ok then
+  leave()
   if not closed then
     redis.call('HSET', ledger, 'state', 'admitted')
   end
@@ -194,7 +392,7 @@ if ok then
     end
   end
   redis.call('PEXPIRE', ledger, ARGV[A0 + 1])
-  return {1, vals, reclaimed, riders, alw}
+  return {1, vals, reclaimed, riders, alw, 0, 0}
 end
 if ARGV[A0 + 2] == '1' then
   for i = 1, n do
@@ -205,4 +403,4 @@ if ARGV[A0 + 2] == '1' then
     end
   end
 end
-return {0, vals, reclaimed, riders, alw}
+return {0, vals, reclaimed, riders, alw, turn, full}
