@@ -175,7 +175,7 @@ class Running:
         if notice > 0:
             log.info("draining", notice_s=notice, in_flight=len(self.gateway.active))
             await asyncio.sleep(notice)
-        self.gateway.draining = True
+        self.gateway.start_draining(grace)
         loop = asyncio.get_running_loop()
         # The server's own grace is longer than ours: streams still open at our deadline are
         # cut by us (an error event the client can read), not cancelled by grpc.

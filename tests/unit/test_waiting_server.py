@@ -2,7 +2,9 @@
 clock over 1 s windows): a request over its limit is held until its turn and admitted with
 its wait recorded; a client that hangs up while held leaves the queue at once and the
 replica's waiter count falls back; a replica holding its most waiters refuses at once, with
-no ticket left behind."""
+no ticket left behind; a drain whose grace ends before a waiter's turn answers it at once (a
+429 with its turn as retry-after, its ticket gone), one whose grace covers the turn lets it be
+admitted at its turn."""
 
 from __future__ import annotations
 
@@ -117,6 +119,61 @@ async def test_a_full_replica_refuses_at_once() -> None:
     assert resp.WhichOneof("response") == "immediate_response"
     assert resp.immediate_response.status.code == 429
     assert b"holds its most waiting requests" in resp.immediate_response.body
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert sum(len(q) for q in lim.waiting.queues.values()) == 0
+
+
+async def test_a_drain_ending_before_the_turn_answers_the_waiter_at_once() -> None:
+    gw, lim = gateway()
+    fresh_second()
+    await ask(gw, "r1")
+    held = asyncio.ensure_future(ask(gw, "r2"))
+    while gw.waiting == 0:  # held for its turn (the next second)
+        await asyncio.sleep(0.01)
+    t0 = time.monotonic()
+    gw.start_draining(0.0)  # SIGTERM's drain, with no grace left for the turn
+    _, resp = await held
+    assert time.monotonic() - t0 < 0.3  # not held until its turn, nor until the grace's end
+    assert resp.WhichOneof("response") == "immediate_response"
+    imm = resp.immediate_response
+    assert imm.status.code == 429
+    assert b"shutting down before its turn" in imm.body
+    got = {h.header.key: h.header.raw_value.decode() for h in imm.headers.set_headers}
+    assert 0 < float(got["retry-after-ms"]) <= 1000  # its turn: the next second
+    assert int(got["x-ratelimit-waited-ms"]) >= 0
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert sum(len(q) for q in lim.waiting.queues.values()) == 0
+    assert gw.waiting == 0
+
+
+async def test_a_drain_whose_grace_covers_the_turn_admits_at_the_turn() -> None:
+    gw, lim = gateway()
+    fresh_second()
+    await ask(gw, "r1")
+    t0 = time.time()
+    held = asyncio.ensure_future(ask(gw, "r2"))
+    while gw.waiting == 0:
+        await asyncio.sleep(0.01)
+    gw.start_draining(5.0)
+    _, resp = await held
+    assert resp.WhichOneof("response") == "request_body"  # admitted, at its turn
+    assert int(t0) + 1 <= time.time() < int(t0) + 1.5
+    assert gw.waiting == 0 and not any(lim.waiting.queues.values())
+
+
+async def test_a_request_arriving_while_draining_does_not_wait_past_the_grace() -> None:
+    gw, lim = gateway()
+    fresh_second()
+    await ask(gw, "r1")
+    gw.start_draining(0.0)
+    t0 = time.monotonic()
+    _, resp = await ask(gw, "r2")
+    assert time.monotonic() - t0 < 0.3
+    assert resp.immediate_response.status.code == 429
+    assert b"shutting down before its turn" in resp.immediate_response.body
+    assert gw.waiting == 0
     for _ in range(5):
         await asyncio.sleep(0)
     assert sum(len(q) for q in lim.waiting.queues.values()) == 0
