@@ -15,7 +15,9 @@ Shutdown (SIGTERM/SIGINT), in order:
 1. health NOT_SERVING, while every stream, new ones included, is still served for
    ``drain_notice_s`` (Envoy's health check notices and sends new requests elsewhere);
 2. the server stops accepting streams (new ones are refused, and Envoy retries them on another
-   replica) and the open ones run on, up to ``shutdown_grace_s``;
+   replica) and the open ones run on, up to ``shutdown_grace_s``; requests waiting for a turn
+   after that are told now (a 429 with their turn as ``retry-after``), those whose turn comes
+   within it wait on;
 3. streams still open then are ended with the ``server_shutdown`` cut event and settled;
 4. in-flight and kept settlements are flushed, the Redis pool is closed, the process exits.
 
@@ -175,7 +177,7 @@ class Running:
         if notice > 0:
             log.info("draining", notice_s=notice, in_flight=len(self.gateway.active))
             await asyncio.sleep(notice)
-        self.gateway.draining = True
+        self.gateway.start_draining(grace)
         loop = asyncio.get_running_loop()
         # The server's own grace is longer than ours: streams still open at our deadline are
         # cut by us (an error event the client can read), not cancelled by grpc.

@@ -113,6 +113,9 @@ class RateLimitHeaders:
     # (family, level) where the binding bucket of a family is a level's: ("tokens",
     # "organisation=acme") -> x-ratelimit-level-tokens: organisation=acme
     levels: tuple[tuple[str, str], ...] = ()
+    # how long a request of a plan that waits waited before this refusal (docs/semantics.md,
+    # "Waiting": x-ratelimit-waited-ms); None: not a waiting plan's refusal
+    waited_ms: int | None = None
 
     def as_pairs(self) -> list[tuple[str, str]]:
         """The headers to send, in OpenAI's names; absent buckets are omitted."""
@@ -141,6 +144,8 @@ class RateLimitHeaders:
             )
         for family, level in self.levels:
             out.append((f"x-ratelimit-level-{family}", level))
+        if self.waited_ms is not None:
+            out.append(("x-ratelimit-waited-ms", str(self.waited_ms)))
         return out
 
 

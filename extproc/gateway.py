@@ -70,6 +70,10 @@ class Gateway:
     metrics: Metrics
     key_prefix: str = "aiq"
     draining: bool = False
+    # the drain's grace ends then (clock ms; 0: not draining), and its start, for the requests
+    # waiting for their turn (those whose turn comes later do not wait: docs/operations.md)
+    drain_deadline_ms: int = 0
+    drain_started: asyncio.Event = field(default_factory=asyncio.Event)
     pending: set[asyncio.Task[Any]] = field(default_factory=set)
     active: set[OpenRequest] = field(default_factory=set)
     waiting: int = 0  # requests held waiting for their turn (docs/semantics.md, "Waiting")
@@ -126,6 +130,18 @@ class Gateway:
         gauge.clear()
         gauge.labels(version or "unknown").set(1)
         self.metrics.config_reload_time.set(time.time())
+
+    def start_draining(self, grace_s: float) -> None:
+        """The drain starts (after its notice): open streams have ``grace_s`` to end.  Requests
+        waiting for a turn after that are told now (:meth:`drains_before`)."""
+        self.drain_deadline_ms = self.clock.now_ms() + int(grace_s * 1000)
+        self.draining = True
+        self.drain_started.set()
+
+    def drains_before(self, until_ms: int) -> bool:
+        """Whether this replica drains and its grace ends before ``until_ms`` (a request
+        waiting until then would be cut by the drain rather than served)."""
+        return self.draining and until_ms > self.drain_deadline_ms
 
     def bind(self, api: ApiFormat) -> ApiFormat:
         """``api`` reading this gateway's clock where it renders times (Anthropic's

@@ -230,11 +230,12 @@ class Admission:
         self, ev: av.TurnCame | av.WaitDeclined, out: list[av.AdmissionAction]
     ) -> AdmissionState:
         """AWAITING_TURN + its turn came: the same plan asked again, in now's windows; or the
-        replica holds its most waiters: asked once more without a wait (admitted if there is
-        room now, else refused and its ticket gone)."""
+        replica declines its wait (it holds its most waiters, or drains before the turn): asked
+        once more without a wait (admitted if there is room now, else refused with its turn as
+        ``retry-after`` and its ticket gone)."""
         asked, model, charging = self._w.take(), self._model, self._charging
         assert asked.plan is not None and model is not None and charging is not None
-        self._w.declined = type(ev) is av.WaitDeclined
+        self._w.declined = ev.why if type(ev) is av.WaitDeclined else ""
         self._ask(model, asked.plan, charging, out, on_bound=asked.on_bound)
         return _S.AWAITING_BOUND_ADMISSION if asked.on_bound else _S.AWAITING_ADMISSION
 

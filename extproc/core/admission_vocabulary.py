@@ -85,7 +85,11 @@ class TurnCame:
 
 @dataclass(frozen=True, slots=True)
 class WaitDeclined:
-    """The replica holds its most waiters already: the request does not wait."""
+    """The request does not wait (asked once more, without a wait): ``why`` ``replica_full``,
+    the replica holds its most waiters already; ``draining``, the replica is shutting down and
+    the request's turn comes after its drain's grace (docs/operations.md, "Draining")."""
+
+    why: str = "replica_full"
 
 
 AdmissionEvent = (
@@ -166,9 +170,10 @@ class CallAdmit:
 class Wait:
     """The request holds a ticket in its tenant's queue: sleep until ``until_ms`` (unix ms),
     keeping Envoy's message timeout from firing, then report
-    :class:`TurnCame`; a replica already holding its most waiters reports
-    :class:`WaitDeclined` at once.  A client that hangs up meanwhile
-    leaves the queue (``ticket`` from ``queue``) at once."""
+    :class:`TurnCame`; a replica already holding its most waiters, or draining with
+    ``until_ms`` after its grace's end, reports :class:`WaitDeclined` instead (at once, or
+    when the drain starts).  A client that hangs up meanwhile leaves the queue (``ticket``
+    from ``queue``) at once."""
 
     until_ms: int
     ticket: str
@@ -188,7 +193,8 @@ class LeaveQueue:
 class WaitOver:
     """The request's wait is over: ``outcome`` ``admitted`` or ``refused`` after waiting
     ``waited_ms``, or refused at once (``unservable``: its turn is beyond its maximum wait,
-    ``queue_full``, ``replica_full``): count it."""
+    ``queue_full``, ``replica_full``), or refused because its replica drains (``draining``,
+    after waiting or at once): count it."""
 
     outcome: str
     waited_ms: int

@@ -32,7 +32,9 @@ class Waits(Generic[_A]):
         self.arrival = 0  # when the request first asked
         self.turns = 0  # the turns it waited for
         self.held: _A | None = None  # the call whose answer gave it a ticket, while it waits
-        self.declined = False  # its replica holds its most waiters: asked once more, no wait
+        # why its replica declined its wait (asked once more, no wait): "" (it did not),
+        # "replica_full" or "draining" (WaitDeclined.why)
+        self.declined = ""
 
     def queue(
         self,
@@ -91,6 +93,6 @@ class Waits(Generic[_A]):
         if res.turn_ms == 0 and not self.turns:  # a budget, not a wait: an ordinary refusal
             return err
         err = wait_refusal(err, res, now, declined=self.declined, waited_ms=waited)
-        how = "replica_full" if self.declined else "queue_full" if res.queue_full else ""
+        how = self.declined or ("queue_full" if res.queue_full else "")
         out.append(WaitOver(how or ("refused" if self.turns else "unservable"), waited))
         return err

@@ -32,7 +32,7 @@ the tenant waits.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Final, Literal, Protocol
 
@@ -307,14 +307,19 @@ def bucket_kinds(
 
 
 def wait_refusal(
-    err: QuotaExceeded, res: WaitAnswer, now_ms: int, *, declined: bool, waited_ms: int
+    err: QuotaExceeded, res: WaitAnswer, now_ms: int, *, declined: str, waited_ms: int
 ) -> QuotaExceeded:
     """A waiting request's 429: its ``retry-after`` is the turn it would have needed (when one
-    was computed), and the message says why it does not wait."""
+    was computed), and the message says why it does not wait (``declined``: why its replica
+    declined its wait, :class:`~extproc.core.admission_vocabulary.WaitDeclined`; "": it did
+    not)."""
+    err.headers = replace(err.headers, waited_ms=max(0, waited_ms))
     turn = res.turn_ms
     if turn > now_ms:
         err.retry_after_s = (turn - now_ms) / 1000.0
-    if declined:
+    if declined == "draining":
+        why = "this gateway replica is shutting down before its turn; retry then"
+    elif declined:
         why = "this gateway replica holds its most waiting requests"
     elif res.queue_full:
         why = "the tenant's queue of waiting requests is full"

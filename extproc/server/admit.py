@@ -111,6 +111,9 @@ async def _execute(
                     await count_input(gw, cfg, api, req, last.model, size=last.size)
                 )
             elif type(last) is av.Wait:
+                if gw.drains_before(last.until_ms):  # its turn comes after the drain's grace
+                    actions = s.handle(av.WaitDeclined("draining"))
+                    continue
                 if last.first and not held:
                     if gw.waiting >= cfg.max_waiters_per_replica:
                         actions = s.handle(av.WaitDeclined())
@@ -135,13 +138,27 @@ async def _execute(
 
 async def _sleep_until_turn(gw: Gateway, s: Session, w: av.Wait) -> av.AdmissionEvent:
     """Sleep until the request's turn; a client that hangs up meanwhile (the stream is
-    cancelled) leaves the queue at once (what admission asks on the cancel)."""
+    cancelled) leaves the queue at once (what admission asks on the cancel).  A drain that
+    starts meanwhile and ends before the turn ends the wait at once: the request is asked once
+    more without one (docs/operations.md, "Draining")."""
     try:
-        await asyncio.sleep(max(0, w.until_ms - gw.clock.now_ms()) / 1000.0)
+        while True:
+            if gw.drains_before(w.until_ms):
+                return av.WaitDeclined("draining")
+            delay = max(0, w.until_ms - gw.clock.now_ms()) / 1000.0
+            if gw.draining or delay == 0:  # a drain that ends after the turn: sleep until it
+                await asyncio.sleep(delay)
+                return av.TurnCame()
+            drain = asyncio.ensure_future(gw.drain_started.wait())
+            try:
+                done, _ = await asyncio.wait((drain,), timeout=delay)
+            finally:
+                drain.cancel()
+            if not done:
+                return av.TurnCame()
     except asyncio.CancelledError:
         _cancelled(gw, s)
         raise
-    return av.TurnCame()
 
 
 def _cancelled(gw: Gateway, s: Session) -> None:

@@ -54,6 +54,7 @@ class Answer:
     started: float  # unix seconds
     took: float
     headers: dict[str, str]
+    body: str = ""
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def ask(stack: Stack, key: str, envoy: int, *, timeout: float = 30.0) -> Answer:
         r = httpx.post(url, json=BODY, headers={"authorization": f"Bearer {key}"}, timeout=timeout)
     except httpx.TimeoutException:
         return Answer(key, 0, start, time.time() - start, {})
-    return Answer(key, r.status_code, start, time.time() - start, dict(r.headers))
+    return Answer(key, r.status_code, start, time.time() - start, dict(r.headers), r.text)
 
 
 def burst(stack: Stack, keys: list[str], **kw: Any) -> list[Answer]:

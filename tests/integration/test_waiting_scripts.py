@@ -1,8 +1,9 @@
 """Waiting on every backend (the in-memory limiter, admit.lua on Redis and on a three-node
 Cluster): the simulated schedule equals the window arithmetic's (tests/waiting_support.py),
 a ticket leaves at once when its request goes away (leave.lua), a dead processor's ticket
-lapses with its lease and no longer holds anyone back, a tenant's cap refuses newcomers, and
-a journal replay of a waiting admission takes no ticket."""
+lapses with its lease and no longer holds anyone back, a tenant's cap refuses newcomers, a
+journal replay of a waiting admission takes no ticket, and a level's (team's) RPM waits like a
+plan's, each tenant's queue counting only its own waiters (docs/semantics.md "Waiting")."""
 
 from __future__ import annotations
 
@@ -192,6 +193,37 @@ async def test_the_tenants_cap_refuses_newcomers(backend: Backend) -> None:
     assert not full.admitted and not full.wait and full.queue_full
     # the ticket holder still is served
     assert (await lim.admit(_call(tenant, "c", t0 + 10_000, t0 + 1, cap=1))).admitted
+
+
+async def test_a_teams_limit_waits_but_tenants_are_not_ordered_with_each_other(
+    backend: Backend,
+) -> None:
+    """Two tenants of one organisation share a team's 2 per 10 s.  A's two waiters and B's
+    newcomer are all told the next window (B's queue does not hold A's waiters); at that turn
+    two are admitted, never beyond the team's limit, and the third, whose new turn is past its
+    15 s wait, is refused after waiting."""
+    lim, t0 = backend.limiter, _window_start()
+    org = f"o{uuid.uuid4().hex[:6]}"
+    a, b = f"@o.{org}/a", f"@o.{org}/b"
+    team = Limit("rpm", 2, 10, "*", "team", owner="tm")
+    for n in ("a1", "a2"):
+        assert (await lim.admit(_call(a, n, t0, t0, limit=team))).admitted
+    turns = []
+    for tenant, n in ((a, "a3"), (a, "a4"), (b, "b1")):
+        res = await lim.admit(_call(tenant, n, t0 + 100, t0 + 100, limit=team))
+        assert res.wait and not res.admitted, (n, res)
+        turns.append(res.turn_ms)
+    assert turns == [t0 + 10_000] * 3  # ordered within A only: B is told the same turn
+    # the turn: b1 asks first and is admitted; a3 too; a4's next turn (t0 + 20 s) is past
+    # its deadline (t0 + 15.1 s): refused after waiting
+    got = {}
+    for tenant, n in ((b, "b1"), (a, "a3"), (a, "a4")):
+        got[n] = await lim.admit(_call(tenant, n, t0 + 10_000, t0 + 100, limit=team))
+    assert got["b1"].admitted and got["a3"].admitted
+    assert not got["a4"].admitted and not got["a4"].wait
+    assert got["a4"].turn_ms == t0 + 20_000
+    for tenant in (a, b):
+        assert await _queued(backend, queue_keys(tenant_tag(PREFIX, tenant), tenant)[0]) == 0
 
 
 def test_a_replay_takes_no_ticket() -> None:

@@ -131,6 +131,38 @@ def test_the_replicas_cap_asks_once_more_with_no_wait_left() -> None:
     assert any(isinstance(a, WaitOver) and a.outcome == "replica_full" for a in out)
 
 
+def test_a_drain_before_the_turn_asks_once_more_and_tells_the_turn() -> None:
+    adm, clock = waiting()
+    call = first_call(adm)
+    adm.handle(ticket(call, clock.now + 9000))
+    clock.now += 2500  # the drain starts 2.5 s into the wait, its grace ends before the turn
+    again = last(adm.handle(WaitDeclined("draining")))
+    assert isinstance(again, CallAdmit) and again.queue is not None
+    assert again.queue.deadline_ms == clock.now  # admitted only if there is room now
+    full = tuple(c.limit for c in again.charges)
+    out = adm.handle(AdmitAnswered(False, False, full, False, clock.now + 6500))
+    rej = last(out)
+    assert isinstance(rej, Reject) and isinstance(rej.error, QuotaExceeded)
+    assert rej.error.retry_after_s == 6.5  # its turn, for a retry on another replica
+    assert "after waiting 2.500s" in rej.error.message
+    assert "shutting down before its turn" in rej.error.message
+    assert ("x-ratelimit-waited-ms", "2500") in rej.error.headers.as_pairs()
+    assert WaitOver("draining", 2500) in out
+    assert adm.state is S.DONE
+
+
+def test_a_drain_that_finds_room_admits_at_once() -> None:
+    adm, clock = waiting()
+    call = first_call(adm)
+    adm.handle(ticket(call, clock.now + 9000))
+    clock.now += 1000
+    again = last(adm.handle(WaitDeclined("draining")))
+    assert isinstance(again, CallAdmit)
+    out = adm.handle(AdmitAnswered(True, False, tuple(c.limit for c in again.charges), False, 0))
+    assert isinstance(last(out), ForwardBody)
+    assert WaitOver("admitted", 1000) in out
+
+
 def test_an_unservable_request_is_told_its_turn() -> None:
     adm, clock = waiting()
     call = first_call(adm)
@@ -140,6 +172,7 @@ def test_an_unservable_request_is_told_its_turn() -> None:
     assert isinstance(rej, Reject) and isinstance(rej.error, QuotaExceeded)
     assert rej.error.retry_after_s == 19.5
     assert "beyond the plan's maximum wait" in rej.error.message
+    assert ("x-ratelimit-waited-ms", "0") in rej.error.headers.as_pairs()
     assert WaitOver("unservable", 0) in out
 
 
