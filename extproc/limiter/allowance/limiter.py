@@ -140,7 +140,8 @@ class AllowanceLimiter:
         return (
             name is not None
             and name.metric in ("rpm", "tpm")
-            and name.window_s <= self.settings.max_window_s
+            # a calendar month's key names no length (window_s 0): judged at its longest
+            and name.longest_s <= self.settings.max_window_s
         )
 
     def _plan(
