@@ -67,11 +67,12 @@ class Settings(BaseSettings):
     reuse_port: bool = Field(default=False, validation_alias="AIQ_REUSEPORT")
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     shutdown_grace_s: float = Field(default=10.0, ge=0)
-    # Local allowances (docs/semantics.md "Local allowances"): off by default.  A replica takes
+    # Local allowances (docs/semantics.md "Local allowances"): on by default (AIQ_ALLOWANCES=0
+    # turns them off: every admission and charge then goes to Redis).  A replica takes
     # at most ``allowance_share`` of a bucket's remaining room per take, draws from it for at
     # most ``allowance_ttl_ms``, and only for buckets it admits ``allowance_min_rate`` requests
     # a second on, with fixed windows up to ``allowance_max_window_s``.
-    allowances: bool = False
+    allowances: bool = True
     allowance_share: float = Field(default=0.1, gt=0, le=0.5)
     allowance_ttl_ms: int = Field(default=2_000, ge=100, le=60_000)
     allowance_min_rate: float = Field(default=8.0, ge=0)

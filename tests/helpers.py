@@ -223,6 +223,23 @@ def tpm_used(client: redis.Redis, tenant: str, metric: str = "tpm") -> int:
     return total
 
 
+#: Ledgers the allowance wrapper keeps in a tenant's slot beside its requests' (semantics.md,
+#: "Local allowances"): a replica's allowance ledger (open while it holds never-opened
+#: tranches), its usage-record draft ledger, and each give-back's ledger.  Not requests.
+ALLOWANCE_LEDGERS = (":req:allow.", ":req:drafts.", ":req:allowance.")
+
+
+def request_ledgers(rds: redis.Redis, tag: str) -> list[Any]:
+    """The ledger keys of the requests in the slot of ``tag`` (``aiq:{t}``): every
+    ``<tag>:req:*`` key but the allowance wrapper's own ledgers."""
+    out = []
+    for k in rds.scan_iter(f"{tag}:req:*"):
+        name = k.decode() if isinstance(k, bytes) else str(k)
+        if not any(m in name for m in ALLOWANCE_LEDGERS):
+            out.append(k)
+    return out
+
+
 def settled(rds: redis.Redis, tenant: str, *, expect: int = 1) -> int:
     """The tenant's TPM once every request of it that settles has been settled.
 
@@ -231,7 +248,7 @@ def settled(rds: redis.Redis, tenant: str, *, expect: int = 1) -> int:
     final at admission and need no waiting)."""
     deadline = time.monotonic() + 15
     while True:
-        states = [rds.hget(k, "state") for k in rds.scan_iter(f"aiq:{{{tenant}}}:req:*")]
+        states = [rds.hget(k, "state") for k in request_ledgers(rds, f"aiq:{{{tenant}}}")]
         done = sum(1 for s in states if s in (b"settled", "settled", b"reclaimed", "reclaimed"))
         if done >= expect and done == len(states):
             return tpm_used(rds, tenant)

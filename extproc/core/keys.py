@@ -328,13 +328,22 @@ def rates_for(limit: Limit, prices: Rates | None) -> Rates:
     return NO_RATES
 
 
+#: A calendar month at its longest (31 days), for its counter's length.
+MONTH_LONGEST_S = 31 * 86_400
+
+
 @dataclass(frozen=True, slots=True)
 class CounterName:
     """What a window counter's key (:func:`bucket_key`) says about it."""
 
     tag: str  # the tenant's common prefix, hash tag included (:func:`tenant_tag`)
     metric: str  # ``rpm``, ``tpm``, ``cost.USD``, ``tpm.sliding``, ``rpm.shadow``...
-    window_s: int
+    window_s: int  # 0: a calendar month (its key names the month, not a length)
+
+    @property
+    def longest_s(self) -> int:
+        """How long the window lasts at most: ``window_s``, a calendar month's 31 days."""
+        return self.window_s or MONTH_LONGEST_S
 
 
 @lru_cache(maxsize=4096)

@@ -7,13 +7,15 @@ Non-streaming chat completions (the bench's admission shape: a 1k-token prompt, 
 - ``floor``: the do-nothing processor (:mod:`extproc.bench.floor`);
 - ``floor+1redis`` / ``floor+2redis``: the same with one or two awaited ``EVALSHA`` calls of a
   one-line script at the request body (what a Redis round trip inside a grpc.aio handler costs);
-- ``gateway``: ``ai-quota serve`` with the bench's rules;
+- ``gateway``: ``ai-quota serve`` with the bench's rules and the default settings (local
+  allowances on since issue 35: its hourly limits take them);
 - ``gateway-info-logs-off``: the same at log level ``warning`` (no info lines);
 - ``gateway-bound``: the same with ``requests.admit_on_bound: true`` (a prompt far from its
   limits admitted on its byte bound and counted only if it must be: issue 17's lever, off by
   default since issue 33 for crash safety);
-- ``gateway-allowances``: the gateway with local allowances (``AIQ_ALLOWANCES=1``, issue 27):
-  admitted and settled without a Redis round trip while the tenant is far from its limits.
+- ``gateway-allowances``: the gateway with local allowances (``AIQ_ALLOWANCES=1``, issue 27)
+  and windows up to a day under them: admitted and settled without a Redis round trip while
+  the tenant is far from its limits (since issue 35 the ``gateway`` arm takes them as well).
 
 ``python tests/benchmark/bench_fixed_part.py [--rounds R] [--requests N] [--out F]`` prints the
 median and the per-round figures and writes them as JSON.  ``--serve-floor-redis`` is the

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.stack import Stack, free_port, port_in_use
 from tests.e2e.conftest import client, make_stack
-from tests.helpers import e2e_rules
+from tests.helpers import e2e_rules, request_ledgers
 
 pytestmark = pytest.mark.e2e
 
@@ -261,7 +261,7 @@ def test_a_key_moved_to_another_team_counts_there_from_then_on(
         return sum(r["prompt_tokens_reported"] + r["tokens_sent"] for r in mine)
 
     def settled() -> bool:
-        states = [rds.hget(k, "state") for k in rds.scan_iter("aiq:{@o.o-mv}:req:*")]
+        states = [rds.hget(k, "state") for k in request_ledgers(rds, "aiq:{@o.o-mv}")]
         return all(s in ("settled", "reclaimed") for s in states)
 
     until(settled)

@@ -6,17 +6,21 @@ the counters hold exactly what the requests used."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import orjson
 import pytest
 import redis
 from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.bench import system
 from extproc.stack import Stack
-from tests.e2e.conftest import client, make_stack
+from tests.e2e.conftest import client, make_stack, usage_flags
 from tests.helpers import e2e_rules, tpm_used
 
 pytestmark = pytest.mark.e2e
@@ -110,11 +114,30 @@ def test_far_from_the_limit_requests_skip_redis_and_counters_end_exact(astack: S
     calls = system.limiter_round_trips(before, after)
     print(f"limiter round trips per request: {sum(calls.values()) / 300:.3f} {calls}")
     assert sum(calls.values()) / 300 <= 0.1, calls
+    rds = redis.Redis(port=astack.ports.redis)
+    truth = {"tpm": sum(warm) + sum(used) + sum(STREAMED), "rpm": 360 + len(STREAMED)}
+    # Before the drain the counters hold the replicas' allowances on top of the requests'
+    # use; what `ai-quota usage` shows through either processor (net of its own allowances)
+    # is never below the use and never above the counters (no request runs meanwhile: they
+    # can only shrink, by give-backs).
+    gross = {m: tpm_used(rds, TENANT, m) for m in truth}
+    for port in astack.extproc_ports:
+        shown = {b["metric"]: b["used"] for b in usage(astack, port)["buckets"]}
+        for m, n in truth.items():
+            assert n <= shown[m] <= gross[m], (port, m, n, shown[m], gross[m])
     astack.kill("extproc0")  # SIGTERM: drain, give the allowances back
     astack.kill("extproc1")
-    rds = redis.Redis(port=astack.ports.redis)
     try:
         assert tpm_used(rds, TENANT) == sum(warm) + sum(used) + sum(STREAMED)
         assert tpm_used(rds, TENANT, "rpm") == 360 + len(STREAMED)
     finally:
         rds.close()
+
+
+def usage(stack: Stack, port: int) -> dict[str, Any]:
+    """``ai-quota usage --key sk-allow --json`` answered by the processor on ``port``."""
+    flags = usage_flags(stack)
+    flags[flags.index("--address") + 1] = f"127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "extproc", "usage", "--key", "sk-allow", "--json", *flags]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True)
+    return dict(orjson.loads(out.stdout))

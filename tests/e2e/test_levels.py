@@ -28,6 +28,7 @@ from extproc.records.model import UsageRecord
 from extproc.stack import Stack
 from tests.e2e.conftest import make_stack, usage_flags
 from tests.e2e.test_streaming import MSG
+from tests.helpers import request_ledgers
 
 pytestmark = pytest.mark.e2e
 
@@ -73,13 +74,31 @@ def all_settled(rds: redis.Redis, expect: int) -> None:
     """Wait until every request of the organisation has settled (their ledgers say so)."""
     deadline = time.monotonic() + 20
     while True:
-        states = [rds.hget(k, "state") for k in rds.scan_iter(f"{TAG}:req:*")]
+        states = [rds.hget(k, "state") for k in request_ledgers(rds, TAG)]
         done = sum(1 for s in states if s in ("settled", "reclaimed"))
         if done >= expect and done == len(states):
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"settlements not applied: {states}")
         time.sleep(0.02)
+
+
+def allowances_given_back(stack: Stack, rds: redis.Redis) -> None:
+    """Wait until the processor holds no allowance of the organisation: the product's stream
+    made its buckets busy enough to take some (local allowances, on by default), pre-debited
+    in the counters; the processor gives back what nobody draws from within
+    ``AIQ_ALLOWANCE_TTL_MS``.  What ``ai-quota usage`` shows (net of what the answering
+    processor holds) then equals the counters themselves."""
+    deadline = time.monotonic() + 15
+    scopes = {"organisation=acme": "o", "team=research": "g.research", "team=product": "g.product"}
+    while True:
+        shown = usage(stack, "--organisation", "acme", admin=True)
+        levels = {b["level"]: b["used"] for b in shown["buckets"] if b["metric"] == "tpm"}
+        raw = {level: counter(rds, scope) for level, scope in scopes.items()}
+        if levels == raw:
+            return
+        assert time.monotonic() < deadline, f"allowances never given back: {levels} {raw}"
+        time.sleep(0.2)
 
 
 def truth(stack: Stack, ids: set[str]) -> int:
@@ -155,6 +174,7 @@ def test_example_levels_hold_and_name_themselves(hstack: Stack, rds: redis.Redis
     # product's own 4,000
     assert got <= 6000 - team + EVERY
     all_settled(rds, len(ids["research"]) + 1)
+    allowances_given_back(hstack, rds)
     org = counter(rds, "o")
     assert 6000 - EVERY < org <= 6000 + EVERY  # lazy: at most one charge batch over
     assert org == counter(rds, "g.research") + counter(rds, "g.product")
@@ -315,7 +335,7 @@ def test_money_budgets_at_two_levels_hold_strictly(mstack: Stack) -> None:
     assert err is not None and "team ma" in str(err) and "budget of 0.40 USD" in str(err), err
     assert 100 < got < 200
     deadline = time.monotonic() + 20
-    while any(rds.hget(k, "state") != "settled" for k in rds.scan_iter("aiq:{@o.money}:req:*")):
+    while any(rds.hget(k, "state") != "settled" for k in request_ledgers(rds, "aiq:{@o.money}")):
         assert time.monotonic() < deadline, "settlement never came"
         time.sleep(0.02)
     team = spent(rds, "g.ma")
@@ -323,7 +343,7 @@ def test_money_budgets_at_two_levels_hold_strictly(mstack: Stack) -> None:
     got, err = stream_until_cut(b)
     assert err is not None and "organisation money" in str(err), err
     deadline = time.monotonic() + 20
-    while any(rds.hget(k, "state") != "settled" for k in rds.scan_iter("aiq:{@o.money}:req:*")):
+    while any(rds.hget(k, "state") != "settled" for k in request_ledgers(rds, "aiq:{@o.money}")):
         assert time.monotonic() < deadline, "settlement never came"
         time.sleep(0.02)
     org = spent(rds, "o")
@@ -414,7 +434,7 @@ def test_strict_levels_are_never_over_with_64_concurrent_streams(sstack: Stack) 
     deadline = time.monotonic() + 30
     while any(
         rds.hget(k, "state") not in ("settled", "reclaimed")
-        for k in rds.scan_iter("aiq:{@o.so}:req:*")
+        for k in request_ledgers(rds, "aiq:{@o.so}")
     ):
         assert time.monotonic() < deadline, "settlements not applied"
         time.sleep(0.05)

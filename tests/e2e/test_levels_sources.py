@@ -29,6 +29,7 @@ from extproc.stack import Stack
 from tests.e2e.conftest import caller_metadata, grpc_channel, make_stack
 from tests.e2e.test_jwt_identity import ISSUER, SECRET, b64, token
 from tests.e2e.test_streaming import MSG
+from tests.helpers import request_ledgers
 from tests.rls_support import OK, OVER, request
 
 pytestmark = pytest.mark.e2e
@@ -130,7 +131,7 @@ def all_settled(rds: redis.Redis, org: str) -> None:
     deadline = time.monotonic() + 20
     while any(
         rds.hget(k, "state") not in ("settled", "reclaimed")
-        for k in rds.scan_iter(f"aiq:{{@o.{org}}}:req:*")
+        for k in request_ledgers(rds, f"aiq:{{@o.{org}}}")
     ):
         assert time.monotonic() < deadline, "settlements not applied"
         time.sleep(0.02)

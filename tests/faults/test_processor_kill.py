@@ -21,7 +21,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from extproc.records.model import UsageRecord
 from extproc.stack import Stack
 from tests.e2e.conftest import make_stack
-from tests.helpers import e2e_rules, settled, tpm_used
+from tests.helpers import e2e_rules, request_ledgers, settled, tpm_used
 
 pytestmark = pytest.mark.faults
 
@@ -288,7 +288,7 @@ async def _billed_against_truth(kstack: Stack, tenant: str, dead: list[bytes]) -
             )
             assert r.status_code == 200
     assert reclaimed()
-    ledgers = len(list(rds.scan_iter(f"aiq:{{{tenant}}}:req:*")))
+    ledgers = len(request_ledgers(rds, f"aiq:{{{tenant}}}"))
     counter = settled(rds, tenant, expect=ledgers)
     async with httpx.AsyncClient(timeout=30) as c:
         recs = [

@@ -207,8 +207,9 @@ async def test_near_the_limit_allowances_shrink_to_nothing(pair: Pair) -> None:
 
 
 async def test_other_limit_kinds_go_to_redis(pair: Pair) -> None:
-    """Concurrency, money budgets, sliding windows and shadow limits take no allowance: a
-    request touching one is admitted by Redis, whole, every time."""
+    """Concurrency, money budgets, sliding windows, shadow limits and windows longer than
+    ``max_window_s`` (an hour: a day, and a calendar month, whose key names no length) take
+    no allowance: a request touching one is admitted by Redis, whole, every time."""
     tag, rpm, _ = tenant_keys()
     exp = far()
     others = [
@@ -216,6 +217,8 @@ async def test_other_limit_kinds_go_to_redis(pair: Pair) -> None:
         BucketCharge(f"{tag}:cost.USD:t:*:86400:1", "tpm", 5, 10**12, exp),
         BucketCharge(f"{tag}:tpm.sliding:t:*:60:1", "tpm", 5, 10**9, exp, prev_key=f"{tag}:p"),
         BucketCharge(f"{tag}:tpm.shadow:t:*:60:1", "tpm", 5, 10**9, exp, shadow=True),
+        BucketCharge(f"{tag}:tpm:t:*:86400:20000", "tpm", 5, 10**9, exp),
+        BucketCharge(f"{tag}:tpm:t:*:0:m202612", "tpm", 5, 10**9, exp),
     ]
     lim = pair.a
     for n, extra in enumerate(others * 10):

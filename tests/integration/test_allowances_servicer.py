@@ -12,6 +12,7 @@ import orjson
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from extproc._gen.aiquota.v1 import usage_pb2, usage_pb2_grpc
 from extproc.clock import FakeClock
 from extproc.config import load_config_text
 from extproc.core.keys import windowed
@@ -20,6 +21,7 @@ from extproc.limiter.allowance import AllowanceLimiter, AllowanceSettings
 from extproc.limiter.memory import MemoryLimiter
 from extproc.metrics import Metrics
 from extproc.server.servicer import ExternalProcessorServicer
+from extproc.usage.service import add_usage_service
 from tests.integration.test_servicer_inprocess import (
     Call,
     meta,
@@ -49,10 +51,12 @@ async def test_requests_far_from_the_limit_skip_the_limiter() -> None:
     gw = Gateway(config=cfg, limiter=lim, clock=clock, metrics=lim.metrics or Metrics())
     server = grpc.aio.server()
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessorServicer(gw), server)
+    add_usage_service(server, gw)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     stub = pb_grpc.ExternalProcessorStub(channel)
+    usage = usage_pb2_grpc.UsageStub(channel)
 
     async def one() -> dict[str, str]:
         c = Call(stub)
@@ -82,13 +86,27 @@ async def test_requests_far_from_the_limit_skip_the_limiter() -> None:
         assert (store.round_trips - trips) / 100 <= 0.1
         assert lim.stats.local_admissions >= 100
         assert lim.stats.local_settlements >= 100
-        await lim.give_back()
         tenant = cfg.tenants["t"]
         keys = [
             b.key
             for b in windowed("aiq", "t", "k", list(tenant.limits), clock.now_ms())
             if b.kind != "concurrency"
         ]
+        while lim.book.tasks or lim.book.returns:  # no take or give-back in flight
+            await asyncio.sleep(0.01)
+        # Before any give-back: the counters hold the allowance pre-debited for this replica
+        # on top of what the requests used; the usage API shows the requests' use alone.
+        gross = dict(zip(keys, await store.read(keys), strict=True))
+        assert sum(lim.held().values()) > 0
+        assert all(gross[k] == 120 * n + lim.held().get(k, 0) for k, n in _per_request(keys))
+        got = await usage.GetUsage(usage_pb2.GetUsageRequest(tenant="t"))
+        used = {b.metric: b.used for b in got.buckets}
+        assert used == {"rpm": 120, "tpm": 120 * (9 + 7)}
+        assert {b.metric: b.remaining for b in got.buckets} == {
+            "rpm": 10_000 - 120,
+            "tpm": 10_000_000 - 120 * 16,
+        }
+        await lim.give_back()
         values = dict(zip(keys, await store.read(keys), strict=True))
         rpm = next(v for k, v in values.items() if ":rpm:" in k)
         tpm = next(v for k, v in values.items() if ":tpm:" in k)
@@ -98,3 +116,8 @@ async def test_requests_far_from_the_limit_skip_the_limiter() -> None:
         await channel.close()
         await server.stop(None)
         await lim.close()
+
+
+def _per_request(keys: list[str]) -> list[tuple[str, int]]:
+    """Each counter with what one of the test's requests adds to it (1 request, 16 tokens)."""
+    return [(k, 1 if ":rpm:" in k else 16) for k in keys]

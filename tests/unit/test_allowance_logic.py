@@ -4,6 +4,7 @@ for, a settlement whose Redis part failed and is retried, and the key parsing it
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import pytest
@@ -34,6 +35,42 @@ def test_counter_name_reads_window_counters_only() -> None:
     assert counter_name("aiq:{a}:conc:t:*") is None
     assert counter_name("aiq:{a}:req:abc") is None
     assert counter_name("no-tag") is None
+    # a calendar month's key names the month, not a length: it lasts 31 days at most
+    month = counter_name("aiq:{a}:tpm:t:*:0:m202612")
+    assert month is not None and (month.window_s, month.longest_s) == (0, 31 * 86_400)
+    assert counter_name(TPM) is not None and counter_name(TPM).longest_s == 60  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("max_window_s", "local"), [(3_600, False), (30 * 86_400, False), (31 * 86_400, True)]
+)
+async def test_a_calendar_month_takes_allowances_only_when_months_are_allowed(
+    max_window_s: int, local: bool
+) -> None:
+    """A monthly TPM limit (its key's length 0) is judged at 31 days against
+    ``max_window_s``: with the default hour it goes to the wrapped limiter every time (a
+    killed replica's leak would last the month)."""
+    clock = FakeClock()
+    lim = AllowanceLimiter(
+        MemoryLimiter(clock),
+        AllowanceSettings(min_rate=2, max_window_s=max_window_s),
+        clock=clock,
+    )
+    month = f"{TAG}:tpm:t:*:0:m202612"
+    try:
+        for n in range(40):
+            bs = [BucketCharge(month, "tpm", 10, 10**9, clock.now_ms() + 86_400_000)]
+            call = AdmitCall(
+                f"{TAG}:req:{n}", bs, tpm_charged=10, count_refused=False, ledger_ttl_ms=TTL
+            )
+            assert (await lim.admit(call)).admitted
+            await lim.settle_many([SettleCall(f"{TAG}:req:{n}", [], TTL)])
+            clock.advance(0.02)
+            for _ in range(3):
+                await asyncio.sleep(0)  # the background take
+    finally:
+        await lim.close()
+    assert (lim.stats.local_admissions > 0) is local
 
 
 class Flaky(MemoryLimiter):

@@ -171,6 +171,7 @@ def test_allowance_settings_are_read_and_bounded() -> None:
     assert s.allowance_tranches == 8 and Settings.from_env({}).allowance_tranches == 4
     with pytest.raises(SettingsError, match="AIQ_ALLOWANCE_TRANCHES"):
         Settings.from_env({"AIQ_ALLOWANCE_TRANCHES": "0"})
-    assert Settings.from_env({}).allowances is False  # off by default
+    assert Settings.from_env({}).allowances is True  # on by default (issue 35)
+    assert Settings.from_env({"AIQ_ALLOWANCES": "0"}).allowances is False  # still turns them off
     with pytest.raises(SettingsError, match="AIQ_ALLOWANCE_SHARE"):
         Settings.from_env({"AIQ_ALLOWANCE_SHARE": "0.9"})  # more than half the room: refused

@@ -176,7 +176,7 @@ async def accuracy(b: Bench, stack: Stack) -> None:
                 f"{mode}: utilisation (delivered+prompt)/limit",
                 "%",
                 100.0 * used_client / limit,
-                goal=Target("value", ">=", 95, "%") if mode.endswith("strict") else None,
+                goal=Target("value", ">=", 99, "%") if mode.endswith("strict") else None,
             )
         )
     raw["window_boundary"] = await window_boundary(b, stack)

@@ -23,6 +23,11 @@ from extproc.stack import Stack
 #: Issue 17's targets: round trips per non-streaming request, and per stream beyond output / N.
 NON_STREAM_CALLS = 1.2
 STREAM_EXTRA_CALLS = 1.2
+#: Issue 35's, with local allowances (the default): the limiter's round trips per warm
+#: non-streaming request and per warm 500-token stream (the usage recorder's batched appends,
+#: one call per 50 ms of traffic whatever the number of requests, are reported beside them).
+WARM_NON_STREAM_CALLS = 0.1
+WARM_STREAM_CALLS = 1.0
 
 
 def stream_target(output_tokens: int, every: int) -> float:
@@ -72,12 +77,65 @@ async def round_trips(b: Bench, main: Stack) -> None:
             )
         )
     raw["charge_every_tokens"] = every
+    raw["warm"] = await warm_limiter_calls(b, main)
     b.raw["redis"] = raw
 
 
+async def warm_limiter_calls(b: Bench, main: Stack) -> dict[str, Any]:
+    """The limiter's script calls per request once the tenant is warm for the shape measured
+    (50 requests of it first, unmeasured), told apart by SHA in Redis's slow log (threshold 0
+    for these batches only, then restored): 100 non-streaming requests, then 20 streams of
+    500 tokens after 20 unmeasured ones."""
+    out: dict[str, Any] = {}
+    cases = (
+        ("non-streaming", Shape(prompt_tokens=1000, max_tokens=8), 50, 100, WARM_NON_STREAM_CALLS),
+        (
+            "streamed, 500 tokens",
+            Shape(prompt_tokens=100, max_tokens=500, stream=True, itl_ms=1),
+            20,
+            20,
+            WARM_STREAM_CALLS,
+        ),
+    )
+    rds = redis.Redis(port=main.ports.redis)
+    got = rds.config_get("slowlog-*")
+    old = str(got.get("slowlog-log-slower-than", "10000"))
+    old_len = str(got.get("slowlog-max-len", "128"))
+    try:
+        for name, shape, warm, n, bound in cases:
+            await batch(main.base_url, KEY, shape, count=warm, concurrency=4)
+            rds.config_set("slowlog-log-slower-than", 0)
+            rds.config_set("slowlog-max-len", 100_000)
+            rds.slowlog_reset()
+            rs = await batch(main.base_url, KEY, shape, count=n, concurrency=4)
+            await asyncio.sleep(0.3)
+            scripts = script_calls(rds)
+            rds.config_set("slowlog-log-slower-than", old)
+            ok = max(1, ok_count(rs))
+            limiter = sum(v for k, v in scripts.items() if k in LIMITER_SCRIPTS)
+            out[name] = {"warm_up": warm, "requests": len(rs), "ok": ok_count(rs)}
+            out[name] |= {"scripts": scripts, "limiter_per_request": limiter / ok}
+            b.table.add(
+                Row(
+                    "3 redis",
+                    f"limiter round trips per request, {name}, warm (after {warm})",
+                    "calls",
+                    limiter / ok,
+                    goal=Target("value", "<=", bound, "calls"),
+                    note=", ".join(f"{k} {v / ok:.2f}" for k, v in sorted(scripts.items()))
+                    + f"; all evalsha incl. record appends {sum(scripts.values()) / ok:.2f}",
+                )
+            )
+    finally:
+        rds.config_set("slowlog-log-slower-than", old)
+        rds.config_set("slowlog-max-len", old_len)
+        rds.close()
+    return out
+
+
 async def pair_streams(b: Bench, stacks: Stacks) -> None:
-    """The streamed case on a stack of two processors behind one Envoy (local allowances, when
-    ``AIQ_ALLOWANCES=1`` is in the environment the processors inherit, are per processor):
+    """The streamed case on a stack of two processors behind one Envoy (local allowances, on
+    unless ``AIQ_ALLOWANCES=0`` is in the environment the processors inherit, are per processor):
     20 streams of a fresh tenant (its warm-up included), then 20 more."""
     every = b.plan.every
     shape = Shape(prompt_tokens=100, max_tokens=500, stream=True, itl_ms=1)
@@ -115,7 +173,9 @@ async def pair_streams(b: Bench, stacks: Stacks) -> None:
     finally:
         rds.close()
         st.stop()
-    raw["allowances"] = os.environ.get("AIQ_ALLOWANCES", "")
+    # on by default (issue 35): off only when the processors inherit a false AIQ_ALLOWANCES
+    off = ("0", "false", "no", "off", "f", "n")
+    raw["allowances"] = os.environ.get("AIQ_ALLOWANCES", "1").strip().lower() not in off
     b.raw.setdefault("redis", {})["two_processors"] = raw
 
 

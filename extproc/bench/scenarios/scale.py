@@ -199,7 +199,7 @@ async def measure(b: Bench, stacks: Stacks) -> None:
     for n in counts:
         for allow in (False, True):
             name = f"{n} worker{'s' if n > 1 else ''}, allowances {'on' if allow else 'off'}"
-            env = {"AIQ_ALLOWANCES": "1"} if allow else {}
+            env = {"AIQ_ALLOWANCES": "1" if allow else "0"}  # on by default: "off" pins 0
             st = await stacks.start(
                 f"scale-{n}-{int(allow)}",
                 extproc_argv=(*serve, "--workers", str(n)),

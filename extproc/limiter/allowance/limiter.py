@@ -96,8 +96,34 @@ class AllowanceLimiter:
         return await self.inner.ping()
 
     async def read(self, keys: list[str]) -> list[int]:
-        """Counter values: allowances held by any replica count as used (net of them)."""
-        return await self.inner.read(keys)
+        """Counter values (the usage API's ``used``) net of what this replica holds: units
+        pre-debited for it and not drawn (being given back included) were used by no request.
+        Other replicas' allowances stay in (this one cannot know what they drew).  What this
+        replica held both before and after the read is taken off (the smaller of the two per
+        counter): a take answered meanwhile, or a give-back sent meanwhile, may leave the value
+        above the requests' use for that moment, never below it."""
+        before = self.held()
+        values = await self.inner.read(keys)
+        after = self.held()
+        return [
+            max(v - min(before.get(k, 0), after.get(k, 0)), 0)
+            for k, v in zip(keys, values, strict=True)
+        ]
+
+    def held(self) -> dict[str, int]:
+        """Units this replica holds pre-debited in Redis and not drawn, by counter key: its
+        allowances (never-opened tranches included), never-opened units being given back,
+        and give-backs queued but not sent (one being sent is left out: its refund may have
+        reached the counter already)."""
+        out: dict[str, int] = {}
+        for key, st in self.book.states.items():
+            if st.units or st.releasing:
+                out[key] = st.units + st.releasing
+        for call in self.book.returns:
+            for a in call.adjustments:
+                if a.amount < 0:
+                    out[a.key] = out.get(a.key, 0) - a.amount
+        return out
 
     async def count_slots(self, keys: list[str], now_ms: int) -> list[int]:
         """Live concurrency slots (never held in allowances)."""
@@ -114,7 +140,8 @@ class AllowanceLimiter:
         return (
             name is not None
             and name.metric in ("rpm", "tpm")
-            and name.window_s <= self.settings.max_window_s
+            # a calendar month's key names no length (window_s 0): judged at its longest
+            and name.longest_s <= self.settings.max_window_s
         )
 
     def _plan(
