@@ -187,7 +187,7 @@ def _limit_decisions(gw: Gateway, s: Session, a: av.LimitDecisions, started: flo
 
 
 def _keep_leases(gw: Gateway, s: Session, a: av.KeepLeases, started: float) -> None:
-    gw.keep_leases()
+    gw.background.keep_leases()
 
 
 def _decided(gw: Gateway, s: Session, a: av.Decided, started: float) -> None:
@@ -235,7 +235,9 @@ def _duplicate(gw: Gateway, s: Session, a: av.DuplicateAdmit, started: float) ->
 
 
 def _keep_cancel(gw: Gateway, s: Session, a: av.KeepCancel, started: float) -> None:
-    gw.settlements.keep(Kept(s.ledger, a.undo, a.ledger_ttl_ms, s.request_id, cancel=True))
+    gw.background.settlements.keep(
+        Kept(s.ledger, a.undo, a.ledger_ttl_ms, s.request_id, cancel=True)
+    )
 
 
 def _admit_error(gw: Gateway, s: Session, a: av.AdmitError, started: float) -> None:
@@ -252,7 +254,7 @@ def _pushed_back(gw: Gateway, s: Session, a: av.PushedBack, started: float) -> N
 def _leave_queue(gw: Gateway, s: Session, a: av.LeaveQueue, started: float) -> None:
     """The ticket leaves its queue, in the background (the request is going away, or will
     not wait)."""
-    gw.track(asyncio.ensure_future(_leave(gw, a.ticket, a.queue)))
+    gw.background.track(asyncio.ensure_future(_leave(gw, a.ticket, a.queue)))
 
 
 def _wait_over(gw: Gateway, s: Session, a: av.WaitOver, started: float) -> None:
@@ -293,11 +295,11 @@ async def limiter_admit(
     Settlements waiting for their batch ride on it; requests of dead processors the call
     reclaimed get their usage records here.  A cancelled call keeps the cancel admission asks
     for before the cancellation goes on."""
-    if gw.settlements_full():
+    if gw.background.settlements_full():
         return av.AdmitBacklogged()
     # Settlements waiting for their batch ride on this call (applied first, at no extra round
     # trip); whatever happens to the call, they go back to the batcher (applied or not).
-    riders = gw.riders_for(s.ledger)
+    riders = gw.background.riders_for(s.ledger)
     done: AdmitResult | None = None
     d = a.draft
     try:
@@ -323,7 +325,7 @@ async def limiter_admit(
         return av.AdmitFailed(exc)
     finally:
         if riders:
-            gw.riders_done(riders, done)
+            gw.background.riders_done(riders, done)
     gw.room.note(a.charges, res.values)
     if res.reclaimed:
         # Other requests' records: written after this request's answer is on its way, in a

@@ -128,7 +128,7 @@ class BoundCounting:
             elif isinstance(act, CountForNote):
                 self._noting = asyncio.ensure_future(self._count_for_note())
             else:
-                self._gw.note_input(InputNote(s.ledger, act.exact, act.refund))
+                self._gw.background.note_input(InputNote(s.ledger, act.exact, act.refund))
 
     def _bound(self) -> Cost:
         adm = self._s.admitted

@@ -245,4 +245,4 @@ class RequestProcessor:
         settlement decided meanwhile, if any."""
         if self._settle_pending:
             self._settle_pending = False
-            self.gw.track(asyncio.ensure_future(settle_request(self)))
+            self.gw.background.track(asyncio.ensure_future(settle_request(self)))

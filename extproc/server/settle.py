@@ -144,9 +144,11 @@ async def settle(
     # Called even with nothing to correct: the ledger is marked settled, so it is never
     # reclaimed as abandoned and a replay is a no-op.
     ttl = cfg.ledger_ttl_seconds * 1000
-    if gw.settle_batcher is not None:
+    if gw.background.settle_batcher is not None:
         # many requests' settlements per Redis call, retried until Redis takes them
-        gw.submit_settlement(SettleCall(s.ledger, adjustments, ttl, unconfirmed=s.unconfirmed))
+        gw.background.submit_settlement(
+            SettleCall(s.ledger, adjustments, ttl, unconfirmed=s.unconfirmed)
+        )
     else:
         await _settle_now(gw, s, adjustments, ttl, plan.delta)
     _count_tokens(gw, s, plan)
@@ -180,7 +182,7 @@ def _stop_input_shortcut(gw: Gateway, s: Session, fig: Figure) -> None:
     estimate = suspects.unbilled_estimate(fig.reported, fig.counted)
     gw.metrics.input_shortcut_stops.labels(model).inc()
     gw.metrics.input_unbilled_estimate.labels(model).inc(estimate)
-    gw.stop_input_shortcut(
+    gw.background.stop_input_shortcut(
         model,
         {
             "request_id": s.request_id,
@@ -220,7 +222,7 @@ async def _settle_now(
             gw.metrics.duplicate_hits.labels("settle").inc()
     except LimiterUnavailable:
         gw.metrics.limiter_errors.labels("settle").inc()
-        gw.settlements.keep(
+        gw.background.settlements.keep(
             Kept(s.ledger, adjustments, ttl, s.request_id, unconfirmed=s.unconfirmed)
         )
         log.warning("settlement_deferred", request_id=s.request_id, delta=delta)
