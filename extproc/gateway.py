@@ -107,10 +107,6 @@ class Gateway:
         self.background.stops.bound_seen()  # the shortcut is in use: keep the stops fresh
         return self.input_audits.count_now(model, config.input_audit_every)
 
-    async def refresh_input_stops(self) -> list[str]:
-        """Read the stops the other replicas found (:meth:`InputStops.refresh`)."""
-        return await self.background.stops.refresh()
-
     def ledger_id(self, request_id: str) -> str:
         """A ledger id unique to one HTTP request: Envoy's request id, this process, a serial.
 

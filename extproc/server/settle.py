@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from extproc.config.runtime import Model, RuntimeConfig
+from extproc.config.runtime import Model
 from extproc.core.envelope import Figures
 from extproc.core.figures import Figure
 from extproc.core.lifecycle import Ending
@@ -28,6 +28,7 @@ from extproc.gateway import Gateway
 from extproc.limiter.base import SettleCall
 from extproc.limiter.kept import Kept
 from extproc.records.model import UsageRecord, record_id_for
+from extproc.server.context import RequestContext
 
 log = structlog.get_logger("extproc")
 
@@ -77,17 +78,12 @@ def log_disagreement(gw: Gateway, s: Session, kind: str, figure: Figure | int) -
     )
 
 
-async def settle(
-    gw: Gateway,
-    cfg: RuntimeConfig,
-    s: Session,
-    stream: StreamEnd | None,
-    first_chunk_ms: int = 0,
-) -> None:
+async def settle(ctx: RequestContext, stream: StreamEnd | None, first_chunk_ms: int = 0) -> None:
     """Settle; the caller calls this once per request (``Lifecycle.begin_settlement``).
     ``first_chunk_ms``: when the response's first body chunk arrived (0: none, or a response
     not read chunk by chunk), for the model's learned decode rate.  What settlement does is the
     core's plan (:func:`extproc.core.settlement.settle`); this executes it."""
+    gw, cfg, s = ctx.gw, ctx.cfg, ctx.s
     ending = s.ending or Ending.COMPLETED
     gw.metrics.endings.labels(ending.value).inc()
     cost = s.cost
@@ -172,7 +168,7 @@ def _audit_input(gw: Gateway, s: Session, audit: InputAudit) -> None:
 def _stop_input_shortcut(gw: Gateway, s: Session, fig: Figure) -> None:
     """A count contradicted the upstream's input figure: that model's later requests on a
     bound are counted, on this replica at once and on the others once they read the stop
-    (written to Redis, :meth:`Gateway.stop_input_shortcut`).  Reported with what it revealed:
+    (written to Redis, :meth:`Background.stop_input_shortcut`).  Reported with what it revealed:
     the requests this replica billed at the upstream's figure since the model's last agreeing
     count, and what they were likely short if the upstream under-reported them alike."""
     model = s.model.name if s.model else ""
