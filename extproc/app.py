@@ -192,15 +192,15 @@ class Running:
         while self.gateway.active and loop.time() < deadline:  # noqa: ASYNC110 - polls a set
             await asyncio.sleep(0.05)
         if self.gateway.active:
-            cut = await self.gateway.cut_streams_for_shutdown()
+            cut = await self.gateway.background.cut_streams_for_shutdown()
             log.warning("streams_cut_at_shutdown", count=cut)
         await stopping
-        await self.gateway.drain_settlements(grace)
+        await self.gateway.background.drain_settlements(grace)
         if self.gateway.recorder is not None:
             await self.gateway.recorder.close(grace)
         if self.admin is not None:
             await self.admin.close()
-        await self.gateway.close_input_stops()
+        await self.gateway.background.close_input_stops()
         await self.gateway.limiter.close()
         await asyncio.to_thread(self.gateway.telemetry.close, grace)  # flush spans, metrics
 

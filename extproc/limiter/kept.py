@@ -32,7 +32,8 @@ class Kept:
 
 class SettlementQueue:
     """Deferred settlements, retried with backoff until Redis takes them (never dropped;
-    bounded by the gateway pushing back on admissions, :meth:`Gateway.settlements_full`)."""
+    bounded by the gateway pushing back on admissions,
+    :meth:`extproc.background.Background.settlements_full`)."""
 
     def __init__(self, limiter: Limiter, metrics: Metrics) -> None:
         self.limiter = limiter
@@ -45,7 +46,8 @@ class SettlementQueue:
 
     def keep(self, item: Kept) -> None:
         """Keep ``item``: never dropped (the gateway pushes back on admissions while the
-        settlements waiting reach its backlog limit, :meth:`Gateway.settlements_full`)."""
+        settlements waiting reach its backlog limit,
+        :meth:`extproc.background.Background.settlements_full`)."""
         self.kept.append(item)
         self.metrics.settlements.labels("deferred").inc()
         self.metrics.settlement_backlog.set(len(self.kept))

@@ -22,9 +22,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from extproc.config.runtime import RuntimeConfig
 from extproc.core import admission_vocabulary as av
-from extproc.core.session import Session
 from extproc.core.waiting import HOLD_TIMEOUT_MS
 from extproc.errors import LimiterUnavailable
 from extproc.gateway import Gateway
@@ -32,6 +30,7 @@ from extproc.limiter.base import AdmitCall, AdmitResult
 from extproc.limiter.kept import Kept
 from extproc.records.model import draft_json
 from extproc.server import wire
+from extproc.server.context import RequestContext
 from extproc.server.counting import count_input
 from extproc.server.reclaim import record_reclaimed
 from extproc.server.writelock import WriteLock
@@ -47,12 +46,13 @@ class Stream(Protocol):
 
 
 async def admit_body(
-    gw: Gateway, cfg: RuntimeConfig, s: Session, raw: bytes, started: float, *, stream: Stream
+    ctx: RequestContext, raw: bytes, started: float, *, stream: Stream
 ) -> bytes | None:
     """Admit the request (raise a :class:`GatewayError` when not); the body to forward.
     ``stream``: where a request waiting for its turn asks Envoy for the time it needs."""
+    s = ctx.s
     return await _execute(
-        gw, cfg, s, s.handle(av.BodyArrived(raw)), started=started, hold=partial(_hold, stream)
+        ctx, s.handle(av.BodyArrived(raw)), started=started, hold=partial(_hold, stream)
     )
 
 
@@ -71,16 +71,15 @@ async def _hold(stream: Stream) -> None:
         lock.release()
 
 
-async def admit_rpm_only(gw: Gateway, cfg: RuntimeConfig, s: Session) -> None:
+async def admit_rpm_only(ctx: RequestContext) -> None:
     """An unmetered path under ``paths.other: rpm_only``: one request on the RPM buckets."""
     started = time.perf_counter()
-    await _execute(gw, cfg, s, s.handle(av.RpmOnlyArrived()), started=started)
+    s = ctx.s
+    await _execute(ctx, s.handle(av.RpmOnlyArrived()), started=started)
 
 
 async def _execute(
-    gw: Gateway,
-    cfg: RuntimeConfig,
-    s: Session,
+    ctx: RequestContext,
     actions: list[av.AdmissionAction],
     *,
     started: float,
@@ -88,6 +87,7 @@ async def _execute(
 ) -> bytes | None:
     """Execute the admission's actions until it forwards the body (returned), rejects
     (raised) or ends (None)."""
+    gw, cfg, s = ctx.gw, ctx.cfg, ctx.s
     held = False  # counted among the replica's waiters
     try:
         while True:
@@ -95,13 +95,13 @@ async def _execute(
             for a in actions:
                 note = _NOTES.get(type(a))
                 if note is not None:
-                    note(gw, s, a, started)
+                    note(ctx, a, started)
                 else:
                     last = a  # the one that ends the step: always the last
             if last is None:
                 return None
             if type(last) is av.CallAdmit:
-                ev: av.AdmissionEvent = await limiter_admit(gw, cfg, s, last)
+                ev: av.AdmissionEvent = await limiter_admit(ctx, last)
             elif type(last) is av.ForwardBody:
                 return last.body
             elif type(last) is av.CountExact:
@@ -121,10 +121,10 @@ async def _execute(
                     held = True
                     gw.waiting += 1
                     gw.metrics.waiters.inc()
-                    _log_wait(gw, s, last)
+                    _log_wait(ctx, last)
                     if hold is not None:
                         await hold()
-                ev = await _sleep_until_turn(gw, s, last)
+                ev = await _sleep_until_turn(ctx, last)
             elif type(last) is av.Reject:
                 raise last.error
             else:  # pragma: no cover - every action is handled
@@ -136,12 +136,13 @@ async def _execute(
             gw.metrics.waiters.dec()
 
 
-async def _sleep_until_turn(gw: Gateway, s: Session, w: av.Wait) -> av.AdmissionEvent:
+async def _sleep_until_turn(ctx: RequestContext, w: av.Wait) -> av.AdmissionEvent:
     """Sleep until the request's turn; a client that hangs up meanwhile (the stream is
     cancelled) leaves the queue at once (what admission asks on the cancel).  A drain that
     starts meanwhile and ends before the turn ends the wait at once: the request is asked once
     more without one (docs/operations.md, "Draining")."""
     try:
+        gw = ctx.gw
         while True:
             if gw.drains_before(w.until_ms):
                 return av.WaitDeclined("draining")
@@ -157,17 +158,18 @@ async def _sleep_until_turn(gw: Gateway, s: Session, w: av.Wait) -> av.Admission
             if not done:
                 return av.TurnCame()
     except asyncio.CancelledError:
-        _cancelled(gw, s)
+        _cancelled(ctx)
         raise
 
 
-def _cancelled(gw: Gateway, s: Session) -> None:
+def _cancelled(ctx: RequestContext) -> None:
     """The request went away while admission waited: execute what it asks (a cancel to keep,
     a ticket to take out of the queue)."""
+    s = ctx.s
     for act in s.handle(av.AdmitCancelled()):
         note = _NOTES.get(type(act))
         assert note is not None  # only notes: a cancel to keep, a queue to leave
-        note(gw, s, act, 0.0)
+        note(ctx, act, 0.0)
 
 
 async def _leave(gw: Gateway, ticket: str, queue: tuple[str, str, str]) -> None:
@@ -178,38 +180,40 @@ async def _leave(gw: Gateway, ticket: str, queue: tuple[str, str, str]) -> None:
         log.warning("queue_leave_failed", ticket=ticket)
 
 
-def _log_wait(gw: Gateway, s: Session, w: av.Wait) -> None:
+def _log_wait(ctx: RequestContext, w: av.Wait) -> None:
+    s = ctx.s
     log.info(
         "wait",
         request_id=s.request_id,
         tenant=s.tenant.id if s.tenant else None,
-        turn_in_ms=max(0, w.until_ms - gw.clock.now_ms()),
+        turn_in_ms=max(0, w.until_ms - ctx.gw.clock.now_ms()),
     )
 
 
 # -- what admission reports: counted, logged, or kept ------------------------------------------
 
 
-def _attempting(gw: Gateway, s: Session, a: av.Attempting, started: float) -> None:
+def _attempting(ctx: RequestContext, a: av.Attempting, started: float) -> None:
     structlog.contextvars.bind_contextvars(tenant=a.tenant, model=a.model)
 
 
-def _input_admission(gw: Gateway, s: Session, a: av.InputAdmission, started: float) -> None:
-    gw.metrics.input_admissions.labels(a.how).inc()
+def _input_admission(ctx: RequestContext, a: av.InputAdmission, started: float) -> None:
+    ctx.gw.metrics.input_admissions.labels(a.how).inc()
 
 
-def _limit_decisions(gw: Gateway, s: Session, a: av.LimitDecisions, started: float) -> None:
+def _limit_decisions(ctx: RequestContext, a: av.LimitDecisions, started: float) -> None:
     for metric, decision in a.decisions:
-        gw.metrics.limit_decisions.labels(metric, decision).inc()
+        ctx.gw.metrics.limit_decisions.labels(metric, decision).inc()
 
 
-def _keep_leases(gw: Gateway, s: Session, a: av.KeepLeases, started: float) -> None:
-    gw.keep_leases()
+def _keep_leases(ctx: RequestContext, a: av.KeepLeases, started: float) -> None:
+    ctx.gw.background.keep_leases()
 
 
-def _decided(gw: Gateway, s: Session, a: av.Decided, started: float) -> None:
-    gw.metrics.decisions.labels("admitted", "ok").inc()
-    gw.metrics.admission_seconds.observe(time.perf_counter() - started)
+def _decided(ctx: RequestContext, a: av.Decided, started: float) -> None:
+    metrics = ctx.gw.metrics
+    metrics.decisions.labels("admitted", "ok").inc()
+    metrics.admission_seconds.observe(time.perf_counter() - started)
     log.info(
         "decision",
         tenant=a.tenant,
@@ -227,66 +231,69 @@ def _decided(gw: Gateway, s: Session, a: av.Decided, started: float) -> None:
     )
 
 
-def _shadow_refused(gw: Gateway, s: Session, a: av.ShadowRefused, started: float) -> None:
+def _shadow_refused(ctx: RequestContext, a: av.ShadowRefused, started: float) -> None:
     log.info(
         "shadow_limit_exceeded",
-        request_id=s.request_id,
-        tenant=s.tenant.id if s.tenant else None,
+        request_id=ctx.s.request_id,
+        tenant=ctx.s.tenant.id if ctx.s.tenant else None,
         limits=list(a.limits),
         would="refuse",
     )
 
 
-def _fell_back(gw: Gateway, s: Session, a: av.FellBack, started: float) -> None:
+def _fell_back(ctx: RequestContext, a: av.FellBack, started: float) -> None:
     log.info(
         "fallback",
-        request_id=s.request_id,
+        request_id=ctx.s.request_id,
         requested=a.requested,
         fallback=a.fallback,
         reason=a.reason,
     )
 
 
-def _duplicate(gw: Gateway, s: Session, a: av.DuplicateAdmit, started: float) -> None:
-    gw.metrics.duplicate_hits.labels("admit").inc()
+def _duplicate(ctx: RequestContext, a: av.DuplicateAdmit, started: float) -> None:
+    ctx.gw.metrics.duplicate_hits.labels("admit").inc()
 
 
-def _keep_cancel(gw: Gateway, s: Session, a: av.KeepCancel, started: float) -> None:
-    gw.settlements.keep(Kept(s.ledger, a.undo, a.ledger_ttl_ms, s.request_id, cancel=True))
+def _keep_cancel(ctx: RequestContext, a: av.KeepCancel, started: float) -> None:
+    ctx.gw.background.settlements.keep(
+        Kept(ctx.s.ledger, a.undo, a.ledger_ttl_ms, ctx.s.request_id, cancel=True)
+    )
 
 
-def _admit_error(gw: Gateway, s: Session, a: av.AdmitError, started: float) -> None:
-    gw.metrics.limiter_errors.labels("admit").inc()
+def _admit_error(ctx: RequestContext, a: av.AdmitError, started: float) -> None:
+    ctx.gw.metrics.limiter_errors.labels("admit").inc()
     if a.unmetered:
-        log.warning("limiter_unavailable_fail_open", request_id=s.request_id)
+        log.warning("limiter_unavailable_fail_open", request_id=ctx.s.request_id)
 
 
-def _pushed_back(gw: Gateway, s: Session, a: av.PushedBack, started: float) -> None:
-    gw.metrics.settlement_pushback.labels("unmetered" if a.unmetered else "refused").inc()
-    log.warning("settlement_backlog_full", request_id=s.request_id, fail_open=a.unmetered)
+def _pushed_back(ctx: RequestContext, a: av.PushedBack, started: float) -> None:
+    ctx.gw.metrics.settlement_pushback.labels("unmetered" if a.unmetered else "refused").inc()
+    log.warning("settlement_backlog_full", request_id=ctx.s.request_id, fail_open=a.unmetered)
 
 
-def _leave_queue(gw: Gateway, s: Session, a: av.LeaveQueue, started: float) -> None:
+def _leave_queue(ctx: RequestContext, a: av.LeaveQueue, started: float) -> None:
     """The ticket leaves its queue, in the background (the request is going away, or will
     not wait)."""
-    gw.track(asyncio.ensure_future(_leave(gw, a.ticket, a.queue)))
+    ctx.gw.background.track(asyncio.ensure_future(_leave(ctx.gw, a.ticket, a.queue)))
 
 
-def _wait_over(gw: Gateway, s: Session, a: av.WaitOver, started: float) -> None:
-    gw.metrics.wait_outcomes.labels(a.outcome).inc()
+def _wait_over(ctx: RequestContext, a: av.WaitOver, started: float) -> None:
+    metrics = ctx.gw.metrics
+    metrics.wait_outcomes.labels(a.outcome).inc()
     if a.outcome in ("admitted", "refused"):
-        gw.metrics.wait_seconds.labels(a.outcome).observe(a.waited_ms / 1000.0)
+        metrics.wait_seconds.labels(a.outcome).observe(a.waited_ms / 1000.0)
     log.info(
         "wait_over",
-        request_id=s.request_id,
-        tenant=s.tenant.id if s.tenant else None,
+        request_id=ctx.s.request_id,
+        tenant=ctx.s.tenant.id if ctx.s.tenant else None,
         outcome=a.outcome,
         waited_ms=a.waited_ms,
     )
 
 
 #: Each reported action's executor, by the action's type (one lookup per action).
-_NOTES: dict[type, Callable[[Gateway, Session, Any, float], None]] = {
+_NOTES: dict[type, Callable[[RequestContext, Any, float], None]] = {
     av.Attempting: _attempting,
     av.InputAdmission: _input_admission,
     av.LimitDecisions: _limit_decisions,
@@ -303,18 +310,17 @@ _NOTES: dict[type, Callable[[Gateway, Session, Any, float], None]] = {
 }
 
 
-async def limiter_admit(
-    gw: Gateway, cfg: RuntimeConfig, s: Session, a: av.CallAdmit
-) -> av.AdmissionEvent:
+async def limiter_admit(ctx: RequestContext, a: av.CallAdmit) -> av.AdmissionEvent:
     """Make the admission call ``a`` and return its answer as the admission's event.
     Settlements waiting for their batch ride on it; requests of dead processors the call
     reclaimed get their usage records here.  A cancelled call keeps the cancel admission asks
     for before the cancellation goes on."""
-    if gw.settlements_full():
+    gw, s = ctx.gw, ctx.s
+    if gw.background.settlements_full():
         return av.AdmitBacklogged()
     # Settlements waiting for their batch ride on this call (applied first, at no extra round
     # trip); whatever happens to the call, they go back to the batcher (applied or not).
-    riders = gw.riders_for(s.ledger)
+    riders = gw.background.riders_for(s.ledger)
     done: AdmitResult | None = None
     d = a.draft
     try:
@@ -334,19 +340,19 @@ async def limiter_admit(
         )
         done = res
     except asyncio.CancelledError:
-        _cancelled(gw, s)
+        _cancelled(ctx)
         raise
     except LimiterUnavailable as exc:
         return av.AdmitFailed(exc)
     finally:
         if riders:
-            gw.riders_done(riders, done)
+            gw.background.riders_done(riders, done)
     gw.room.note(a.charges, res.values)
     if res.reclaimed:
         # Other requests' records: written after this request's answer is on its way, in a
         # context of their own (their log lines do not carry this request's fields).
         asyncio.get_running_loop().call_soon(
-            record_reclaimed, gw, cfg, res.reclaimed, context=contextvars.Context()
+            record_reclaimed, gw, ctx.cfg, res.reclaimed, context=contextvars.Context()
         )
     return av.AdmitAnswered(
         res.admitted, res.duplicate, res.values, res.wait, res.turn_ms, res.queue_full

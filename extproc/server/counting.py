@@ -34,10 +34,10 @@ from extproc.core.bound_count import (
 )
 from extproc.core.envelope import BoundCounted, CountPrepared
 from extproc.core.phase_records import AdmitModel
-from extproc.core.session import Session
 from extproc.errors import GatewayBusy, GatewayError
 from extproc.gateway import Gateway
 from extproc.limiter.base import InputNote
+from extproc.server.context import RequestContext
 
 log = structlog.get_logger("extproc")
 
@@ -85,8 +85,8 @@ class BoundCounting:
 
     __slots__ = ("_cfg", "_counting", "_exact", "_gw", "_noting", "_s", "_size", "_uncounted_ok")
 
-    def __init__(self, gw: Gateway, cfg: RuntimeConfig, s: Session) -> None:
-        self._gw, self._cfg, self._s = gw, cfg, s
+    def __init__(self, ctx: RequestContext) -> None:
+        self._gw, self._cfg, self._s = ctx.gw, ctx.cfg, ctx.s
         self._size = 0  # the request body's bytes
         # the exact input count of a request admitted on a bound, running after its answer
         self._counting: asyncio.Task[None] | None = None
@@ -128,7 +128,7 @@ class BoundCounting:
             elif isinstance(act, CountForNote):
                 self._noting = asyncio.ensure_future(self._count_for_note())
             else:
-                self._gw.note_input(InputNote(s.ledger, act.exact, act.refund))
+                self._gw.background.note_input(InputNote(s.ledger, act.exact, act.refund))
 
     def _bound(self) -> Cost:
         adm = self._s.admitted

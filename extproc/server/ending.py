@@ -8,12 +8,11 @@ from typing import Any, Protocol
 
 import structlog
 
-from extproc.config.runtime import RuntimeConfig
 from extproc.core.envelope import SettlementStarts
 from extproc.core.lifecycle import CutReason
 from extproc.core.session import Session
-from extproc.gateway import Gateway
 from extproc.server.body import ResponseBody
+from extproc.server.context import RequestContext
 from extproc.server.counting import BoundCounting
 from extproc.server.settle import settle
 from extproc.server.stream import StreamDriver
@@ -40,8 +39,7 @@ async def cut_stream(
 class Ended(Protocol):
     """What settlement reads of a request's processor."""
 
-    gw: Gateway
-    cfg: RuntimeConfig
+    ctx: RequestContext
     s: Session
     trace: Any
     counting: BoundCounting
@@ -72,4 +70,4 @@ async def _settle(p: Ended) -> None:
         await driver.settle_charge()
     end = driver.end() if driver is not None else body.end() if body is not None else None
     read_by_chunk = driver is not None or (body is not None and body.exact is not None)
-    await settle(p.gw, p.cfg, s, end, p.first_chunk_ms if read_by_chunk else 0)
+    await settle(p.ctx, end, p.first_chunk_ms if read_by_chunk else 0)

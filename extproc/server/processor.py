@@ -28,6 +28,7 @@ from extproc.server.admit import admit_body
 from extproc.server.answer import error_response
 from extproc.server.body import ResponseBody
 from extproc.server.builders import RequestMachines
+from extproc.server.context import RequestContext
 from extproc.server.counting import BoundCounting
 from extproc.server.ending import cut_stream, settle_request
 from extproc.server.request_headers import on_request_headers as request_headers
@@ -52,6 +53,7 @@ class RequestProcessor:
         "body",
         "cfg",
         "counting",
+        "ctx",
         "driver",
         "first_chunk_ms",
         "gw",
@@ -67,6 +69,7 @@ class RequestProcessor:
         self.trace = gw.telemetry.open(call)  # the request's span (a no-op with tracing off)
         self.cfg = gw.config  # the rules this request started with (a reload does not move it)
         self.s = Session(RequestMachines(gw, self.cfg))  # its sub-machines built on our rules
+        self.ctx = RequestContext(gw, self.cfg, self.s)  # what the executors below read
         self.started = time.perf_counter()
         self.driver: StreamDriver | None = None
         self.body: ResponseBody | None = None  # a JSON body read for usage, or rebuilt
@@ -74,7 +77,7 @@ class RequestProcessor:
         self.write_lock = WriteLock()
         self.writer: Any = None  # the gRPC context, for a cut at shutdown
         # the count of a prompt admitted on a bound, after admission
-        self.counting = BoundCounting(gw, self.cfg, self.s)
+        self.counting = BoundCounting(self.ctx)
         self._settle_pending = False  # settlement decided, waiting for its response to be sent
 
     @property
@@ -103,8 +106,7 @@ class RequestProcessor:
             if which == "response_body":  # most messages: one per streamed chunk
                 return await self.on_response_body(req.response_body)
             if which == "request_headers":  # the caller, how the path is handled
-                gw, cfg, own_id = self.gw, self.cfg, f"{id(self):x}"
-                return [await request_headers(gw, cfg, self.s, self.trace, req, own_id=own_id)]
+                return [await request_headers(self.ctx, self.trace, req, own_id=f"{id(self):x}")]
             if which == "request_body":
                 return [await self.on_request_body(req.request_body)]
             if which == "response_headers":
@@ -128,7 +130,7 @@ class RequestProcessor:
 
     async def on_request_body(self, body: Any) -> wire.ProcessingResponse:
         """Admit the request. In BUFFERED mode the body is whole even when trailers follow."""
-        new_body = await admit_body(self.gw, self.cfg, self.s, body.body, self.started, stream=self)
+        new_body = await admit_body(self.ctx, body.body, self.started, stream=self)
         self.s.handle(ev.AdmissionDone())
         self.trace.mark("admitted")
         self.counting.admitted(len(body.body))
@@ -163,7 +165,7 @@ class RequestProcessor:
                 self.counting.response_metered()  # when its figure may not stand uncounted
             case ev.MeterStream():
                 ready = self.counting.figures_ready
-                self.driver = StreamDriver(gw, self.cfg, s, figures_ready=ready, trace=self.trace)
+                self.driver = StreamDriver(self.ctx, figures_ready=ready, trace=self.trace)
                 gw.metrics.active_streams.inc()
             case ev.RebuildJson(decoder) | ev.ReadJson(decoder):
                 exact = isinstance(action, ev.RebuildJson)
@@ -245,4 +247,4 @@ class RequestProcessor:
         settlement decided meanwhile, if any."""
         if self._settle_pending:
             self._settle_pending = False
-            self.gw.track(asyncio.ensure_future(settle_request(self)))
+            self.gw.background.track(asyncio.ensure_future(settle_request(self)))

@@ -9,27 +9,26 @@ from typing import Any
 
 import structlog
 
-from extproc.config.runtime import RuntimeConfig
 from extproc.core.apis.registry import api_for_path
 from extproc.core.envelope import CallerIdentified, PassThrough, RequestHeaders
 from extproc.core.keys import ledger_key
 from extproc.core.phase_records import Identified, Requested
 from extproc.core.routing import public_path, route
-from extproc.core.session import Session
 from extproc.core.waiting import PRIORITY_HEADER
 from extproc.errors import AuthenticationError, BadRequest
 from extproc.errors import UnsupportedEncoding as UnsupportedRequestEncoding
-from extproc.gateway import Gateway
 from extproc.server import wire
 from extproc.server.admit import admit_rpm_only
+from extproc.server.context import RequestContext
 from extproc.server.identity import IDENTITY_HEADERS, end_user_hint, identify, presented_key
 
 
 async def on_request_headers(
-    gw: Gateway, cfg: RuntimeConfig, s: Session, trace: Any, req: Any, *, own_id: str
+    ctx: RequestContext, trace: Any, req: Any, *, own_id: str
 ) -> wire.ProcessingResponse:
     """Identify the caller; decide how the path is handled (``req``: the request's headers and
     Envoy's metadata; ``own_id`` names the request when Envoy gave it no ``x-request-id``)."""
+    gw, cfg, s = ctx.gw, ctx.cfg, ctx.s
     hh = req.request_headers
     h = wire.headers_of(hh)
     request_id = h.get("x-request-id", "") or f"gen-{own_id}-{time.time_ns()}"
@@ -73,7 +72,7 @@ async def on_request_headers(
     s.handle(CallerIdentified(identified))
     if kind != "metered":
         if kind == "rpm_only":
-            await admit_rpm_only(gw, cfg, s)
+            await admit_rpm_only(ctx)
         s.handle(PassThrough())
         return wire.continue_request_headers(
             [*caller.headers(), *up], IDENTITY_HEADERS, mode=wire.passthrough_mode()

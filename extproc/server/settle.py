@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from extproc.config.runtime import Model, RuntimeConfig
+from extproc.config.runtime import Model
 from extproc.core.envelope import Figures
 from extproc.core.figures import Figure
 from extproc.core.lifecycle import Ending
@@ -28,6 +28,7 @@ from extproc.gateway import Gateway
 from extproc.limiter.base import SettleCall
 from extproc.limiter.kept import Kept
 from extproc.records.model import UsageRecord, record_id_for
+from extproc.server.context import RequestContext
 
 log = structlog.get_logger("extproc")
 
@@ -77,17 +78,12 @@ def log_disagreement(gw: Gateway, s: Session, kind: str, figure: Figure | int) -
     )
 
 
-async def settle(
-    gw: Gateway,
-    cfg: RuntimeConfig,
-    s: Session,
-    stream: StreamEnd | None,
-    first_chunk_ms: int = 0,
-) -> None:
+async def settle(ctx: RequestContext, stream: StreamEnd | None, first_chunk_ms: int = 0) -> None:
     """Settle; the caller calls this once per request (``Lifecycle.begin_settlement``).
     ``first_chunk_ms``: when the response's first body chunk arrived (0: none, or a response
     not read chunk by chunk), for the model's learned decode rate.  What settlement does is the
     core's plan (:func:`extproc.core.settlement.settle`); this executes it."""
+    gw, cfg, s = ctx.gw, ctx.cfg, ctx.s
     ending = s.ending or Ending.COMPLETED
     gw.metrics.endings.labels(ending.value).inc()
     cost = s.cost
@@ -144,9 +140,11 @@ async def settle(
     # Called even with nothing to correct: the ledger is marked settled, so it is never
     # reclaimed as abandoned and a replay is a no-op.
     ttl = cfg.ledger_ttl_seconds * 1000
-    if gw.settle_batcher is not None:
+    if gw.background.settle_batcher is not None:
         # many requests' settlements per Redis call, retried until Redis takes them
-        gw.submit_settlement(SettleCall(s.ledger, adjustments, ttl, unconfirmed=s.unconfirmed))
+        gw.background.submit_settlement(
+            SettleCall(s.ledger, adjustments, ttl, unconfirmed=s.unconfirmed)
+        )
     else:
         await _settle_now(gw, s, adjustments, ttl, plan.delta)
     _count_tokens(gw, s, plan)
@@ -170,7 +168,7 @@ def _audit_input(gw: Gateway, s: Session, audit: InputAudit) -> None:
 def _stop_input_shortcut(gw: Gateway, s: Session, fig: Figure) -> None:
     """A count contradicted the upstream's input figure: that model's later requests on a
     bound are counted, on this replica at once and on the others once they read the stop
-    (written to Redis, :meth:`Gateway.stop_input_shortcut`).  Reported with what it revealed:
+    (written to Redis, :meth:`Background.stop_input_shortcut`).  Reported with what it revealed:
     the requests this replica billed at the upstream's figure since the model's last agreeing
     count, and what they were likely short if the upstream under-reported them alike."""
     model = s.model.name if s.model else ""
@@ -180,7 +178,7 @@ def _stop_input_shortcut(gw: Gateway, s: Session, fig: Figure) -> None:
     estimate = suspects.unbilled_estimate(fig.reported, fig.counted)
     gw.metrics.input_shortcut_stops.labels(model).inc()
     gw.metrics.input_unbilled_estimate.labels(model).inc(estimate)
-    gw.stop_input_shortcut(
+    gw.background.stop_input_shortcut(
         model,
         {
             "request_id": s.request_id,
@@ -220,7 +218,7 @@ async def _settle_now(
             gw.metrics.duplicate_hits.labels("settle").inc()
     except LimiterUnavailable:
         gw.metrics.limiter_errors.labels("settle").inc()
-        gw.settlements.keep(
+        gw.background.settlements.keep(
             Kept(s.ledger, adjustments, ttl, s.request_id, unconfirmed=s.unconfirmed)
         )
         log.warning("settlement_deferred", request_id=s.request_id, delta=delta)

@@ -18,17 +18,15 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from extproc.config.runtime import RuntimeConfig
 from extproc.core import stream_vocabulary as sv
 from extproc.core.lifecycle import CutReason
 from extproc.core.meter import StreamMeter
 from extproc.core.phase_records import StreamEnd
-from extproc.core.session import Session
 from extproc.core.streaming import CHARGE_WAIT_SECONDS, MeteredStream
 from extproc.errors import LimiterUnavailable
-from extproc.gateway import Gateway
 from extproc.limiter.base import ChargeResult
 from extproc.server import wire
+from extproc.server.context import RequestContext
 from extproc.server.settle import access_metadata
 from extproc.telemetry.base import NOOP_TRACE, RequestTrace
 
@@ -45,16 +43,14 @@ class StreamDriver:
 
     def __init__(
         self,
-        gw: Gateway,
-        cfg: RuntimeConfig,
-        s: Session,
+        ctx: RequestContext,
         *,
         figures_ready: Callable[[], Awaitable[None]] | None = None,
         trace: RequestTrace = NOOP_TRACE,
     ) -> None:
-        self.gw, self.cfg, self.s = gw, cfg, s
+        self.gw, self.cfg, self.s = ctx.gw, ctx.cfg, ctx.s
         self.trace = trace
-        stream = s.stream  # started by the session with the response's headers
+        stream = ctx.s.stream  # started by the session with the response's headers
         assert isinstance(stream, MeteredStream)
         #: the session's metered stream (read here: fed only through the session)
         self.stream = stream

@@ -183,8 +183,8 @@ async def _settled(gw: Gateway) -> None:
     """Wait until the background settlements have been taken by Redis (bounded)."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        batcher = gw._batcher
-        if not gw.pending and (batcher is None or len(batcher) == 0):
+        batcher = gw.background._batcher
+        if not gw.background.pending and (batcher is None or len(batcher) == 0):
             return
         await asyncio.sleep(0.001)
     raise RuntimeError("settlements still pending after 10 s")
@@ -293,7 +293,7 @@ async def run(
                 buf = io.StringIO()
                 pstats.Stats(profiler, stream=buf).sort_stats("tottime").print_stats(30)
                 prof_text = buf.getvalue()
-            await gw.drain_settlements(5.0)
+            await gw.background.drain_settlements(5.0)
         finally:
             await lim.close()
             proc.terminate()

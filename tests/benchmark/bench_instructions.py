@@ -86,7 +86,7 @@ async def measured(requests: int, allowances: bool, floor: bool) -> None:
             await batch(requests)
             _control("-d", "measured")
             _control("-i", "off")
-            await gw.drain_settlements(5.0)
+            await gw.background.drain_settlements(5.0)
         finally:
             await lim.close()
             await recorder.close()

@@ -209,7 +209,7 @@ async def run(
                 st.sort_stats("tottime").print_stats(top)
                 st.sort_stats("cumulative").print_stats(top)
                 prof_text = buf.getvalue()
-            await gw.drain_settlements(5.0)
+            await gw.background.drain_settlements(5.0)
         finally:
             await lim.close()
             await recorder.close()

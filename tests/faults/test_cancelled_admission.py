@@ -89,5 +89,5 @@ async def test_a_cancelled_admission_is_taken_back(own_redis: RedisServer) -> No
     assert counters  # the admission ran after all
     assert [int(r.get(k) or 0) for k in counters] == [0] * len(counters)
     assert r.zcard("aiq:{t}:open") == 0
-    await gw.drain_settlements(2)
+    await gw.background.drain_settlements(2)
     await lim.close()

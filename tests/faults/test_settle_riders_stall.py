@@ -69,7 +69,7 @@ def stall_thread(port: int, seconds: float) -> tuple[threading.Thread, threading
 async def carrying_admission(gw: Gateway, lim: RedisLimiter, led: str) -> AdmitResult | None:
     """An admission (RPM only) carrying what waits, as ``limiter_admit`` does it: the riders
     go back to the gateway whatever happens to the call; None when the call failed."""
-    riders = gw.riders_for(led)
+    riders = gw.background.riders_for(led)
     done: AdmitResult | None = None
     try:
         done = await lim.admit(
@@ -85,7 +85,7 @@ async def carrying_admission(gw: Gateway, lim: RedisLimiter, led: str) -> AdmitR
     except LimiterUnavailable:
         pass
     finally:
-        gw.riders_done(riders, done)
+        gw.background.riders_done(riders, done)
     return done
 
 
@@ -118,7 +118,7 @@ async def test_riders_of_a_stalled_admission_land_once(own_redis: RedisServer) -
         assert res.admitted
         leds.append(led)
     seen: list[tuple[str, bool]] = []
-    batcher = gw.settle_batcher
+    batcher = gw.background.settle_batcher
     assert batcher is not None
     counted = batcher.on_result
     assert counted is not None
@@ -129,7 +129,7 @@ async def test_riders_of_a_stalled_admission_land_once(own_redis: RedisServer) -
 
     batcher.on_result = on_result
     for led in leds:
-        gw.submit_settlement(SettleCall(led, [Adjustment(f"{t}:tpm", -30, far())], TTL))
+        gw.background.submit_settlement(SettleCall(led, [Adjustment(f"{t}:tpm", -30, far())], TTL))
     thread, stalling = stall_thread(own_redis.port, 1.0)
     thread.start()
     await wait_for(stalling.is_set, 5.0)
@@ -138,7 +138,7 @@ async def test_riders_of_a_stalled_admission_land_once(own_redis: RedisServer) -
         admission = asyncio.ensure_future(carrying_admission(gw, lim, f"{t}:req:carrier"))
         await wait_for(lambda: batcher.backlog.riding == 30, 5.0)
         assert len(batcher) == 30  # riding, still counted: a drain waits for them
-        drain = asyncio.ensure_future(gw.drain_settlements(10.0))
+        drain = asyncio.ensure_future(gw.background.drain_settlements(10.0))
         assert await admission is None  # timed out (twice): its riders went back
         await drain
     finally:

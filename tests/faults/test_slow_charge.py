@@ -105,10 +105,10 @@ async def test_a_charge_slower_than_the_end_wait_is_counted_once(own_redis: Redi
     await feed(proc, b"data: [DONE]\n\n", end=True)
     assert proc.s.life.ended
     started = time.monotonic()
-    while gw.pending and time.monotonic() - started < 10:  # the settlement task
+    while gw.background.pending and time.monotonic() - started < 10:  # the settlement task
         await asyncio.sleep(0.02)
     stall.join(10)
-    await gw.drain_settlements(5)
+    await gw.background.drain_settlements(5)
     ledger = proc.s.ledger
     assert r.hget(ledger, "state") == b"settled"
     assert int(r.hget(ledger, "seq") or 0) == 1  # the slow charge ran, before the settlement

@@ -52,8 +52,8 @@ class Served:
         """Wait for the background settlements themselves (no polling)."""
         while self.gw.active:
             await asyncio.sleep(0.01)
-        if self.gw.pending:
-            await asyncio.gather(*list(self.gw.pending))
+        if self.gw.background.pending:
+            await asyncio.gather(*list(self.gw.background.pending))
 
 
 async def serve(other: str = "reject", rules: str | None = None) -> AsyncIterator[Served]:

@@ -71,7 +71,7 @@ async def srv(redis_server: RedisServer) -> AsyncIterator[Served]:
     finally:
         await channel.close()
         await server.stop(None)
-        await gw.drain_settlements(5.0)
+        await gw.background.drain_settlements(5.0)
         await lim.close()
 
 
@@ -116,9 +116,9 @@ async def test_settlements_ride_on_the_next_admission(
     assert stops_reads <= 1
     assert srv.lim.round_trips - before - stops_reads == n
     assert sample(srv.gw.metrics.settlements, outcome="applied") == n - 1
-    batcher = srv.gw.settle_batcher
+    batcher = srv.gw.background.settle_batcher
     assert batcher is not None and len(batcher) == 1 and batcher.calls == 0
-    await srv.gw.drain_settlements(5.0)
+    await srv.gw.background.drain_settlements(5.0)
     assert batcher.calls == 1
     assert sample(srv.gw.metrics.settlements, outcome="applied") == n
     # script calls Redis ran (a first NOSCRIPT answer, before the script is loaded, is not one)

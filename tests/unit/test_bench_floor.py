@@ -129,7 +129,7 @@ async def test_floor_answers_like_the_processor(
             real_out += r.response_body.response.body_mutation.streamed_response.body
         floor_out += reply.response_body.response.body_mutation.streamed_response.body
     real.close(Closed.EOF)
-    await asyncio.gather(*gw.pending)
+    await asyncio.gather(*gw.background.pending)
     assert floor_shapes == real_shapes
     assert any(mode for _, mode in real_shapes) == (status == "200" and bool(body))
     duplex = stream and status == "200"

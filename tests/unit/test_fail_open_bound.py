@@ -64,7 +64,7 @@ async def request(gw: Gateway) -> RequestProcessor:
         pb.ProcessingRequest(response_body=pb.HttpBody(body=answer, end_of_stream=True))
     )
     proc.close(Closed.EOF)
-    for task in list(gw.pending):
+    for task in list(gw.background.pending):
         await task
     return proc
 

@@ -223,9 +223,9 @@ async def first_request(gw: Gateway, lim: RecordingLimiter) -> tuple[RequestProc
 
 
 async def settled(gw: Gateway) -> None:
-    while gw.pending:
-        await asyncio.gather(*list(gw.pending))
-    batcher = gw.settle_batcher
+    while gw.background.pending:
+        await asyncio.gather(*list(gw.background.pending))
+    batcher = gw.background.settle_batcher
     if batcher is not None:
         assert await batcher.wait_idle(5.0)
 

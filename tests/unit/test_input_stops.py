@@ -184,7 +184,7 @@ async def test_a_stop_found_by_one_replica_holds_on_every_replica_and_after_a_re
     await complete_json(proc, lie)
     await settled(a)
     assert await lim.inner.input_stops(input_stops_key("aiq", "v1")) == ["m"]
-    assert await b.refresh_input_stops() == ["m"]
+    assert await b.background.stops.refresh() == ["m"]
     assert b.input_audits.stopped("m") and metric(b, "input_stops_adopted") == 1
     before = await tpm_value(lim, proc)
     for i in range(5):
@@ -194,8 +194,8 @@ async def test_a_stop_found_by_one_replica_holds_on_every_replica_and_after_a_re
     assert await tpm_value(lim, p) > before
     restarted = gateway(lim)  # a new process: nothing in memory
     assert not restarted.input_audits.stopped("m")
-    assert await restarted.refresh_input_stops() == ["m"]
+    assert await restarted.background.stops.refresh() == ["m"]
     assert restarted.input_audits.stopped("m")
     b.install(b.config, "v2")  # the rules changed: the stops of v1 no longer hold here
-    assert not b.input_audits.stopped("m") and await b.refresh_input_stops() == []
+    assert not b.input_audits.stopped("m") and await b.background.stops.refresh() == []
     assert b.input_audits.count_now("m", 16)  # but the shortcut must be earned again

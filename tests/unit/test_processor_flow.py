@@ -170,7 +170,7 @@ async def test_settlement_happens_once() -> None:
     await feed(proc, event(" a") + event(" b"))
     proc.close(Closed.CANCELLED)
     proc.close(Closed.EOF)
-    await asyncio.gather(*proc.gw.pending)
+    await asyncio.gather(*proc.gw.background.pending)
     assert len(lim.settles) == 1
     assert proc.s.life.ending is Ending.CLIENT_DISCONNECTED
 
@@ -190,7 +190,7 @@ async def test_a_shutdown_cut_on_a_stream_already_gone_still_settles() -> None:
     await feed(proc, event(" a") + event(" b"))
     proc.writer = _GoneStream()
     assert await proc.cut_for_shutdown()
-    await asyncio.gather(*proc.gw.pending)
+    await asyncio.gather(*proc.gw.background.pending)
     assert len(lim.settles) == 1
     assert proc.driver is not None and proc.driver.meter.delivered == 2
 
@@ -208,7 +208,7 @@ class _Context:
         return next(self.script, grpc.aio.EOF)
 
     async def write(self, resp: Any) -> None:
-        settling = bool(self.gw.pending or self.lim.settles)  # started, or even done
+        settling = bool(self.gw.background.pending or self.lim.settles)  # started, or even done
         self.writes.append((resp.WhichOneof("response"), settling))
         for _ in range(3):
             await asyncio.sleep(0)
@@ -257,5 +257,5 @@ async def test_a_cut_is_written_before_its_settlement_starts() -> None:
     assert ctx.writes[-1][0] == "immediate_response"
     assert ctx.writes[-2][0] == "response_body"  # the error event
     assert not any(settling for _, settling in ctx.writes)  # none begun before any write
-    await asyncio.gather(*gw.pending)
+    await asyncio.gather(*gw.background.pending)
     assert len(lim.settles) == 1

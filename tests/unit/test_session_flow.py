@@ -62,7 +62,7 @@ async def test_done_carries_the_final_figures_and_a_close_after_it_is_completed(
     flat = str(meta)
     assert "output_tokens" in flat and "completed" in flat
     proc.close(Closed.EOF)  # the client closed right after [DONE]
-    await asyncio.gather(*proc.gw.pending)
+    await asyncio.gather(*proc.gw.background.pending)
     assert proc.s.life.ending is Ending.COMPLETED
     assert len(lim.settles) == 1
 
@@ -75,7 +75,7 @@ async def test_one_disagreement_is_counted_once() -> None:
     for i in range(40):
         await feed(proc, event(f" w{i}"))
     await feed(proc, usage_ev(8, 1) + DONE, end=True)
-    await asyncio.gather(*proc.gw.pending)
+    await asyncio.gather(*proc.gw.background.pending)
     assert disagreements(proc) == 1
 
 
@@ -109,13 +109,13 @@ async def test_lease_renewal_does_not_log_as_the_request_that_started_it() -> No
     async def probe() -> None:
         seen.append(structlog.contextvars.get_contextvars())
 
-    proc.gw._renew_loop = probe  # type: ignore[method-assign]
-    proc.gw._leases = None
+    proc.gw.background._renew_loop = probe  # type: ignore[method-assign]
+    proc.gw.background._leases = None
     structlog.contextvars.bind_contextvars(request_id="someone-else")
     try:
-        proc.gw.keep_leases()
-        assert proc.gw._leases is not None
-        await proc.gw._leases
+        proc.gw.background.keep_leases()
+        assert proc.gw.background._leases is not None
+        await proc.gw.background._leases
     finally:
         structlog.contextvars.clear_contextvars()
     assert seen == [{}]
@@ -219,5 +219,5 @@ async def test_a_json_body_disagreement_is_counted_once() -> None:
         pb.ProcessingRequest(response_body=pb.HttpBody(body=answer, end_of_stream=True))
     )
     assert "output_tokens" in str(final_fields([resp]))
-    await asyncio.gather(*proc.gw.pending)
+    await asyncio.gather(*proc.gw.background.pending)
     assert disagreements(proc) == 1

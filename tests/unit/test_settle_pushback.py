@@ -79,10 +79,10 @@ async def test_a_full_backlog_drops_nothing_and_pushes_back_on_admissions() -> N
     )
     assert (await admit(gw, "Bearer sk-c")).WhichOneof("response") == "request_body"
     for i in range(6):  # requests in flight settle past the limit: kept, none dropped
-        gw.submit_settlement(SettleCall(f"aiq:{{c}}:req:{i}", [], 60_000))
-    batcher = gw.settle_batcher
+        gw.background.submit_settlement(SettleCall(f"aiq:{{c}}:req:{i}", [], 60_000))
+    batcher = gw.background.settle_batcher
     assert batcher is not None and len(batcher) == 6
-    assert gw.settlements_full()
+    assert gw.background.settlements_full()
     refused = await admit(gw, "Bearer sk-c")
     assert refused.WhichOneof("response") == "immediate_response"
     assert refused.immediate_response.status.code == 503

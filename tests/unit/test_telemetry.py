@@ -226,7 +226,7 @@ async def run(
     got: list[Any] = []
     if resp.WhichOneof("response") == "immediate_response":
         proc.close(Closed.EOF)
-        await asyncio.gather(*gw.pending)
+        await asyncio.gather(*gw.background.pending)
         return proc, [resp], first
     if seed_used is not None:
         [b] = [b for b in proc.s.buckets if b.kind == "tpm"]
@@ -247,7 +247,7 @@ async def run(
     got += await feed(proc, b"data: " + orjson.dumps(usage) + b"\n\n")
     got += await feed(proc, b"data: [DONE]\n\n", end=True)
     proc.close(Closed.EOF)
-    await asyncio.gather(*gw.pending)
+    await asyncio.gather(*gw.background.pending)
     return proc, got, first
 
 
@@ -528,7 +528,7 @@ async def test_an_unmetered_path_is_a_passthrough_span() -> None:
     [resp] = await proc.handle(pb.ProcessingRequest(request_headers=headers(h, eos=True)))
     assert resp.WhichOneof("response") == "request_headers"
     proc.close(Closed.EOF)
-    await asyncio.gather(*gw.pending)
+    await asyncio.gather(*gw.background.pending)
     [span] = tel.finished()
     assert span.name == "ai_quota passthrough"
     assert dict(span.attributes or {})["ai_quota.decision"] == "passthrough"
