@@ -14,13 +14,22 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from typing import Literal
 from zoneinfo import ZoneInfo
 
-from extproc.core.rules import NO_RATES, TOKEN_RATES, Limit, Metric, Rates
+from extproc.core.rules import (
+    NO_RATES,
+    RATE_SCALE,
+    TOKEN_RATES,
+    Limit,
+    Metric,
+    Rates,
+    UnconfirmedCharge,
+)
 
 EXPIRY_SLACK_MS = 2_000
 _SAFE_ID = re.compile(r"[^A-Za-z0-9._:-]")
@@ -360,3 +369,21 @@ def counter_name(key: str) -> CounterName | None:
     if metric == "conc" or len(parts) != 3 or not parts[1].isdigit():
         return None
     return CounterName(tag, metric, int(parts[1]))
+
+
+def room_after(buckets: Iterable[WindowedBucket], values: Iterable[int]) -> int | None:
+    """Output tokens the tightest enforced bucket still has after a charge left it at
+    ``values`` (None when no enforced bucket prices output)."""
+    return min(
+        (
+            (b.limit.limit - v) * RATE_SCALE // b.rates.output
+            for b, v in zip(buckets, values, strict=True)
+            if not b.limit.shadow and b.rates.output > 0
+        ),
+        default=None,
+    )
+
+
+def unconfirmed_charge(seq: int, buckets: Iterable[WindowedBucket]) -> UnconfirmedCharge:
+    """The record settlement needs to take back charge ``seq`` if it ran unanswered."""
+    return UnconfirmedCharge(seq, tuple((b.key, b.rates.output) for b in buckets))

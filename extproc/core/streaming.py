@@ -1,129 +1,61 @@
 """A metered response stream, driven by events: the session's stream part, sans-IO.
 
-The server feeds :class:`MeteredStream`, through the session, the events it sees (a body chunk
-with the limiter's answer that came before it, trailers, an awaited charge's answer, the input
-count done, a shutdown cut) and executes the actions it returns, in order; both are its
-vocabulary, :mod:`extproc.core.stream_vocabulary`.  Every decision is taken here: what
-passes, when to charge and on which buckets, what a charge's answer means (the room it leaves,
-a shadow limit crossed, fail-open or a cut when the limiter fails), the cut's message, the
-final figures and the request's lifecycle moves (its end, its cut).  The server owns only the
-I/O: the charge task, the wait for it, the count off the event loop, the bytes to Envoy,
-metrics and logs.
+The server feeds :class:`MeteredStream`, through the session, the events it sees and executes
+the actions it returns, in order (its vocabulary, :mod:`extproc.core.stream_vocabulary`).
+Every decision is taken here: what passes, when to charge and on which buckets, what an
+answer means (the room it leaves, a shadow limit crossed, fail-open or a cut), the cut's
+message, the final figures and the lifecycle's moves (its end, its cut).  The server owns the
+I/O: the charge task, the wait for it, the count off the event loop, bytes, metrics and logs.
 
-A step that needs something the server must await (the exact input count before a figure, the
-answer of the charge that holds events) returns the request for it as its last action and
-resumes when the matching event (:class:`~extproc.core.stream_vocabulary.CountDone`, the
-answer) arrives.
+The stream is in one :class:`~extproc.core.stream_states.StreamState` at a time (metering,
+awaiting the charge that holds events, awaiting the exact input count, ended).
+:data:`TRANSITIONS` lists every legal ``(state, event type)`` pair with its step and the states
+it may lead to; :meth:`MeteredStream.handle` looks the pair up (one not listed, such as a count
+out of turn or a chunk while a wait is out, is a PhaseError and moves nothing).  A step that
+waits asks for the answer as its last action (``AwaitCharge``, ``CountInput``) and leaves what
+follows as data for the step that takes it.  :meth:`MeteredStream.chunk`'s common case (no
+answer, nothing to charge, cut or wait for) is the (METERING, BodyChunk) step run inline.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Final
+from collections.abc import Callable
+from typing import Any, Final
 
 from extproc.core import admission_plan
 from extproc.core import stream_vocabulary as sv
 from extproc.core.apis.errors import cut_error, quota_cut
 from extproc.core.apis.responses import ResponsesFormat
 from extproc.core.encoding import BodyDecoder
-from extproc.core.keys import WindowedBucket
+from extproc.core.keys import WindowedBucket, room_after, unconfirmed_charge
 from extproc.core.lifecycle import CutReason, Ending, Input
 from extproc.core.meter import Step, StreamMeter
-from extproc.core.phase_records import Reported, StreamEnd
-from extproc.core.rules import RATE_SCALE, UnconfirmedCharge
+from extproc.core.phase_records import PhaseError, Reported, StreamEnd
 from extproc.core.session import Session
+from extproc.core.stream_states import (
+    ApplyStep,
+    CutCorrupt,
+    FeedNext,
+    ForwardTerminal,
+    Pending,
+    Resume,
+    StreamState,
+    Then,
+)
 
 #: How long settlement waits for the answer of a charge still in flight before it settles
 #: without it (the charge is then marked unconfirmed: counted once whichever runs first).
 CHARGE_WAIT_SECONDS: Final = 1.0
-
-
-# -- the stream's wait states: what follows once the server answers (data, not closures) -----
-
-
-@dataclass(frozen=True, slots=True)
-class FeedNext:
-    """Then meter this chunk (it came with a charge's answer), unless the stream ended."""
-
-    data: bytes
-    end: bool
-
-
-#: What follows a step once it may go on: nothing more, or the chunk still to meter.
-Then = FeedNext | None
-
-
-@dataclass(frozen=True, slots=True)
-class ApplyStep:
-    """Apply the meter's ``step`` (unless the stream ended meanwhile), then ``then``."""
-
-    step: Step
-    then: Then
-
-
-@dataclass(frozen=True, slots=True)
-class ForwardTerminal:
-    """Forward the terminal event with the final figures (``unless_ended``: not when the stream
-    was cut meanwhile: that cut said it all)."""
-
-    data: bytes
-    unless_ended: bool
-
-
-@dataclass(frozen=True, slots=True)
-class CutCorrupt:
-    """Cut the stream for a corrupt compressed body; ``late``: the side actions of a charge's
-    answer that came with it."""
-
-    late: tuple[sv.StreamAction, ...]
-
-
-#: What resumes once the exact input count is taken.
-Resume = ApplyStep | ForwardTerminal | CutCorrupt
-
-
-@dataclass(frozen=True, slots=True)
-class AwaitingCount:
-    """Waiting for the exact input count
-    (:class:`~extproc.core.stream_vocabulary.CountDone`) the final figures need; then
-    ``resume``."""
-
-    resume: Resume
-
-
-@dataclass(frozen=True, slots=True)
-class AwaitingCharge:
-    """Events are held until the charge in flight answers; then apply its step and ``then``."""
-
-    then: Then
-
-
-def room_after(buckets: Iterable[WindowedBucket], values: Iterable[int]) -> int | None:
-    """Output tokens the tightest enforced bucket still has after a charge left it at
-    ``values`` (None when no enforced bucket prices output)."""
-    return min(
-        (
-            (b.limit.limit - v) * RATE_SCALE // b.rates.output
-            for b, v in zip(buckets, values, strict=True)
-            if not b.limit.shadow and b.rates.output > 0
-        ),
-        default=None,
-    )
-
-
-def unconfirmed_charge(seq: int, buckets: Iterable[WindowedBucket]) -> UnconfirmedCharge:
-    """The record settlement needs to take back charge ``seq`` if it ran unanswered."""
-    return UnconfirmedCharge(seq, tuple((b.key, b.rates.output) for b in buckets))
+_S = StreamState
+_METERING: Final = StreamState.METERING
+_Answer = sv.ChargeAnswered | sv.ChargeFailed
 
 
 class MeteredStream:
     """One metered response stream: its meter, its charges, its cut and its final figures."""
 
     __slots__ = (
-        "_awaiting_charge",
-        "_awaiting_count",
         "_charge_buckets",
         "_decoder",
         "_fail_open",
@@ -132,9 +64,11 @@ class MeteredStream:
         "_last",
         "_lease_ms",
         "_now_ms",
+        "_pending",
         "_prefix",
         "_seq",
         "_shadowed",
+        "_state",
         "meter",
         "reader",
         "s",
@@ -176,9 +110,8 @@ class MeteredStream:
         self._charge_buckets: tuple[WindowedBucket, ...] = ()
         self._last: tuple[tuple[WindowedBucket, ...], tuple[int, ...]] = ((), ())
         self._shadowed: set[str] = set()
-        # the wait states (None: not waiting): the count's and the charge's
-        self._awaiting_count: AwaitingCount | None = None
-        self._awaiting_charge: AwaitingCharge | None = None
+        self._state = _METERING
+        self._pending: Pending = None  # what a wait state resumes with (read in it only)
 
     # -- what the server reads -------------------------------------------------------------
 
@@ -193,14 +126,9 @@ class MeteredStream:
         return self.meter.complete and self.meter.cut_reason is None
 
     @property
-    def strict(self) -> bool:
-        """Charges are leases (granted only as far as the quota goes)."""
-        return self.meter.strict
-
-    @property
-    def waiting(self) -> AwaitingCount | AwaitingCharge | None:
-        """The wait state the stream is in (None: none): for the count, or for the charge."""
-        return self._awaiting_count or self._awaiting_charge
+    def state(self) -> StreamState:
+        """Where the stream is (a wait state: what the server must answer next)."""
+        return self._state
 
     def end(self) -> StreamEnd:
         """What the meter knows for settlement; the upstream's usage goes to the session."""
@@ -219,43 +147,38 @@ class MeteredStream:
     # -- events ----------------------------------------------------------------------------
 
     def handle(self, ev: sv.StreamEvent) -> list[sv.StreamAction]:
-        """Take one event; return what the server must do, in order."""
-        t = type(ev)
-        if t is sv.BodyChunk:
-            assert isinstance(ev, sv.BodyChunk)
+        """Take one event; return what the server must do, in order (the step
+        :data:`TRANSITIONS` names; a body chunk's common case inline, :meth:`chunk`)."""
+        if type(ev) is sv.BodyChunk:
             return self.chunk(ev.data, ev.end, ev.answer)
-        if t is sv.ChargeAnswered or t is sv.ChargeFailed:
-            assert isinstance(ev, sv.ChargeAnswered | sv.ChargeFailed)
-            side, step = self._take(ev)
-            if ev.late:
-                return side
-            waiting, self._awaiting_charge = self._awaiting_charge, None
-            return side + self._apply(step, waiting.then if waiting is not None else None)
-        if t is sv.CountDone:
-            counting, self._awaiting_count = self._awaiting_count, None
-            return self._resume(counting.resume) if counting is not None else []
-        if t is sv.Trailers:
-            return self._trailers()
-        if t is sv.CutNow:
-            assert isinstance(ev, sv.CutNow)
-            return self._cut(ev.reason, ev.message)
-        if t is sv.ChargeAbandoned:
-            if self._in_flight and self._seq > 0:
-                self.s.unconfirmed = unconfirmed_charge(self._seq, self._charge_buckets)
-            return []
-        raise TypeError(f"not a stream event: {ev!r}")  # pragma: no cover - typed
+        return self._dispatch(ev)
 
-    def chunk(
-        self, data: bytes, end: bool, answer: sv.ChargeAnswered | sv.ChargeFailed | None = None
-    ) -> list[sv.StreamAction]:
-        """``handle(sv.BodyChunk(data, end, answer))`` without building the event: the per-chunk
-        call (as h2's ``receive_data``).  The chunk is the request's response body event too:
-        the session's lifecycle takes it first."""
+    def _dispatch(self, ev: sv.StreamEvent) -> list[sv.StreamAction]:
+        state = self._state
+        if state is _METERING and self.s.life.ended:
+            # the response ended outside the stream (the gateway answered instead)
+            state = self._state = _S.ENDED
+        entry = TRANSITIONS.get((state, type(ev)))
+        if entry is None:
+            raise PhaseError(f"the stream cannot take {type(ev).__name__} in state {state.value}")
+        answer = ev.answer if isinstance(ev, sv.BodyChunk) else ev
+        if isinstance(answer, _ANSWERS) and not self._in_flight:  # a duplicate: none is out
+            raise PhaseError("the stream cannot take an answer with no charge out")
+        step, allowed = entry
+        out: list[sv.StreamAction] = []
+        to = step(self, ev, out)
+        if to not in allowed:  # a step the table does not allow
+            raise PhaseError(f"the stream may not move from {state.value} to {to.value}")
+        self._state = to
+        return out
+
+    def chunk(self, data: bytes, end: bool, answer: _Answer | None = None) -> list[sv.StreamAction]:
+        """``handle(sv.BodyChunk(data, end, answer))`` without building the event (as h2's
+        ``receive_data``); the session's lifecycle takes the chunk first."""
         life = self.s.life
-        life.advance(Input.RESPONSE_BODY)
-        if answer is None and self._decoder is None:
-            if life.ended:
-                return []
+        if answer is None and self._state is _METERING and self._decoder is None and not life.ended:
+            # (METERING, BodyChunk) inline: the common case needs no lookup
+            life.advance(Input.RESPONSE_BODY)
             meter = self.meter
             step = meter.feed(data, end)
             if (
@@ -265,25 +188,43 @@ class MeteredStream:
             ):
                 # The common case: forward what completed, no charge, no wait.
                 return [sv.Forward(step.forward)] if step.forward else []
-            return self._stepped(step)
-        return self._chunk(data, end, answer)
+            out = self._stepped(step)
+            self._state = self._after(out)  # the table's entry allows any state
+            return out
+        return self._dispatch(sv.BodyChunk(data, end, answer))
 
-    def _chunk(
-        self, data: bytes, end: bool, answer: sv.ChargeAnswered | sv.ChargeFailed | None
-    ) -> list[sv.StreamAction]:
-        if self.s.life.ended:
-            # the answer still counts (its units are in Redis): bookkeeping only
-            return self._take(answer)[0] if answer is not None else []
+    # -- the steps: (state, event) -> actions (into ``out``), the next state ----------------
+
+    def _after(self, out: list[sv.StreamAction]) -> StreamState:
+        """Where a step's actions leave the stream: the wait its last one asks for, or not."""
+        if out:
+            last = type(out[-1])
+            if last is sv.AwaitCharge:
+                return _S.AWAITING_CHARGE
+            if last is sv.CountInput:
+                return _S.AWAITING_COUNT
+        return _S.ENDED if self.s.life.ended else _METERING
+
+    def _stay(self, ev: Any, out: list[sv.StreamAction]) -> StreamState:
+        """Nothing to do: the event changes nothing (trailers or a cut after the end)."""
+        return self._state
+
+    def _on_chunk(self, ev: sv.BodyChunk, out: list[sv.StreamAction]) -> StreamState:
+        """METERING + a body chunk, decoded, after the charge's answer that came before it."""
+        self.s.life.advance(Input.RESPONSE_BODY)
+        data, end, answer = ev.data, ev.end, ev.answer
         if self._decoder is not None:
             try:
                 data = self._decoder.feed(data) + (self._decoder.flush() if end else b"")
             except zlib.error:
                 late = self._take(answer)[0] if answer is not None else []
-                return self._after_count(CutCorrupt(tuple(late)))
+                out += self._after_count(CutCorrupt(tuple(late)))
+                return self._after(out)
         if answer is not None:
             # A charge answered since the last chunk: it may release held events, ask for the
             # next charge, or cut the stream. None of that may be dropped.
             side, answered = self._take(answer)
+            out += side
             if (
                 answered.forward
                 or answered.charge
@@ -291,9 +232,58 @@ class MeteredStream:
                 or answered.cut_reason
                 or answered.end_stream
             ):
-                return side + self._apply(answered, FeedNext(data, end))
-            return side + self._feed(data, end)
-        return self._feed(data, end)
+                out += self._apply(answered, FeedNext(data, end))
+                return self._after(out)
+        out += self._feed(data, end)
+        return self._after(out)
+
+    def _on_chunk_ended(self, ev: sv.BodyChunk, out: list[sv.StreamAction]) -> StreamState:
+        """ENDED + a body chunk: its answer still counts (its units are in Redis)."""
+        self.s.life.advance(Input.RESPONSE_BODY)
+        if ev.answer is not None:
+            out += self._take(ev.answer)[0]
+        return _S.ENDED
+
+    def _on_trailers(self, ev: sv.Trailers, out: list[sv.StreamAction]) -> StreamState:
+        """METERING + trailers: flush what the meter holds (with the final figures)."""
+        out += self._trailers()
+        return self._after(out)
+
+    def _on_answer(self, ev: _Answer, out: list[sv.StreamAction]) -> StreamState:
+        """The charge's answer: applied to the account and the meter; unless late, its step
+        and what waited for it (in AWAITING_CHARGE) follow."""
+        side, step = self._take(ev)
+        out += side
+        then = self._pending if self._state is _S.AWAITING_CHARGE else None
+        assert then is None or isinstance(then, FeedNext)
+        self._pending = None
+        if not ev.late:  # late: settlement collected it, bookkeeping only (a wait is over)
+            out += self._apply(step, then)
+        return self._after(out)
+
+    def _on_late_answer(self, ev: _Answer, out: list[sv.StreamAction]) -> StreamState:
+        """An answer while the count is awaited or after the end: bookkeeping only."""
+        out += self._take(ev)[0]
+        return self._state
+
+    def _on_count(self, ev: sv.CountDone, out: list[sv.StreamAction]) -> StreamState:
+        """AWAITING_COUNT + the count: what waited for it."""
+        resume = self._pending
+        assert resume is not None and not isinstance(resume, FeedNext)
+        self._pending = None
+        out += self._resume(resume)
+        return self._after(out)
+
+    def _on_cut(self, ev: sv.CutNow, out: list[sv.StreamAction]) -> StreamState:
+        """The server cuts the stream (shutdown); a wait stays (what waited sees the end)."""
+        out += self._cut(ev.reason, ev.message)
+        return _S.ENDED if self._state is _METERING else self._state
+
+    def _on_abandoned(self, ev: sv.ChargeAbandoned, out: list[sv.StreamAction]) -> StreamState:
+        """Settlement stopped waiting for the charge in flight: it is marked unconfirmed."""
+        if self._in_flight and self._seq > 0:
+            self.s.unconfirmed = unconfirmed_charge(self._seq, self._charge_buckets)
+        return self._state
 
     def _feed(self, data: bytes, end: bool) -> list[sv.StreamAction]:
         return self._stepped(self.meter.feed(data, end))
@@ -313,8 +303,6 @@ class MeteredStream:
         return self._apply(step, None)
 
     def _trailers(self) -> list[sv.StreamAction]:
-        if self.s.life.ended:
-            return []
         step = self.meter.feed(b"", False)
         if not step.forward:
             return []
@@ -327,7 +315,7 @@ class MeteredStream:
         """Run ``resume`` once the exact input count its figures need is taken (at once when
         none is needed; else after the server reports :class:`CountDone`)."""
         if self.s.needs_count:
-            self._awaiting_count = AwaitingCount(resume)
+            self._pending = resume
             return [sv.CountInput()]
         return self._resume(resume)
 
@@ -377,7 +365,7 @@ class MeteredStream:
         if not self._in_flight:  # nothing in flight: cannot happen, but never stall a stream
             out.append(sv.StalledWithoutCharge())
             return out + self._apply(self.meter.stop_enforcing(), then)
-        self._awaiting_charge = AwaitingCharge(then)
+        self._pending = then
         out.append(sv.AwaitCharge())
         return out
 
@@ -418,7 +406,7 @@ class MeteredStream:
             self.meter.strict,
         )
 
-    def _take(self, ev: sv.ChargeAnswered | sv.ChargeFailed) -> tuple[list[sv.StreamAction], Step]:
+    def _take(self, ev: _Answer) -> tuple[list[sv.StreamAction], Step]:
         """Apply a charge's answer to the account and the meter."""
         self._in_flight = False
         meter = self.meter
@@ -474,3 +462,38 @@ class MeteredStream:
             data = meter.cut(api.cut_events(err))
         charged = s.account.total
         return [sv.Cut(reason, data, err, self._final_output(), meter.delivered, charged)]
+
+
+#: A step of the machine: the stream, the event, the list its actions go to; the next state.
+Transition = Callable[[MeteredStream, Any, list[sv.StreamAction]], StreamState]
+_M = MeteredStream
+_ANSWERS = (sv.ChargeAnswered, sv.ChargeFailed)
+#: Where a step that meters (a chunk, an answer, the count) may lead: metering on, a wait, the end.
+_ANY: Final = frozenset(StreamState)
+
+
+#: Every legal ``(state, event type)`` pair: its step and the states it may lead to.  A pair not
+#: listed (a chunk or trailers while a wait is out, a count out of turn or after the end) is a
+#: PhaseError; an abandoned charge is bookkeeping anywhere; a cut in a wait leaves the wait on.
+TRANSITIONS: dict[tuple[StreamState, type], tuple[Transition, frozenset[StreamState]]] = {
+    (_S.METERING, sv.BodyChunk): (_M._on_chunk, _ANY),
+    (_S.METERING, sv.Trailers): (_M._on_trailers, frozenset({_S.METERING, _S.AWAITING_COUNT})),
+    (_S.METERING, sv.CutNow): (_M._on_cut, frozenset({_S.ENDED})),
+    # an answer (a late one, collected by settlement: bookkeeping only, a wait for it over)
+    **{
+        (st, e): (_M._on_answer, _ANY) for st in (_S.METERING, _S.AWAITING_CHARGE) for e in _ANSWERS
+    },
+    **{
+        (st, e): (_M._on_late_answer, frozenset({st}))
+        for st in (_S.AWAITING_COUNT, _S.ENDED)
+        for e in _ANSWERS
+    },
+    (_S.AWAITING_COUNT, sv.CountDone): (_M._on_count, _ANY),
+    **{
+        (w, sv.CutNow): (_M._on_cut, frozenset({w}))
+        for w in (_S.AWAITING_CHARGE, _S.AWAITING_COUNT)
+    },
+    **{(s, sv.ChargeAbandoned): (_M._on_abandoned, frozenset({s})) for s in StreamState},
+    (_S.ENDED, sv.BodyChunk): (_M._on_chunk_ended, frozenset({_S.ENDED})),
+    **{(_S.ENDED, e): (_M._stay, frozenset({_S.ENDED})) for e in (sv.Trailers, sv.CutNow)},
+}

@@ -15,8 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from extproc.core.keys import room_after, unconfirmed_charge
 from extproc.core.lifecycle import CutReason, Ending, State
 from extproc.core.meter_phase import StreamPhase
+from extproc.core.phase_records import PhaseError
+from extproc.core.stream_states import StreamState
 from extproc.core.stream_vocabulary import (
     AwaitCharge,
     BodyChunk,
@@ -35,7 +38,7 @@ from extproc.core.stream_vocabulary import (
     StreamEvent,
     Trailers,
 )
-from extproc.core.streaming import MeteredStream, room_after, unconfirmed_charge
+from extproc.core.streaming import MeteredStream
 from extproc.server.processor import RequestProcessor
 from tests.unit.test_processor_flow import event, limiter, start
 
@@ -215,11 +218,12 @@ def test_any_event_order_keeps_the_stream_contract(
     # whatever happened, the core's answer to "what was delivered" is what the figure says
     end = ms.end()
     assert end.cut is (run.ended_by == "cut")
-    # the stream waits for nothing once over; a duplicate count changes nothing
-    assert ms.waiting is None
+    # the stream waits for nothing once over; a duplicate count is refused and changes nothing
+    assert ms.state is StreamState.ENDED
     forwarded = run.forwarded
-    run.feed(CountDone())
-    assert run.forwarded == forwarded and ms.waiting is None
+    with pytest.raises(PhaseError):
+        run.feed(CountDone())
+    assert run.forwarded == forwarded and ms.state is StreamState.ENDED
     del proc
 
 
