@@ -33,6 +33,7 @@ from extproc.core.admission_vocabulary import (
 )
 from extproc.core.phase_records import PhaseError
 from extproc.errors import LimiterUnavailable
+from tests.table_support import reachable
 from tests.unit.test_core_admission_flow import (
     BODY,
     EXACT,
@@ -171,24 +172,11 @@ def state_of(adm: Admission) -> AdmissionState:
     return adm.state
 
 
-def reachable() -> set[AdmissionState]:
-    """The states the table leads to from READY."""
-    seen, todo = {S.READY}, [S.READY]
-    while todo:
-        state = todo.pop()
-        for (src, _), (_, allowed) in TRANSITIONS.items():
-            if src is state:
-                for nxt in allowed - seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-    return seen
-
-
 def test_the_table_is_closed() -> None:
     """Every state is reached from READY; every state but DONE takes something (a wait can
     end: each waiting state takes its answer and a cancel); DONE takes nothing; every step
     may end the admission (a client error, a refusal)."""
-    assert reachable() == set(S)
+    assert reachable(TRANSITIONS, S.READY) == set(S)
     takes: dict[AdmissionState, set[type]] = {}
     for (state, ev), (_, allowed) in TRANSITIONS.items():
         takes.setdefault(state, set()).add(ev)

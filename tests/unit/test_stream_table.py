@@ -38,6 +38,7 @@ from extproc.core.stream_vocabulary import (
     Trailers,
 )
 from extproc.core.streaming import TRANSITIONS, MeteredStream
+from tests.table_support import reachable
 from tests.unit.test_core_streaming import DONE, open_stream, split
 from tests.unit.test_processor_flow import event
 
@@ -232,24 +233,11 @@ def test_any_order_of_events_moves_the_stream_by_its_table_only(
         del proc
 
 
-def reachable() -> set[StreamState]:
-    """The states the table leads to from METERING."""
-    seen, todo = {S.METERING}, [S.METERING]
-    while todo:
-        state = todo.pop()
-        for (src, _), (_, allowed) in TRANSITIONS.items():
-            if src is state:
-                for nxt in allowed - seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-    return seen
-
-
 def test_the_table_is_closed() -> None:
     """Every state is reached from METERING; each wait takes its answer and a cut (and the
     end of the request: an abandoned charge); ENDED leads nowhere else; the pairs left out are
     exactly those the server never sends."""
-    assert reachable() == set(S)
+    assert reachable(TRANSITIONS, S.METERING) == set(S)
     listed = set(TRANSITIONS)
     every = {(state, ev) for state in S for ev in STREAM_EVENTS}
     assert listed <= every
