@@ -338,13 +338,21 @@ def limit_figures(
     )
 
 
-def counter_of(client: redis.Redis, tenant: str, within_s: float = 30.0) -> tuple[int, int]:
-    """(the tenant's TPM on ``client``'s server once every ledger is settled, ledgers)."""
+def counter_of(
+    client: redis.Redis, tenant: str, expect: int = 0, within_s: float = 30.0
+) -> tuple[int, int]:
+    """(the tenant's TPM on ``client``'s server once every ledger is settled, ledgers).
+
+    ``expect``: how many requests the upstream served (its records).  A request admitted from
+    a local allowance has no ledger until its settlement, which may still be on its way when
+    the load stops (a settlement kept through the fault is retried with backoff), so the
+    count waits for at least that many ledgers, every one settled, or ``within_s``."""
     deadline = time.monotonic() + within_s
     while True:
         states = [client.hget(k, "state") for k in client.scan_iter(f"aiq:{{{tenant}}}:req:*")]
         done = sum(1 for s in states if s in (b"settled", b"reclaimed"))
-        if done == len(states) or time.monotonic() > deadline:
+        settled = done == len(states) and len(states) >= expect
+        if settled or time.monotonic() > deadline:
             total = sum(
                 int(client.get(k) or 0) for k in client.scan_iter(f"aiq:{{{tenant}}}:tpm:t:*")
             )
@@ -467,9 +475,12 @@ def _account(
     calls again), and the tenant's counter on ``primary`` (the port of the Redis serving its
     slot now) against the simulator's records."""
     measure(report, outs, *times)
-    with redis.Redis(port=primary) as m:
-        report.counter, ledgers = counter_of(m, TENANT)
     report.truth, records = truth_of(stack.sim_url, TENANT)
+    waited = time.monotonic()
+    with redis.Redis(port=primary) as m:
+        report.notes["ledgers_at_end"] = sum(1 for _ in m.scan_iter(f"aiq:{{{TENANT}}}:req:*"))
+        report.counter, ledgers = counter_of(m, TENANT, records)
+    report.notes["settle_wait_s"] = round(time.monotonic() - waited, 2)
     report.notes["ledgers"] = ledgers
     report.notes["records"] = records
     report.notes["replayed"] = replayed_of(stack)
