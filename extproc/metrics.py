@@ -234,7 +234,7 @@ class Metrics:
         )
         self.redis_seconds = Histogram(
             "aiq_redis_call_seconds",
-            "Redis script call latency by script and outcome (ok, error, timeout, breaker)",
+            "Redis script call latency by script and outcome (ok, error, timeout, breaker, noscript)",
             ["script", "outcome"],
             buckets=_FAST,
             registry=r,

@@ -85,6 +85,8 @@ def _kind(exc: BaseException) -> str:
     for mark in ("NOSCRIPT", "READONLY", "MOVED", "CLUSTERDOWN", "TRYAGAIN", "NOREPLICAS"):
         if mark in text:
             return mark
+    if "NoScriptError" in text or "losing the script" in text:
+        return "NOSCRIPT"
     if "unavailable; retry shortly" in text:
         return "breaker"
     if "Timeout" in text:

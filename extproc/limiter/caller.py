@@ -70,6 +70,12 @@ _ERRORS = (
     asyncio.TimeoutError,
 )
 
+#: How many times a call that found its script missing is sent again at once.  NOSCRIPT is not
+#: ambiguous (the script never ran), and redis-py's ``Script`` loads the script at the first
+#: one and sends the call again; a second comes only when the script was flushed again in
+#: between (a SCRIPT FLUSH racing the load, a second failover): sending again is safe.
+NOSCRIPT_RESENDS = 3
+
 #: Most settlements or charges in one script call (a script blocks Redis while it runs: 64
 #: settlements take well under a millisecond).
 MAX_ITEMS_PER_CALL = 64
@@ -255,6 +261,7 @@ class RedisCaller:
         waited = 0
         first = self.monotonic()
         maybe_ran = False  # an attempt timed out: Redis may still run it when it wakes up
+        noscript = 0
         while True:
             started = self._timer()
             if not self.breaker.allow():
@@ -278,6 +285,17 @@ class RedisCaller:
             except asyncio.CancelledError:
                 self.breaker.abandon()
                 raise
+            except redis.exceptions.NoScriptError:
+                # Redis answered, and the script did not run: not a failure of Redis
+                if noscript < NOSCRIPT_RESENDS:
+                    noscript += 1
+                    self._observe(script, "noscript", started)
+                    continue
+                self._observe(script, "error", started)
+                raise LimiterUnavailable(
+                    f"the quota backend (Redis) kept losing the script of {what} "
+                    "(SCRIPT FLUSH in a loop?)"
+                ) from None
             except _ERRORS as exc:
                 if self.failover is not None:
                     self.failover.failed()
