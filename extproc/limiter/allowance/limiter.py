@@ -191,8 +191,8 @@ class AllowanceLimiter:
                 loc.draft = call.record_draft
                 d = self.drafts.ledger(loc.tag)
                 d.open[ledger] = None
+                d.wait(ledger, now)
                 d.ttl_ms = max(d.ttl_ms, call.ledger_ttl_ms)
-                d.touch(now)
             book.stats.local_admissions += 1
             book.tally.saved("admit")
             self.taker.refill(buckets, now)

@@ -125,17 +125,33 @@ class Drafts:
     ledger: str
     ttl_ms: int = 0
     open: dict[str, None] = dataclasses.field(default_factory=dict)  # not settled
+    #: of ``open``, the drafts not sent yet, oldest first: since when each waits (its
+    #: admission, or the flush that has to send it again)
+    waiting: dict[str, int] = dataclasses.field(default_factory=dict)
     sent: dict[str, int] = dataclasses.field(default_factory=dict)  # kept: charged as sent
     drops: list[str] = dataclasses.field(default_factory=list)  # sent, settled since
     #: Redis-admitted requests' tokens charged here, not yet in their ledgers' "charged"
     charged_more: dict[str, int] = dataclasses.field(default_factory=dict)
     more_since_ms: int = 0
-    pending_ms: int = 0  # since when a draft or a drop waits (0: none)
+    pending_ms: int = 0  # since when a drop waits (0: none)
+    retry_ms: int = 0  # a failed call: drafts and drops go again from then on
 
     def touch(self, now: int) -> None:
-        """A draft or a drop now waits for the next flush."""
+        """A drop now waits for the next flush."""
         if not self.pending_ms:
             self.pending_ms = now
+
+    def wait(self, ledger: str, now: int) -> None:
+        """The draft of ``ledger`` (open, not sent) waits from ``now`` (the newest)."""
+        self.waiting.pop(ledger, None)
+        self.waiting[ledger] = now
+
+    def oldest_ms(self) -> int:
+        """Since when the oldest change not sent waits: a draft or a drop (0: none)."""
+        first = next(iter(self.waiting.values()), 0)
+        if first and self.pending_ms:
+            return min(first, self.pending_ms)
+        return first or self.pending_ms
 
     renewed_ms: int = 0
     flushing: bool = False

@@ -9,6 +9,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 
 from extproc.core.rules import Adjustment, BucketCharge
+from extproc.limiter.allowance.sizing import to_open
 from extproc.limiter.allowance.state import AllowanceBackend, Book, Bucket, Lease
 
 
@@ -82,10 +83,12 @@ class Tranches:
                 for st in self.book.states.values():
                     if st.tag != tag:
                         continue
-                    ahead = min(st.closed, st.tranche) if self.needs_open(st) else 0
+                    # a tranche of each that needs one, and what brings the others nearly
+                    # due up to one and a half (riding on this call, not one of their own)
+                    ahead = to_open(st.units - st.closed, st.closed, st.tranche, st.largest)
                     if ahead or st.releasing:
                         plan.append((st, st.releasing, ahead))
-                if not plan or not lease.gen:
+                if not lease.gen or not any(rel or self.needs_open(st) for st, rel, _ in plan):
                     return
                 gen = lease.gen
                 opener = getattr(self.backend, "open_tranches", None)
