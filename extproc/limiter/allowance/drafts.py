@@ -45,22 +45,30 @@ class DraftFlusher:
             await self.flush()
 
     async def flush(self, *, force: bool = False) -> None:
-        """Send each tenant's drafts and drops once the oldest of them still waiting waited
+        """Send each tenant's drafts once the oldest of them still waiting waited
         ``draft_flush_ms`` (a request settled sooner costs nothing, whatever the others do),
-        with the charged figures (one call a tenant, which sends every draft and drop then
-        waiting: at most one call a tenant every ``draft_flush_ms``); renew the draft ledgers
-        still holding drafts every third of the lease."""
+        with the drops and the charged figures (one call a tenant, which sends every draft and
+        drop then waiting: at most one call a tenant every ``draft_flush_ms``); drops alone
+        after a third of the lease; renew the draft ledgers still holding drafts every third
+        of the lease."""
         book = self.book
         now = book.clock.now_ms()
         third = book.settings.lease_ms // 3
         wait = 0 if force else book.settings.draft_flush_ms
+        # a drop alone waits for a third of the lease (it rides on any call before): the
+        # drafts sent with a call are often settled soon after, and their drops must not make
+        # the next call, which would send the drafts then waiting, and so on
+        later = 0 if force else max(wait, third)
         due = []
         for d in book.drafts.values():
             if d.flushing:
                 continue
-            oldest = d.oldest_ms()
+            oldest = next(iter(d.waiting.values()), 0)
+            changes = (oldest and now - oldest >= wait) or (
+                d.pending_ms and now - d.pending_ms >= later
+            )
             if (
-                (oldest and now - oldest >= wait and (force or now >= d.retry_ms))
+                (changes and (force or now >= d.retry_ms))
                 or (d.sent and (force or now - d.renewed_ms >= third))
                 or (d.charged_more and (force or now - d.more_since_ms >= third))
             ):
@@ -110,7 +118,8 @@ class DraftFlusher:
             if ok is None:  # sent again at the next flush, one interval on
                 d.drops = drops + d.drops
                 d.retry_ms = now + s.draft_flush_ms
-                d.touch(now)
+                if d.drops:
+                    d.touch(now - max(s.lease_ms // 3 - s.draft_flush_ms, 0))
                 for led in waiting:
                     if led in d.open and led not in d.sent:
                         d.waiting[led] = waiting[led]

@@ -146,13 +146,6 @@ class Drafts:
         self.waiting.pop(ledger, None)
         self.waiting[ledger] = now
 
-    def oldest_ms(self) -> int:
-        """Since when the oldest change not sent waits: a draft or a drop (0: none)."""
-        first = next(iter(self.waiting.values()), 0)
-        if first and self.pending_ms:
-            return min(first, self.pending_ms)
-        return first or self.pending_ms
-
     renewed_ms: int = 0
     flushing: bool = False
 
