@@ -289,13 +289,13 @@ class Drafts:
         self.end = self.clock.now_ms() + 3_600_000
         self.n = 0
 
-    async def admit(self) -> str:
+    async def admit(self, amount: int = 100) -> str:
         self.n += 1
         led = f"{TAG}:req:d{self.n}"
         call = AdmitCall(
             led,
-            charges(self.end, 100),
-            tpm_charged=100,
+            charges(self.end, amount),
+            tpm_charged=amount,
             count_refused=False,
             ledger_ttl_ms=TTL,
             record_draft=f"draft {self.n}",
@@ -395,3 +395,84 @@ async def test_a_failed_draft_call_goes_again_one_interval_later_with_its_drafts
         assert d.store.kept[-1] == [led]
     finally:
         await d.lim.close()
+
+
+async def test_a_take_and_an_opening_in_flight_never_open_more_than_a_tranche_and_a_half() -> None:
+    """A take sent while a tranche opening is on its way counts that tranche as open (it opens
+    only what brings the open part up to one and a half tranches), and no opening is sent for
+    an allowance whose take is on its way (the take opens what it needs): the two together
+    never leave more open than the bound a SIGKILL leaks (both at once left 2.5 tranches
+    open).  Draws are made on the bucket's state directly, as a local admission does."""
+    clock = FakeClock()
+    store = Counting(clock)
+    lim = AllowanceLimiter(store, AllowanceSettings(), clock=clock)
+    end = clock.now_ms() + 3_600_000
+    bs = charges(end, 100)[1:]
+    now = clock.now_ms()
+    for _ in range(10):  # busy: ten calls this second
+        lim.taker.observe(bs, now)
+    st = lim.book.states[TPM]
+
+    def demand(tokens_a_second: int) -> None:
+        st.drawn, st.since_ms = tokens_a_second, clock.now_ms() - 1_000
+
+    def open_part() -> int:
+        return st.units - st.closed
+
+    gate = asyncio.Event()
+    opener, taker = store.open_tranches, store.take_allowances
+
+    async def slow_open(ledger: str, gen: str, items: list[tuple[str, int]]) -> bool | None:
+        await gate.wait()
+        return await opener(ledger, gen, items)
+
+    async def slow_take(
+        items: list[AllowanceTake], lease: AllowanceLease | None = None
+    ) -> list[AllowanceGrant | None]:
+        await gate.wait()
+        return await taker(items, lease)
+
+    try:
+        demand(40_000)  # wants 100,000: a quarter of it a tranche
+        lim.taker.refill(bs, now)
+        await settle_background([lim])
+        tranche = st.tranche
+        assert st.units == 100_000 and tranche == 25_000
+        assert open_part() == tranche + tranche // 2  # a take opens up to 1.5 tranches
+        # drawn to under half a tranche: an opening is sent, and waits
+        st.units -= open_part() - tranche // 2 + 1
+        store.open_tranches = slow_open  # type: ignore[method-assign]
+        lim.tranches.open_ahead([st])
+        await asyncio.sleep(0)
+        assert st.opening == tranche
+        # the demand jumps: a take is due, and is sent while the opening waits
+        demand(200_000)
+        lim.taker.refill(bs, clock.now_ms())
+        assert st.taking
+        await asyncio.wait([t for t in lim.book.tasks if not t.done()], timeout=0.2)
+        assert not st.taking  # answered (the opening still waits)
+        gate.set()
+        await settle_background([lim])
+        big = st.tranche
+        assert big > tranche
+        assert open_part() <= big + big // 2, (st, open_part())
+        # the other way: a take on its way, and the allowance drawn to where an opening is due
+        gate.clear()
+        store.open_tranches = opener
+        store.take_allowances = slow_take
+        st.units -= open_part() - big // 2 + 1
+        demand(10**6)
+        lim.taker.refill(bs, clock.now_ms())
+        assert st.taking and lim.tranches.needs_open(st)
+        opens = store.calls["tranche"]
+        lim.tranches.open_ahead([st])
+        lim.tranches.open_short(charges(end, big)[1:])
+        await asyncio.sleep(0)
+        assert store.calls["tranche"] == opens and not st.opening  # the take opens it
+        gate.set()
+        await settle_background([lim])
+        assert open_part() <= st.tranche + st.tranche // 2, (st, open_part())
+        assert open_part() >= min(st.tranche, st.units)  # and it did open it
+    finally:
+        gate.set()
+        await lim.close()

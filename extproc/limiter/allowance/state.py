@@ -79,6 +79,7 @@ class Bucket:
     closed: int = 0  # of ``units``, not opened yet: recorded in the allowance ledger
     tranche: int = 0  # the last grant's tranche size
     releasing: int = 0  # never-opened units being given back (opened first, then refunded)
+    opening: int = 0  # of ``closed``, being opened by a tranche call in flight
     deadline_ms: int = 0  # drawn from until then; the rest then goes back
     seen: int = 0  # the counter's value last answered (every replica's allowances included)
     second: int = 0

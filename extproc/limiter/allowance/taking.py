@@ -120,7 +120,9 @@ class Taker:
                     s.share_ppm,
                     st.largest,
                     st.units,
-                    st.units - st.closed,
+                    # open, and being opened by a tranche call in flight: the take opens
+                    # what brings them up to one and a half tranches, no more
+                    st.units - st.closed + st.opening,
                 )
             )
         if not due or not takes or self.book.closed:
