@@ -19,7 +19,9 @@ tenant far from its limit it takes an *allowance*: units pre-debited in Redis by
 
 Sizing: a bucket gets an allowance only when this replica makes at least ``min_rate`` limiter
 calls a second on it (admissions and stream charges); it asks for what the bucket drew here over the last ``ttl_ms`` (at
-least four of its largest recent amounts), and the script grants at most ``share`` of the
+least four of its largest recent amounts) once it holds under half of that (with tranches
+still to open: at the opening that would leave it there, which the take then makes, or under
+a quarter), the request's other buckets riding on the call, and the script grants at most ``share`` of the
 room left (``limit - value``), what the replica still holds of it included (held + grant <=
 share x room), and nothing when that is less than the largest recent amount.
 Near the limit allowances therefore shrink to nothing and every admission goes to Redis,
@@ -35,7 +37,9 @@ Tranches: a take's grant is split into tranches; the replica draws only from tho
 opened.  What is not open is recorded in the replica's allowance ledger for the tenant (a
 hash leased in the tenant's open reservations like a request's ledger, renewed every third
 of ``lease_ms`` while the replica lives); the next tranche is opened in the background
-(``tranche.lua``) when the open part falls under half a tranche.  If the replica dies, its
+(``tranche.lua``) when the open part falls under half a tranche, the tenant's other allowances
+under one open tranche riding on the call (topped up to one and a half, as much as a take
+opens at once).  If the replica dies, its
 lease runs out and the tenant's next admission (``admit.lua``'s reclaim) or take gives the
 never-opened tranches back; the leak is what it had opened and not used, about 1.5 tranches.
 Opening takes units off the record before the replica may draw from them, and never-opened
@@ -44,7 +48,7 @@ refunds units a request used nor units already refunded: strict mode stays exact
 
 Usage records: a request admitted from an allowance has no ledger in Redis, so its
 usage-record draft is kept, batched, in the replica's *draft ledger* for the tenant
-(``drafts.lua``: one call every ``draft_flush_ms`` for all of a tenant's new drafts, their
+(``drafts.lua``: once a draft has itself waited ``draft_flush_ms``, one call for all of a tenant's new drafts, their
 charged figures and the drafts of requests settled since, leased like an allowance ledger and
 renewed by those calls).  A request settled before its draft was sent never costs a call.  If
 the replica dies, the reclaim of its draft ledger (``admit.lua``, or ``allowance.lua`` on

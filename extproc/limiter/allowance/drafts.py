@@ -32,6 +32,7 @@ class DraftFlusher:
         if d is None:
             return
         d.open.pop(ledger, None)
+        d.waiting.pop(ledger, None)
         if d.sent.pop(ledger, None) is not None:
             d.drops.append(ledger)
             d.touch(self.book.clock.now_ms())
@@ -44,21 +45,30 @@ class DraftFlusher:
             await self.flush()
 
     async def flush(self, *, force: bool = False) -> None:
-        """Send each tenant's drafts and drops once the oldest waited ``draft_flush_ms`` (a
-        request settled sooner costs nothing), with the charged figures (one call a tenant);
-        renew the draft ledgers still holding drafts every third of the lease."""
+        """Send each tenant's drafts once the oldest of them still waiting waited
+        ``draft_flush_ms`` (a request settled sooner costs nothing, whatever the others do),
+        with the drops and the charged figures (one call a tenant, which sends every draft and
+        drop then waiting: at most one call a tenant every ``draft_flush_ms``); drops alone
+        after a third of the lease; renew the draft ledgers still holding drafts every third
+        of the lease."""
         book = self.book
         now = book.clock.now_ms()
         third = book.settings.lease_ms // 3
         wait = 0 if force else book.settings.draft_flush_ms
+        # a drop alone waits for a third of the lease (it rides on any call before): the
+        # drafts sent with a call are often settled soon after, and their drops must not make
+        # the next call, which would send the drafts then waiting, and so on
+        later = 0 if force else max(wait, third)
         due = []
         for d in book.drafts.values():
             if d.flushing:
                 continue
-            if not (len(d.open) > len(d.sent) or d.drops):
-                d.pending_ms = 0  # what was waiting settled before it was sent
+            oldest = next(iter(d.waiting.values()), 0)
+            changes = (oldest and now - oldest >= wait) or (
+                d.pending_ms and now - d.pending_ms >= later
+            )
             if (
-                (d.pending_ms and now - d.pending_ms >= wait)
+                (changes and (force or now >= d.retry_ms))
                 or (d.sent and (force or now - d.renewed_ms >= third))
                 or (d.charged_more and (force or now - d.more_since_ms >= third))
             ):
@@ -76,10 +86,11 @@ class DraftFlusher:
         d.flushing = True
         try:
             before = set(d.sent)
+            waiting, d.waiting = d.waiting, {}
             keep = [
                 (led, loc.charged, loc.draft)
-                for led in d.open
-                if led not in d.sent and (loc := self.book.ledgers.get(led)) is not None
+                for led in waiting
+                if (loc := self.book.ledgers.get(led)) is not None
             ]
             charged = [
                 (led, loc.charged)
@@ -104,9 +115,15 @@ class DraftFlusher:
             except Exception:
                 ok = None
             self.book.stats.draft_calls += 1
-            if ok is None:  # sent again at the next flush
+            if ok is None:  # sent again at the next flush, one interval on
                 d.drops = drops + d.drops
-                d.touch(now)
+                d.retry_ms = now + s.draft_flush_ms
+                if d.drops:
+                    d.touch(now - max(s.lease_ms // 3 - s.draft_flush_ms, 0))
+                for led in waiting:
+                    if led in d.open and led not in d.sent:
+                        d.waiting[led] = waiting[led]
+                d.waiting = dict(sorted(d.waiting.items(), key=lambda kv: kv[1]))
                 for led, n in more.items():
                     d.charged_more[led] = d.charged_more.get(led, 0) + n
                 return
@@ -118,8 +135,8 @@ class DraftFlusher:
             if not ok and before:
                 # created anew (reclaimed, lost): the drafts sent before go again
                 for led in before:
-                    d.sent.pop(led, None)
-                d.touch(now)
+                    if d.sent.pop(led, None) is not None:
+                        d.wait(led, now)
             for led, c, _ in keep:
                 if led in d.open:
                     d.sent[led] = c

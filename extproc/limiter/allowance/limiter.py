@@ -191,8 +191,8 @@ class AllowanceLimiter:
                 loc.draft = call.record_draft
                 d = self.drafts.ledger(loc.tag)
                 d.open[ledger] = None
+                d.wait(ledger, now)
                 d.ttl_ms = max(d.ttl_ms, call.ledger_ttl_ms)
-                d.touch(now)
             book.stats.local_admissions += 1
             book.tally.saved("admit")
             self.taker.refill(buckets, now)
@@ -409,7 +409,10 @@ class AllowanceLimiter:
         self.returns.sweep()
 
     async def give_back(self) -> None:
-        """Give back everything held now (shutdown; tests)."""
+        """Give back everything held now (shutdown; tests), once the takes and openings in
+        flight are answered (a grant answered after would be held again, until its time)."""
+        if self.book.tasks:
+            await asyncio.wait(list(self.book.tasks), timeout=2.0)
         await self.returns.give_back()
 
     async def flush_drafts(self, *, force: bool = False) -> None:

@@ -79,6 +79,7 @@ class Bucket:
     closed: int = 0  # of ``units``, not opened yet: recorded in the allowance ledger
     tranche: int = 0  # the last grant's tranche size
     releasing: int = 0  # never-opened units being given back (opened first, then refunded)
+    opening: int = 0  # of ``closed``, being opened by a tranche call in flight
     deadline_ms: int = 0  # drawn from until then; the rest then goes back
     seen: int = 0  # the counter's value last answered (every replica's allowances included)
     second: int = 0
@@ -125,17 +126,26 @@ class Drafts:
     ledger: str
     ttl_ms: int = 0
     open: dict[str, None] = dataclasses.field(default_factory=dict)  # not settled
+    #: of ``open``, the drafts not sent yet, oldest first: since when each waits (its
+    #: admission, or the flush that has to send it again)
+    waiting: dict[str, int] = dataclasses.field(default_factory=dict)
     sent: dict[str, int] = dataclasses.field(default_factory=dict)  # kept: charged as sent
     drops: list[str] = dataclasses.field(default_factory=list)  # sent, settled since
     #: Redis-admitted requests' tokens charged here, not yet in their ledgers' "charged"
     charged_more: dict[str, int] = dataclasses.field(default_factory=dict)
     more_since_ms: int = 0
-    pending_ms: int = 0  # since when a draft or a drop waits (0: none)
+    pending_ms: int = 0  # since when a drop waits (0: none)
+    retry_ms: int = 0  # a failed call: drafts and drops go again from then on
 
     def touch(self, now: int) -> None:
-        """A draft or a drop now waits for the next flush."""
+        """A drop now waits for the next flush."""
         if not self.pending_ms:
             self.pending_ms = now
+
+    def wait(self, ledger: str, now: int) -> None:
+        """The draft of ``ledger`` (open, not sent) waits from ``now`` (the newest)."""
+        self.waiting.pop(ledger, None)
+        self.waiting[ledger] = now
 
     renewed_ms: int = 0
     flushing: bool = False

@@ -8,7 +8,14 @@ from collections.abc import Sequence
 from extproc.core.keys import EXPIRY_SLACK_MS, counter_name
 from extproc.core.rules import Adjustment, BucketCharge
 from extproc.limiter.allowance.returns import Returns
-from extproc.limiter.allowance.sizing import closed_of_grant, share_of_room, tranche_size, wanted
+from extproc.limiter.allowance.sizing import (
+    closed_of_grant,
+    share_of_room,
+    take_due,
+    tops_up,
+    tranche_size,
+    wanted,
+)
 from extproc.limiter.allowance.state import MAX_LEDGERS, MAX_STATES, AllowanceBackend, Book, Bucket
 from extproc.limiter.allowance.tranches import Tranches
 from extproc.limiter.base import AllowanceGrant, AllowanceLease, AllowanceTake
@@ -81,6 +88,7 @@ class Taker:
                 busy = True
         if not busy:  # one busy bucket is enough: a request draws from all of its buckets
             return
+        due = False
         for c in buckets:
             st = states.get(c.key)
             if st is None:
@@ -92,7 +100,11 @@ class Taker:
             if st.taking:
                 continue
             want = wanted(st.drawn, now - st.since_ms, s.ttl_ms, st.largest)
-            if st.units * 2 >= want or now + EXPIRY_SLACK_MS >= st.expire_at_ms:
+            if now + EXPIRY_SLACK_MS >= st.expire_at_ms:
+                continue
+            if take_due(st.units, want, st.tranche, st.closed, opening=Tranches.needs_open(st)):
+                due = True
+            elif not tops_up(st.units, want, st.largest):
                 continue
             cap = share_of_room(st.limit, st.seen, s.share_ppm) - st.units
             if st.seen and cap < max(st.largest, 1):
@@ -108,11 +120,13 @@ class Taker:
                     s.share_ppm,
                     st.largest,
                     st.units,
-                    st.units - st.closed,
+                    # open, and being opened by a tranche call in flight: the take opens
+                    # what brings them up to one and a half tranches, no more
+                    st.units - st.closed + st.opening,
                 )
             )
-        if not takes or self.book.closed:
-            return
+        if not due or not takes or self.book.closed:
+            return  # (one bucket due is enough: the others that would soon be ride along)
         for t in takes:
             states[t.key].taking = True
         self.book.spawn(self._take(takes))

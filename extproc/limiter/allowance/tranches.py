@@ -9,6 +9,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 
 from extproc.core.rules import Adjustment, BucketCharge
+from extproc.limiter.allowance.sizing import to_open
 from extproc.limiter.allowance.state import AllowanceBackend, Book, Bucket, Lease
 
 
@@ -56,13 +57,18 @@ class Tranches:
         tranche now (this call goes to Redis; the next ones draw from it)."""
         for c in buckets:
             st = self.book.states.get(c.key)
-            if st is not None and st.closed and st.units - st.closed < c.amount <= st.units:
+            if (
+                st is not None
+                and st.closed
+                and not st.taking  # the take in flight opens what it needs itself
+                and st.units - st.closed < c.amount <= st.units
+            ):
                 self.schedule_open(st.tag)
 
     def open_ahead(self, plan: Sequence[Bucket]) -> None:
         """Open the next tranche, in the background, of each allowance half drawn."""
         for st in plan:
-            if self.needs_open(st):
+            if self.needs_open(st) and not st.taking:  # a take in flight opens it itself
                 self.schedule_open(st.tag)
 
     def schedule_open(self, tag: str) -> None:
@@ -82,20 +88,33 @@ class Tranches:
                 for st in self.book.states.values():
                     if st.tag != tag:
                         continue
-                    ahead = min(st.closed, st.tranche) if self.needs_open(st) else 0
+                    # a tranche of each that needs one, and what brings the others nearly
+                    # due up to one and a half (riding on this call, not one of their own);
+                    # none of one whose take is in flight (the take opens what it needs:
+                    # both would leave more than one and a half tranches open)
+                    ahead = 0
+                    if not st.taking:
+                        ahead = to_open(st.units - st.closed, st.closed, st.tranche, st.largest)
                     if ahead or st.releasing:
                         plan.append((st, st.releasing, ahead))
-                if not plan or not lease.gen:
+                if not lease.gen or not any(
+                    rel or (ahead and self.needs_open(st)) for st, rel, ahead in plan
+                ):
                     return
                 gen = lease.gen
                 opener = getattr(self.backend, "open_tranches", None)
                 if opener is None:
                     return
                 items = [(st.key, rel + ahead) for st, rel, ahead in plan]
+                for st, _, ahead in plan:
+                    st.opening = ahead  # a take sent meanwhile counts them as open
                 try:
                     ok: bool | None = await opener(lease.ledger, gen, items)
                 except Exception:
                     ok = None
+                finally:
+                    for st, _, _ in plan:
+                        st.opening = 0
                 self.book.stats.opens += 1
                 if ok is None:
                     return  # the sweeper tries again

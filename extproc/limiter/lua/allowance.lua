@@ -29,8 +29,9 @@
 -- Tranches (leased takes): what the replica holds after a grant (held + grant) is split into
 -- tranches of ceil((held + grant) / tranches) units, at least the least worth taking (its
 -- largest request), that the replica opens one by one (tranche.lua) as it draws; at the take,
--- what brings its open units up to one tranche is open at once, and the rest of the grant is
--- recorded as "r:" in the allowance ledger until the replica opens it.  If the lease runs out (the
+-- what brings its open units up to one and a half tranches is open at once (the most a
+-- tranche opening leaves open: a take made when an opening was due opens it, one call), and
+-- the rest of the grant is recorded as "r:" in the allowance ledger until the replica opens it.  If the lease runs out (the
 -- replica died), the next admission (admit.lua) or take (here) of the tenant reclaims the
 -- ledger like a request's: the never-opened units go back to their counters.
 --
@@ -144,7 +145,7 @@ for i = 1, n do
     redis.call('PEXPIREAT', key, ARGV[a + 3])
     if leased then
       local tranche = math.max(math.ceil((tonumber(ARGV[a + 6]) + grant) / tranches), least)
-      local now_open = tranche - tonumber(ARGV[a + 7])
+      local now_open = tranche + math.floor(tranche / 2) - tonumber(ARGV[a + 7])
       local closed = grant - math.max(0, math.min(grant, now_open))
       if closed > 0 then
         redis.call('HINCRBY', L, 'r:' .. key, closed)
