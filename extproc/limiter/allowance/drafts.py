@@ -63,8 +63,8 @@ class DraftFlusher:
         for d in book.drafts.values():
             if d.flushing:
                 continue
-            oldest = next(iter(d.waiting.values()), 0)
-            changes = (oldest and now - oldest >= wait) or (
+            oldest = next(iter(d.waiting.values()), None)  # since when the oldest waits
+            changes = (oldest is not None and now - oldest >= wait) or (
                 d.pending_ms and now - d.pending_ms >= later
             )
             if (
