@@ -286,7 +286,9 @@ class RedisCaller:
                 self.breaker.abandon()
                 raise
             except redis.exceptions.NoScriptError:
-                # Redis answered, and the script did not run: not a failure of Redis
+                # Redis answered, and the script did not run: no outcome for the breaker (its
+                # half-open probe, if this call was one, is given back)
+                self.breaker.abandon()
                 if noscript < NOSCRIPT_RESENDS:
                     noscript += 1
                     self._observe(script, "noscript", started)

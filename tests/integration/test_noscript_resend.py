@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from redis.asyncio import Redis
 from extproc.core.rules import BucketCharge
 from extproc.errors import LimiterUnavailable
 from extproc.limiter.base import AdmitCall
+from extproc.limiter.breaker import BreakerState
 from extproc.limiter.caller import NOSCRIPT_RESENDS
 from extproc.limiter.redis import RedisLimiter
 from tests.helpers import RedisServer
@@ -89,3 +91,21 @@ async def test_a_server_that_keeps_losing_the_script_fails_the_call_cleanly(
     assert await admin.get("aiq:{t}:tpm:x") is None  # nothing ran
     assert await admin.exists("aiq:{t}:req:2") == 0
     assert NOSCRIPT_RESENDS >= 2
+
+
+async def test_resends_take_no_probe_of_a_half_open_breaker(
+    server: tuple[RedisLimiter, Redis],
+) -> None:
+    """A breaker half-open after an outage (a few probes at a time) meets a new master without
+    the scripts: each NOSCRIPT gives its probe back, so the resends get through and the
+    breaker is not left with probes that never end."""
+    lim, admin = server
+    breaker = lim.caller.breaker
+    breaker.configure(replace(breaker.settings, open_s=0.0))
+    breaker._open()  # the outage's end, without making one
+    assert breaker.state is BreakerState.HALF_OPEN
+    await admin.script_flush()
+    _flush_after_loads(lim, admin, times=2)  # NOSCRIPT three times in a row
+    result = await lim.admit(_call(3))
+    assert result.admitted
+    assert breaker._probes_in_flight == 0  # the one probe recorded, none left
